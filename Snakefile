@@ -1,0 +1,36 @@
+# DepthBench: config grid -> token shards -> training runs -> tables -> figures.
+# All logic lives in the `depthbench` package; rules only wire files together.
+from snakemake.exceptions import WorkflowError
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+configfile: "config/config.yaml"
+
+from depthbench.config import expand_grid, validate_schema
+from depthbench.errors import DepthBenchError
+
+try:
+    validate_schema(config)  # fills defaults in place; names the field on error
+    EXP = expand_grid(config)
+except DepthBenchError as exc:
+    raise WorkflowError(f"DepthBench config error: {exc}") from None
+
+RESULTS = "results"
+RUNS = EXP.runs
+DATA_DIR = f"{RESULTS}/data/{EXP.data_id}"
+TOKENIZER = f"{RESULTS}/tokenizers/{EXP.tokenizer_id}/tokenizer.json"
+EXPERIMENT = config["name"]
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/tokenize.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/aggregate.smk"
+include: "workflow/rules/figures.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        rules.tables.output,
+        rules.figures.output,

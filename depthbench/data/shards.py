@@ -1,0 +1,162 @@
+"""Token shards: raw little-endian 1-D memmaps of token ids with EOS appended to every document.
+
+This is the OLMo-core / dolma convention (headerless, dtype the smallest unsigned type that holds
+vocab_size - 1), so shards made by those tools can be used directly. Next to the shards,
+`meta.json` records the tokenizer identity and hash, dtype, token and document counts, the
+document offset files and the unigram loss floor of the validation split.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from depthbench.data.tokenizer import batched
+from depthbench.errors import DataError
+from depthbench.io import atomic_write_json
+
+META_VERSION = 1
+
+
+def shard_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size - 1 <= np.iinfo(np.uint16).max else np.dtype("<u4")
+
+
+class _ShardWriter:
+    """Appends documents to `<name>.bin.tmp`; `finish` renames into place (atomic per file)."""
+
+    def __init__(self, path: Path, dtype: np.dtype, vocab_size: int):
+        self.path = path
+        self.tmp = path.with_name(path.name + ".tmp")
+        self.file = open(self.tmp, "wb")
+        self.dtype = dtype
+        self.n_tokens = 0
+        self.starts: list[int] = []
+        self.counts = np.zeros(vocab_size, dtype=np.int64)
+
+    def add(self, ids: list[int]) -> None:
+        arr = np.asarray(ids, dtype=self.dtype)
+        self.starts.append(self.n_tokens)
+        self.n_tokens += len(arr)
+        self.counts += np.bincount(arr, minlength=len(self.counts))[: len(self.counts)]
+        self.file.write(arr.tobytes())
+
+    def finish(self) -> dict:
+        self.file.close()
+        if self.n_tokens == 0:
+            self.tmp.unlink()
+            raise DataError(f"{self.path}: the split has no documents; adjust corpus.val_fraction or the corpus")
+        offsets = np.stack([np.asarray(self.starts), np.append(self.starts[1:], self.n_tokens)], axis=1).astype(np.int64)
+        offsets_path = self.path.with_suffix(".docs.npy")
+        tmp_offsets = offsets_path.with_name(offsets_path.name + ".tmp.npy")
+        np.save(tmp_offsets, offsets)
+        os.replace(tmp_offsets, offsets_path)
+        os.replace(self.tmp, self.path)
+        return {"file": self.path.name, "n_tokens": self.n_tokens, "n_documents": len(self.starts), "doc_offsets": offsets_path.name}
+
+
+def unigram_loss(train_counts: np.ndarray, val_counts: np.ndarray) -> float:
+    """Cross-entropy (nats/token) of validation tokens under the add-one smoothed train unigram.
+
+    Add-one (Laplace) smoothing keeps the loss finite when a validation token never occurs in
+    training; with millions of training tokens it changes the value negligibly.
+    """
+    p = (train_counts + 1.0) / (train_counts.sum() + len(train_counts))
+    return float(-(val_counts * np.log(p)).sum() / val_counts.sum())
+
+
+def write_token_shards(
+    documents: Iterable[tuple[bool, str]],
+    encode_batch,
+    eos: int,
+    vocab_size: int,
+    out_dir: str | os.PathLike,
+    meta_extra: dict,
+    batch_size: int = 1000,
+) -> dict:
+    """Tokenize (is_validation, text) pairs into train.bin / val.bin and write meta.json last."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = shard_dtype(vocab_size)
+    writers = {False: _ShardWriter(out / "train.bin", dtype, vocab_size), True: _ShardWriter(out / "val.bin", dtype, vocab_size)}
+    for batch in batched(documents, batch_size):
+        encoded = encode_batch([text for _, text in batch])
+        for (is_val, _), ids in zip(batch, encoded):
+            if ids and max(ids) >= vocab_size:
+                raise DataError(f"token id {max(ids)} >= vocab_size {vocab_size}: the tokenizer and vocab_size disagree")
+            writers[is_val].add(list(ids) + [eos])
+    train_counts, val_counts = writers[False].counts, writers[True].counts
+    meta = {
+        "version": META_VERSION,
+        "dtype": dtype.name,
+        "byte_order": "little",
+        "vocab_size": vocab_size,
+        "eos_id": eos,
+        "train": writers[False].finish(),
+        "val": writers[True].finish(),
+        "unigram_val_loss": unigram_loss(train_counts, val_counts),
+        "unigram_smoothing": "add-one",
+        **meta_extra,
+    }
+    atomic_write_json(out / "meta.json", meta)
+    return meta
+
+
+def describe_external_shards(train_paths: list[str], val_paths: list[str], dtype: str, eos: int, vocab_size: int, out_dir, meta_extra: dict) -> dict:
+    """meta.json for shards made elsewhere (OLMo-core, dolma): counts, offsets and the floor."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    np_dtype = np.dtype(dtype).newbyteorder("<")
+
+    def summarize(paths: list[str]) -> tuple[dict, np.ndarray]:
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        n_tokens = n_docs = 0
+        for p in paths:
+            arr = np.memmap(p, dtype=np_dtype, mode="r")
+            for start in range(0, len(arr), 1 << 24):
+                chunk = np.asarray(arr[start : start + (1 << 24)])
+                if chunk.size and chunk.max() >= vocab_size:
+                    raise DataError(f"{p}: token id {int(chunk.max())} >= vocab_size {vocab_size}")
+                counts += np.bincount(chunk, minlength=vocab_size)
+                n_docs += int((chunk == eos).sum())
+            n_tokens += len(arr)
+        return {"files": [os.path.abspath(p) for p in paths], "n_tokens": n_tokens, "n_documents": n_docs}, counts
+
+    train_info, train_counts = summarize(train_paths)
+    val_info, val_counts = summarize(val_paths)
+    meta = {
+        "version": META_VERSION, "dtype": np.dtype(dtype).name, "byte_order": "little", "vocab_size": vocab_size,
+        "eos_id": eos, "train": train_info, "val": val_info,
+        "unigram_val_loss": unigram_loss(train_counts, val_counts), "unigram_smoothing": "add-one", **meta_extra,
+    }
+    atomic_write_json(out / "meta.json", meta)
+    return meta
+
+
+def read_meta(data_dir: str | os.PathLike) -> dict:
+    path = Path(data_dir) / "meta.json"
+    if not path.is_file():
+        raise DataError(f"{path} is missing: the tokenization stage has not finished for this corpus")
+    meta = json.loads(path.read_text())
+    if meta.get("version") != META_VERSION:
+        raise DataError(f"{path}: shard metadata version {meta.get('version')}, expected {META_VERSION}")
+    return meta
+
+
+def split_files(data_dir: str | os.PathLike, meta: dict, split: str) -> list[str]:
+    info = meta[split]
+    if "files" in info:
+        return info["files"]
+    return [str(Path(data_dir) / info["file"])]
+
+
+def unigram_floor(data_dir) -> float:
+    value = read_meta(data_dir)["unigram_val_loss"]
+    if not math.isfinite(value):
+        raise DataError(f"{data_dir}: unigram floor is not finite")
+    return value

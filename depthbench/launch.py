@@ -1,0 +1,112 @@
+"""Dispatch of training jobs through submitit: in-process, local subprocess, or SLURM.
+
+The dispatching Snakemake job runs on the submitting host: it submits one submitit job per run,
+waits for it, and cancels it if Snakemake is interrupted. The submitted function is
+`Checkpointable`: on SLURM a preemption or time-out requeues it, and the requeued job resumes
+from the run's latest checkpoint (the function is idempotent: it always starts by loading one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import submitit
+
+from depthbench.config import RunSpec
+from depthbench.io import atomic_write_json
+
+BACKENDS = ("inline", "local", "slurm")
+
+
+class TrainingJob(submitit.helpers.Checkpointable):
+    """The function submitit runs. `checkpoint` (inherited) resubmits it with the same
+    arguments; training state is on disk, so the resubmitted job continues the run."""
+
+    def __call__(self, spec: dict, data_dir: str, run_dir: str, work_dir: str, progress: bool = True) -> dict:
+        from depthbench.train.loop import RunPaths, train
+
+        return train(RunSpec.from_dict(spec), data_dir, RunPaths(run_dir, work_dir), progress=progress)
+
+
+def make_executor(launcher: dict, folder: Path, threads: int):
+    backend = launcher.get("backend", "inline")
+    if backend == "inline":
+        return submitit.AutoExecutor(folder=folder, cluster="debug")
+    if backend == "local":
+        executor = submitit.LocalExecutor(folder=folder)
+        executor.update_parameters(timeout_min=int(launcher.get("slurm", {}).get("time_min", 1440)))
+        return executor
+    if backend == "slurm":
+        s = launcher.get("slurm", {})
+        executor = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=s.get("max_num_timeout", 20))
+        params: dict[str, Any] = {
+            "timeout_min": s.get("time_min", 1440),
+            "nodes": s.get("nodes", 1),
+            "gpus_per_node": s.get("gpus_per_node", 1),
+            "cpus_per_task": s.get("cpus_per_task", 8),
+            "mem_gb": s.get("mem_gb", 64),
+            "name": "depthbench",
+        }
+        if s.get("partition"):
+            params["slurm_partition"] = s["partition"]
+        if s.get("account"):
+            params["slurm_account"] = s["account"]
+        if s.get("extra"):
+            params["slurm_additional_parameters"] = dict(s["extra"])
+        executor.update_parameters(**params)
+        return executor
+    raise ValueError(f"launcher.backend {backend!r}; valid: {BACKENDS}")
+
+
+def _live_slurm_job(folder: Path, record: Path):
+    """A SLURM job submitted by an earlier dispatch of this run that is still queued or running."""
+    if not record.exists():
+        return None
+    try:
+        job_id = json.loads(record.read_text())["job_id"]
+        job = submitit.SlurmJob(folder=folder, job_id=job_id)
+        if job.state in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING"):
+            return job
+    except Exception:
+        return None
+    return None
+
+
+def dispatch(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, launcher: dict, threads: int = 1) -> dict:
+    """Submit the training of `spec`, wait for it and return its summary."""
+    work = Path(work_dir)
+    folder = work / "submitit"
+    folder.mkdir(parents=True, exist_ok=True)
+    record = work / "job.json"
+    backend = launcher.get("backend", "inline")
+    job = _live_slurm_job(folder, record) if backend == "slurm" else None
+    if job is None:
+        executor = make_executor(launcher, folder, threads)
+        spec_dict = spec.to_dict()
+        spec_dict["train"]["threads"] = threads if backend != "slurm" else spec_dict["train"]["threads"]
+        # Submitting from inside a SLURM allocation would inherit its SLURM_* variables.
+        with submitit.helpers.clean_env():
+            job = executor.submit(TrainingJob(), spec_dict, str(data_dir), str(run_dir), str(work_dir), backend != "slurm")
+        atomic_write_json(record, {"job_id": str(job.job_id), "backend": backend, "folder": str(folder)})
+        print(f"[{spec.run_id}] submitted {backend} job {job.job_id}; logs in {folder}", file=sys.stderr)
+    else:
+        print(f"[{spec.run_id}] re-attached to running SLURM job {job.job_id}", file=sys.stderr)
+
+    def cancel(signum, frame):  # Snakemake interrupted: do not leave orphaned jobs behind
+        print(f"[{spec.run_id}] signal {signum}: cancelling job {job.job_id}", file=sys.stderr)
+        try:
+            job.cancel(check=False)
+        finally:
+            raise SystemExit(128 + signum)
+
+    previous = {s: signal.signal(s, cancel) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return job.result()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

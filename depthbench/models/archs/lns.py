@@ -1,0 +1,35 @@
+"""LayerNorm Scaling (LNS; "The Curse of Depth in Large Language Models").
+
+x <- x + F(N(x) / sqrt(l)) for both sublayers of layer l (1-based). The scale multiplies the
+norm *output* only, not the residual and not the sublayer output. Default init: the LNS authors
+found that depth-scaled init cancels the benefit. (Their reference code's LNS switch compares a
+lowercased string with "LNS" and never fires; this implementation applies the scale always.)
+The scale is bound to the position l, not to the layer's weights: a permutation probe that
+swaps layers keeps each position's 1/sqrt(l).
+"""
+
+import math
+
+import torch
+
+from depthbench.models.base import Block, DecoderLM, Rope, register
+from depthbench.models.layers import RMSNorm
+
+
+class LNSBlock(Block):
+    def __init__(self, cfg, layer_index):
+        super().__init__(cfg, layer_index)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.scale = 1.0 / math.sqrt(layer_index)
+
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x) * self.scale, rope)
+        x = x + self.ffn(self.ffn_norm(x) * self.scale)
+        return x
+
+
+@register("lns")
+class LNS(DecoderLM):
+    block_class = LNSBlock
+    has_final_norm = True

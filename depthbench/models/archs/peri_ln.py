@@ -1,0 +1,40 @@
+"""Peri-LN (Kim et al. 2025, arXiv 2502.02732; Gemma 2's sandwich norm).
+
+x <- x + N_out(F(N_in(x))) for each sublayer, final norm before the LM head. The option
+`arch_options.embed_norm` (off by default) also normalizes the embedding output; h_0 is then
+the normalized embedding, since that is what layer 1 reads.
+"""
+
+import torch
+
+from depthbench.models.base import Block, DecoderLM, Rope, register
+from depthbench.models.layers import RMSNorm
+
+
+class PeriLNBlock(Block):
+    def __init__(self, cfg, layer_index):
+        super().__init__(cfg, layer_index)
+        self.attn_norm_in = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm_out = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn_norm_in = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn_norm_out = RMSNorm(cfg.d_model, cfg.norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        x = x + self.attn_norm_out(self.attn(self.attn_norm_in(x), rope))
+        x = x + self.ffn_norm_out(self.ffn(self.ffn_norm_in(x)))
+        return x
+
+
+@register("peri_ln", "sandwich_ln")
+class PeriLN(DecoderLM):
+    block_class = PeriLNBlock
+    has_final_norm = True
+
+    def __init__(self, cfg, initialize: bool = True):
+        super().__init__(cfg, initialize)
+        # Created after the base init: a fresh RMSNorm's gain is already 1.
+        self.embed_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.arch_options.get("embed_norm", False) else None
+
+    def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        h0 = self.embed(idx)
+        return self.embed_norm(h0) if self.embed_norm is not None else h0

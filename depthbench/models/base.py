@@ -1,0 +1,173 @@
+"""The decoder LM shared by every architecture, and the architecture registry.
+
+An architecture is a subclass of `DecoderLM` registered by name. Single-stream architectures
+(the normalization family) only supply a `Block` class and say whether a final norm exists;
+multi-stream or aggregating ones override `trunk`.
+
+Residual stream convention (design reference): h_l is what layer l + 1 reads before its own
+input norm; h_0 is the embedding output and h_L the input of the final norm (never its output).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from depthbench.errors import ConfigError
+from depthbench.models.config import ModelConfig
+from depthbench.models.layers import CausalSelfAttention, RMSNorm, RotaryEmbedding, SwiGLU
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+ARCHITECTURES: dict[str, type["DecoderLM"]] = {}
+ALIASES: dict[str, str] = {}
+
+
+def register(name: str, *aliases: str) -> Callable[[type["DecoderLM"]], type["DecoderLM"]]:
+    """Class decorator: make an architecture buildable by `name` (and by its aliases)."""
+
+    def wrap(cls: type[DecoderLM]) -> type[DecoderLM]:
+        if name in ARCHITECTURES or name in ALIASES:
+            raise ValueError(f"architecture {name!r} registered twice")
+        cls.arch_name = name
+        ARCHITECTURES[name] = cls
+        for alias in aliases:
+            ALIASES[alias] = name
+        return cls
+
+    return wrap
+
+
+def canonical_arch(name: str) -> str:
+    """The registered name for `name` or one of its aliases; ConfigError when unknown."""
+    _import_architectures()
+    if name in ARCHITECTURES:
+        return name
+    if name in ALIASES:
+        return ALIASES[name]
+    raise ConfigError(
+        "architectures",
+        f"unknown architecture {name!r}; valid: {sorted(ARCHITECTURES) + sorted(ALIASES)}",
+    )
+
+
+def build_model(cfg: ModelConfig, initialize: bool = True) -> "DecoderLM":
+    """Instantiate the registered architecture `cfg.arch` on the current device.
+
+    `initialize=False` skips DepthBench's init (used on the meta device, where only shapes matter).
+    """
+    return ARCHITECTURES[canonical_arch(cfg.arch)](cfg, initialize=initialize)
+
+
+def _import_architectures() -> None:
+    # Importing the package registers every architecture module.
+    import depthbench.models.archs  # noqa: F401
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    hidden: list[torch.Tensor] | None = None  # h_0 .. h_L when requested
+
+
+class Block(nn.Module):
+    """One layer: an attention sublayer and a SwiGLU sublayer, placed by the subclass.
+
+    `layer_index` is 1-based (l = 1..L) because constants such as LNS's 1/sqrt(l) use it.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.attn = CausalSelfAttention(cfg)
+        self.ffn = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError("each architecture's Block defines its residual update")
+
+
+class DecoderLM(nn.Module):
+    """Embedding -> trunk of L layers -> optional final RMSNorm -> untied LM head."""
+
+    arch_name: ClassVar[str] = ""
+    block_class: ClassVar[type[Block]] = Block
+    has_final_norm: ClassVar[bool] = True
+
+    def __init__(self, cfg: ModelConfig, initialize: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(
+            [self.block_class(cfg, layer_index) for layer_index in range(1, cfg.n_layer + 1)]
+        )
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if self.has_final_norm else None
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        if initialize:
+            self.reset_parameters()
+
+    # -- initialization -------------------------------------------------------------------
+    def reset_parameters(self) -> None:
+        """Default init: every Linear and Embedding weight ~ N(0, init_std); norm gains 1."""
+        std = self.cfg.resolved_init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        self.init_architecture()
+
+    def init_architecture(self) -> None:
+        """Hook for architectures with their own init (DeepNorm, HC's static weights...)."""
+
+    # -- forward ----------------------------------------------------------------------------
+    def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        """h_0: the embedding output (an architecture may normalize it)."""
+        return self.embed(idx)
+
+    def trunk(self, h0: torch.Tensor, rope: Rope, hidden: list[torch.Tensor] | None) -> torch.Tensor:
+        """Run the L layers on h_0 and return h_L, appending h_1..h_L to `hidden` if given."""
+        x = h0
+        for block in self.blocks:
+            x = block(x, rope)
+            if hidden is not None:
+                hidden.append(x)
+        return x
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        return_hidden: bool = False,
+    ) -> ModelOutput:
+        T = idx.shape[1]
+        h0 = self.embed_tokens(idx)
+        hidden = [h0] if return_hidden else None
+        x = self.trunk(h0, self.rope(T), hidden)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        logits = self.lm_head(x)
+        loss = None
+        if targets is not None:
+            # Cross-entropy in fp32 whatever the autocast dtype.
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        return ModelOutput(logits=logits, loss=loss, hidden=hidden)
+
+    # -- accounting -------------------------------------------------------------------------
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            total -= self.embed.weight.numel() + self.lm_head.weight.numel()
+        return total
+
+
+def count_parameters(cfg: ModelConfig) -> int:
+    """Exact parameter count of the model as built, without allocating memory (meta device)."""
+    with torch.device("meta"):
+        model = build_model(cfg, initialize=False)
+    return model.num_parameters()

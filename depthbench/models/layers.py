@@ -1,0 +1,109 @@
+"""Backbone building blocks shared by every architecture (LLaMA style, no biases).
+
+Attention and FFN here are the *sublayers* F of the design reference: they contain no norm and
+no residual. Each architecture module decides where the norms and the residual go.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from depthbench.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """N(x) = g * x / sqrt(mean(x^2) + eps), learnable gain g, eps = 1e-6 by default."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # F.rms_norm is the fused kernel; computed in the input dtype like LLaMA's reference
+        # except that we upcast to fp32 for the reduction under reduced precision.
+        if x.dtype in (torch.float16, torch.bfloat16):
+            return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE tables. Rotation uses the half-split (GPT-NeoX) pairing of dimensions i and i + hd/2."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0):
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if seq_len > self.cos.shape[0]:
+            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.cos.shape[0]}")
+        return self.cos[:seq_len], self.sin[:seq_len]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x1, x2) by the position angle: (x1 cos - x2 sin, x2 cos + x1 sin).
+
+    x: (B, H, T, hd); cos/sin: (T, hd/2).
+    """
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.to(x.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    """Causal multi-head attention with RoPE; GQA when n_kv_head < n_head.
+
+    Q, K and V come from one fused projection (one matmul instead of three), which is what
+    makes the small shapes fast; the weight rows are [q | k | v].
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.n_kv_head = cfg.n_kv_head
+        self.head_dim = cfg.head_dim
+        self.q_dim = cfg.n_head * cfg.head_dim
+        self.kv_dim = cfg.n_kv_head * cfg.head_dim
+        self.wqkv = nn.Linear(cfg.d_model, self.q_dim + 2 * self.kv_dim, bias=False)
+        self.wo = nn.Linear(self.q_dim, cfg.d_model, bias=False)
+
+    def project_qkv(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return q (B, H, T, hd) and k, v (B, H_kv, T, hd), with RoPE applied to q and k."""
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).split((self.q_dim, self.kv_dim, self.kv_dim), dim=-1)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        cos, sin = rope
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.project_qkv(x, rope)
+        # softmax(q k^T / sqrt(hd) + causal mask) v; SDPA picks the flash / memory-efficient
+        # kernel on GPU. enable_gqa lets each group of query heads share one K/V head.
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head
+        )
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.q_dim))
+
+
+class SwiGLU(nn.Module):
+    """FFN(x) = W2 (silu(W1 x) * W3 x); W1 and W3 are fused into one matmul (rows [W1 | W3])."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.d_ff = cfg.d_ff
+        self.w13 = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
+        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)

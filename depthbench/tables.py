@@ -1,0 +1,99 @@
+"""Parquet tables built from run outputs only (summary.json, metrics.jsonl, shard meta.json).
+
+Everything needed is inside results/, so the tables (and the figures made from them) can be
+rebuilt on a machine that has only a copy of another machine's results/ folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Iterable
+
+import pandas as pd
+
+from depthbench.io import atomic_write
+
+GROUP_COLUMNS = ["experiment", "arch", "n_layer", "d_model", "knobs"]
+
+
+def _read_json(path: str | Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def run_rows(summary_paths: Iterable[str], unigram_floor: float, experiment: str) -> pd.DataFrame:
+    rows = []
+    for path in summary_paths:
+        s = _read_json(path)
+        spec = s["spec"]
+        shape = spec["shape"]
+        rows.append({
+            "run_id": s["run_id"],
+            "experiment": experiment,
+            "arch": spec["arch"],
+            "n_layer": shape["n_layer"],
+            "d_model": shape["d_model"],
+            "ratio": shape["d_model"] / shape["n_layer"],
+            "d_ff": shape["d_ff"],
+            "n_head": shape["n_head"],
+            "n_kv_head": shape["n_kv_head"],
+            "params": s["n_params"],
+            "lr": spec["lr"],
+            "seed": spec["seed"],
+            "knobs": json.dumps(spec["knobs"], sort_keys=True),
+            **{f"knob_{k.replace('.', '_')}": v for k, v in spec["knobs"].items()},
+            "weight_decay": spec["train"]["weight_decay"],
+            "seq_len": spec["train"]["seq_len"],
+            "global_batch_size": spec["train"]["global_batch_size"],
+            "status": s["status"],
+            "final_val_loss": s["final_val_loss"],
+            "steps": s["steps"],
+            "total_steps": s["total_steps"],
+            "tokens_seen": s["tokens_seen"],
+            "wall_seconds": s["wall_seconds"],
+            "tokens_per_s": s["tokens_per_s"],
+            "peak_memory_bytes": s.get("peak_memory_bytes"),
+            "device": s.get("device"),
+            "data_id": spec["data_id"],
+            "unigram_floor": unigram_floor,
+        })
+    return pd.DataFrame(rows).sort_values(["arch", "n_layer", "lr", "seed"], ignore_index=True)
+
+
+def curve_rows(run_ids: Iterable[str], metric_paths: Iterable[str]) -> pd.DataFrame:
+    frames = []
+    for run_id, path in zip(run_ids, metric_paths):
+        records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        if records:
+            df = pd.DataFrame.from_records(records)
+            df.insert(0, "run_id", run_id)
+            frames.append(df)
+    columns = ["run_id", "step", "tokens", "train_loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu"]
+    if not frames:
+        return pd.DataFrame(columns=columns)
+    out = pd.concat(frames, ignore_index=True)
+    for c in columns:
+        if c not in out:
+            out[c] = math.nan
+    return out
+
+
+def best_learning_rates(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per (architecture, shape, knobs): the run with the lowest final validation loss among runs
+    that did not diverge (seeds are averaged first, so a lucky seed does not pick the LR)."""
+    ok = runs[(runs["status"] == "ok") & runs["final_val_loss"].notna()]
+    if ok.empty:
+        return pd.DataFrame(columns=GROUP_COLUMNS + ["ratio", "params", "best_lr", "final_val_loss", "n_seeds", "n_lrs_tried", "n_diverged"])
+    per_lr = ok.groupby(GROUP_COLUMNS + ["lr"], as_index=False).agg(
+        final_val_loss=("final_val_loss", "mean"), n_seeds=("seed", "nunique"), ratio=("ratio", "first"), params=("params", "first")
+    )
+    best = per_lr.loc[per_lr.groupby(GROUP_COLUMNS)["final_val_loss"].idxmin()].rename(columns={"lr": "best_lr"})
+    tried = runs.groupby(GROUP_COLUMNS).agg(
+        n_lrs_tried=("lr", "nunique"), n_diverged=("status", lambda s: int((s == "diverged").sum()))
+    ).reset_index()
+    return best.merge(tried, on=GROUP_COLUMNS).sort_values(["arch", "ratio"], ignore_index=True)
+
+
+def write_parquet(df: pd.DataFrame, path: str | Path) -> None:
+    atomic_write(path, lambda tmp: df.to_parquet(tmp, index=False))

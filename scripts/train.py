@@ -1,0 +1,18 @@
+"""Snakemake entry: dispatch the training of one run (logic in depthbench.launch)."""
+
+import sys
+
+from depthbench.config import RunSpec
+from depthbench.launch import dispatch
+
+sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821 (injected by Snakemake)
+spec = RunSpec.from_dict(snakemake.params.spec)  # noqa: F821
+summary = dispatch(
+    spec,
+    data_dir=snakemake.params.data_dir,  # noqa: F821
+    run_dir=snakemake.params.run_dir,  # noqa: F821
+    work_dir=snakemake.params.work_dir,  # noqa: F821
+    launcher=snakemake.config["launcher"],  # noqa: F821 (not a param: changing it must not retrain)
+    threads=snakemake.threads,  # noqa: F821
+)
+print(f"[{spec.run_id}] {summary['status']}: final val loss {summary['final_val_loss']}", file=sys.stderr)

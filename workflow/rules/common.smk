@@ -1,0 +1,14 @@
+# Helpers shared by the rule files.
+
+wildcard_constraints:
+    run_id="[A-Za-z0-9_.+-]+",
+
+
+def run_outputs(name):
+    """Paths of one declared output file for every run of the grid."""
+    return [f"{RESULTS}/runs/{run_id}/{name}" for run_id in RUNS]
+
+
+def train_threads(wildcards):
+    # In-process and local training use the job's own cores; SLURM jobs use none here.
+    return 1 if config["launcher"]["backend"] == "slurm" else config["train"]["threads"]

@@ -1,0 +1,26 @@
+# One job per run of the grid. The job dispatches training through submitit (inline, local or
+# SLURM, from config['launcher']) and waits. Checkpoints live in results/work/{run_id}, which
+# is not an output, so a failed or killed job resumes where it stopped when run again.
+
+
+rule train:
+    input:
+        data=f"{DATA_DIR}/meta.json",
+    output:
+        summary=f"{RESULTS}/runs/{{run_id}}/summary.json",
+        weights=f"{RESULTS}/runs/{{run_id}}/model.safetensors",
+        metrics=f"{RESULTS}/runs/{{run_id}}/metrics.jsonl",
+    params:
+        spec=lambda wc: RUNS[wc.run_id].to_dict(),
+        data_dir=DATA_DIR,
+        run_dir=lambda wc: f"{RESULTS}/runs/{wc.run_id}",
+        work_dir=lambda wc: f"{RESULTS}/work/{wc.run_id}",
+    threads: train_threads
+    resources:
+        dispatch_slots=1,
+    log:
+        f"{RESULTS}/logs/train/{{run_id}}.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/train/{{run_id}}.tsv"
+    script:
+        "../../scripts/train.py"
