@@ -5,7 +5,12 @@ from snakemake.utils import min_version
 
 min_version("9.0")
 
-configfile: "config/config.yaml"
+# The embedded default, unless a config is given with --configfile (presets are complete
+# configs: merging them over the default would leak its settings into them).
+if not workflow.config_settings.configfiles:
+
+    configfile: "config/config.yaml"
+
 
 from depthbench.config import expand_grid, validate_schema
 from depthbench.errors import DepthBenchError

@@ -20,6 +20,15 @@ def save(fig, png: str | Path, pdf: str | Path, dpi: int) -> None:
     plt.close(fig)
 
 
+def _log_ticks(ax, values) -> None:
+    """Log-scaled x axis labelled at the values actually used, in plain notation."""
+    ax.set_xscale("log")
+    ticks = sorted(set(float(v) for v in values))
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([f"{v:g}" for v in ticks], rotation=45, fontsize=8)
+    ax.minorticks_off()
+
+
 def _floor(ax, floor: float) -> None:
     ax.axhline(floor, color="0.4", linestyle="--", linewidth=1)
     ax.annotate(f"unigram floor {floor:.2f}", xy=(0.01, floor), xycoords=("axes fraction", "data"),
@@ -35,7 +44,7 @@ def headline(best: pd.DataFrame, runs: pd.DataFrame, png, pdf, width: float, hei
         ax.plot(group["ratio"], group["final_val_loss"], marker="o", label=label)
     floor = float(runs["unigram_floor"].iloc[0])
     _floor(ax, floor)
-    ax.set_xscale("log")
+    _log_ticks(ax, best["ratio"].round(1))
     ax.set_xlabel("d_model / n_layer (log scale; deeper and narrower to the left)")
     ax.set_ylabel("validation loss at best LR (nats/token)")
     ax.set_title(title)
@@ -60,7 +69,7 @@ def loss_vs_lr(runs: pd.DataFrame, png, pdf, width: float, height: float, dpi: i
             if not bad.empty:
                 ax.scatter(bad["lr"], [top * 1.02] * len(bad), marker="x", color=line.get_color())
         _floor(ax, float(runs["unigram_floor"].iloc[0]))
-        ax.set_xscale("log")
+        _log_ticks(ax, runs["lr"])
         ax.set_title(f"L={n_layer}, d={d_model} (ratio {d_model / n_layer:.1f})", fontsize=9)
         ax.set_xlabel("learning rate")
         ax.grid(alpha=0.3)

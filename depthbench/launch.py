@@ -42,25 +42,32 @@ def make_executor(launcher: dict, folder: Path, threads: int):
         executor.update_parameters(timeout_min=int(launcher.get("slurm", {}).get("time_min", 1440)))
         return executor
     if backend == "slurm":
-        s = launcher.get("slurm", {})
-        executor = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=s.get("max_num_timeout", 20))
-        params: dict[str, Any] = {
-            "timeout_min": s.get("time_min", 1440),
-            "nodes": s.get("nodes", 1),
-            "gpus_per_node": s.get("gpus_per_node", 1),
-            "cpus_per_task": s.get("cpus_per_task", 8),
-            "mem_gb": s.get("mem_gb", 64),
-            "name": "depthbench",
-        }
-        if s.get("partition"):
-            params["slurm_partition"] = s["partition"]
-        if s.get("account"):
-            params["slurm_account"] = s["account"]
-        if s.get("extra"):
-            params["slurm_additional_parameters"] = dict(s["extra"])
-        executor.update_parameters(**params)
+        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=launcher.get("slurm", {}).get("max_num_timeout", 20))
+        executor.update_parameters(**slurm_parameters(launcher))
         return executor
     raise ValueError(f"launcher.backend {backend!r}; valid: {BACKENDS}")
+
+
+def slurm_parameters(launcher: dict) -> dict[str, Any]:
+    """sbatch settings (submitit SlurmExecutor names) from config['launcher']['slurm']."""
+    s = launcher.get("slurm", {})
+    params: dict[str, Any] = {
+        "job_name": "depthbench",
+        "time": int(s.get("time_min", 1440)),
+        "nodes": int(s.get("nodes", 1)),
+        "gpus_per_node": int(s.get("gpus_per_node", 1)),
+        "cpus_per_task": int(s.get("cpus_per_task", 8)),
+        "mem": f"{int(s.get('mem_gb', 64))}GB",
+        # SIGUSR2 this long before the time limit: submitit then calls checkpoint() and requeues.
+        "signal_delay_s": 120,
+    }
+    if s.get("partition"):
+        params["partition"] = s["partition"]
+    if s.get("account"):
+        params["account"] = s["account"]
+    if s.get("extra"):
+        params["additional_parameters"] = dict(s["extra"])
+    return params
 
 
 def _live_slurm_job(folder: Path, record: Path):

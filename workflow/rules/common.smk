@@ -12,3 +12,8 @@ def run_outputs(name):
 def train_threads(wildcards):
     # In-process and local training use the job's own cores; SLURM jobs use none here.
     return 1 if config["launcher"]["backend"] == "slurm" else config["train"]["threads"]
+
+
+def slurm_request(key):
+    launcher = config["launcher"]
+    return launcher["slurm"][key] if launcher["backend"] == "slurm" else 0

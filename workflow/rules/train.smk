@@ -18,6 +18,10 @@ rule train:
     threads: train_threads
     resources:
         dispatch_slots=1,
+        # What each submitted job asks SLURM for (informative here: SLURM, not Snakemake,
+        # allocates them; 0 when training runs on this machine).
+        nodes=slurm_request("nodes"),
+        gpus_per_node=slurm_request("gpus_per_node"),
     log:
         f"{RESULTS}/logs/train/{{run_id}}.log",
     benchmark:

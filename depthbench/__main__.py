@@ -1,0 +1,5 @@
+import sys
+
+from depthbench.cli import main
+
+sys.exit(main())

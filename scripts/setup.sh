@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv and install DepthBench with pinned dependencies (CPU torch). Idempotent.
+# Extras: `scripts/setup.sh bench` adds transformers (benchmarks), `slurm` the executor plugin.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+pip install -r requirements.txt
+pip install --no-deps -r requirements-nodeps.txt
+pip install --no-deps --no-build-isolation -e . 2>/dev/null || pip install --no-deps -e .
+for extra in "$@"; do
+  pip install -r "requirements-$extra.txt"
+done
+.venv/bin/python -c "import torch, snakemake, depthbench; print(f'depthbench ready: torch {torch.__version__}, python {__import__(\"sys\").version.split()[0]}')"

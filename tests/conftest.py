@@ -1,0 +1,56 @@
+"""Shared fixtures: a small real corpus (offline Wikipedia summaries) and its token shards."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from depthbench.config import expand_grid, load_config
+from depthbench.data.corpus import iter_documents
+from depthbench.data.prepare import build_shards, build_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def wiki_jsonl(tmp_path_factory) -> Path:
+    """400 real documents written as a local JSONL corpus."""
+    path = tmp_path_factory.mktemp("corpus") / "wiki.jsonl"
+    docs = itertools.islice(iter_documents({"source": "wiki_offline", "language": "en-us"}), 400)
+    path.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+def tiny_config(corpus_path: Path, **overrides) -> dict:
+    config = {
+        "name": "tiny",
+        "corpus": {"name": "tiny", "source": "local", "path": str(corpus_path), "val_fraction": 0.1},
+        "tokenizer": {"kind": "bpe", "vocab_size": 512},
+        "budget": {"params": 1.0e5, "d_model_multiple": 16, "d_ff_multiple": 16},
+        "shapes": [{"n_layer": 2}],
+        "architectures": ["pre_ln"],
+        "learning_rates": [3e-3],
+        "model": {"n_head": 2},
+        "train": {
+            "seq_len": 32, "global_batch_size": 8, "micro_batch_size": 4, "tokens_per_param": 0.05,
+            "eval_every": 5, "eval_batches": 2, "checkpoint_every": 4, "log_every": 2, "threads": 1,
+        },
+    }
+    for key, value in overrides.items():
+        config[key] = value
+    return config
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory, wiki_jsonl):
+    """(config, experiment, data_dir) with tokenizer and shards built once for the session."""
+    root = tmp_path_factory.mktemp("data")
+    config = load_config(tiny_config(wiki_jsonl))
+    exp = expand_grid(config)
+    tok = root / "tokenizer.json"
+    build_tokenizer(config, str(tok))
+    build_shards(config, str(tok), str(root / "shards"), exp.data_id, exp.tokenizer_id)
+    return config, exp, root / "shards"

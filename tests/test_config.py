@@ -1,0 +1,135 @@
+"""Config validation names the field; the grid, the shapes and the run ids behave as documented."""
+
+import copy
+
+import pytest
+
+from depthbench.config import expand_grid, load_config, shape_table
+from depthbench.errors import ConfigError
+from depthbench.models import ModelConfig, count_parameters
+from depthbench.shapes import solve_ratio, solve_width
+from tests.conftest import tiny_config
+
+
+def make(wiki_jsonl, **overrides):
+    return expand_grid(load_config(tiny_config(wiki_jsonl, **overrides)))
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"architectures": ["pre_ln", "transformer_xl"]}, "architectures[1]"),
+        ({"learning_rates": [1e-3, 0.0]}, "learning_rates[1]"),
+        ({"learning_rates": [-1e-3]}, "learning_rates[0]"),
+        ({"shapes": [{"n_layer": 2, "d_model": 50}]}, "shapes[0].d_model"),
+        ({"shapes": [{"n_layer": 400}]}, "shapes[0]"),
+        ({"shapes": [{"n_layer": 0}]}, "shapes[0].n_layer"),
+        ({"shapes": [{"ratio": 8.0, "n_layer": 2}]}, "shapes[0]"),
+        ({"model": {"n_head": 4, "n_kv_head": 3}}, "model.n_kv_head"),
+        ({"train": {"global_batch_size": 10, "micro_batch_size": 4}}, "train.micro_batch_size"),
+        ({"tokenizer": {"kind": "bpe"}}, "tokenizer.vocab_size"),
+        ({"tokenizer": {"kind": "file", "path": "/nonexistent/tokenizer.json"}}, "tokenizer.path"),
+        ({"launcher": {"backend": "kubernetes"}}, "launcher.backend"),
+        ({"sweep": {"train.nonsense": [1, 2]}}, "sweep.train.nonsense"),
+        ({"train": {"seq_lenn": 32}}, "train"),
+    ],
+)
+def test_invalid_configs_fail_naming_the_field(wiki_jsonl, overrides, field):
+    with pytest.raises(ConfigError) as info:
+        make(wiki_jsonl, **overrides)
+    assert info.value.field == field, str(info.value)
+    assert f"'{field}'" in str(info.value)
+
+
+def test_missing_corpus_file_names_the_field(wiki_jsonl, tmp_path):
+    config = tiny_config(wiki_jsonl)
+    config["corpus"]["path"] = str(tmp_path / "missing.jsonl")
+    with pytest.raises(ConfigError, match="corpus.path") as info:
+        expand_grid(load_config(config))
+    assert "missing.jsonl" in str(info.value)
+
+
+def test_unknown_architecture_lists_the_valid_ones(wiki_jsonl):
+    with pytest.raises(ConfigError) as info:
+        make(wiki_jsonl, architectures=["nope"])
+    for name in ("pre_ln", "post_ln", "peri_ln", "lns", "deepnorm", "keel"):
+        assert name in str(info.value)
+
+
+def test_grid_is_the_product_of_its_axes(wiki_jsonl):
+    exp = make(
+        wiki_jsonl,
+        architectures=["pre_ln", "lns"],
+        shapes=[{"n_layer": 2}, {"n_layer": 4}],
+        learning_rates=[1e-3, 3e-3, 1e-2],
+        seeds=[0, 1],
+        sweep={"train.weight_decay": [0.0, 0.1]},
+    )
+    assert len(exp.runs) == 2 * 2 * 3 * 2 * 2
+    assert len(set(exp.runs)) == len(exp.runs)
+    spec = next(iter(exp.runs.values()))
+    assert spec.run_id.startswith(f"{spec.arch}_L{spec.shape.n_layer}-d{spec.shape.d_model}_lr{spec.lr:g}_s{spec.seed}_")
+
+
+def test_run_ids_are_stable_and_change_only_with_training_settings(wiki_jsonl):
+    a = make(wiki_jsonl)
+    b = make(wiki_jsonl)
+    assert a.run_ids == b.run_ids
+    # a new learning rate adds a run and keeps the old id
+    c = make(wiki_jsonl, learning_rates=[3e-3, 1e-2])
+    assert set(a.run_ids) < set(c.run_ids)
+    # anything else that changes training changes the hash
+    base = tiny_config(wiki_jsonl)
+    changed = copy.deepcopy(base)
+    changed["train"]["weight_decay"] = 0.0
+    assert set(expand_grid(load_config(changed)).run_ids).isdisjoint(a.run_ids)
+    # settings that do not change the weights do not
+    same = copy.deepcopy(base)
+    same["train"]["checkpoint_every"] = 1000
+    same["launcher"] = {"backend": "local"}
+    same["figures"] = {"dpi": 72}
+    assert expand_grid(load_config(same)).run_ids == a.run_ids
+
+
+def test_scientific_notation_without_sign_is_a_number(wiki_jsonl):
+    config = tiny_config(wiki_jsonl)
+    config["budget"]["params"] = "1.0e5"
+    config["learning_rates"] = ["3e-3"]
+    exp = expand_grid(load_config(config))
+    assert next(iter(exp.runs.values())).lr == 3e-3
+
+
+def test_shape_solver_picks_the_closest_width():
+    base = ModelConfig(vocab_size=50280, n_head=16)
+    for n_layer, d_model in ((16, 1216), (70, 640)):
+        shape = solve_width(base, n_layer, 410e6)
+        assert shape.d_model == d_model
+        assert shape.n_params == count_parameters(ModelConfig(vocab_size=50280, n_head=16, n_layer=n_layer, d_model=d_model))
+        for other in (d_model - 64, d_model + 64):
+            n_other = count_parameters(ModelConfig(vocab_size=50280, n_head=16, n_layer=n_layer, d_model=other))
+            assert abs(n_other - 410e6) >= abs(shape.n_params - 410e6)
+    assert round(solve_ratio(base, 76.0, 410e6).ratio, 1) == 76.0
+    assert solve_ratio(base, 9.1, 410e6).n_layer == 70
+
+
+def test_shape_table_has_one_row_per_arch_and_shape(wiki_jsonl):
+    exp = make(wiki_jsonl, architectures=["pre_ln", "peri_ln"], shapes=[{"n_layer": 2}, {"n_layer": 3}], learning_rates=[1e-3, 2e-3])
+    rows = shape_table(exp)
+    assert len(rows) == 4
+    assert {"n_layer", "d_model", "ratio", "d_ff", "n_head", "params"} <= set(rows[0])
+    # peri_ln has 2 extra norms per layer, charged to the budget
+    pre = next(r for r in rows if r["arch"] == "pre_ln" and r["n_layer"] == 2)
+    peri = next(r for r in rows if r["arch"] == "peri_ln" and r["n_layer"] == 2)
+    if pre["d_model"] == peri["d_model"]:
+        assert peri["params"] == pre["params"] + 2 * 2 * pre["d_model"]
+
+
+def test_schema_architecture_enum_matches_the_registry():
+    import yaml
+
+    from depthbench.config import SCHEMA_PATH
+    from depthbench.models.base import ALIASES, ARCHITECTURES, canonical_arch
+
+    canonical_arch("pre_ln")
+    schema = yaml.safe_load(SCHEMA_PATH.read_text())
+    assert set(schema["properties"]["architectures"]["items"]["enum"]) == set(ARCHITECTURES) | set(ALIASES)

@@ -1,0 +1,149 @@
+"""Training: schedule, decay groups, exact resume after interruption or SIGKILL, divergence."""
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from depthbench.config import RunSpec, expand_grid, load_config
+from depthbench.models import build_model
+from depthbench.train.checkpoint import list_checkpoints
+from depthbench.train.loop import RunPaths, lr_at, param_groups, train
+from tests.conftest import REPO, tiny_config
+
+
+def only_run(exp) -> RunSpec:
+    (spec,) = exp.runs.values()
+    return spec
+
+
+def with_steps(spec: RunSpec, steps: int, **train_kw) -> RunSpec:
+    spec = copy.deepcopy(spec)
+    spec.train.total_steps = steps
+    for k, v in train_kw.items():
+        setattr(spec.train, k, v)
+    return spec
+
+
+def test_lr_schedule_warmup_then_cosine_to_the_floor():
+    lrs = [lr_at(s, 1.0, 100, 10, 0.1) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a < b for a, b in zip(lrs[:9], lrs[1:10]))
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lrs[55] == pytest.approx(0.1 + 0.9 * 0.5, abs=1e-9)  # cosine midpoint
+    assert lr_at(100, 1.0, 100, 10, 0.1) == pytest.approx(0.1)
+
+
+def test_weight_decay_applies_to_matrices_but_not_embeddings_or_gains(tiny_data):
+    _, exp, _ = tiny_data
+    model = build_model(only_run(exp).model)
+    decay, no_decay = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert any(p is model.lm_head.weight for p in decay["params"])
+    assert any(p is model.embed.weight for p in no_decay["params"])
+    assert all(p.dim() == 1 for p in no_decay["params"] if p is not model.embed.weight)
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_training_lowers_the_loss_and_writes_outputs(tiny_data, tmp_path):
+    _, exp, shards = tiny_data
+    spec = with_steps(only_run(exp), 30, eval_every=10)
+    paths = RunPaths(tmp_path / "run", tmp_path / "work")
+    summary = train(spec, shards, paths, progress=False)
+    assert summary["status"] == "ok" and summary["steps"] == 30
+    records = [json.loads(line) for line in paths.curves.read_text().splitlines()]
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    assert len(vals) == 3 and vals[-1] < vals[0] - 0.3
+    assert summary["final_val_loss"] == vals[-1]
+    weights = load_file(paths.weights)
+    assert set(weights) == set(build_model(spec.model).state_dict())
+    assert json.loads(paths.summary.read_text())["run_id"] == spec.run_id
+
+
+def _weights(path) -> dict[str, torch.Tensor]:
+    return load_file(path)
+
+
+def test_interrupted_run_resumes_to_identical_weights(tiny_data, tmp_path):
+    _, exp, shards = tiny_data
+    spec = with_steps(only_run(exp), 12, checkpoint_every=100)
+    full = RunPaths(tmp_path / "full", tmp_path / "full_work")
+    train(spec, shards, full, progress=False)
+    part = RunPaths(tmp_path / "part", tmp_path / "part_work")
+    out = train(spec, shards, part, progress=False, stop_after=5)
+    assert out["status"] == "interrupted" and list_checkpoints(part.checkpoints)[-1][0] == 5
+    train(spec, shards, part, progress=False)
+    a, b = _weights(full.weights), _weights(part.weights)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert full.curves.read_text() .count("val_loss") == part.curves.read_text().count("val_loss")
+
+
+def test_sigkilled_run_resumes_to_identical_weights(tiny_data, tmp_path):
+    """A training process killed with SIGKILL and started again ends bit-identical."""
+    _, exp, shards = tiny_data
+    spec = with_steps(only_run(exp), 40, checkpoint_every=5)
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(spec.to_dict()))
+    script = (
+        "import json, sys\n"
+        "from depthbench.config import RunSpec\n"
+        "from depthbench.train.loop import RunPaths, train\n"
+        "spec = RunSpec.from_dict(json.load(open(sys.argv[1])))\n"
+        "train(spec, sys.argv[2], RunPaths(sys.argv[3], sys.argv[4]), progress=False)\n"
+    )
+    def run(run_dir, work_dir):
+        return subprocess.Popen([sys.executable, "-c", script, str(spec_file), str(shards), str(run_dir), str(work_dir)], cwd=REPO)
+
+    ref = run(tmp_path / "ref", tmp_path / "ref_work")
+    assert ref.wait(timeout=300) == 0
+    victim = run(tmp_path / "killed", tmp_path / "killed_work")
+    checkpoints = tmp_path / "killed_work" / "checkpoints"
+    deadline = time.time() + 240
+    while time.time() < deadline and not any(step >= 10 for step, _ in list_checkpoints(checkpoints)):
+        time.sleep(0.05)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert victim.returncode == -signal.SIGKILL
+    assert not (tmp_path / "killed" / "summary.json").exists()
+    resumed_from = list_checkpoints(checkpoints)[-1][0]
+    assert 10 <= resumed_from < 40
+    again = run(tmp_path / "killed", tmp_path / "killed_work")
+    assert again.wait(timeout=300) == 0
+    a, b = _weights(tmp_path / "ref" / "model.safetensors"), _weights(tmp_path / "killed" / "model.safetensors")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    ref_curve = (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()
+    got_curve = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
+    strip = lambda lines: [{k: v for k, v in json.loads(l).items() if k not in ("tokens_per_s", "mfu")} for l in lines]
+    assert strip(ref_curve) == strip(got_curve)
+
+
+def test_absurd_learning_rate_is_recorded_as_diverged(tiny_data, tmp_path):
+    config, _, shards = tiny_data
+    exp = expand_grid(load_config({**config, "learning_rates": [50.0]}))
+    spec = with_steps(only_run(exp), 30)
+    summary = train(spec, shards, RunPaths(tmp_path / "run", tmp_path / "work"), progress=False)
+    assert summary["status"] == "diverged"
+    assert summary["steps"] < 30
+    assert summary["final_val_loss"] != summary["final_val_loss"]  # NaN
+    assert (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_checkpoint_of_another_run_is_refused(tiny_data, tmp_path):
+    _, exp, shards = tiny_data
+    spec = with_steps(only_run(exp), 6, checkpoint_every=2)
+    paths = RunPaths(tmp_path / "run", tmp_path / "work")
+    train(spec, shards, paths, progress=False, stop_after=3)
+    other = copy.deepcopy(spec)
+    other.run_id = "someone_else"
+    with pytest.raises(Exception, match="belongs to run"):
+        train(other, shards, paths, progress=False)

@@ -1,0 +1,153 @@
+"""End to end, as a user runs it: Snakemake on a tiny real grid in a copy of the repository."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from tests.conftest import REPO, tiny_config
+
+pytestmark = pytest.mark.slow
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+
+
+def snakemake(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([*SNAKEMAKE, "--cores", "2", *args], cwd=cwd, capture_output=True, text=True, timeout=900)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"snakemake {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def job_counts(output: str) -> dict[str, int]:
+    """The 'Job stats' table of a Snakemake (dry) run."""
+    counts: dict[str, int] = {}
+    if "Job stats:" not in output:
+        return counts
+    table = output.split("Job stats:", 1)[1]
+    for line in table.splitlines()[3:]:
+        m = re.fullmatch(r"(\w+)\s+(\d+)", line.strip())
+        if not m:
+            break
+        counts[m.group(1)] = int(m.group(2))
+    return counts
+
+
+def copy_workflow(dest: Path) -> Path:
+    for name in ("Snakefile", "workflow", "scripts", "config", "slurm"):
+        src = REPO / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, dest / name)
+    return dest
+
+
+def write_config(root: Path, config: dict) -> None:
+    (root / "config" / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def grid(wiki_jsonl, **overrides) -> dict:
+    config = tiny_config(
+        wiki_jsonl,
+        architectures=["pre_ln", "post_ln"],
+        shapes=[{"n_layer": 1}, {"n_layer": 2}],
+        learning_rates=[3e-3, 50.0],  # 50.0 diverges
+    )
+    config["tokenizer"] = {"kind": "bpe", "vocab_size": 384}
+    config["train"]["tokens_per_param"] = 0.6
+    config.update(overrides)
+    return config
+
+
+@pytest.fixture(scope="module")
+def workflow(tmp_path_factory, wiki_jsonl):
+    root = copy_workflow(tmp_path_factory.mktemp("wf"))
+    write_config(root, grid(wiki_jsonl))
+    first = snakemake(root)
+    return root, first
+
+
+def test_default_workflow_writes_tables_and_figures(workflow):
+    root, _ = workflow
+    runs = pd.read_parquet(root / "results/tables/runs.parquet")
+    assert len(runs) == 8
+    assert set(runs.loc[runs.lr == 50.0, "status"]) == {"diverged"}
+    ok = runs[runs.lr == 3e-3]
+    assert set(ok.status) == {"ok"}
+    assert (ok.final_val_loss < ok.unigram_floor - 0.3).all(), ok[["run_id", "final_val_loss", "unigram_floor"]]
+    assert {"params", "tokens_seen", "wall_seconds", "tokens_per_s", "ratio"} <= set(runs.columns)
+    best = pd.read_parquet(root / "results/tables/best_lr.parquet")
+    assert len(best) == 4 and set(best.best_lr) == {3e-3}
+    assert set(best.n_diverged) == {1}
+    curves = pd.read_parquet(root / "results/tables/curves.parquet")
+    assert set(curves.run_id) == set(runs.run_id) and curves.val_loss.notna().any()
+    for stem in ("headline", "loss_vs_lr", "loss_curves"):
+        png = root / f"results/figures/{stem}.png"
+        pdf = root / f"results/figures/{stem}.pdf"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+        assert pdf.read_bytes()[:5] == b"%PDF-"
+    # every rule has a log and a benchmark record
+    assert list((root / "results/logs/train").glob("*.log")) and len(list((root / "results/benchmarks/train").glob("*.tsv"))) == 8
+
+
+def test_second_run_does_nothing_and_says_so(workflow):
+    root, _ = workflow
+    proc = snakemake(root)
+    assert "Nothing to be done" in proc.stdout + proc.stderr
+
+
+def test_figure_setting_reruns_only_figures(workflow, wiki_jsonl):
+    root, _ = workflow
+    write_config(root, grid(wiki_jsonl, figures={"dpi": 80}))
+    plan = snakemake(root, "-n")
+    assert job_counts(plan.stdout + plan.stderr) == {"all": 1, "figures": 1, "total": 2}
+    snakemake(root)
+    write_config(root, grid(wiki_jsonl))
+    snakemake(root)
+
+
+def test_adding_a_learning_rate_trains_only_the_new_runs(workflow, wiki_jsonl):
+    root, _ = workflow
+    write_config(root, grid(wiki_jsonl, learning_rates=[3e-3, 50.0, 1e-2]))
+    plan = snakemake(root, "-n")
+    assert job_counts(plan.stdout + plan.stderr) == {"all": 1, "figures": 1, "tables": 1, "train": 4, "total": 7}
+    write_config(root, grid(wiki_jsonl))
+
+
+def test_invalid_config_fails_before_any_job(workflow, wiki_jsonl, tmp_path):
+    root, _ = workflow
+    bad = grid(wiki_jsonl, shapes=[{"n_layer": 2, "d_model": 50}])
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    before = sorted(p for p in (root / "results").rglob("*"))
+    proc = snakemake(root, "--configfile", str(path), check=False)
+    assert proc.returncode != 0
+    assert "shapes[0].d_model" in proc.stderr + proc.stdout
+    assert sorted(p for p in (root / "results").rglob("*")) == before
+
+
+@pytest.mark.parametrize("preset, trains", [("400m", 7 * 6 * 3), ("1p6b", 4 * 3 * 3), ("postnorm_collapse", 2 * 3 * 2)])
+def test_presets_plan(preset, trains):
+    proc = snakemake(REPO, "-n", "--configfile", f"config/presets/{preset}.yaml")
+    counts = job_counts(proc.stdout + proc.stderr)
+    assert counts["train"] == trains and counts["tokenize"] == 1
+
+
+@pytest.mark.parametrize("preset, trains, nodes, gpus", [("400m", 126, 1, 1), ("1p6b", 36, 2, 8)])
+def test_slurm_profile_plans_from_the_repository_root(preset, trains, nodes, gpus):
+    """`snakemake --profile slurm` resolves ./slurm/ and plans without SLURM installed."""
+    proc = subprocess.run(
+        [*SNAKEMAKE, "--profile", "slurm", "-n", "--configfile", f"config/presets/{preset}.yaml"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert job_counts(out)["train"] == trains
+    # each training job asks for the configured SLURM allocation
+    train_resources = re.findall(r"rule train:.*?resources: ([^\n]*)", out, flags=re.S)
+    assert len(train_resources) == trains
+    assert all(f"nodes={nodes}" in r and f"gpus_per_node={gpus}" in r for r in train_resources)
