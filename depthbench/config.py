@@ -276,7 +276,7 @@ def _sweep_points(sweep: dict[str, list]) -> Iterable[dict[str, Any]]:
         yield dict(zip(keys, values))
 
 
-_MODEL_KNOBS = {"n_head", "n_kv_head", "rope_theta", "norm_eps", "init_std", "arch_options"}
+_MODEL_KNOBS = {"n_head", "n_kv_head", "rope_theta", "norm_eps", "init_std", "arch_options", "moe"}
 
 
 def _apply_knobs(model: dict, train: dict, knobs: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ from depthbench.models.layers import apply_rotary
 
 canonical_arch("pre_ln")  # registers every architecture
 ARCHS = sorted(ARCHITECTURES)
+NORM_FAMILY = ["deepnorm", "keel", "lns", "peri_ln", "post_ln", "pre_ln"]  # one stream, x <- block(x)
 
 
 def small(arch, **kw):
@@ -45,10 +46,20 @@ def test_hidden_states_are_h0_to_hL_and_hL_feeds_the_final_norm(arch):
     with torch.no_grad():
         out = model(idx, return_hidden=True)
         assert len(out.hidden) == model.cfg.n_layer + 1
-        torch.testing.assert_close(out.hidden[0], model.embed_tokens(idx))
+        streams = 4 if arch in ("hc", "mhc") else 1  # h_0 is the sum of n copies of the embedding
+        torch.testing.assert_close(out.hidden[0], streams * model.embed_tokens(idx))
         h_last = out.hidden[-1]
         final = model.final_norm(h_last) if model.final_norm is not None else h_last
         torch.testing.assert_close(model.lm_head(final), out.logits)
+
+
+@pytest.mark.parametrize("arch", NORM_FAMILY)
+def test_single_stream_hidden_state_is_what_the_next_block_reads(arch):
+    torch.manual_seed(0)
+    model = build_model(small(arch)).eval()
+    idx = torch.randint(0, 97, (2, 8))
+    with torch.no_grad():
+        out = model(idx, return_hidden=True)
         # h_l is what block l+1 reads
         x = out.hidden[0]
         rope = model.rope(8)

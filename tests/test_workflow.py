@@ -130,14 +130,14 @@ def test_invalid_config_fails_before_any_job(workflow, wiki_jsonl, tmp_path):
     assert sorted(p for p in (root / "results").rglob("*")) == before
 
 
-@pytest.mark.parametrize("preset, trains", [("400m", 7 * 6 * 3), ("1p6b", 4 * 3 * 3), ("postnorm_collapse", 2 * 3 * 2)])
+@pytest.mark.parametrize("preset, trains", [("400m", 7 * 11 * 3), ("1p6b", 4 * 3 * 3), ("postnorm_collapse", 2 * 3 * 2), ("cpu_all", 11 * 3 * 2)])
 def test_presets_plan(preset, trains):
     proc = snakemake(REPO, "-n", "--configfile", f"config/presets/{preset}.yaml")
     counts = job_counts(proc.stdout + proc.stderr)
     assert counts["train"] == trains and counts["tokenize"] == 1
 
 
-@pytest.mark.parametrize("preset, trains, nodes, gpus", [("400m", 126, 1, 1), ("1p6b", 36, 2, 8)])
+@pytest.mark.parametrize("preset, trains, nodes, gpus", [("400m", 231, 1, 1), ("1p6b", 36, 2, 8)])
 def test_slurm_profile_plans_from_the_repository_root(preset, trains, nodes, gpus):
     """`snakemake --profile slurm` resolves ./slurm/ and plans without SLURM installed."""
     proc = subprocess.run(

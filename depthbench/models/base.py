@@ -71,8 +71,10 @@ def _import_architectures() -> None:
 @dataclass
 class ModelOutput:
     logits: torch.Tensor
-    loss: torch.Tensor | None = None
+    loss: torch.Tensor | None = None  # cross-entropy only
     hidden: list[torch.Tensor] | None = None  # h_0 .. h_L when requested
+    aux_loss: torch.Tensor | None = None  # weighted auxiliary losses (MoE load balancing); add to loss to train
+    internals: dict[str, list[torch.Tensor]] | None = None  # per-sublayer records for probes, when requested
 
 
 class Block(nn.Module):
@@ -85,10 +87,19 @@ class Block(nn.Module):
         super().__init__()
         self.layer_index = layer_index
         self.attn = CausalSelfAttention(cfg)
-        self.ffn = SwiGLU(cfg)
+        self.ffn = make_ffn(cfg)
 
-    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:  # pragma: no cover
+    def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError("each architecture's Block defines its residual update")
+
+
+def make_ffn(cfg: ModelConfig) -> nn.Module:
+    """The FFN sublayer: dense SwiGLU, or a top-k mixture of SwiGLU experts when cfg.moe asks."""
+    if cfg.moe.get("n_experts", 0) > 0:
+        from depthbench.models.moe import MoESwiGLU
+
+        return MoESwiGLU(cfg)
+    return SwiGLU(cfg)
 
 
 class DecoderLM(nn.Module):
@@ -120,6 +131,8 @@ class DecoderLM(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+            elif hasattr(module, "init_weights"):  # modules with raw parameters (MoE experts)
+                module.init_weights(std)
         self.init_architecture()
 
     def init_architecture(self) -> None:
@@ -130,25 +143,37 @@ class DecoderLM(nn.Module):
         """h_0: the embedding output (an architecture may normalize it)."""
         return self.embed(idx)
 
-    def trunk(self, h0: torch.Tensor, rope: Rope, hidden: list[torch.Tensor] | None) -> torch.Tensor:
-        """Run the L layers on h_0 and return h_L, appending h_1..h_L to `hidden` if given."""
-        x = h0
+    def init_state(self, h0: torch.Tensor):
+        """The trunk's state before layer 1 (multi-stream architectures hold n copies)."""
+        return h0
+
+    def read_stream(self, state) -> torch.Tensor:
+        """h_l from the trunk state after layer l (the sum of streams for hc/mhc)."""
+        return state
+
+    def trunk(self, h0: torch.Tensor, rope: Rope, hidden: list | None, internals: dict | None) -> torch.Tensor:
+        """Run the L layers on h_0 and return h_L, appending h_0..h_L to `hidden` if given."""
+        state = self.init_state(h0)
+        if hidden is not None:
+            hidden.append(self.read_stream(state))
         for block in self.blocks:
-            x = block(x, rope)
+            state = block(state, rope, internals)
             if hidden is not None:
-                hidden.append(x)
-        return x
+                hidden.append(self.read_stream(state))
+        return self.read_stream(state)
 
     def forward(
         self,
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
         return_hidden: bool = False,
+        return_internals: bool = False,
     ) -> ModelOutput:
         T = idx.shape[1]
         h0 = self.embed_tokens(idx)
-        hidden = [h0] if return_hidden else None
-        x = self.trunk(h0, self.rope(T), hidden)
+        hidden = [] if return_hidden else None
+        internals = {} if return_internals else None
+        x = self.trunk(h0, self.rope(T), hidden, internals)
         if self.final_norm is not None:
             x = self.final_norm(x)
         logits = self.lm_head(x)
@@ -156,14 +181,22 @@ class DecoderLM(nn.Module):
         if targets is not None:
             # Cross-entropy in fp32 whatever the autocast dtype.
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
-        return ModelOutput(logits=logits, loss=loss, hidden=hidden)
+        aux = [b.ffn.aux_loss for b in self.blocks if getattr(b.ffn, "aux_loss", None) is not None]
+        aux_loss = torch.stack(aux).sum() if aux else None
+        return ModelOutput(logits=logits, loss=loss, hidden=hidden, aux_loss=aux_loss, internals=internals)
 
     # -- accounting -------------------------------------------------------------------------
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Total parameters as built (every expert of an MoE counted)."""
         total = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
             total -= self.embed.weight.numel() + self.lm_head.weight.numel()
         return total
+
+    def num_active_parameters(self) -> int:
+        """Parameters used per token: an MoE layer counts its router and its top-k experts only."""
+        inactive = sum(getattr(b.ffn, "inactive_parameters", 0) for b in self.blocks)
+        return self.num_parameters() - inactive
 
 
 def count_parameters(cfg: ModelConfig) -> int:

@@ -87,6 +87,8 @@ class ModelConfig:
     norm_eps: float = 1e-6
     init_std: float | str = 0.02
     arch_options: dict[str, Any] = field(default_factory=dict)
+    # Mixture of experts for the FFN: {} (dense) or n_experts, top_k, aux_loss_coef, d_ff_expert.
+    moe: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -117,6 +119,10 @@ class ModelConfig:
                 f"n_head {self.n_head} is not a multiple of n_kv_head {self.n_kv_head}",
             )
         evaluate_init_std(self.init_std, self.d_model, self.n_layer)
+        if self.moe.get("n_experts", 0):
+            n, k = self.moe["n_experts"], self.moe.get("top_k", 2)
+            if not 1 <= k <= n:
+                raise ConfigError("model.moe.top_k", f"must be between 1 and n_experts {n}, got {k}")
 
     @property
     def head_dim(self) -> int:

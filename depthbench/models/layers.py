@@ -13,6 +13,11 @@ from torch import nn
 from depthbench.models.config import ModelConfig
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """Upcast bf16/fp16 for reductions and softmaxes; leave fp32 and fp64 as they are."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 class RMSNorm(nn.Module):
     """N(x) = g * x / sqrt(mean(x^2) + eps), learnable gain g, eps = 1e-6 by default."""
 
@@ -50,7 +55,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
     x: (B, H, T, hd); cos/sin: (T, hd/2).
     """
-    x1, x2 = x.float().chunk(2, dim=-1)
+    x1, x2 = at_least_fp32(x).chunk(2, dim=-1)
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return rotated.to(x.dtype)
 

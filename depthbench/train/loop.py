@@ -1,7 +1,8 @@
 """The training loop of one run.
 
-Recipe: AdamW (decoupled weight decay on every matrix of the attention, FFN and LM head; none on
-the input embedding, norm gains or any vector/scalar parameter), gradient clipping, linear warmup
+Recipe: AdamW (decoupled weight decay on the weights of every Linear layer, LM head included, and
+on MoE expert matrices; none on the input embedding, norm gains, pseudo-queries or HC/mHC static
+weights and biases), gradient clipping, linear warmup
 over `warmup_fraction` of the steps then cosine decay to `min_lr_ratio` x lr, the global batch
 reached by gradient accumulation, bf16 autocast on GPU and fp32 on CPU, deterministic seeding.
 
@@ -46,10 +47,17 @@ def lr_at(step: int, base_lr: float, total: int, warmup: int, min_ratio: float) 
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay the weights of Linear layers and MoE expert matrices; nothing else (embedding, norm
+    gains, pseudo-queries, HC/mHC static weights and biases, scalar gains)."""
+    decay_ids = set()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            decay_ids.add(id(module.weight))
+        elif hasattr(module, "init_weights"):  # MoE experts
+            decay_ids.update(id(p) for p in module.parameters(recurse=False))
     decay, no_decay = [], []
-    embed = model.embed.weight
     for p in model.parameters():
-        (decay if p.dim() >= 2 and p is not embed else no_decay).append(p)
+        (decay if id(p) in decay_ids else no_decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -150,7 +158,7 @@ def train(spec: RunSpec, data_dir: str | os.PathLike, paths: RunPaths, progress:
     else:
         paths.metrics.unlink(missing_ok=True)
 
-    flops_per_token = train_flops_per_token(cfg, tc.seq_len, n_params)
+    flops_per_token = train_flops_per_token(cfg, tc.seq_len, model.num_active_parameters())
     peak = device_peak_flops(device, dtype)
     diverge_at = tc.divergence_factor * math.log(cfg.vocab_size)
     bar = None
@@ -189,8 +197,10 @@ def train(spec: RunSpec, data_dir: str | os.PathLike, paths: RunPaths, progress:
             for micro in range(batches.accum_steps):
                 x, y = batches.get(step, micro)
                 with autocast:
-                    loss = step_fn(x.to(device), y.to(device)).loss
-                (loss / batches.accum_steps).backward()
+                    out = step_fn(x.to(device), y.to(device))
+                loss = out.loss
+                objective = loss if out.aux_loss is None else loss + out.aux_loss  # MoE load balancing
+                (objective / batches.accum_steps).backward()
                 loss_sum += loss.item()
             train_loss = loss_sum / batches.accum_steps
             if tc.grad_clip is not None:

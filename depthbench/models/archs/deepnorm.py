@@ -30,7 +30,7 @@ class DeepNormBlock(Block):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.alpha = (2 * cfg.n_layer) ** 0.25
 
-    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None) -> torch.Tensor:
         x = self.attn_norm(self.alpha * x + self.attn(x, rope))
         x = self.ffn_norm(self.alpha * x + self.ffn(x))
         return x
@@ -50,6 +50,9 @@ class DeepNorm(DecoderLM):
             xavier_normal_rows_(attn.wqkv.weight, q, q + kv, 1.0)
             xavier_normal_rows_(attn.wqkv.weight, q + kv, q + 2 * kv, beta)
             nn.init.xavier_normal_(attn.wo.weight, gain=beta)
+            if hasattr(ffn, "init_weights_xavier"):  # mixture of experts
+                ffn.init_weights_xavier(beta)
+                continue
             xavier_normal_rows_(ffn.w13.weight, 0, ffn.d_ff, beta)
             xavier_normal_rows_(ffn.w13.weight, ffn.d_ff, 2 * ffn.d_ff, beta)
             nn.init.xavier_normal_(ffn.w2.weight, gain=beta)

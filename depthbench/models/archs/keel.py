@@ -19,7 +19,7 @@ class KeelBlock(Block):
         self.ffn_norm_out = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.alpha = float(2 * cfg.n_layer)
 
-    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None) -> torch.Tensor:
         x = self.attn_norm_out(self.alpha * x + self.attn(self.attn_norm_in(x), rope))
         x = self.ffn_norm_out(self.alpha * x + self.ffn(self.ffn_norm_in(x)))
         return x

@@ -23,7 +23,7 @@ class LNSBlock(Block):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.scale = 1.0 / math.sqrt(layer_index)
 
-    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x) * self.scale, rope)
         x = x + self.ffn(self.ffn_norm(x) * self.scale)
         return x

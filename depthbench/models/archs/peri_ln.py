@@ -19,7 +19,7 @@ class PeriLNBlock(Block):
         self.ffn_norm_in = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn_norm_out = RMSNorm(cfg.d_model, cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None) -> torch.Tensor:
         x = x + self.attn_norm_out(self.attn(self.attn_norm_in(x), rope))
         x = x + self.ffn_norm_out(self.ffn(self.ffn_norm_in(x)))
         return x

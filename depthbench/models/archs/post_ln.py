@@ -12,7 +12,7 @@ class PostLNBlock(Block):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None) -> torch.Tensor:
         x = self.attn_norm(x + self.attn(x, rope))
         x = self.ffn_norm(x + self.ffn(x))
         return x

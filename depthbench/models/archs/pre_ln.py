@@ -12,7 +12,7 @@ class PreLNBlock(Block):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)
         x = x + self.ffn(self.ffn_norm(x))
         return x

@@ -1,0 +1,85 @@
+"""Training step time of every architecture relative to pre_ln at the same parameter count.
+
+For each architecture the shape solver picks the width that meets the same budget at the same
+depth (extra parameters of an architecture are charged to it, so its width may be smaller).
+All models are timed alternately, several rounds, in one process; the median step time of each
+is divided by pre_ln's. Target on CPU: at most 1.5x for hc, mhc, attnres_full, attnres_block
+and moda.
+
+    .venv/bin/python benchmarks/arch_step_time.py [--budget 8e5 --n-layer 8 --vocab 2048
+        --batch 16 --seq 128 --threads 2 --rounds 5 --steps 3 --json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from depthbench.models import ARCHITECTURES, ModelConfig, build_model, canonical_arch
+from depthbench.shapes import solve_width
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budget", type=float, default=8e5)
+    p.add_argument("--n-layer", type=int, default=8)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--multiple", type=int, default=16)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--archs", nargs="*", default=None)
+    p.add_argument("--json")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    canonical_arch("pre_ln")
+    archs = args.archs or ["pre_ln"] + sorted(a for a in ARCHITECTURES if a != "pre_ln")
+
+    steps, info = {}, {}
+    x = torch.randint(0, args.vocab, (args.batch, args.seq))
+    y = torch.randint(0, args.vocab, (args.batch, args.seq))
+    for arch in archs:
+        base = ModelConfig(arch=arch, vocab_size=args.vocab, n_head=args.n_head, max_seq_len=args.seq)
+        shape = solve_width(base, args.n_layer, args.budget, multiple=args.multiple, ff_multiple=32)
+        torch.manual_seed(0)
+        model = build_model(ModelConfig(arch=arch, vocab_size=args.vocab, n_head=args.n_head, max_seq_len=args.seq,
+                                        n_layer=shape.n_layer, d_model=shape.d_model, d_ff=shape.d_ff))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step(model=model, opt=opt):
+            out = model(x, y)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()
+        steps[arch] = step
+        info[arch] = {"d_model": shape.d_model, "n_layer": shape.n_layer, "params": shape.n_params}
+    times: dict[str, list[float]] = {a: [] for a in archs}
+    for _ in range(args.rounds):
+        for arch in archs:
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                steps[arch]()
+            times[arch].append((time.perf_counter() - t) / args.steps)
+    ref = statistics.median(times["pre_ln"])
+    print(f"budget {args.budget:,.0f} params, L={args.n_layer}, batch {args.batch}x{args.seq}, vocab {args.vocab}, threads {args.threads}")
+    print(f"{'arch':<14} {'d_model':>7} {'params':>10} {'step ms':>9} {'vs pre_ln':>9}")
+    for arch in archs:
+        med = statistics.median(times[arch])
+        info[arch].update(step_seconds=med, ratio_to_pre_ln=med / ref)
+        print(f"{arch:<14} {info[arch]['d_model']:>7} {info[arch]['params']:>10,} {1000 * med:>9.1f} {med / ref:>8.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), "results": info}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Mixture-of-Depths Attention (arXiv 2603.15619; reference code hustvl/MoDA).
+
+Not the token-routing "Mixture-of-Depths" of Raposo et al. Each attention head at layer l,
+position t, takes ONE softmax over
+  (a) the usual causal keys of layer l at positions <= t, and
+  (b) depth keys of the same position t from every earlier layer: the K, V that the attention
+      sublayers of layers 1..l-1 produced at t, and in the `ffn_kv` variant also K, V from an
+      extra projection of each earlier layer's FFN-sublayer input N(x),
+and mixes the corresponding values under that softmax:
+
+    y_t = sum_{j<=t} p_tj v_j + sum_{m<l} p_tm v^depth_{m,t},   p = softmax([q_t k_j / sqrt(hd) ; q_t k^depth_{m,t} / sqrt(hd)])
+
+The residual placement is Pre-LN with a final norm. `reuse_kv` (default) adds no parameters;
+`ffn_kv` adds a d -> 2 * kv_dim projection per layer (2 d^2 / G parameters, G = query heads per
+KV head), charged to the budget. Depth keys carry the RoPE rotation of their own position t,
+the same as the query they meet, so the rotation cancels in q . k as it does for j = t.
+The joint softmax needs the sequence scores explicitly, so MoDA computes attention with explicit
+matrices instead of fused SDPA (layer 1, which has no depth keys, still uses SDPA).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from depthbench.models.base import Block, DecoderLM, Rope, register
+from depthbench.models.layers import RMSNorm, apply_rotary, at_least_fp32
+
+VARIANTS = ("reuse_kv", "ffn_kv")
+
+
+def joint_depth_attention(q, k, v, depth_k, depth_v):
+    """q: (B, H, T, hd); k, v: (B, H, T, hd); depth_k, depth_v: (B, H, T, D, hd). -> (B, H, T, hd)."""
+    T = q.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    seq = (q @ k.transpose(-1, -2)) * scale
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    seq = seq.masked_fill(~causal, float("-inf"))
+    depth = torch.einsum("bhtd,bhtmd->bhtm", q, depth_k) * scale
+    p = torch.softmax(at_least_fp32(torch.cat([seq, depth], dim=-1)), dim=-1).to(q.dtype)
+    return p[..., :T] @ v + torch.einsum("bhtm,bhtmd->bhtd", p[..., T:], depth_v)
+
+
+class MoDABlock(Block):
+    def __init__(self, cfg, layer_index):
+        super().__init__(cfg, layer_index)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        variant = cfg.arch_options.get("variant", "reuse_kv")
+        self.ffn_kv = nn.Linear(cfg.d_model, 2 * self.attn.kv_dim, bias=False) if variant == "ffn_kv" else None
+
+    def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None, depth: list | None = None) -> torch.Tensor:
+        """`depth` holds (k, v) pairs (B, H_kv, T, hd) of earlier layers; this layer appends its own."""
+        attn = self.attn
+        B, T, _ = x.shape
+        q, k, v = attn.project_qkv(self.attn_norm(x), rope)
+        groups = attn.n_head // attn.n_kv_head
+        if depth:
+            dk = torch.stack([d[0] for d in depth], dim=3).repeat_interleave(groups, dim=1)
+            dv = torch.stack([d[1] for d in depth], dim=3).repeat_interleave(groups, dim=1)
+            y = joint_depth_attention(q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), dk, dv)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
+        x = x + attn.wo(y.transpose(1, 2).reshape(B, T, attn.q_dim))
+        depth.append((k, v))
+        h = self.ffn_norm(x)
+        if self.ffn_kv is not None:
+            fk, fv = self.ffn_kv(h).split(attn.kv_dim, dim=-1)
+            fk = apply_rotary(fk.view(B, T, attn.n_kv_head, attn.head_dim).transpose(1, 2), *rope)
+            depth.append((fk, fv.view(B, T, attn.n_kv_head, attn.head_dim).transpose(1, 2)))
+        return x + self.ffn(h)
+
+
+@register("moda")
+class MixtureOfDepthsAttention(DecoderLM):
+    block_class = MoDABlock
+    has_final_norm = True
+
+    def __init__(self, cfg, initialize: bool = True):
+        variant = cfg.arch_options.get("variant", "reuse_kv")
+        if variant not in VARIANTS:
+            from depthbench.errors import ConfigError
+
+            raise ConfigError("model.arch_options.variant", f"{variant!r}; valid for moda: {list(VARIANTS)}")
+        super().__init__(cfg, initialize)
+
+    def trunk(self, h0: torch.Tensor, rope: Rope, hidden: list | None, internals: dict | None) -> torch.Tensor:
+        x, depth = h0, []
+        if hidden is not None:
+            hidden.append(x)
+        for block in self.blocks:
+            x = block(x, rope, internals, depth)
+            if hidden is not None:
+                hidden.append(x)
+        return x

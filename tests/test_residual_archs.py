@@ -1,0 +1,274 @@
+"""Hyper-Connections, mHC, Attention Residuals, MoDA, GQA and MoE: their defining properties."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from depthbench.models import ModelConfig, build_model, count_parameters
+from depthbench.models.archs.attnres_block import block_ends
+from depthbench.models.archs.attnres_full import DepthAttention, rms_unit
+from depthbench.models.archs.mhc import sinkhorn_knopp
+from depthbench.models.archs.moda import joint_depth_attention
+from depthbench.models.moe import MoESwiGLU
+from depthbench.shapes import solve_width
+
+NEW = ["hc", "mhc", "attnres_full", "attnres_block", "moda"]
+
+
+def cfg(arch, **kw):
+    base = dict(arch=arch, vocab_size=61, d_model=32, n_layer=3, n_head=4, max_seq_len=16)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def test_hc_with_one_stream_and_zero_dynamic_weights_is_pre_ln():
+    torch.manual_seed(0)
+    pre = build_model(cfg("pre_ln"))
+    hc = build_model(cfg("hc", arch_options={"n_streams": 1}))
+    missing, unexpected = hc.load_state_dict(pre.state_dict(), strict=False)
+    assert not unexpected and all("_hc." in k for k in missing)
+    idx = torch.randint(0, 61, (2, 12))
+    torch.testing.assert_close(hc(idx).logits, pre(idx).logits, rtol=1e-5, atol=1e-6)
+    # and the dynamic part is really there: non-zero dynamic weights change the output
+    with torch.no_grad():
+        hc.blocks[0].attn_hc.dynamic.weight.normal_()
+    assert not torch.allclose(hc(idx).logits, pre(idx).logits)
+
+
+def test_hc_static_init_and_stream_sum():
+    model = build_model(cfg("hc"))
+    hcs = [m for b in model.blocks for m in (b.attn_hc, b.ffn_hc)]
+    for s, h in enumerate(hcs):
+        assert torch.equal(h.static_read, torch.nn.functional.one_hot(torch.tensor(s % 4), 4).float())
+        assert torch.equal(h.static_mix, torch.eye(4)) and torch.equal(h.static_write, torch.ones(4))
+        assert torch.count_nonzero(h.dynamic.weight) == 0
+    out = model(torch.randint(0, 61, (1, 5)), return_hidden=True, return_internals=True)
+    mixing = out.internals["stream_mixing"]
+    assert len(mixing) == 6 and mixing[0].shape == (1, 5, 4, 4)
+
+
+@pytest.mark.parametrize("phi_std, gain", [(0.0, 0.01), (1.0, 0.01), (1.0, 0.04), (0.1, 0.3)])
+def test_mhc_mixing_matrices_are_doubly_stochastic(phi_std, gain):
+    torch.manual_seed(0)
+    model = build_model(cfg("mhc"))
+    with torch.no_grad():
+        for b in model.blocks:
+            for m in (b.attn_mhc, b.ffn_mhc):
+                m.phi.weight.normal_(0, phi_std)
+                m.gains.fill_(gain)
+    out = model(torch.randint(0, 61, (2, 9)), return_internals=True)
+    for res in out.internals["stream_mixing"]:
+        assert (res >= 0).all()
+        torch.testing.assert_close(res.sum(-1), torch.ones(res.shape[:-1]), atol=1e-3, rtol=0)
+        torch.testing.assert_close(res.sum(-2), torch.ones(res.shape[:-1]), atol=1e-3, rtol=0)
+
+
+def test_mhc_init_values():
+    model = build_model(cfg("mhc"))
+    m = model.blocks[1].ffn_mhc  # sublayer 3
+    assert torch.equal(m.b_pre, torch.tensor([0.0, 0.0, 0.0, 1.0]))
+    assert torch.equal(m.b_res, torch.eye(4)) and torch.equal(m.b_post, torch.ones(4))
+    assert torch.allclose(m.gains, torch.full((3,), 0.01)) and torch.count_nonzero(m.phi.weight) == 0
+
+
+def test_sinkhorn_convergence_in_twenty_iterations():
+    """Columns are exact (the last step normalises them); rows are within 1e-3 while the
+    logits' spread around the identity bias stays below ~0.5. Wider spreads converge slower
+    (rows off by up to ~1e-2 at spread 1): a property of 20 iterations, reported by the probes."""
+    torch.manual_seed(0)
+    logits = torch.randn(2000, 4, 4, dtype=torch.float64) * 0.5 + torch.eye(4, dtype=torch.float64)
+    m = sinkhorn_knopp(logits, 20)
+    assert (m.sum(-2) - 1).abs().max() < 1e-12
+    assert (m.sum(-1) - 1).abs().max() < 1e-3
+
+
+def test_sinkhorn_gradient_matches_finite_differences():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: sinkhorn_knopp(t, 20), (x,))
+
+
+def test_attnres_full_zero_queries_give_uniform_weights_over_earlier_outputs():
+    torch.manual_seed(0)
+    L = 3
+    model = build_model(cfg("attnres_full", n_layer=L))
+    out = model(torch.randint(0, 61, (2, 7)), return_internals=True)
+    weights = out.internals["depth_weights"]
+    assert [len(w) for w in weights] == list(range(1, 2 * L + 1)) + [2 * L + 1]
+    for w in weights:
+        torch.testing.assert_close(w, torch.full_like(w, 1.0 / len(w)))
+
+
+def reference_block_attnres_uniform(model, idx):
+    """Block AttnRes with zero pseudo-queries, written out by hand: every read is a plain mean."""
+    rope = model.rope(idx.shape[1])
+    v0 = model.embed(idx)
+    ends = block_ends(model.cfg.n_layer, model.cfg.arch_options.get("n_blocks", 8))
+    blocks, partial = [], None
+    for layer, block in enumerate(model.blocks, start=1):
+        for is_ffn in (False, True):
+            sources = [v0, *blocks] + ([partial] if partial is not None else [])
+            h = torch.stack(sources).mean(0)
+            out = block.ffn(block.ffn_norm(h)) if is_ffn else block.attn(block.attn_norm(h), rope)
+            partial = out if partial is None else partial + out
+        if layer in ends:
+            blocks.append(partial)
+            partial = None
+    h = torch.stack([v0, *blocks]).mean(0)
+    return model.lm_head(model.final_norm(h))
+
+
+@pytest.mark.parametrize("n_layer, n_blocks, counts", [
+    (3, 2, [1, 2, 2, 2, 2, 3, 3]),  # blocks: layers 1-2, layer 3
+    (3, 8, [1, 2, 2, 3, 3, 4, 4]),  # more blocks than layers: each layer is a block
+])
+def test_attnres_block_reads_exactly_the_allowed_sources(n_layer, n_blocks, counts):
+    torch.manual_seed(0)
+    model = build_model(cfg("attnres_block", n_layer=n_layer, arch_options={"n_blocks": n_blocks}))
+    idx = torch.randint(0, 61, (2, 7))
+    out = model(idx, return_internals=True)
+    weights = out.internals["depth_weights"]
+    assert [len(w) for w in weights] == counts
+    for w in weights:
+        torch.testing.assert_close(w, torch.full_like(w, 1.0 / len(w)))
+    torch.testing.assert_close(out.logits, reference_block_attnres_uniform(model, idx), rtol=1e-5, atol=1e-5)
+
+
+def test_block_boundaries():
+    assert block_ends(16, 8) == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert block_ends(70, 8) == [9, 18, 26, 35, 44, 53, 61, 70]  # round(k*70/8) half up
+    assert block_ends(3, 8) == [1, 2, 3]
+
+
+def test_depth_attention_gradient_matches_finite_differences():
+    torch.manual_seed(0)
+    depth = DepthAttention(5, 1e-6).double()
+    with torch.no_grad():
+        depth.query.normal_()
+    v = torch.randn(4, 2, 3, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: depth(t, rms_unit(t, 1e-6))[0], (v,))
+
+
+def dense_moda_reference(q, k, v, dk, dv):
+    B, H, T, hd = q.shape
+    out = torch.zeros_like(q)
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                keys = torch.cat([k[b, h, : t + 1], dk[b, h, t]])
+                values = torch.cat([v[b, h, : t + 1], dv[b, h, t]])
+                p = torch.softmax(keys @ q[b, h, t] / math.sqrt(hd), dim=0)
+                out[b, h, t] = p @ values
+    return out
+
+
+def test_moda_joint_softmax_equals_dense_reference():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 4, dtype=torch.float64) for _ in range(3))
+    dk, dv = (torch.randn(2, 3, 5, 2, 4, dtype=torch.float64) for _ in range(2))
+    torch.testing.assert_close(joint_depth_attention(q, k, v, dk, dv), dense_moda_reference(q, k, v, dk, dv))
+    args = [t.clone().requires_grad_() for t in (q, k, v, dk, dv)]
+    assert torch.autograd.gradcheck(joint_depth_attention, args)
+
+
+def test_moda_first_layer_is_pre_ln_and_later_layers_see_depth_keys():
+    torch.manual_seed(0)
+    pre = build_model(cfg("pre_ln", n_layer=1))
+    moda = build_model(cfg("moda", n_layer=1))
+    moda.load_state_dict(pre.state_dict())
+    idx = torch.randint(0, 61, (2, 9))
+    torch.testing.assert_close(moda(idx).logits, pre(idx).logits)
+    pre3, moda3 = build_model(cfg("pre_ln")), build_model(cfg("moda"))
+    moda3.load_state_dict(pre3.state_dict())
+    assert not torch.allclose(moda3(idx).logits, pre3(idx).logits)
+
+
+def test_moda_ffn_kv_variant_charges_its_parameters():
+    base = count_parameters(cfg("moda", n_layer=4))
+    extra = count_parameters(cfg("moda", n_layer=4, arch_options={"variant": "ffn_kv"})) - base
+    assert extra == 4 * 2 * 32 * 32  # 2 d^2 / G per layer with MHA (G = 1)
+    extra_gqa = count_parameters(cfg("moda", n_layer=4, n_kv_head=2, arch_options={"variant": "ffn_kv"})) - count_parameters(cfg("moda", n_layer=4, n_kv_head=2))
+    assert extra_gqa == 4 * 2 * 32 * 32 // 2
+    with pytest.raises(Exception, match="model.arch_options.variant"):
+        build_model(cfg("moda", arch_options={"variant": "nope"}))
+
+
+@pytest.mark.parametrize("arch, variant", [(a, {}) for a in NEW + ["pre_ln"]] + [("moda", {"variant": "ffn_kv"})])
+def test_no_position_sees_a_later_token_and_no_layer_a_later_layer(arch, variant):
+    torch.manual_seed(0)
+    model = build_model(cfg(arch, n_layer=4, arch_options=variant)).eval()
+    idx = torch.randint(0, 61, (2, 10))
+    changed = idx.clone()
+    changed[:, 6:] = (changed[:, 6:] + 1) % 61
+    with torch.no_grad():
+        a, b = model(idx, return_hidden=True), model(changed, return_hidden=True)
+        for h_a, h_b in zip(a.hidden, b.hidden):
+            torch.testing.assert_close(h_a[:, :6], h_b[:, :6])
+        # perturb layers 3..4: h_0..h_2 must not move. (For attnres, h_2 is by definition the
+        # input that layer 3's own pseudo-query aggregates from layers <= 2: that query stays.)
+        perturbed = copy.deepcopy(model)
+        for i, block in enumerate(perturbed.blocks[2:]):
+            for name, p in block.named_parameters():
+                if not (i == 0 and name.startswith("attn_depth.")):
+                    p.add_(torch.randn_like(p))
+        c = perturbed(idx, return_hidden=True)
+    for l in range(3):
+        torch.testing.assert_close(a.hidden[l], c.hidden[l])
+    assert not torch.allclose(a.hidden[4], c.hidden[4])
+
+
+def test_gqa_with_as_many_kv_heads_as_heads_is_mha_for_every_path():
+    torch.manual_seed(0)
+    for arch in ("pre_ln", "moda"):
+        mha = build_model(cfg(arch, n_head=4))
+        gqa = build_model(cfg(arch, n_head=4, n_kv_head=4))
+        gqa.load_state_dict(mha.state_dict())
+        idx = torch.randint(0, 61, (1, 8))
+        torch.testing.assert_close(gqa(idx).logits, mha(idx).logits)
+    # GQA in MoDA's joint path equals repeating the KV heads explicitly
+    g = build_model(cfg("moda", n_head=4, n_kv_head=2))
+    assert g.blocks[0].attn.wqkv.weight.shape[0] == 32 + 2 * 16
+
+
+def test_moe_routes_each_token_to_its_top_k_experts():
+    torch.manual_seed(0)
+    c = cfg("pre_ln", moe={"n_experts": 4, "top_k": 2, "aux_loss_coef": 0.5})
+    layer = MoESwiGLU(c)
+    layer.init_weights(0.1)
+    torch.nn.init.normal_(layer.router.weight, std=0.5)
+    x = torch.randn(3, 5, 32)
+    y = layer(x)
+    flat = x.reshape(-1, 32)
+    probs = torch.softmax(layer.router(flat), -1)
+    ref = torch.zeros_like(flat)
+    for n in range(flat.shape[0]):
+        p, e = probs[n].topk(2)
+        p = p / p.sum()
+        for weight, expert in zip(p, e):
+            gate, up = (flat[n] @ layer.w13[expert]).chunk(2)
+            ref[n] += weight * ((torch.nn.functional.silu(gate) * up) @ layer.w2[expert])
+    torch.testing.assert_close(y.reshape(-1, 32), ref, rtol=1e-5, atol=1e-6)
+    # uniform router: the Switch balance loss is exactly 1 (times the coefficient)
+    torch.nn.init.zeros_(layer.router.weight)
+    layer(x)
+    assert layer.aux_loss.item() == pytest.approx(0.5)
+
+
+def test_moe_parameters_total_and_active():
+    dense = build_model(cfg("pre_ln"))
+    moe = build_model(cfg("pre_ln", moe={"n_experts": 4, "top_k": 1}))
+    ffn = 3 * 32 * dense.cfg.d_ff
+    assert moe.num_parameters() == dense.num_parameters() + 3 * (3 * ffn + 32 * 4)
+    assert moe.num_active_parameters() == dense.num_parameters() + 3 * 32 * 4
+    out = moe(torch.randint(0, 61, (2, 6)), torch.randint(0, 61, (2, 6)))
+    assert out.aux_loss is not None and out.aux_loss.item() > 0
+
+
+@pytest.mark.parametrize("arch", NEW)
+def test_shape_solver_charges_extra_parameters(arch):
+    base = ModelConfig(arch=arch, vocab_size=2048, n_head=4)
+    shape = solve_width(base, 4, 8e5, multiple=16, ff_multiple=32)
+    built = build_model(ModelConfig(arch=arch, vocab_size=2048, n_head=4, n_layer=4, d_model=shape.d_model, d_ff=shape.d_ff))
+    assert shape.n_params == built.num_parameters()
