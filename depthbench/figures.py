@@ -14,6 +14,13 @@ import pandas as pd  # noqa: E402
 from depthbench.io import atomic_write  # noqa: E402
 
 
+def arch_style(arch: str, archs: list[str]) -> dict:
+    """A distinct colour and marker per architecture (more than the 10 default colours)."""
+    i = sorted(archs).index(arch) if arch in archs else 0
+    colors = list(plt.get_cmap("tab10").colors) + ["black", "darkgoldenrod", "slategray"]
+    return {"color": colors[i % len(colors)], "marker": "osD^v<>ph*X"[i % 11]}
+
+
 def save(fig, png: str | Path, pdf: str | Path, dpi: int) -> None:
     atomic_write(png, lambda tmp: fig.savefig(tmp, format="png", dpi=dpi, bbox_inches="tight"))
     atomic_write(pdf, lambda tmp: fig.savefig(tmp, format="pdf", bbox_inches="tight"))
@@ -38,17 +45,18 @@ def _floor(ax, floor: float) -> None:
 def headline(best: pd.DataFrame, runs: pd.DataFrame, png, pdf, width: float, height: float, dpi: int, title: str) -> None:
     """Validation loss at the best learning rate against d_model / n_layer, one line per arch."""
     fig, ax = plt.subplots(figsize=(width, height))
+    archs = sorted(best["arch"].unique())
     for (arch, knobs), group in best.groupby(["arch", "knobs"]):
         group = group.sort_values("ratio")
         label = arch if knobs == "{}" else f"{arch} {knobs}"
-        ax.plot(group["ratio"], group["final_val_loss"], marker="o", label=label)
+        ax.plot(group["ratio"], group["final_val_loss"], label=label, **arch_style(arch, archs))
     floor = float(runs["unigram_floor"].iloc[0])
     _floor(ax, floor)
     _log_ticks(ax, best["ratio"].round(1))
     ax.set_xlabel("d_model / n_layer (log scale; deeper and narrower to the left)")
     ax.set_ylabel("validation loss at best LR (nats/token)")
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, ncol=2 if len(archs) > 6 else 1)
     ax.grid(alpha=0.3)
     save(fig, png, pdf, dpi)
 
@@ -62,19 +70,21 @@ def loss_vs_lr(runs: pd.DataFrame, png, pdf, width: float, height: float, dpi: i
     top = float(finite.max()) if not finite.empty else float(runs["unigram_floor"].iloc[0])
     for ax, (n_layer, d_model) in zip(axes[0], shapes):
         sub = runs[(runs["n_layer"] == n_layer) & (runs["d_model"] == d_model)]
+        archs = sorted(runs["arch"].unique())
         for arch, group in sub.groupby("arch"):
+            style = arch_style(arch, archs)
             ok = group[group["status"] == "ok"].groupby("lr", as_index=False)["final_val_loss"].mean()
-            line, = ax.plot(ok["lr"], ok["final_val_loss"], marker="o", label=arch)
+            ax.plot(ok["lr"], ok["final_val_loss"], label=arch, **style)
             bad = group[group["status"] == "diverged"]
             if not bad.empty:
-                ax.scatter(bad["lr"], [top * 1.02] * len(bad), marker="x", color=line.get_color())
+                ax.scatter(bad["lr"], [top * 1.02] * len(bad), marker="x", color=style["color"])
         _floor(ax, float(runs["unigram_floor"].iloc[0]))
         _log_ticks(ax, runs["lr"])
         ax.set_title(f"L={n_layer}, d={d_model} (ratio {d_model / n_layer:.1f})", fontsize=9)
         ax.set_xlabel("learning rate")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("final validation loss (x: diverged)")
-    axes[0][-1].legend(fontsize=8)
+    axes[0][-1].legend(fontsize=7, ncol=2 if runs["arch"].nunique() > 6 else 1)
     fig.suptitle(title)
     save(fig, png, pdf, dpi)
 

@@ -42,7 +42,8 @@ def run_rows(summary_paths: Iterable[str], unigram_floor: float, experiment: str
             "lr": spec["lr"],
             "seed": spec["seed"],
             "knobs": json.dumps(spec["knobs"], sort_keys=True),
-            **{f"knob_{k.replace('.', '_')}": v for k, v in spec["knobs"].items()},
+            # one column per sweep axis; as text, since an axis may mix numbers and rules
+            **{f"knob_{k.replace('.', '_')}": json.dumps(v) if not isinstance(v, str) else v for k, v in spec["knobs"].items()},
             "weight_decay": spec["train"]["weight_decay"],
             "seq_len": spec["train"]["seq_len"],
             "global_batch_size": spec["train"]["global_batch_size"],
