@@ -143,3 +143,16 @@ def test_batches_are_deterministic_disjoint_across_ranks_and_cover_an_epoch(tiny
 
 def torch_equal(a, b) -> bool:
     return bool((a == b).all())
+
+
+def test_hub_source_reads_through_the_same_interface_on_a_local_dataset_folder(tmp_path, wiki_jsonl):
+    """`source: hub` calls datasets.load_dataset(name, subset, split, streaming); a local dataset
+    folder stands in for a hub repository here (no network)."""
+    folder = tmp_path / "my_dataset"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(wiki_jsonl.read_text())
+    corpus = {"source": "hub", "dataset": str(folder), "subset": None, "split": "train", "streaming": True,
+              "max_documents": 25}
+    hub_docs = list(iter_documents(corpus))
+    local_docs = list(iter_documents({"source": "local", "path": str(wiki_jsonl), "max_documents": 25}))
+    assert len(hub_docs) == 25 and hub_docs == local_docs

@@ -151,3 +151,38 @@ def test_slurm_profile_plans_from_the_repository_root(preset, trains, nodes, gpu
     train_resources = re.findall(r"rule train:.*?resources: ([^\n]*)", out, flags=re.S)
     assert len(train_resources) == trains
     assert all(f"nodes={nodes}" in r and f"gpus_per_node={gpus}" in r for r in train_resources)
+
+
+def test_ctrl_c_on_snakemake_cancels_the_submitted_training_job(tmp_path, wiki_jsonl):
+    """Ctrl-C reaches the whole foreground process group; the dispatcher cancels its job."""
+    import json
+    import os
+    import signal
+    import time
+
+    root = copy_workflow(tmp_path)
+    config = grid(wiki_jsonl, architectures=["pre_ln"], shapes=[{"n_layer": 1}], learning_rates=[3e-3],
+                  launcher={"backend": "local"})
+    config["train"]["tokens_per_param"] = 1000.0  # far longer than the test waits
+    write_config(root, config)
+    proc = subprocess.Popen([*SNAKEMAKE, "--cores", "1"], cwd=root, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    records = []
+    while time.time() < deadline and not records:
+        records = list((root / "results" / "work").glob("*/checkpoints"))
+        time.sleep(0.5)
+    assert records, "training never started"
+    job_pid = int(json.loads((records[0].parent / "job.json").read_text())["job_id"])
+    os.kill(job_pid, 0)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does in a terminal
+    proc.wait(timeout=120)
+    for _ in range(200):
+        try:
+            os.kill(job_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"training job {job_pid} survived Ctrl-C on Snakemake")
+    assert not list((root / "results" / "runs").glob("*/summary.json"))

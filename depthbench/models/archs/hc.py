@@ -12,7 +12,8 @@ The static parts (one-hot, identity, ones) are learnable parameters initialised 
 values; the dynamic projections w_m, W_r, w_b are zero-initialised, and the 0.01 scale is a
 fixed constant (documented choice). The model output is the sum of streams, then the final norm
 and LM head; h_l for probes is the sum of streams. With n = 1 and zero dynamic weights this is
-exactly Pre-LN. `internals["stream_mixing"]` records A_r of every sublayer, (B, T, n, n).
+exactly Pre-LN. `internals["stream_mixing"]` records, for every sublayer, the matrix acting on the
+streams, A_r^T (B, T, n, n), as mhc records H_res: both read H <- M H + ...
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from depthbench.models.base import Block, DecoderLM, Rope, register
-from depthbench.models.layers import RMSNorm
+from depthbench.models.layers import RMSNorm, at_least_fp32
 
 DYNAMIC_SCALE = 0.01
 
@@ -34,7 +35,7 @@ def mix_streams(weights: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
 
 
 def mix_matrix(M: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
-    """(M H)_j = sum_i M_ji H_i: (B, T, n, n) x (B, T, n, d) -> (B, T, n, d).
+    """(M H)_j = sum_i M_ji H_i: (B, T, m, n) x (B, T, n, d) -> (B, T, m, d).
 
     Written as n multiply-adds of whole streams: on CPU, a batched matmul of 4 x 4 matrices
     loops over the B*T batch (about 4x slower, forward and backward), and one broadcast
@@ -70,13 +71,18 @@ class HyperConnection(nn.Module):
 
     def forward(self, H: torch.Tensor, sublayer_fn: Callable[[torch.Tensor], torch.Tensor]):
         n = self.n
-        dyn = DYNAMIC_SCALE * torch.tanh(self.dynamic(self.norm(H)))  # (B, T, n, n + 2)
+        # N(H_i) W = (H_i (g * W)) / rms(H_i): the normalised streams are never materialised.
+        inv_rms = torch.rsqrt(at_least_fp32(H).pow(2).mean(-1, keepdim=True) + self.norm.eps).to(H.dtype)
+        proj = H @ (self.norm.weight.unsqueeze(1) * self.dynamic.weight.t())  # (B, T, n, n + 2)
+        dyn = DYNAMIC_SCALE * torch.tanh(proj * inv_rms)
         read = self.static_read + dyn[..., 0]  # (B, T, n)
         mix = self.static_mix + dyn[..., 1 : n + 1]  # (B, T, n, n): row i = from stream i
         write = self.static_write + dyn[..., n + 1]  # (B, T, n)
-        out = sublayer_fn(mix_streams(read, H))
-        H = mix_matrix(mix.transpose(-1, -2), H) + write.unsqueeze(-1) * out.unsqueeze(-2)
-        return H, mix
+        # read (a_m^T H) and mix (A_r^T H) in one pass over the streams: row 0 reads, rows 1..n mix
+        both = mix_matrix(torch.cat([read.unsqueeze(-2), mix.transpose(-1, -2)], dim=-2), H)
+        out = sublayer_fn(both[..., 0, :])
+        H = both[..., 1:, :] + write.unsqueeze(-1) * out.unsqueeze(-2)
+        return H, mix.transpose(-1, -2)  # the matrix acting on the streams: H <- A_r^T H + ...
 
 
 class HCBlock(Block):

@@ -1,0 +1,127 @@
+"""Probe computations against cases whose answer is known exactly."""
+
+import math
+
+import pytest
+import torch
+
+from depthbench.models import ModelConfig, build_model
+from depthbench.probes.core import (
+    angular_distance,
+    causal_scores,
+    causal_scores_naive,
+    effective_rank,
+    lm_loss,
+    permutation_scores,
+    residual_product_rank,
+    residual_stream,
+    skip_layers,
+    swapped_layers,
+    token_similarity,
+)
+
+
+def model(arch="pre_ln", n_layer=4, **kw):
+    torch.manual_seed(0)
+    return build_model(ModelConfig(arch=arch, vocab_size=50, d_model=32, n_layer=n_layer, n_head=4, max_seq_len=16, init_std=0.1, **kw))
+
+
+def make_identity(m, layer):
+    """pre_ln layer whose sublayers output zero: x + 0 + 0."""
+    with torch.no_grad():
+        m.blocks[layer - 1].attn.wo.weight.zero_()
+        m.blocks[layer - 1].ffn.w2.weight.zero_()
+
+
+IDX = torch.randint(0, 50, (6, 12), generator=torch.Generator().manual_seed(1))
+
+
+def test_identity_layer_has_angular_distance_zero():
+    m = model()
+    make_identity(m, 2)
+    for last in (True, False):
+        D = angular_distance(residual_stream(m, IDX), last_token_only=last)
+        assert D[1, 1].item() == pytest.approx(0.0, abs=1e-3)  # h_1 -> h_2 through the identity layer
+        assert D[0, 0] == pytest.approx(0.0, abs=1e-3) and D[2, 1] > 0.01
+        assert torch.isnan(D[4, 1])
+
+
+def test_skipping_an_identity_layer_gives_causal_score_zero_and_others_do_not():
+    m = model()
+    make_identity(m, 2)
+    C = causal_scores(m, IDX)
+    assert torch.allclose(C[2, 3:], torch.zeros(2), atol=1e-6)
+    assert (C[1, 3:] > 0.01).all()
+    assert torch.isnan(C[1, 2])  # layer 2 changes nothing: its score is 0/0, undefined
+    assert torch.isnan(C[3, 2]) and torch.isnan(C[0, 1])
+
+
+@pytest.mark.parametrize("arch", ["pre_ln", "post_ln", "hc", "attnres_full"])
+def test_causal_scores_in_L_plus_1_passes_equal_the_per_pair_computation(arch):
+    m = model(arch, n_layer=3)
+    calls = []
+    handle = m.register_forward_hook(lambda *a: calls.append(1))
+    fast = causal_scores(m, IDX)
+    handle.remove()
+    assert len(calls) == 3 + 1
+    torch.testing.assert_close(fast, causal_scores_naive(m, IDX), equal_nan=True, rtol=1e-5, atol=1e-6)
+
+
+def test_skip_hooks_are_removed():
+    m = model()
+    before = residual_stream(m, IDX)[-1]
+    with skip_layers(m, [1, 3]):
+        assert not torch.allclose(residual_stream(m, IDX)[-1], before)
+    torch.testing.assert_close(residual_stream(m, IDX)[-1], before)
+
+
+def test_swapping_identical_layers_gives_permutation_score_zero_and_restores_weights():
+    m = model()
+    with torch.no_grad():
+        m.blocks[2].load_state_dict(m.blocks[1].state_dict())
+    P = permutation_scores(m, IDX)
+    assert P[2, 3].item() == pytest.approx(0.0, abs=1e-7)
+    assert P[1, 4] > 0
+    reference = {k: v.clone() for k, v in m.state_dict().items()}
+    with swapped_layers(m, 1, 4):
+        assert not torch.equal(m.blocks[0].attn.wqkv.weight, reference["blocks.0.attn.wqkv.weight"])
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, reference[k]), k
+
+
+def test_lns_position_constants_stay_with_the_position_when_swapped():
+    m = model("lns")
+    scales = [b.scale for b in m.blocks]
+    base = lm_loss(m, IDX)
+    with swapped_layers(m, 1, 4):
+        assert [b.scale for b in m.blocks] == scales
+        assert lm_loss(m, IDX) != base
+
+
+def test_effective_rank_of_rank_one_and_orthogonal_matrices():
+    u, v = torch.randn(20, 1, dtype=torch.float64), torch.randn(1, 8, dtype=torch.float64)
+    assert effective_rank(u @ v) == pytest.approx(1.0, abs=1e-9)
+    q, _ = torch.linalg.qr(torch.randn(16, 16, dtype=torch.float64))
+    assert effective_rank(q) == pytest.approx(16.0, rel=1e-9)
+    assert 1.0 < effective_rank(torch.randn(16, 16)) < 16.0
+
+
+def test_token_similarity_of_identical_tokens_is_one():
+    h = torch.randn(3, 1, 8).expand(3, 10, 8)
+    assert token_similarity(h) == pytest.approx(1.0, abs=1e-6)
+    opposite = torch.stack([torch.ones(8), -torch.ones(8)]).unsqueeze(0)
+    assert token_similarity(opposite) == pytest.approx(-1.0, abs=1e-6)
+    first_different = torch.cat([-torch.ones(1, 1, 8), torch.ones(1, 5, 8)], dim=1)
+    assert token_similarity(first_different, skip_first=True) == pytest.approx(1.0)
+
+
+def test_residual_product_rank_is_between_one_and_n():
+    n = 4
+    eye = torch.eye(n).expand(2, 3, n, n)
+    assert residual_product_rank([eye, eye]) == pytest.approx(float(n))
+    uniform = torch.full((2, 3, n, n), 1.0 / n)  # doubly stochastic, rank one
+    assert residual_product_rank([eye, uniform]) == pytest.approx(1.0, abs=1e-6)
+    m = model("mhc", n_layer=2)
+    out = m(IDX, return_internals=True)
+    r = residual_product_rank(out.internals["stream_mixing"])
+    assert 1.0 <= r <= n + 1e-6
