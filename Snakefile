@@ -1,4 +1,4 @@
-# DepthBench: config grid -> token shards -> training runs -> tables -> figures.
+# DepthBench: config grid -> token shards -> training runs -> probes -> tables -> figures.
 # All logic lives in the `depthbench` package; rules only wire files together.
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version
@@ -32,6 +32,7 @@ include: "workflow/rules/tokenize.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/aggregate.smk"
 include: "workflow/rules/figures.smk"
+include: "workflow/rules/probes.smk"
 
 
 rule all:
@@ -39,3 +40,5 @@ rule all:
     input:
         rules.tables.output,
         rules.figures.output,
+        rules.probes_table.output if config["probes"]["enabled"] else [],
+        rules.probe_figures.output if config["probes"]["enabled"] else [],

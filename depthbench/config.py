@@ -9,6 +9,7 @@ grid adds runs instead of silently reusing old ones.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import glob
 import hashlib
 import itertools
@@ -359,13 +360,34 @@ def expand_grid(config: dict) -> Experiment:
                         if train.max_steps is not None:
                             steps = min(steps, train.max_steps)
                         train.total_steps = int(steps)
-                        ident = {"model": model_cfg.to_dict(), "train": train.hashed_dict(), "data": d_id}
+                        ident = {"model": _hashed(model_cfg.to_dict(), MODEL_FIELDS_V1, ModelConfig),
+                                 "train": _hashed(train.hashed_dict(), TRAIN_FIELDS_V1, TrainConfig), "data": d_id}
                         run_id = f"{arch}_{shape.tag}_lr{float(lr):g}_s{seed}_{short_hash(ident)}"
                         exp.runs[run_id] = RunSpec(
                             run_id=run_id, arch=arch, shape=shape, lr=float(lr), seed=int(seed),
                             knobs=knobs, model=model_cfg, train=train, data_id=d_id, tokenizer_id=tok_id,
                         )
     return exp
+
+
+# Fields that existed when run ids were introduced are always hashed. A field added later enters
+# the hash only when it differs from its default, so adding a setting to the code does not
+# rename (and so retrain) every existing run.
+MODEL_FIELDS_V1 = frozenset({
+    "arch", "vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "max_seq_len",
+    "rope_theta", "norm_eps", "init_std", "arch_options", "moe",
+})
+TRAIN_FIELDS_V1 = frozenset({
+    "lr", "seed", "seq_len", "global_batch_size", "micro_batch_size", "tokens_per_param", "max_steps",
+    "total_steps", "weight_decay", "beta1", "beta2", "adam_eps", "grad_clip", "warmup_fraction",
+    "min_lr_ratio", "eval_every", "eval_batches", "divergence_factor", "dtype",
+})
+
+
+def _hashed(values: dict, v1_fields: frozenset, cls) -> dict:
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(cls)}
+    return {k: v for k, v in values.items() if k in v1_fields or v != defaults.get(k)}
 
 
 def _first_valid_width(n_head: int) -> int:

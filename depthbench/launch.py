@@ -84,28 +84,40 @@ def _live_slurm_job(folder: Path, record: Path):
     return None
 
 
-def dispatch(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, launcher: dict, threads: int = 1) -> dict:
-    """Submit the training of `spec`, wait for it and return its summary."""
+class ProbeJob:
+    """The probe stage of one run, run by submitit like training (not checkpointable: a probe
+    job is short and simply runs again)."""
+
+    def __call__(self, spec: dict, data_dir: str, run_dir: str, out_path: str, settings: dict) -> dict:
+        from depthbench.probes.run import run_probes
+
+        return run_probes(spec, data_dir, run_dir, out_path, settings)
+
+
+def submit_and_wait(fn, args: tuple, label: str, work_dir: str, launcher: dict, record_name: str = "job.json") -> Any:
+    """Submit `fn(*args)` with the configured backend, wait for it and return its result.
+
+    On SLURM, a job recorded by an earlier dispatch that is still queued or running is
+    re-attached instead of submitted again. SIGINT/SIGTERM (Ctrl-C on Snakemake) cancel the job.
+    """
     work = Path(work_dir)
     folder = work / "submitit"
     folder.mkdir(parents=True, exist_ok=True)
-    record = work / "job.json"
+    record = work / record_name
     backend = launcher.get("backend", "inline")
     job = _live_slurm_job(folder, record) if backend == "slurm" else None
     if job is None:
-        executor = make_executor(launcher, folder, threads)
-        spec_dict = spec.to_dict()
-        spec_dict["train"]["threads"] = threads if backend != "slurm" else spec_dict["train"]["threads"]
+        executor = make_executor(launcher, folder, threads=1)
         # Submitting from inside a SLURM allocation would inherit its SLURM_* variables.
         with submitit.helpers.clean_env():
-            job = executor.submit(TrainingJob(), spec_dict, str(data_dir), str(run_dir), str(work_dir), backend != "slurm")
+            job = executor.submit(fn, *args)
         atomic_write_json(record, {"job_id": str(job.job_id), "backend": backend, "folder": str(folder)})
-        print(f"[{spec.run_id}] submitted {backend} job {job.job_id}; logs in {folder}", file=sys.stderr)
+        print(f"[{label}] submitted {backend} job {job.job_id}; logs in {folder}", file=sys.stderr)
     else:
-        print(f"[{spec.run_id}] re-attached to running SLURM job {job.job_id}", file=sys.stderr)
+        print(f"[{label}] re-attached to running SLURM job {job.job_id}", file=sys.stderr)
 
     def cancel(signum, frame):  # Snakemake interrupted: do not leave orphaned jobs behind
-        print(f"[{spec.run_id}] signal {signum}: cancelling job {job.job_id}", file=sys.stderr)
+        print(f"[{label}] signal {signum}: cancelling job {job.job_id}", file=sys.stderr)
         try:
             job.cancel(check=False)
         finally:
@@ -117,3 +129,22 @@ def dispatch(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, launcher
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def dispatch(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, launcher: dict, threads: int = 1) -> dict:
+    """Submit the training of `spec`, wait for it and return its summary."""
+    backend = launcher.get("backend", "inline")
+    spec_dict = spec.to_dict()
+    if backend != "slurm":  # on this machine, use the cores Snakemake gave the job
+        spec_dict["train"]["threads"] = threads
+    args = (spec_dict, str(data_dir), str(run_dir), str(work_dir), backend != "slurm")
+    return submit_and_wait(TrainingJob(), args, spec.run_id, work_dir, launcher)
+
+
+def dispatch_probes(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, out_path: str, settings: dict, launcher: dict, threads: int = 1) -> dict:
+    """Submit the probe stage of `spec` like its training, wait, and return its report."""
+    settings = dict(settings)
+    if launcher.get("backend", "inline") != "slurm":
+        settings["threads"] = threads
+    args = (spec.to_dict(), str(data_dir), str(run_dir), str(out_path), settings)
+    return submit_and_wait(ProbeJob(), args, f"probe {spec.run_id}", work_dir, launcher, record_name="probe_job.json")

@@ -98,3 +98,15 @@ def best_learning_rates(runs: pd.DataFrame) -> pd.DataFrame:
 
 def write_parquet(df: pd.DataFrame, path: str | Path) -> None:
     atomic_write(path, lambda tmp: df.to_parquet(tmp, index=False))
+
+
+def probe_rows(probe_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
+    """All runs' tidy probe rows with the runs' config columns and an `is_best_lr` flag."""
+    frames = [pd.read_parquet(p) for p in probe_paths]
+    probes = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["run_id", "probe", "stage", "i", "j", "value"])
+    config_columns = ["run_id", "experiment", "arch", "n_layer", "d_model", "ratio", "params", "lr", "seed", "knobs", "final_val_loss"]
+    out = probes.drop(columns=["status"], errors="ignore").merge(runs[config_columns + ["status"]], on="run_id", how="left")
+    keys = best[["arch", "n_layer", "d_model", "knobs", "best_lr"]]
+    out = out.merge(keys, on=["arch", "n_layer", "d_model", "knobs"], how="left")
+    out["is_best_lr"] = out["lr"] == out["best_lr"]
+    return out.drop(columns=["best_lr"])

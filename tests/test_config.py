@@ -133,3 +133,15 @@ def test_schema_architecture_enum_matches_the_registry():
     canonical_arch("pre_ln")
     schema = yaml.safe_load(SCHEMA_PATH.read_text())
     assert set(schema["properties"]["architectures"]["items"]["enum"]) == set(ARCHITECTURES) | set(ALIASES)
+
+
+def test_settings_added_later_enter_the_hash_only_when_changed():
+    from depthbench.config import _hashed
+    from depthbench.train.config import TrainConfig
+
+    values = TrainConfig().hashed_dict()
+    values["a_future_setting"] = None  # not a field: treated as changed, hashed
+    assert "a_future_setting" in _hashed(values, frozenset(), TrainConfig)
+    assert "weight_decay" not in _hashed(TrainConfig().hashed_dict(), frozenset(), TrainConfig)
+    assert _hashed({"weight_decay": 0.0}, frozenset(), TrainConfig) == {"weight_decay": 0.0}
+    assert _hashed({"weight_decay": 0.1}, frozenset({"weight_decay"}), TrainConfig) == {"weight_decay": 0.1}

@@ -125,3 +125,55 @@ def test_residual_product_rank_is_between_one_and_n():
     out = m(IDX, return_internals=True)
     r = residual_product_rank(out.internals["stream_mixing"])
     assert 1.0 <= r <= n + 1e-6
+
+
+def test_identity_layer_replaced_by_its_affine_fit_has_usefulness_one():
+    from depthbench.probes.core import usefulness_ratios
+
+    m = model()
+    make_identity(m, 3)
+    r = usefulness_ratios(m, IDX)
+    assert r[3].item() == pytest.approx(1.0, abs=1e-6)
+    assert torch.isnan(r[0])
+    assert all(r[l] != 1.0 for l in (1, 2, 4))
+
+
+def test_usefulness_of_multi_stream_layers_and_refusal_for_attnres():
+    from depthbench.probes.core import usefulness_ratios
+
+    r = usefulness_ratios(model("hc", n_layer=2), IDX)
+    assert torch.isfinite(r[1:]).all()
+    with pytest.raises(ValueError, match="attnres"):
+        usefulness_ratios(model("attnres_full", n_layer=2), IDX)
+
+
+def test_prefix_average_part_is_removed_and_restored():
+    from depthbench.probes.core import without_prefix_average
+
+    m = model("post_ln", n_layer=2)
+    base = residual_stream(m, IDX)
+    # with all keys equal, attention is exactly the prefix average: the rest is zero
+    with torch.no_grad():
+        for b in m.blocks:
+            q, k, v = b.attn.wqkv.weight.split(32)
+            k.zero_()
+    with without_prefix_average(m):
+        x = torch.randn(2, 7, 32)
+        assert torch.allclose(m.blocks[0].attn(x, m.rope(7)), torch.zeros(2, 7, 32), atol=1e-6)
+    # hooks gone: the standard forward again
+    x = torch.randn(2, 7, 32)
+    assert not torch.allclose(m.blocks[0].attn(x, m.rope(7)), torch.zeros(2, 7, 32))
+    assert len(base) == 3
+
+
+def test_share_above_threshold_counts_pairs_in_the_last_three_quarters():
+    from depthbench.probes.core import share_above
+
+    C = torch.full((9, 9), float("nan"))
+    for s in range(1, 9):
+        C[s, s + 1 :] = 0.0
+    C[1, 8] = 1.0  # layer 1 is in the first quarter: not counted
+    C[3, 5] = 1.0
+    C[6, 8] = 1.0
+    pairs = sum(1 for s in range(3, 9) for l in range(s + 1, 9))
+    assert share_above(C, 0.45) == pytest.approx(2 / pairs)

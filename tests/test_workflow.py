@@ -94,6 +94,31 @@ def test_default_workflow_writes_tables_and_figures(workflow):
     assert list((root / "results/logs/train").glob("*.log")) and len(list((root / "results/benchmarks/train").glob("*.tsv"))) == 8
 
 
+def test_probes_stage_writes_a_tidy_table_with_config_columns_and_figures(workflow):
+    root, _ = workflow
+    probes = pd.read_parquet(root / "results/tables/probes.parquet")
+    runs = pd.read_parquet(root / "results/tables/runs.parquet")
+    assert set(probes.run_id) == set(runs.run_id)
+    assert {"probe", "stage", "i", "j", "value", "arch", "n_layer", "lr", "is_best_lr"} <= set(probes.columns)
+    trained = probes[probes.stage == "trained"]
+    assert set(trained.run_id) == set(runs.run_id[runs.status == "ok"])  # diverged runs: init probes only
+    for probe in ("angular_distance_last", "causal_score", "permutation_score", "usefulness_ratio",
+                  "token_similarity", "effective_rank", "causal_share", "permutation_share"):
+        assert probe in set(trained.probe), probe
+    assert {"init", "init_no_prefix_avg"} <= set(probes.stage)
+    for name in ("angular_distance", "probe_shares", "token_similarity_init", "effective_rank", "usefulness"):
+        assert (root / f"results/figures/{name}.png").stat().st_size > 10_000
+    assert not (root / "results/figures/residual_product_rank.png").exists()  # no hc/mhc in this grid
+
+
+def test_probe_setting_reruns_probes_only(workflow, wiki_jsonl):
+    root, _ = workflow
+    write_config(root, grid(wiki_jsonl, probes={"n_sequences": 4}))
+    plan = snakemake(root, "-n")
+    assert job_counts(plan.stdout + plan.stderr) == {"all": 1, "probe": 8, "probes_table": 1, "probe_figures": 1, "total": 11}
+    write_config(root, grid(wiki_jsonl))
+
+
 def test_second_run_does_nothing_and_says_so(workflow):
     root, _ = workflow
     proc = snakemake(root)
@@ -104,7 +129,7 @@ def test_figure_setting_reruns_only_figures(workflow, wiki_jsonl):
     root, _ = workflow
     write_config(root, grid(wiki_jsonl, figures={"dpi": 80}))
     plan = snakemake(root, "-n")
-    assert job_counts(plan.stdout + plan.stderr) == {"all": 1, "figures": 1, "total": 2}
+    assert job_counts(plan.stdout + plan.stderr) == {"all": 1, "figures": 1, "probe_figures": 1, "total": 3}
     snakemake(root)
     write_config(root, grid(wiki_jsonl))
     snakemake(root)
@@ -114,7 +139,8 @@ def test_adding_a_learning_rate_trains_only_the_new_runs(workflow, wiki_jsonl):
     root, _ = workflow
     write_config(root, grid(wiki_jsonl, learning_rates=[3e-3, 50.0, 1e-2]))
     plan = snakemake(root, "-n")
-    assert job_counts(plan.stdout + plan.stderr) == {"all": 1, "figures": 1, "tables": 1, "train": 4, "total": 7}
+    assert job_counts(plan.stdout + plan.stderr) == {
+        "all": 1, "figures": 1, "tables": 1, "train": 4, "probe": 4, "probes_table": 1, "probe_figures": 1, "total": 13}
     write_config(root, grid(wiki_jsonl))
 
 
@@ -131,18 +157,20 @@ def test_invalid_config_fails_before_any_job(workflow, wiki_jsonl, tmp_path):
 
 
 @pytest.mark.parametrize("preset, trains", [("400m", 7 * 11 * 3), ("1p6b", 4 * 3 * 3), ("postnorm_collapse", 2 * 3 * 2), ("cpu_all", 11 * 3 * 2)])
-def test_presets_plan(preset, trains):
-    proc = snakemake(REPO, "-n", "--configfile", f"config/presets/{preset}.yaml")
+def test_presets_plan(preset, trains, tmp_path):
+    root = copy_workflow(tmp_path)  # a clean tree: nothing computed yet
+    proc = snakemake(root, "-n", "--configfile", f"config/presets/{preset}.yaml")
     counts = job_counts(proc.stdout + proc.stderr)
     assert counts["train"] == trains and counts["tokenize"] == 1
 
 
 @pytest.mark.parametrize("preset, trains, nodes, gpus", [("400m", 231, 1, 1), ("1p6b", 36, 2, 8)])
-def test_slurm_profile_plans_from_the_repository_root(preset, trains, nodes, gpus):
+def test_slurm_profile_plans_from_the_repository_root(preset, trains, nodes, gpus, tmp_path):
     """`snakemake --profile slurm` resolves ./slurm/ and plans without SLURM installed."""
+    root = copy_workflow(tmp_path)
     proc = subprocess.run(
         [*SNAKEMAKE, "--profile", "slurm", "-n", "--configfile", f"config/presets/{preset}.yaml"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        cwd=root, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr

@@ -158,6 +158,7 @@ def residual_product_rank(stream_mixing: list[torch.Tensor]) -> float:
     as H <- M H: A_r^T for hc, H_res for mhc), per token, averaged over tokens; in [1, n]."""
     product = None
     for M in stream_mixing:  # (N, T, n, n), applied in order
+        M = M.detach()
         product = M if product is None else M @ product
     flat = product.reshape(-1, *product.shape[-2:]).double()
     s = torch.linalg.svdvals(flat)
@@ -165,3 +166,119 @@ def residual_product_rank(stream_mixing: list[torch.Tensor]) -> float:
     ent = -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(-1)
     return float(ent.exp().mean())
 
+
+
+# -- usefulness score ------------------------------------------------------------------------------
+STATE_ARCHS_NOTE = (
+    "usefulness replaces a layer's map from its input state to its output state; attnres layers "
+    "read an aggregate of all earlier outputs, so the probe is not defined for them"
+)
+
+
+@torch.no_grad()
+def block_io(model: DecoderLM, idx: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input state, output state) of every layer on the sample, flattened to (N*T, width)."""
+    records: list[tuple[torch.Tensor, torch.Tensor]] = []
+    handles = [
+        b.register_forward_hook(lambda m, args, out: records.append((args[0].detach(), out.detach())))
+        for b in model.blocks
+    ]
+    try:
+        model.eval()
+        model(idx[:, :-1])
+    finally:
+        for h in handles:
+            h.remove()
+    return [(x.reshape(-1, x[0, 0].numel()).double(), y.reshape(-1, y[0, 0].numel()).double()) for x, y in records]
+
+
+@contextmanager
+def affine_layer(model: DecoderLM, layer: int, weight: torch.Tensor):
+    """Layer `layer` (1-based) replaced by state -> [state, 1] @ weight."""
+
+    def hook(module, args, out):
+        x = args[0]
+        flat = x.reshape(*x.shape[:2], -1).double()
+        y = torch.cat([flat, torch.ones_like(flat[..., :1])], dim=-1) @ weight
+        return y.to(out.dtype).reshape(out.shape)
+
+    handle = model.blocks[layer - 1].register_forward_hook(hook)
+    try:
+        yield model
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def usefulness_ratios(model: DecoderLM, idx: torch.Tensor) -> torch.Tensor:
+    """r_l = loss with layer l replaced by its least-squares affine fit / loss (1-based, index 0
+    unused). One pass records every layer's input and output; each fit is solved once."""
+    if model.arch_name.startswith("attnres"):
+        raise ValueError(STATE_ARCHS_NOTE)
+    base = lm_loss(model, idx)
+    ratios = torch.full((model.cfg.n_layer + 1,), float("nan"))
+    for l, (x, y) in enumerate(block_io(model, idx), start=1):
+        design = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
+        weight = torch.linalg.lstsq(design, y).solution  # (width + 1, width)
+        with affine_layer(model, l, weight):
+            ratios[l] = lm_loss(model, idx) / base
+    return ratios
+
+
+# -- prefix-average intervention (rank-collapse diagnostic) --------------------------------------
+@contextmanager
+def without_prefix_average(model: DecoderLM):
+    """Every causal attention matrix P is split into its prefix-average part U (row t uniform over
+    positions <= t) and the rest; within the context attention outputs (P - U) V only. Applies to
+    architectures whose attention sublayer is the standard CausalSelfAttention call (not moda)."""
+    if model.arch_name == "moda":
+        raise ValueError("the prefix-average intervention needs the standard attention sublayer; moda's is joint over depth")
+    patched = []
+
+    def make_forward(attn):
+        def forward(x, rope):
+            B, T, _ = x.shape
+            q, k, v = attn.project_qkv(x, rope)
+            groups = attn.n_head // attn.n_kv_head
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            scores = (q @ k.transpose(-1, -2)) / math.sqrt(attn.head_dim)
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            P = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+            U = causal.to(P.dtype) / torch.arange(1, T + 1, device=x.device, dtype=P.dtype).unsqueeze(1)
+            y = (P - U) @ v
+            return attn.wo(y.transpose(1, 2).reshape(B, T, attn.q_dim))
+
+        return forward
+
+    for block in model.blocks:
+        block.attn.forward = make_forward(block.attn)
+        patched.append(block.attn)
+    try:
+        yield model
+    finally:
+        for attn in patched:
+            del attn.forward
+
+
+def token_similarity_by_layer(hidden: list[torch.Tensor], skip_first: bool = False) -> list[float]:
+    return [token_similarity(h, skip_first) for h in hidden]
+
+
+def effective_rank_by_layer(hidden: list[torch.Tensor]) -> list[float]:
+    """erank of each sequence's (T, d) token matrix at every layer, averaged over sequences."""
+    return [sum(effective_rank(seq) for seq in h) / h.shape[0] for h in hidden]
+
+
+def last_quarters(L: int) -> range:
+    """Layers in the last three quarters of depth: l > L/4 (1-based)."""
+    return range(L // 4 + 1, L + 1)
+
+
+def share_above(matrix: torch.Tensor, threshold: float) -> float:
+    """Fraction of defined pairs with both layers in the last 3/4 of depth whose score exceeds
+    `threshold` (the summaries of the causal and permutation probes)."""
+    L = matrix.shape[0] - 1
+    layers = list(last_quarters(L))
+    values = matrix[layers][:, layers]
+    values = values[~torch.isnan(values)]
+    return float((values > threshold).float().mean()) if values.numel() else float("nan")

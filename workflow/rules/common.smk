@@ -17,3 +17,18 @@ def train_threads(wildcards):
 def slurm_request(key):
     launcher = config["launcher"]
     return launcher["slurm"][key] if launcher["backend"] == "slurm" else 0
+
+
+def probe_figures(architectures):
+    """The probe figures this grid can draw (a figure needs its architectures in the grid)."""
+    names = ["angular_distance", "probe_shares", "token_similarity_init", "effective_rank"]
+    if any(not a.startswith("attnres") for a in architectures):
+        names.append("usefulness")
+    if {"hc", "mhc"} & set(architectures):
+        names.append("residual_product_rank")
+    if {"attnres_full", "attnres_block"} & set(architectures):
+        names.append("depth_mixing")
+    return names
+
+
+PROBE_FIGURES = probe_figures([spec.arch for spec in RUNS.values()])

@@ -1,0 +1,20 @@
+"""Snakemake entry: dispatch the probe stage of one run (logic in depthbench.probes.run)."""
+
+import sys
+
+from depthbench.config import RunSpec
+from depthbench.launch import dispatch_probes
+
+sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+spec = RunSpec.from_dict(snakemake.params.spec)  # noqa: F821
+report = dispatch_probes(
+    spec,
+    data_dir=snakemake.params.data_dir,  # noqa: F821
+    run_dir=snakemake.params.run_dir,  # noqa: F821
+    work_dir=snakemake.params.work_dir,  # noqa: F821
+    out_path=snakemake.output[0],  # noqa: F821
+    settings=snakemake.params.settings,  # noqa: F821
+    launcher=snakemake.config["launcher"],  # noqa: F821
+    threads=snakemake.threads,  # noqa: F821
+)
+print(report, file=sys.stderr)

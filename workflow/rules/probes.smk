@@ -1,0 +1,60 @@
+# Layer-utilization probes: one job per run, dispatched through submitit like training, one
+# Parquet file per run, merged with the runs' config columns. Probe settings are params of these
+# rules only: changing them re-runs the probes, never training.
+
+
+rule probe:
+    input:
+        summary=f"{RESULTS}/runs/{{run_id}}/summary.json",
+        weights=f"{RESULTS}/runs/{{run_id}}/model.safetensors",
+        data=f"{DATA_DIR}/meta.json",
+    output:
+        f"{RESULTS}/probes/{{run_id}}.parquet",
+    params:
+        spec=lambda wc: RUNS[wc.run_id].to_dict(),
+        settings={k: v for k, v in config["probes"].items() if k != "enabled"},
+        data_dir=DATA_DIR,
+        run_dir=lambda wc: f"{RESULTS}/runs/{wc.run_id}",
+        work_dir=lambda wc: f"{RESULTS}/work/{wc.run_id}",
+    threads: train_threads
+    resources:
+        dispatch_slots=1,
+    log:
+        f"{RESULTS}/logs/probe/{{run_id}}.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/probe/{{run_id}}.tsv"
+    script:
+        "../../scripts/probe.py"
+
+
+rule probes_table:
+    input:
+        probes=[f"{RESULTS}/probes/{run_id}.parquet" for run_id in RUNS],
+        runs=rules.tables.output.runs,
+        best_lr=rules.tables.output.best_lr,
+    output:
+        f"{RESULTS}/tables/probes.parquet",
+    log:
+        f"{RESULTS}/logs/probes_table.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/probes_table.tsv"
+    script:
+        "../../scripts/probes_table.py"
+
+
+rule probe_figures:
+    input:
+        probes=rules.probes_table.output[0],
+    output:
+        **{f"{name}_{ext}": f"{RESULTS}/figures/{name}.{ext}" for name in PROBE_FIGURES for ext in ("png", "pdf")},
+    params:
+        figures=config["figures"],
+        experiment=EXPERIMENT,
+        names=PROBE_FIGURES,
+        thresholds={k: config["probes"][k] for k in ("causal_threshold", "permutation_threshold", "usefulness_threshold")},
+    log:
+        f"{RESULTS}/logs/probe_figures.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/probe_figures.tsv"
+    script:
+        "../../scripts/probe_figures.py"
