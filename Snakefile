@@ -42,3 +42,4 @@ rule all:
         rules.figures.output,
         rules.probes_table.output if config["probes"]["enabled"] else [],
         rules.probe_figures.output if config["probes"]["enabled"] else [],
+        rules.dynamics_figure.output if config["train"]["dynamics_every"] > 0 else [],

@@ -107,3 +107,39 @@ def loss_curves(curves: pd.DataFrame, best: pd.DataFrame, runs: pd.DataFrame, pn
     axes[0][0].set_ylabel("validation loss")
     fig.suptitle(title)
     save(fig, png, pdf, dpi)
+
+
+def dynamics(dyn: pd.DataFrame, runs: pd.DataFrame, best: pd.DataFrame, png, pdf, width: float, height: float, dpi: int, title: str) -> None:
+    """Deepest shape, best LR: gradient norm of h_l by layer over training (one panel per
+    architecture, one line per measured step) and the final residual RMS by layer."""
+    chosen = runs.merge(best[["arch", "n_layer", "d_model", "knobs", "best_lr"]], on=["arch", "n_layer", "d_model", "knobs"])
+    chosen = chosen[(chosen["lr"] == chosen["best_lr"]) & (chosen["n_layer"] == chosen["n_layer"].max())]
+    archs = sorted(chosen["arch"].unique())
+    fig, axes = plt.subplots(1, len(archs) + 1, figsize=(width * (len(archs) + 1) / 2, height), squeeze=False)
+    axes = axes[0]
+    for ax, arch in zip(axes, archs):
+        run_id = chosen[chosen["arch"] == arch]["run_id"].iloc[0]
+        sub = dyn[(dyn["run_id"] == run_id) & (dyn["quantity"] == "grad_norm_h")]
+        steps = sorted(sub["step"].unique())
+        cmap = plt.get_cmap("viridis")
+        for n, step in enumerate(steps):
+            s = sub[sub["step"] == step].sort_values("index")
+            ax.plot(s["index"], s["value"], color=cmap(n / max(1, len(steps) - 1)), label=f"step {step}" if n in (0, len(steps) - 1) else None)
+        ax.set_yscale("log")
+        ax.set_title(f"{arch}: ||dL/dh_l||", fontsize=9)
+        ax.set_xlabel("layer l")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    ax = axes[-1]
+    for arch in archs:
+        run_id = chosen[chosen["arch"] == arch]["run_id"].iloc[0]
+        sub = dyn[(dyn["run_id"] == run_id) & (dyn["quantity"] == "residual_rms")]
+        last = sub[sub["step"] == sub["step"].max()].sort_values("index")
+        ax.plot(last["index"], last["value"], label=arch, **arch_style(arch, archs))
+    ax.set_yscale("log")
+    ax.set_title("residual RMS by layer (last measurement)", fontsize=9)
+    ax.set_xlabel("layer l (h_l)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    save(fig, png, pdf, dpi)

@@ -66,6 +66,7 @@ def curve_rows(run_ids: Iterable[str], metric_paths: Iterable[str]) -> pd.DataFr
     frames = []
     for run_id, path in zip(run_ids, metric_paths):
         records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        records = [{k: v for k, v in r.items() if k != "dynamics"} for r in records]
         if records:
             df = pd.DataFrame.from_records(records)
             df.insert(0, "run_id", run_id)
@@ -110,3 +111,21 @@ def probe_rows(probe_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFram
     out = out.merge(keys, on=["arch", "n_layer", "d_model", "knobs"], how="left")
     out["is_best_lr"] = out["lr"] == out["best_lr"]
     return out.drop(columns=["best_lr"])
+
+
+def dynamics_rows(run_ids: Iterable[str], metric_paths: Iterable[str]) -> pd.DataFrame:
+    """Tidy rows (run_id, step, quantity, index, name, value) of the training-time dynamics."""
+    rows = []
+    for run_id, path in zip(run_ids, metric_paths):
+        for line in Path(path).read_text().splitlines():
+            if '"dynamics"' not in line:
+                continue
+            dyn = json.loads(line)["dynamics"]
+            step = dyn["after_updates"]
+            for quantity in ("residual_rms", "grad_norm_h", "param_grad_norm"):
+                offset = 1 if quantity == "param_grad_norm" else 0  # layers 1..L; h_l from 0
+                for i, v in enumerate(dyn[quantity]):
+                    rows.append({"run_id": run_id, "step": step, "quantity": quantity, "index": i + offset, "name": "", "value": v})
+            for name, v in dyn["norm_factor"].items():
+                rows.append({"run_id": run_id, "step": step, "quantity": "norm_factor", "index": -1, "name": name, "value": v})
+    return pd.DataFrame(rows, columns=["run_id", "step", "quantity", "index", "name", "value"])

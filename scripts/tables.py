@@ -3,7 +3,7 @@
 import sys
 
 from depthbench.data.shards import read_meta
-from depthbench.tables import best_learning_rates, curve_rows, run_rows, write_parquet
+from depthbench.tables import best_learning_rates, curve_rows, dynamics_rows, run_rows, write_parquet
 from pathlib import Path
 
 sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
@@ -12,4 +12,5 @@ runs = run_rows(snakemake.input.summaries, floor, snakemake.params.experiment)  
 write_parquet(runs, snakemake.output.runs)  # noqa: F821
 write_parquet(curve_rows(snakemake.params.run_ids, snakemake.input.metrics), snakemake.output.curves)  # noqa: F821
 write_parquet(best_learning_rates(runs), snakemake.output.best_lr)  # noqa: F821
+write_parquet(dynamics_rows(snakemake.params.run_ids, snakemake.input.metrics), snakemake.output.dynamics)  # noqa: F821
 print(runs[["run_id", "status", "final_val_loss"]].to_string(), file=sys.stderr)

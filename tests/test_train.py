@@ -184,3 +184,38 @@ def test_hc_static_weights_and_pseudo_queries_are_not_decayed(tiny_data):
         for name, p in model.named_parameters():
             if name.split(".")[-1] in names:
                 assert id(p) in no_decay_ids, name
+
+
+def test_dynamics_logging_leaves_training_unchanged_and_matches_backward(tiny_data, tmp_path):
+    from depthbench.data.loader import TokenWindows, TrainBatches
+    from depthbench.data.shards import read_meta
+    from depthbench.tables import dynamics_rows
+
+    _, exp, shards = tiny_data
+    spec = with_steps(only_run(exp), 8)
+    on = with_steps(spec, 8, dynamics_every=2)
+    a = RunPaths(tmp_path / "off", tmp_path / "off_work")
+    b = RunPaths(tmp_path / "on", tmp_path / "on_work")
+    train(spec, shards, a, progress=False)
+    train(on, shards, b, progress=False)
+    wa, wb = load_file(a.weights), load_file(b.weights)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    dyn = dynamics_rows([on.run_id], [b.curves])
+    assert sorted(dyn.step.unique()) == [0, 2, 4, 6]
+    L = on.model.n_layer
+    first = dyn[dyn.step == 0]
+    assert len(first[first.quantity == "residual_rms"]) == L + 1
+    assert len(first[first.quantity == "param_grad_norm"]) == L
+    assert (first[first.quantity == "grad_norm_h"].value > 0).all()
+    assert set(first[first.quantity == "norm_factor"].name) >= {"blocks.0.attn_norm", "final_norm"}
+    # the per-layer parameter gradient norm at step 0 is that of a plain backward at init
+    torch.manual_seed(on.train.seed)
+    model = build_model(on.model)
+    meta = read_meta(shards)
+    windows = TokenWindows([str(shards / "train.bin")], meta["dtype"], on.train.seq_len)
+    x, y = TrainBatches(windows, on.train.seed, on.train.global_batch_size, on.train.micro_batch_size).get(0, 0)
+    model(x, y).loss.backward()
+    for l, block in enumerate(model.blocks, start=1):
+        expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in block.parameters()]))
+        got = first[(first.quantity == "param_grad_norm") & (first["index"] == l)].value.item()
+        assert got == pytest.approx(expected.item(), rel=1e-5)

@@ -59,6 +59,7 @@ def grid(wiki_jsonl, **overrides) -> dict:
     )
     config["tokenizer"] = {"kind": "bpe", "vocab_size": 384}
     config["train"]["tokens_per_param"] = 0.6
+    config["train"]["dynamics_every"] = 20
     config.update(overrides)
     return config
 
@@ -85,7 +86,9 @@ def test_default_workflow_writes_tables_and_figures(workflow):
     assert set(best.n_diverged) == {1}
     curves = pd.read_parquet(root / "results/tables/curves.parquet")
     assert set(curves.run_id) == set(runs.run_id) and curves.val_loss.notna().any()
-    for stem in ("headline", "loss_vs_lr", "loss_curves"):
+    dynamics = pd.read_parquet(root / "results/tables/dynamics.parquet")
+    assert set(dynamics.quantity) == {"residual_rms", "grad_norm_h", "param_grad_norm", "norm_factor"}
+    for stem in ("headline", "loss_vs_lr", "loss_curves", "dynamics"):
         png = root / f"results/figures/{stem}.png"
         pdf = root / f"results/figures/{stem}.pdf"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
@@ -129,7 +132,7 @@ def test_figure_setting_reruns_only_figures(workflow, wiki_jsonl):
     root, _ = workflow
     write_config(root, grid(wiki_jsonl, figures={"dpi": 80}))
     plan = snakemake(root, "-n")
-    assert job_counts(plan.stdout + plan.stderr) == {"all": 1, "figures": 1, "probe_figures": 1, "total": 3}
+    assert job_counts(plan.stdout + plan.stderr) == {"all": 1, "figures": 1, "probe_figures": 1, "dynamics_figure": 1, "total": 4}
     snakemake(root)
     write_config(root, grid(wiki_jsonl))
     snakemake(root)
@@ -140,7 +143,8 @@ def test_adding_a_learning_rate_trains_only_the_new_runs(workflow, wiki_jsonl):
     write_config(root, grid(wiki_jsonl, learning_rates=[3e-3, 50.0, 1e-2]))
     plan = snakemake(root, "-n")
     assert job_counts(plan.stdout + plan.stderr) == {
-        "all": 1, "figures": 1, "tables": 1, "train": 4, "probe": 4, "probes_table": 1, "probe_figures": 1, "total": 13}
+        "all": 1, "figures": 1, "tables": 1, "train": 4, "probe": 4, "probes_table": 1, "probe_figures": 1,
+        "dynamics_figure": 1, "total": 14}
     write_config(root, grid(wiki_jsonl))
 
 

@@ -32,6 +32,7 @@ class TrainConfig:
     device: str = "auto"
     threads: int = 1
     compile: bool = False
+    dynamics_every: int = 0  # measure norm and gradient dynamics every k steps; 0 = off
 
     # Settings that do not change the trained weights or the logged curves, so they are left
     # out of the run id's hash: changing them must not start new runs.

@@ -31,6 +31,7 @@ from depthbench.data.shards import read_meta, split_files
 from depthbench.io import atomic_write, atomic_write_json
 from depthbench.models import build_model
 from depthbench.train.checkpoint import load_latest, save_checkpoint
+from depthbench.train.dynamics import measure as measure_dynamics
 from depthbench.train.flops import device_peak_flops, train_flops_per_token
 
 STATUS_OK = "ok"
@@ -193,6 +194,10 @@ def train(spec: RunSpec, data_dir: str | os.PathLike, paths: RunPaths, progress:
             lr = lr_at(step, tc.lr, tc.total_steps, tc.warmup_steps, tc.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            record: dict[str, Any] = {}
+            if tc.dynamics_every and step % tc.dynamics_every == 0:
+                x, y = batches.get(step, 0)
+                record["dynamics"] = {"after_updates": step, **measure_dynamics(model, x.to(device), y.to(device), autocast)}
             loss_sum = 0.0
             for micro in range(batches.accum_steps):
                 x, y = batches.get(step, micro)
@@ -217,7 +222,6 @@ def train(spec: RunSpec, data_dir: str | os.PathLike, paths: RunPaths, progress:
             tokens_window += tc.tokens_per_step
             if bar is not None:
                 bar.update(1)
-            record: dict[str, Any] = {}
             if step % tc.log_every == 0 or step == tc.total_steps:
                 elapsed = time.time() - t_window
                 tps = tokens_window / elapsed if elapsed > 0 else float("nan")

@@ -10,6 +10,7 @@ rule tables:
         runs=f"{RESULTS}/tables/runs.parquet",
         curves=f"{RESULTS}/tables/curves.parquet",
         best_lr=f"{RESULTS}/tables/best_lr.parquet",
+        dynamics=f"{RESULTS}/tables/dynamics.parquet",
     params:
         experiment=EXPERIMENT,
         run_ids=list(RUNS),

@@ -22,3 +22,23 @@ rule figures:
         f"{RESULTS}/benchmarks/figures.tsv"
     script:
         "../../scripts/figures.py"
+
+
+# Training dynamics (only when the config logs them: train.dynamics_every > 0).
+rule dynamics_figure:
+    input:
+        dynamics=rules.tables.output.dynamics,
+        runs=rules.tables.output.runs,
+        best_lr=rules.tables.output.best_lr,
+    output:
+        png=f"{RESULTS}/figures/dynamics.png",
+        pdf=f"{RESULTS}/figures/dynamics.pdf",
+    params:
+        figures=config["figures"],
+        experiment=EXPERIMENT,
+    log:
+        f"{RESULTS}/logs/dynamics_figure.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/dynamics_figure.tsv"
+    script:
+        "../../scripts/dynamics_figure.py"
