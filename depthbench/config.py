@@ -242,6 +242,22 @@ class RunSpec:
             "tokenizer_id": self.tokenizer_id,
         }
 
+    def identity_dict(self) -> dict[str, Any]:
+        """What determines the trained weights and curves, exactly what the run id hashes:
+        no operational settings (threads, checkpoint and log intervals, device, compile) and no
+        setting added after v1 at its default. Snakemake's params of the train and probe rules,
+        so that neither an operational change nor a new setting in the code reruns training;
+        `from_dict` restores the omitted fields at their defaults."""
+        d = self.to_dict()
+        d["model"] = _hashed(d["model"], MODEL_FIELDS_V1, ModelConfig)
+        d["train"] = _hashed(self.train.hashed_dict(), TRAIN_FIELDS_V1, TrainConfig)
+        return d
+
+    def with_operational(self, train_section: dict[str, Any]) -> "RunSpec":
+        """A copy with the operational (unhashed) training settings taken from the config."""
+        train = replace(self.train, **{k: train_section[k] for k in TrainConfig.NOT_HASHED if k in train_section})
+        return replace(self, train=train)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RunSpec":
         return cls(
@@ -360,13 +376,14 @@ def expand_grid(config: dict) -> Experiment:
                         if train.max_steps is not None:
                             steps = min(steps, train.max_steps)
                         train.total_steps = int(steps)
-                        ident = {"model": _hashed(model_cfg.to_dict(), MODEL_FIELDS_V1, ModelConfig),
-                                 "train": _hashed(train.hashed_dict(), TRAIN_FIELDS_V1, TrainConfig), "data": d_id}
-                        run_id = f"{arch}_{shape.tag}_lr{float(lr):g}_s{seed}_{short_hash(ident)}"
-                        exp.runs[run_id] = RunSpec(
-                            run_id=run_id, arch=arch, shape=shape, lr=float(lr), seed=int(seed),
+                        spec = RunSpec(
+                            run_id="", arch=arch, shape=shape, lr=float(lr), seed=int(seed),
                             knobs=knobs, model=model_cfg, train=train, data_id=d_id, tokenizer_id=tok_id,
                         )
+                        ident = spec.identity_dict()
+                        ident = {"model": ident["model"], "train": ident["train"], "data": d_id}
+                        spec.run_id = f"{arch}_{shape.tag}_lr{float(lr):g}_s{seed}_{short_hash(ident)}"
+                        exp.runs[spec.run_id] = spec
     return exp
 
 

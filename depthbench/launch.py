@@ -9,7 +9,6 @@ from the run's latest checkpoint (the function is idempotent: it always starts b
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 from pathlib import Path

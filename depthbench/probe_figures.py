@@ -114,36 +114,33 @@ def effective_rank(probes, png, pdf, title, thresholds, width, height, dpi):
     save(fig, png, pdf, dpi)
 
 
-def usefulness(probes, png, pdf, title, thresholds, width, height, dpi):
-    """Fraction of useful layers (affine-replacement loss ratio above threshold) per shape."""
+def _summary_vs_depth(probes, probe, ylabel, png, pdf, title, width, height, dpi, ylim=None):
+    """One summary number per run against n_layer, one line per architecture."""
     archs = sorted(probes["arch"].unique())
-    data = _best(probes, "useful_fraction")
+    data = _best(probes, probe)
     fig, ax = plt.subplots(figsize=(width, height))
     for arch, group in data.groupby("arch"):
         group = group.sort_values("n_layer")
         ax.plot(group["n_layer"], group["value"], label=arch, **arch_style(arch, archs))
     ax.set_xlabel("n_layer")
-    ax.set_ylabel(f"fraction of layers with r_l > {thresholds['usefulness_threshold']}")
-    ax.set_ylim(-0.05, 1.05)
+    ax.set_ylabel(ylabel)
+    if ylim:
+        ax.set_ylim(*ylim)
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, ncol=2 if len(archs) > 6 else 1)
     ax.grid(alpha=0.3)
     save(fig, png, pdf, dpi)
 
 
+def usefulness(probes, png, pdf, title, thresholds, width, height, dpi):
+    """Fraction of useful layers (affine-replacement loss ratio above threshold) per shape."""
+    ylabel = f"fraction of layers with r_l > {thresholds['usefulness_threshold']}"
+    _summary_vs_depth(probes, "useful_fraction", ylabel, png, pdf, title, width, height, dpi, ylim=(-0.05, 1.05))
+
+
 def residual_product_rank(probes, png, pdf, title, thresholds, width, height, dpi):
-    archs = sorted(probes["arch"].unique())
-    data = _best(probes, "residual_product_rank")
-    fig, ax = plt.subplots(figsize=(width, height))
-    for arch, group in data.groupby("arch"):
-        group = group.sort_values("n_layer")
-        ax.plot(group["n_layer"], group["value"], label=arch, **arch_style(arch, archs))
-    ax.set_xlabel("n_layer")
-    ax.set_ylabel("effective rank of the stream-mixing product")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    save(fig, png, pdf, dpi)
+    """hc against mhc: effective rank of the product of stream-mixing matrices."""
+    _summary_vs_depth(probes, "residual_product_rank", "effective rank of the stream-mixing product", png, pdf, title, width, height, dpi)
 
 
 def depth_mixing(probes, png, pdf, title, thresholds, width, height, dpi):

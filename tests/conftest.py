@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -54,3 +56,15 @@ def tiny_data(tmp_path_factory, wiki_jsonl):
     build_tokenizer(config, str(tok))
     build_shards(config, str(tok), str(root / "shards"), exp.data_id, exp.tokenizer_id)
     return config, exp, root / "shards"
+
+
+def wait_until_gone(pid: int, seconds: float = 10.0) -> bool:
+    """True once no process `pid` exists (polled), False if it is still there after `seconds`."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False

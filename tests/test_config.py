@@ -140,8 +140,20 @@ def test_settings_added_later_enter_the_hash_only_when_changed():
     from depthbench.train.config import TrainConfig
 
     values = TrainConfig().hashed_dict()
-    values["a_future_setting"] = None  # not a field: treated as changed, hashed
+    values["a_future_setting"] = 1  # not a field of the dataclass: no default to match, hashed
     assert "a_future_setting" in _hashed(values, frozenset(), TrainConfig)
     assert "weight_decay" not in _hashed(TrainConfig().hashed_dict(), frozenset(), TrainConfig)
     assert _hashed({"weight_decay": 0.0}, frozenset(), TrainConfig) == {"weight_decay": 0.0}
     assert _hashed({"weight_decay": 0.1}, frozenset({"weight_decay"}), TrainConfig) == {"weight_decay": 0.1}
+
+
+def test_identity_dict_round_trips_with_the_operational_settings(wiki_jsonl):
+    from depthbench.config import RunSpec
+
+    config = load_config(tiny_config(wiki_jsonl))
+    spec = next(iter(expand_grid(config).runs.values()))
+    ident = spec.identity_dict()
+    assert not {"threads", "checkpoint_every", "log_every"} & set(ident["train"])
+    assert "dynamics_every" not in ident["train"]  # added after v1, at its default
+    restored = RunSpec.from_dict(ident).with_operational(config["train"])
+    assert restored.to_dict() == spec.to_dict()

@@ -1,7 +1,6 @@
 """Tokenization into OLMo-style shards, the document split and the unigram floor."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pandas as pd

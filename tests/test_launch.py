@@ -14,7 +14,7 @@ import time
 import pytest
 
 from depthbench.launch import dispatch, make_executor, slurm_parameters
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_until_gone
 
 pytestmark = pytest.mark.slow
 
@@ -74,11 +74,4 @@ def test_interrupting_the_dispatcher_cancels_the_submitted_job(tiny_data, tmp_pa
     os.kill(job_pid, 0)  # running
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM
-    for _ in range(100):
-        try:
-            os.kill(job_pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(f"submitted job {job_pid} still running after the dispatcher was interrupted")
+    assert wait_until_gone(job_pid), f"submitted job {job_pid} still running after the dispatcher was interrupted"

@@ -1,6 +1,5 @@
 """Probe computations against cases whose answer is known exactly."""
 
-import math
 
 import pytest
 import torch

@@ -2,12 +2,10 @@
 
 import copy
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from depthbench.config import RunSpec, expand_grid, load_config
 from depthbench.models import build_model
 from depthbench.train.checkpoint import list_checkpoints
 from depthbench.train.loop import RunPaths, lr_at, param_groups, train
-from tests.conftest import REPO, tiny_config
+from tests.conftest import REPO
 
 
 def only_run(exp) -> RunSpec:

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from tests.conftest import REPO, tiny_config
+from tests.conftest import REPO, tiny_config, wait_until_gone
 
 pytestmark = pytest.mark.slow
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
@@ -138,6 +138,17 @@ def test_figure_setting_reruns_only_figures(workflow, wiki_jsonl):
     snakemake(root)
 
 
+def test_operational_settings_do_not_retrain(workflow, wiki_jsonl):
+    root, _ = workflow
+    config = grid(wiki_jsonl)
+    config["train"].update(checkpoint_every=1000, log_every=5, threads=2)
+    config["launcher"] = {"backend": "local"}
+    write_config(root, config)
+    plan = snakemake(root, "-n")
+    assert "Nothing to be done" in plan.stdout + plan.stderr
+    write_config(root, grid(wiki_jsonl))
+
+
 def test_adding_a_learning_rate_trains_only_the_new_runs(workflow, wiki_jsonl):
     root, _ = workflow
     write_config(root, grid(wiki_jsonl, learning_rates=[3e-3, 50.0, 1e-2]))
@@ -209,12 +220,5 @@ def test_ctrl_c_on_snakemake_cancels_the_submitted_training_job(tmp_path, wiki_j
     os.kill(job_pid, 0)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does in a terminal
     proc.wait(timeout=120)
-    for _ in range(200):
-        try:
-            os.kill(job_pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(f"training job {job_pid} survived Ctrl-C on Snakemake")
+    assert wait_until_gone(job_pid, 20.0), f"training job {job_pid} survived Ctrl-C on Snakemake"
     assert not list((root / "results" / "runs").glob("*/summary.json"))

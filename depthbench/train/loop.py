@@ -144,7 +144,7 @@ def train(spec: RunSpec, data_dir: str | os.PathLike, paths: RunPaths, progress:
     step_fn = torch.compile(model) if tc.compile else model
 
     start_step, wall_before = 0, 0.0
-    status, best_val, last_val = STATUS_OK, float("inf"), float("nan")
+    status, last_val = STATUS_OK, float("nan")
     state = load_latest(paths.checkpoints, spec.run_id)
     if state is not None:
         model.load_state_dict(state["model"])

@@ -11,7 +11,7 @@ rule probe:
     output:
         f"{RESULTS}/probes/{{run_id}}.parquet",
     params:
-        spec=lambda wc: RUNS[wc.run_id].to_dict(),
+        spec=lambda wc: RUNS[wc.run_id].identity_dict(),
         settings={k: v for k, v in config["probes"].items() if k != "enabled"},
         data_dir=DATA_DIR,
         run_dir=lambda wc: f"{RESULTS}/runs/{wc.run_id}",

@@ -11,7 +11,8 @@ rule train:
         weights=f"{RESULTS}/runs/{{run_id}}/model.safetensors",
         metrics=f"{RESULTS}/runs/{{run_id}}/metrics.jsonl",
     params:
-        spec=lambda wc: RUNS[wc.run_id].to_dict(),
+        # the run's identity only: operational settings are read from the config by the script
+        spec=lambda wc: RUNS[wc.run_id].identity_dict(),
         data_dir=DATA_DIR,
         run_dir=lambda wc: f"{RESULTS}/runs/{wc.run_id}",
         work_dir=lambda wc: f"{RESULTS}/work/{wc.run_id}",
