@@ -356,17 +356,14 @@ def expand_grid(config: dict) -> Experiment:
         _apply_knobs(model_section, train_dict, knobs)
         for arch_name in config["architectures"]:
             arch = canonical_arch(arch_name)
-            try:
-                base = ModelConfig(
-                    arch=arch,
-                    vocab_size=vocab_size,
-                    max_seq_len=train_dict.get("seq_len", 2048),
-                    d_model=_first_valid_width(model_section.get("n_head", 16)),
-                    n_layer=1,
-                    **model_section,
-                )
-            except ConfigError as exc:
-                raise exc
+            base = ModelConfig(
+                arch=arch,
+                vocab_size=vocab_size,
+                max_seq_len=train_dict.get("seq_len", 2048),
+                d_model=_first_valid_width(model_section.get("n_head", 16)),
+                n_layer=1,
+                **model_section,
+            )
             for shape in resolve_shapes(config, base):
                 model_cfg = replace(base, n_layer=shape.n_layer, d_model=shape.d_model, d_ff=shape.d_ff)
                 for lr in config["learning_rates"]:

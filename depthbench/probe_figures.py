@@ -32,15 +32,24 @@ def _grid(n: int, width: float, height: float):
     return fig, list(axes.flat)
 
 
+def _panel_matrices(data: pd.DataFrame, size) -> list[tuple[tuple, np.ndarray]]:
+    """One (arch, n_layer, d_model) panel each: the rows' values placed at (i, j) in a NaN
+    matrix of shape size(sub, n_layer)."""
+    panels = []
+    for key in sorted(data.groupby(["arch", "n_layer", "d_model"]).groups):
+        arch, n_layer, d_model = key
+        sub = data[(data["arch"] == arch) & (data["n_layer"] == n_layer) & (data["d_model"] == d_model)]
+        M = np.full(size(sub, n_layer), np.nan)
+        M[sub["i"].to_numpy(), sub["j"].to_numpy()] = sub["value"].to_numpy()
+        panels.append((key, M))
+    return panels
+
+
 def angular_distance(probes, png, pdf, title, thresholds, width, height, dpi):
     """Heatmap of d(l, l+k) (last token) per (architecture, shape)."""
-    data = _best(probes, "angular_distance_last")
-    panels = sorted(data.groupby(["arch", "n_layer", "d_model"]).groups)
+    panels = _panel_matrices(_best(probes, "angular_distance_last"), lambda sub, L: (L + 1, L + 1))
     fig, axes = _grid(len(panels), width, height)
-    for ax, (arch, n_layer, d_model) in zip(axes, panels):
-        sub = data[(data["arch"] == arch) & (data["n_layer"] == n_layer) & (data["d_model"] == d_model)]
-        M = np.full((n_layer + 1, n_layer + 1), np.nan)
-        M[sub["i"].to_numpy(), sub["j"].to_numpy()] = sub["value"].to_numpy()
+    for ax, ((arch, n_layer, d_model), M) in zip(axes, panels):
         im = ax.imshow(M[:, 1:].T, origin="lower", aspect="auto", vmin=0, vmax=0.5, cmap="viridis")
         ax.set_title(f"{arch} L={n_layer} d={d_model}", fontsize=8)
         ax.set_xlabel("layer l", fontsize=7)
@@ -145,13 +154,10 @@ def residual_product_rank(probes, png, pdf, title, thresholds, width, height, dp
 
 def depth_mixing(probes, png, pdf, title, thresholds, width, height, dpi):
     """Mean depth-softmax weight of every sublayer (rows) on every source (columns), attnres."""
-    data = _best(probes, "depth_weight")
-    panels = sorted(data.groupby(["arch", "n_layer", "d_model"]).groups)
+    size = lambda sub, L: (int(sub["i"].max()) + 1, int(sub["j"].max()) + 1)  # noqa: E731
+    panels = _panel_matrices(_best(probes, "depth_weight"), size)
     fig, axes = _grid(len(panels), width, height)
-    for ax, (arch, n_layer, d_model) in zip(axes, panels):
-        sub = data[(data["arch"] == arch) & (data["n_layer"] == n_layer) & (data["d_model"] == d_model)]
-        M = np.full((int(sub["i"].max()) + 1, int(sub["j"].max()) + 1), np.nan)
-        M[sub["i"].to_numpy(), sub["j"].to_numpy()] = sub["value"].to_numpy()
+    for ax, ((arch, n_layer, d_model), M) in zip(axes, panels):
         im = ax.imshow(M[1:], origin="lower", aspect="auto", vmin=0, vmax=1, cmap="magma")
         ax.set_title(f"{arch} L={n_layer} d={d_model}", fontsize=8)
         ax.set_xlabel("source (0 = embedding)", fontsize=7)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import shutil
 import time
-from pathlib import Path
 
 from tokenizers import Tokenizer
 
@@ -71,6 +70,3 @@ def build_shards(config: dict, tokenizer_path: str, out_dir: str, data_id: str, 
     meta["seconds"] = round(time.time() - start, 2)
     return meta
 
-
-def shard_dir(results: str | Path, data_id: str) -> Path:
-    return Path(results) / "data" / data_id
