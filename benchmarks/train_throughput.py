@@ -95,7 +95,7 @@ def main() -> None:
                 step(x, y)
             rates[name].append(tokens / (time.perf_counter() - t))
     peak = measured_cpu_peak(dtype)
-    flops_tok = train_flops_per_token(cfg, args.seq, n_ours)
+    flops_tok = train_flops_per_token(ours, args.seq)
     result = {"config": vars(args), "params": n_ours, "matmul_peak_flops": peak, "flops_per_token": flops_tok}
     print(f"shape d_model={args.d_model} n_layer={args.n_layer} vocab={args.vocab} batch={args.batch}x{args.seq} "
           f"dtype={args.dtype} threads={args.threads} params={n_ours:,}")

@@ -7,7 +7,6 @@ from functools import lru_cache
 
 import torch
 
-from depthbench.models import ModelConfig
 
 # Dense bf16 peak (no sparsity) in FLOP/s, by substring of torch.cuda.get_device_name().
 GPU_BF16_PEAK = {
@@ -20,11 +19,12 @@ GPU_BF16_PEAK = {
 }
 
 
-def train_flops_per_token(cfg: ModelConfig, seq_len: int, n_params: int) -> float:
-    """6 N' + 12 L d T (PaLM appendix B): N' excludes the embedding lookup, which does no matmul;
-    the attention term counts QK^T and AV over the full (not causally halved) T x T."""
-    n_matmul = n_params - cfg.vocab_size * cfg.d_model
-    return 6.0 * n_matmul + 12.0 * cfg.n_layer * cfg.d_model * seq_len
+def train_flops_per_token(model, seq_len: int) -> float:
+    """Training matmul FLOPs per token: 3 x the forward count of depthbench.cost (6 N_mm plus
+    attention over the full T x T square plus the architecture's depth terms)."""
+    from depthbench.cost import forward_flops_per_token
+
+    return 3.0 * forward_flops_per_token(model, seq_len)
 
 
 @lru_cache(maxsize=None)

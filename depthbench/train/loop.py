@@ -159,7 +159,7 @@ def train(spec: RunSpec, data_dir: str | os.PathLike, paths: RunPaths, progress:
     else:
         paths.metrics.unlink(missing_ok=True)
 
-    flops_per_token = train_flops_per_token(cfg, tc.seq_len, model.num_active_parameters())
+    flops_per_token = train_flops_per_token(model, tc.seq_len)
     peak = device_peak_flops(device, dtype)
     diverge_at = tc.divergence_factor * math.log(cfg.vocab_size)
     bar = None

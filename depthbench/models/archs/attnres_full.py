@@ -38,7 +38,8 @@ class DepthAttention(nn.Module):
     def forward(self, sources: torch.Tensor, unit_sources: torch.Tensor):
         """sources, unit_sources: (S, B, T, d), the latter RMS-normalised without gain.
         Returns h (B, T, d) and the weights (S, B, T)."""
-        logits = unit_sources @ (self.query * self.key_norm.weight)  # (S, B, T)
+        # a (d, 1) matrix rather than a vector: a matmul, which the FLOP counter counts (mv it does not)
+        logits = (unit_sources @ (self.query * self.key_norm.weight).unsqueeze(-1)).squeeze(-1)  # (S, B, T)
         weights = torch.softmax(at_least_fp32(logits), dim=0).to(sources.dtype)
         return (weights.unsqueeze(-1) * sources).sum(dim=0), weights
 

@@ -51,6 +51,7 @@ class MoDABlock(Block):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         variant = cfg.arch_options.get("variant", "reuse_kv")
         self.ffn_kv = nn.Linear(cfg.d_model, 2 * self.attn.kv_dim, bias=False) if variant == "ffn_kv" else None
+        self.n_layer = cfg.n_layer
 
     def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None, depth: list | None = None) -> torch.Tensor:
         """`depth` holds (k, v) pairs (B, H_kv, T, hd) of earlier layers; this layer appends its own."""
@@ -67,7 +68,9 @@ class MoDABlock(Block):
         x = x + attn.wo(y.transpose(1, 2).reshape(B, T, attn.q_dim))
         depth.append((k, v))
         h = self.ffn_norm(x)
-        if self.ffn_kv is not None:
+        # The last layer's FFN-side depth keys have no later layer to read them: not computed
+        # (its projection still counts in the budget, as the design's 2 d^2 / G per layer says).
+        if self.ffn_kv is not None and self.layer_index < self.n_layer:
             fk, fv = self.ffn_kv(h).split(attn.kv_dim, dim=-1)
             fk = apply_rotary(fk.view(B, T, attn.n_kv_head, attn.head_dim).transpose(1, 2), *rope)
             depth.append((fk, fv.view(B, T, attn.n_kv_head, attn.head_dim).transpose(1, 2)))

@@ -1,0 +1,189 @@
+"""Cost accounting: parameters, analytic FLOPs, KV-cache bytes, and the measured cost of a run.
+
+FLOP convention (the one of MFU, PaLM appendix B and `torch.utils.flop_counter`): count the
+multiply-adds of matrix products, 2 FLOPs each, and nothing element-wise (norms, activations,
+softmax, HC's stream combinations, Sinkhorn iterations). Attention scores and value mixing are
+counted over the full T x T square, not the causal half (as fused SDPA kernels are counted).
+Per token, at sequence length T:
+
+    forward(T) = 2 N_mm + 4 L T d_q + depth(T)        training(T) = 3 forward(T)
+
+N_mm: the weights that multiply each token once (every Linear, LM head included, with an MoE
+layer's router and top-k experts only); d_q = n_head * head_dim. depth(T) is what an
+architecture adds in matrix products beyond those (0 for the norm family):
+  hc            its dynamic projection multiplies all n streams, not one: 2 (n - 1) d (n + 2) per
+                sublayer (the n x (n + 2) block is counted once in N_mm).
+  attnres_*     the depth logits w . N(v_i): 2 d per source per sublayer and for the final
+                aggregation (full: s sources at sublayer s, 2L + 1 at the end).
+  moda          the joint softmax's depth half: 4 D_l d_q at layer l with D_l depth keys
+                (l - 1 for reuse_kv, 2 (l - 1) for ffn_kv), less the last layer's ffn_kv
+                projection, which has no reader and is not run.
+Backward costs twice the forward, as for every matmul. Prefill of a 4096-token sequence is
+4096 x forward(4096).
+
+KV cache (bytes per token at bf16, what persists across tokens in decoding): K and V of every
+attention layer, 2 L n_kv_head head_dim x 2 bytes. MoDA's depth keys and values of position t are
+read only by position t: with reuse_kv they are the same tensors as the sequence cache (no extra
+bytes), with ffn_kv the FFN-side K/V are per-token working state, not cache. That per-token state a
+decode step holds across the depth of the network is reported separately as
+`depth_state_bytes_per_token`: the n streams of hc/mhc, the stored sources of AttnRes
+(2L + 1 for full, at most blocks + 2 for block), MoDA ffn_kv's extra K/V; 0 for single-stream
+architectures beyond the d-vector every model holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from depthbench.models import ModelConfig, build_model
+from depthbench.models.layers import CausalSelfAttention
+
+PREFILL_TOKENS = 4096
+BF16_BYTES = 2
+
+
+def meta_model(cfg: ModelConfig) -> nn.Module:
+    with torch.device("meta"):
+        return build_model(cfg, initialize=False)
+
+
+def matmul_parameters(model: nn.Module) -> int:
+    """Weights multiplied once per token: every Linear, plus the active share of MoE experts."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            total += module.weight.numel()
+        elif hasattr(module, "n_experts") and hasattr(module, "w13"):
+            per_expert = module.w13[0].numel() + module.w2[0].numel()
+            total += module.top_k * per_expert
+    return total
+
+
+def depth_flops_per_token(model: nn.Module) -> float:
+    """Architecture-specific matmul FLOPs per token (forward) beyond 2 N_mm + attention."""
+    cfg = model.cfg
+    arch, L, d = model.arch_name, cfg.n_layer, cfg.d_model
+    opts = cfg.arch_options
+    if arch == "hc":
+        n = int(opts.get("n_streams", 4))
+        return 2 * L * 2.0 * (n - 1) * d * (n + 2)
+    if arch == "attnres_full":
+        return sum(2.0 * d * s for s in range(1, 2 * L + 2))
+    if arch == "attnres_block":
+        return 2.0 * d * sum(attnres_block_sources(L, int(opts.get("n_blocks", 8))))
+    if arch == "moda":
+        per_layer = 2 if opts.get("variant", "reuse_kv") == "ffn_kv" else 1
+        d_q = cfg.n_head * cfg.head_dim
+        unused = 2.0 * d * 2 * cfg.n_kv_head * cfg.head_dim if per_layer == 2 else 0.0  # last layer's ffn_kv: not run
+        return sum(4.0 * per_layer * (l - 1) * d_q for l in range(1, L + 1)) - unused
+    return 0.0
+
+
+def attnres_block_sources(n_layer: int, n_blocks: int) -> list[int]:
+    """Number of sources each depth attention of attnres_block sees (2L sublayers, then final)."""
+    from depthbench.models.archs.attnres_block import block_ends
+
+    ends = set(block_ends(n_layer, n_blocks))
+    counts, completed, partial = [], 1, False
+    for layer in range(1, n_layer + 1):
+        for position in range(2):
+            counts.append(completed + int(partial))
+            partial = True
+            if position == 1 and layer in ends:
+                completed, partial = completed + 1, False
+    counts.append(completed)
+    return counts
+
+
+def forward_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    cfg = model.cfg
+    attention = 4.0 * cfg.n_layer * seq_len * cfg.n_head * cfg.head_dim
+    return 2.0 * matmul_parameters(model) + attention + depth_flops_per_token(model)
+
+
+def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_value: int = BF16_BYTES) -> int:
+    return 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * bytes_per_value
+
+
+def depth_state_bytes_per_token(model: nn.Module, bytes_per_value: int = BF16_BYTES) -> int:
+    cfg = model.cfg
+    arch, L, d = model.arch_name, cfg.n_layer, cfg.d_model
+    opts = cfg.arch_options
+    if arch in ("hc", "mhc"):
+        return int(opts.get("n_streams", 4)) * d * bytes_per_value
+    if arch == "attnres_full":
+        return (2 * L + 1) * d * bytes_per_value
+    if arch == "attnres_block":
+        return max(attnres_block_sources(L, int(opts.get("n_blocks", 8)))) * d * bytes_per_value
+    if arch == "moda" and opts.get("variant", "reuse_kv") == "ffn_kv":
+        return L * 2 * cfg.n_kv_head * cfg.head_dim * bytes_per_value
+    return 0
+
+
+def analytic_cost(cfg: ModelConfig, train_seq_len: int) -> dict[str, Any]:
+    """Every analytic cost column of one model shape (built on the meta device: no memory)."""
+    model = meta_model(cfg)
+    total = model.num_parameters()
+    embedding = model.embed.weight.numel() + model.lm_head.weight.numel()
+    baseline = meta_model(dataclasses.replace(cfg, arch="pre_ln", arch_options={}))
+    forward_prefill = forward_flops_per_token(model, PREFILL_TOKENS)
+    return {
+        "params_total": total,
+        "params_embedding": embedding,
+        "params_non_embedding": total - embedding,
+        "params_active": model.num_active_parameters(),
+        # parameters beyond a Pre-LN model of the same shape (HC weights, pseudo-queries, ...)
+        "params_extra_vs_pre_ln": total - baseline.num_parameters(),
+        "train_flops_per_token": 3.0 * forward_flops_per_token(model, train_seq_len),
+        "forward_flops_per_token": forward_flops_per_token(model, train_seq_len),
+        "prefill_flops_4096": PREFILL_TOKENS * forward_prefill,
+        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg),
+        "kv_cache_bytes_4096": PREFILL_TOKENS * kv_cache_bytes_per_token(cfg),
+        "depth_state_bytes_per_token": depth_state_bytes_per_token(model),
+    }
+
+
+@contextlib.contextmanager
+def record_attention_cache(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Collect the K and V tensors every attention layer produces (after RoPE) during a forward
+    pass: what a decoding cache stores for those positions. Yields the list being filled."""
+    cached: list[torch.Tensor] = []
+    originals = []
+    for module in model.modules():
+        if isinstance(module, CausalSelfAttention):
+            original = module.project_qkv
+
+            def recording(x, rope, _original=original):
+                q, k, v = _original(x, rope)
+                cached.extend([k.detach(), v.detach()])
+                return q, k, v
+
+            module.project_qkv = recording
+            originals.append(module)
+    try:
+        yield cached
+    finally:
+        for module in originals:
+            del module.project_qkv  # back to the class method
+
+
+def measured_cost(summary: dict[str, Any]) -> dict[str, Any]:
+    """The measured columns of one run, from its summary.json."""
+    steps = summary.get("steps") or 0
+    wall = summary.get("wall_seconds") or float("nan")
+    world = int(summary.get("world_size") or 1)
+    return {
+        "measured_peak_memory_bytes": summary.get("peak_memory_bytes"),
+        "peak_memory_kind": summary.get("peak_memory_kind") or ("cuda_allocator" if str(summary.get("device", "")).startswith("cuda") else "process_max_rss"),
+        "step_seconds": wall / steps if steps else float("nan"),
+        "tokens_per_s": summary.get("tokens_per_s"),
+        "wall_seconds": wall,
+        "world_size": world,
+        "device": summary.get("device"),
+        "device_hours": wall * world / 3600.0,
+    }
