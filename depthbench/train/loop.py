@@ -264,7 +264,12 @@ def finish(spec: RunSpec, paths: RunPaths, model, status: str, step: int, wall: 
     atomic_write(paths.curves, lambda tmp: Path(tmp).write_text(text))
     records = [json.loads(line) for line in text.splitlines() if line.strip()]
     tps = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and math.isfinite(r["tokens_per_s"])]
-    peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    if device.type == "cuda":
+        peak_mem, peak_kind = torch.cuda.max_memory_allocated(device), "cuda_allocator"
+    else:  # the process's high-water mark (Linux reports KiB); includes Python and the data
+        import resource
+
+        peak_mem, peak_kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_max_rss"
     summary = {
         "run_id": spec.run_id,
         "status": status,
@@ -276,6 +281,7 @@ def finish(spec: RunSpec, paths: RunPaths, model, status: str, step: int, wall: 
         "tokens_per_s": sum(tps) / len(tps) if tps else float("nan"),
         "n_params": n_params,
         "peak_memory_bytes": peak_mem,
+        "peak_memory_kind": peak_kind,
         "device": str(device),
         "spec": spec.to_dict(),
     }

@@ -20,3 +20,19 @@ rule tables:
         f"{RESULTS}/benchmarks/tables.tsv"
     script:
         "../../scripts/tables.py"
+
+
+# Cost accounting: analytic (from each run's spec) and measured (from its summary).
+rule cost_table:
+    input:
+        summaries=run_outputs("summary.json"),
+        runs=rules.tables.output.runs,
+        best_lr=rules.tables.output.best_lr,
+    output:
+        f"{RESULTS}/tables/cost.parquet",
+    log:
+        f"{RESULTS}/logs/cost_table.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/cost_table.tsv"
+    script:
+        "../../scripts/cost_table.py"

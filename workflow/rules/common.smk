@@ -32,3 +32,18 @@ def probe_figures(architectures):
 
 
 PROBE_FIGURES = probe_figures([spec.arch for spec in RUNS.values()])
+
+
+def figure_outputs(names, category):
+    """PNG (shown in the HTML report, with the caption workflow/report/<name>.rst) and PDF
+    outputs of figure rules, as {name_png: ..., name_pdf: ...}."""
+    out = {}
+    for name in names:
+        out[f"{name}_png"] = report(
+            f"{RESULTS}/figures/{name}.png",
+            caption=f"../report/{name}.rst",
+            category=category,
+            labels={"figure": name, "config": config["name"]},
+        )
+        out[f"{name}_pdf"] = f"{RESULTS}/figures/{name}.pdf"
+    return out

@@ -7,12 +7,7 @@ rule figures:
         curves=rules.tables.output.curves,
         best_lr=rules.tables.output.best_lr,
     output:
-        headline_png=f"{RESULTS}/figures/headline.png",
-        headline_pdf=f"{RESULTS}/figures/headline.pdf",
-        lr_png=f"{RESULTS}/figures/loss_vs_lr.png",
-        lr_pdf=f"{RESULTS}/figures/loss_vs_lr.pdf",
-        curves_png=f"{RESULTS}/figures/loss_curves.png",
-        curves_pdf=f"{RESULTS}/figures/loss_curves.pdf",
+        **figure_outputs(["headline", "loss_vs_lr", "loss_curves"], "1. Loss"),
     params:
         figures=config["figures"],
         experiment=EXPERIMENT,
@@ -31,8 +26,7 @@ rule dynamics_figure:
         runs=rules.tables.output.runs,
         best_lr=rules.tables.output.best_lr,
     output:
-        png=f"{RESULTS}/figures/dynamics.png",
-        pdf=f"{RESULTS}/figures/dynamics.pdf",
+        **figure_outputs(["dynamics"], "3. Training dynamics"),
     params:
         figures=config["figures"],
         experiment=EXPERIMENT,
@@ -42,3 +36,24 @@ rule dynamics_figure:
         f"{RESULTS}/benchmarks/dynamics_figure.tsv"
     script:
         "../../scripts/dynamics_figure.py"
+
+
+# NLL on coding, STEM and math, and the cost of each shape (cost figures need no NLL).
+COST_FIGURES = ["cost_vs_ratio", "loss_vs_cost"] + (["nll_vs_ratio"] if config["nll"]["enabled"] else [])
+
+
+rule cost_figures:
+    input:
+        cost=rules.cost_table.output[0],
+        nll=rules.nll_table.output[0] if config["nll"]["enabled"] else [],
+    output:
+        **figure_outputs(COST_FIGURES, "4. NLL and cost"),
+    params:
+        figures=config["figures"],
+        experiment=EXPERIMENT,
+    log:
+        f"{RESULTS}/logs/cost_figures.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/cost_figures.tsv"
+    script:
+        "../../scripts/cost_figures.py"

@@ -46,7 +46,7 @@ rule probe_figures:
     input:
         probes=rules.probes_table.output[0],
     output:
-        **{f"{name}_{ext}": f"{RESULTS}/figures/{name}.{ext}" for name in PROBE_FIGURES for ext in ("png", "pdf")},
+        **figure_outputs(PROBE_FIGURES, "2. Layer utilization probes"),
     params:
         figures=config["figures"],
         experiment=EXPERIMENT,

@@ -1,0 +1,1 @@
+"""Teacher-forced NLL on coding, STEM and math sets."""

@@ -1,0 +1,13 @@
+"""Snakemake entry: per-run cost accounting into results/tables/cost.parquet."""
+
+import sys
+
+import pandas as pd
+
+from depthbench.tables import cost_rows, write_parquet
+
+sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+runs, best = pd.read_parquet(snakemake.input.runs), pd.read_parquet(snakemake.input.best_lr)  # noqa: F821
+table = cost_rows(snakemake.input.summaries, runs, best)  # noqa: F821
+write_parquet(table, snakemake.output[0])  # noqa: F821
+print(table[["run_id", "params_total", "train_flops_per_token", "prefill_flops_4096", "kv_cache_bytes_per_token"]].to_string(), file=sys.stderr)

@@ -1,0 +1,19 @@
+"""Snakemake entry: dispatch the NLL stage of one run (logic in depthbench.evals.run)."""
+
+import sys
+
+from depthbench.config import RunSpec
+from depthbench.launch import dispatch_nll
+
+sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+report = dispatch_nll(
+    RunSpec.from_dict(snakemake.params.spec).with_operational(snakemake.config["train"]),  # noqa: F821
+    run_dir=snakemake.params.run_dir,  # noqa: F821
+    work_dir=snakemake.params.work_dir,  # noqa: F821
+    sets_path=snakemake.input.sets,  # noqa: F821
+    out_path=snakemake.output[0],  # noqa: F821
+    settings={**snakemake.params.settings, "tokens_per_batch": snakemake.config["nll"]["tokens_per_batch"]},  # noqa: F821
+    launcher=snakemake.config["launcher"],  # noqa: F821
+    threads=snakemake.threads,  # noqa: F821
+)
+print(report, file=sys.stderr)
