@@ -29,7 +29,35 @@ class TrainingJob(submitit.helpers.Checkpointable):
     def __call__(self, spec: dict, data_dir: str, run_dir: str, work_dir: str, progress: bool = True) -> dict:
         from depthbench.train.loop import RunPaths, train
 
+        export_distributed_env()
         return train(RunSpec.from_dict(spec), data_dir, RunPaths(run_dir, work_dir), progress=progress)
+
+
+def export_distributed_env() -> int:
+    """In a submitit job with several tasks (SLURM tasks, or local processes), set MASTER_ADDR,
+    MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK from submitit's job environment, so that
+    torch.distributed's env:// initialisation works without torchrun. Returns the world size."""
+    try:
+        env = submitit.JobEnvironment()
+        n_tasks = env.num_tasks
+    except Exception:  # not inside a submitit job (inline tests) or a debug job: one rank
+        return 1
+    if n_tasks > 1:
+        import torch
+
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=torch.cuda.is_available(), overwrite=True)
+    return n_tasks
+
+
+def ranks_per_run(launcher: dict) -> int:
+    """How many training processes one run gets from the launcher settings."""
+    backend = launcher.get("backend", "inline")
+    if backend == "local":
+        return int(launcher.get("local_ranks", 1))
+    if backend == "slurm":
+        s = launcher.get("slurm", {})
+        return int(s.get("nodes", 1)) * max(1, int(s.get("gpus_per_node", 1)))
+    return 1
 
 
 def make_executor(launcher: dict, folder: Path, threads: int):
@@ -38,7 +66,8 @@ def make_executor(launcher: dict, folder: Path, threads: int):
         return submitit.AutoExecutor(folder=folder, cluster="debug")
     if backend == "local":
         executor = submitit.LocalExecutor(folder=folder)
-        executor.update_parameters(timeout_min=int(launcher.get("slurm", {}).get("time_min", 1440)))
+        executor.update_parameters(timeout_min=int(launcher.get("slurm", {}).get("time_min", 1440)),
+                                   tasks_per_node=int(launcher.get("local_ranks", 1)))
         return executor
     if backend == "slurm":
         executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=launcher.get("slurm", {}).get("max_num_timeout", 20))
@@ -55,6 +84,8 @@ def slurm_parameters(launcher: dict) -> dict[str, Any]:
         "time": int(s.get("time_min", 1440)),
         "nodes": int(s.get("nodes", 1)),
         "gpus_per_node": int(s.get("gpus_per_node", 1)),
+        # one task per GPU, each a torch.distributed rank (see depthbench.train.distributed)
+        "ntasks_per_node": max(1, int(s.get("gpus_per_node", 1))),
         "cpus_per_task": int(s.get("cpus_per_task", 8)),
         "mem": f"{int(s.get('mem_gb', 64))}GB",
         # SIGUSR2 this long before the time limit: submitit then calls checkpoint() and requeues.
@@ -133,7 +164,7 @@ def submit_and_wait(fn, args: tuple, label: str, work_dir: str, launcher: dict, 
 
     previous = {s: signal.signal(s, cancel) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return job.result()
+        return job.results()[0]  # rank 0's result when a job has several tasks
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -143,8 +174,8 @@ def dispatch(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, launcher
     """Submit the training of `spec`, wait for it and return its summary."""
     backend = launcher.get("backend", "inline")
     spec_dict = spec.to_dict()
-    if backend != "slurm":  # on this machine, use the cores Snakemake gave the job
-        spec_dict["train"]["threads"] = threads
+    if backend != "slurm":  # on this machine, share the cores Snakemake gave the job among the ranks
+        spec_dict["train"]["threads"] = max(1, threads // ranks_per_run(launcher))
     args = (spec_dict, str(data_dir), str(run_dir), str(work_dir), backend != "slurm")
     return submit_and_wait(TrainingJob(), args, spec.run_id, work_dir, launcher)
 

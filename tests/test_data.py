@@ -136,6 +136,8 @@ def test_batches_are_deterministic_disjoint_across_ranks_and_cover_an_epoch(tiny
     r1 = TrainBatches(windows, 3, 8, 4, rank=1, world=2).get(5, 0)[0]
     rows_full = {tuple(r.tolist()) for b in full for r in b}
     assert {tuple(r.tolist()) for r in r0} | {tuple(r.tolist()) for r in r1} == rows_full
+    # rank r's micro-batch m is the single rank's micro-batch m * world + r, whole
+    assert torch_equal(r0, full[0]) and torch_equal(r1, full[1])
     sampler = ShuffledSampler(len(windows), 3)
     assert sorted(sampler(g) for g in range(len(windows))) == list(range(len(windows)))
 

@@ -5,7 +5,7 @@ i covers tokens [i*T, i*T + T]; inputs are the first T, targets the last T). Epo
 windows in the order of a permutation seeded by (seed, e). Global sample g is window
 perm_{g // W}[g % W], and optimizer step s consumes samples s*B .. s*B + B - 1. The data position
 is therefore just the step: resuming at step s reproduces exactly the batches an uninterrupted
-run would see, and a rank r of R takes every R-th sample of the step, a disjoint slice.
+run would see, and rank r of R takes every R-th micro-batch of the step, a disjoint slice.
 """
 
 from __future__ import annotations
@@ -69,12 +69,13 @@ class TrainBatches:
         self.accum_steps = global_batch // (micro_batch * world)
 
     def get(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # Sample j of the step belongs to rank j % world; this rank's micro-batch `micro` takes
-        # its samples micro*mb .. micro*mb + mb - 1.
-        base = step * self.global_batch
-        local = range(micro * self.micro_batch, (micro + 1) * self.micro_batch)
-        indices = [self.sampler(base + j * self.world + self.rank) for j in local]
-        return self.windows.batch(indices)
+        # The step's samples form global_batch / micro_batch micro-batches k; rank r's micro-batch
+        # m is k = m * world + r. Every rank computes exactly micro-batches that one rank would,
+        # so R ranks sum the same per-micro-batch gradients as one rank (only the order of the
+        # additions differs) and the losses agree to rounding.
+        k = micro * self.world + self.rank
+        base = step * self.global_batch + k * self.micro_batch
+        return self.windows.batch([self.sampler(base + j) for j in range(self.micro_batch)])
 
 
 def eval_batches(windows: TokenWindows, n_batches: int, micro_batch: int):

@@ -33,10 +33,11 @@ class TrainConfig:
     threads: int = 1
     compile: bool = False
     dynamics_every: int = 0  # measure norm and gradient dynamics every k steps; 0 = off
+    parallel: str = "ddp"  # data parallelism when the launcher starts several ranks: ddp or fsdp
 
     # Settings that do not change the trained weights or the logged curves, so they are left
     # out of the run id's hash: changing them must not start new runs.
-    NOT_HASHED = ("checkpoint_every", "log_every", "threads", "device", "compile")
+    NOT_HASHED = ("checkpoint_every", "log_every", "threads", "device", "compile", "parallel")
 
     @property
     def grad_accum_steps(self) -> int:

@@ -30,10 +30,13 @@ from depthbench.data.loader import TokenWindows, TrainBatches, eval_batches
 from depthbench.data.shards import read_meta, split_files
 from depthbench.io import atomic_write, atomic_write_json
 from depthbench.models import build_model
+from depthbench.errors import ConfigError
+from depthbench.train import distributed
 from depthbench.train.checkpoint import load_latest, save_checkpoint
 from depthbench.train.dynamics import measure as measure_dynamics
 from depthbench.train.flops import device_peak_flops, train_flops_per_token
 
+FULL_STATE_FORMAT = "full_by_name"  # checkpoints: unsharded state dicts keyed by parameter name
 STATUS_OK = "ok"
 STATUS_DIVERGED = "diverged"
 
@@ -122,61 +125,83 @@ def train(spec: RunSpec, data_dir: str | os.PathLike, paths: RunPaths, progress:
     """
     cfg, tc = spec.model, spec.train
     torch.set_num_threads(tc.threads)
-    device = resolve_device(tc.device)
+    ctx, device_name = distributed.setup(tc.parallel, tc.device)
+    if ctx.strategy == "fsdp" and tc.dynamics_every:
+        raise ConfigError("train.dynamics_every", "training dynamics are measured with DDP or on one rank; set 0 with train.parallel: fsdp")
+    device = resolve_device(device_name)
+    if device.type == "cuda":  # TF32 for the few fp32 matmuls left outside bf16 autocast
+        torch.set_float32_matmul_precision("high")
     dtype = resolve_dtype(tc.dtype, device)
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
-    paths.checkpoints.mkdir(parents=True, exist_ok=True)
+    if ctx.is_main:
+        paths.checkpoints.mkdir(parents=True, exist_ok=True)
 
     meta = read_meta(data_dir)
     if meta["vocab_size"] != cfg.vocab_size:
         raise ValueError(f"{data_dir}: shards have vocab {meta['vocab_size']}, model expects {cfg.vocab_size}")
     train_windows = TokenWindows(split_files(data_dir, meta, "train"), meta["dtype"], tc.seq_len)
     val_windows = TokenWindows(split_files(data_dir, meta, "val"), meta["dtype"], tc.seq_len)
-    batches = TrainBatches(train_windows, tc.seed, tc.global_batch_size, tc.micro_batch_size)
+    if tc.global_batch_size % (tc.micro_batch_size * ctx.world_size):
+        raise ConfigError("train.micro_batch_size", f"global batch {tc.global_batch_size} must be a multiple of micro batch "
+                          f"{tc.micro_batch_size} x {ctx.world_size} ranks; choose a micro batch that divides {tc.global_batch_size // ctx.world_size}")
+    batches = TrainBatches(train_windows, tc.seed, tc.global_batch_size, tc.micro_batch_size, ctx.rank, ctx.world_size)
 
     torch.manual_seed(tc.seed)
     model = build_model(cfg).to(device)
     n_params = model.num_parameters()
+    flops_per_token = train_flops_per_token(model, tc.seq_len)
+    net = distributed.wrap(model, ctx, device)  # DDP wrapper, or `model` itself (sharded in place by FSDP2)
     optimizer = torch.optim.AdamW(
         param_groups(model, tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.adam_eps,
         fused=device.type == "cuda",
     )
-    step_fn = torch.compile(model) if tc.compile else model
+    step_fn = torch.compile(net) if tc.compile else net
 
     start_step, wall_before = 0, 0.0
     status, last_val = STATUS_OK, float("nan")
     state = load_latest(paths.checkpoints, spec.run_id)
     if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        if state.get("state_format") == FULL_STATE_FORMAT:  # any rank count, any strategy
+            distributed.load_full_state(model, optimizer, state["model"], state["optimizer"])
+        else:  # checkpoints written before distributed training: one rank
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["torch"])
         if device.type == "cuda" and state["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state(state["rng"]["cuda"], device)
         start_step, wall_before = state["step"], state["wall_seconds"]
         last_val = state.get("last_val", float("nan"))
-        _truncate_metrics(paths.metrics, start_step)
-        print(f"[{spec.run_id}] resumed from step {start_step}", file=sys.stderr)
-    else:
+        if ctx.is_main:
+            _truncate_metrics(paths.metrics, start_step)
+        print(f"[{spec.run_id}] rank {ctx.rank}/{ctx.world_size} resumed from step {start_step}", file=sys.stderr)
+    elif ctx.is_main:
         paths.metrics.unlink(missing_ok=True)
+    distributed.barrier(ctx)
 
-    flops_per_token = train_flops_per_token(model, tc.seq_len)
     peak = device_peak_flops(device, dtype)
     diverge_at = tc.divergence_factor * math.log(cfg.vocab_size)
     bar = None
-    if progress:
+    if progress and ctx.is_main:
         from tqdm import tqdm
 
         bar = tqdm(total=tc.total_steps, initial=start_step, desc=spec.run_id, file=sys.stderr, mininterval=2.0)
-    metrics_file = open(paths.metrics, "a")
+    metrics_file = open(paths.metrics, "a") if ctx.is_main else None
 
     def log(record: dict[str, Any]) -> None:
-        metrics_file.write(json.dumps(record) + "\n")
-        metrics_file.flush()
+        if metrics_file is not None:
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
 
     def snapshot(step: int) -> None:
+        model_state, optim_state = distributed.full_state(model, optimizer, ctx)  # a collective under FSDP
+        if ctx.is_main:
+            _save(step, model_state, optim_state)
+        distributed.barrier(ctx)
+
+    def _save(step: int, model_state: dict, optim_state: dict) -> None:
         save_checkpoint(paths.checkpoints, step, {
-            "run_id": spec.run_id, "step": step, "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
+            "run_id": spec.run_id, "step": step, "model": model_state,
+            "optimizer": optim_state, "state_format": FULL_STATE_FORMAT, "world_size": ctx.world_size,
             "schedule": {"step": step, "total_steps": tc.total_steps, "warmup_steps": tc.warmup_steps},
             "data_position": {"samples_consumed": step * tc.global_batch_size},
             "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
@@ -201,17 +226,18 @@ def train(spec: RunSpec, data_dir: str | os.PathLike, paths: RunPaths, progress:
             loss_sum = 0.0
             for micro in range(batches.accum_steps):
                 x, y = batches.get(step, micro)
-                with autocast:
-                    out = step_fn(x.to(device), y.to(device))
-                loss = out.loss
-                objective = loss if out.aux_loss is None else loss + out.aux_loss  # MoE load balancing
-                (objective / batches.accum_steps).backward()
+                last_micro = micro == batches.accum_steps - 1
+                # gradients are averaged over ranks once per step, on the last micro-batch
+                with distributed.gradient_sync(net, ctx, last_micro):
+                    with autocast:
+                        out = step_fn(x.to(device), y.to(device))
+                    loss = out.loss
+                    objective = loss if out.aux_loss is None else loss + out.aux_loss  # MoE load balancing
+                    (objective / batches.accum_steps).backward()
                 loss_sum += loss.item()
-            train_loss = loss_sum / batches.accum_steps
-            if tc.grad_clip is not None:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip))
-            else:
-                grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])))
+            train_loss = distributed.all_reduce_mean(loss_sum / batches.accum_steps, ctx, device)
+            max_norm = tc.grad_clip if tc.grad_clip is not None else float("inf")  # inf: measure, do not clip
+            grad_norm = distributed.scalar(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
             if not math.isfinite(train_loss) or not math.isfinite(grad_norm) or train_loss > diverge_at:
                 status = STATUS_DIVERGED
                 log({"step": step + 1, "train_loss": train_loss, "grad_norm": grad_norm, "lr": lr, "event": "diverged"})
@@ -242,23 +268,33 @@ def train(spec: RunSpec, data_dir: str | os.PathLike, paths: RunPaths, progress:
             if step % tc.checkpoint_every == 0 and step < tc.total_steps:
                 snapshot(step)
     finally:
-        metrics_file.close()
+        if metrics_file is not None:
+            metrics_file.close()
         if bar is not None:
             bar.close()
 
     wall = wall_before + (time.time() - t_start)
     if status == STATUS_OK and step < tc.total_steps:  # interrupted on purpose (stop_after)
         snapshot(step)
+        distributed.teardown(ctx)
         return {"run_id": spec.run_id, "status": "interrupted", "step": step}
-    return finish(spec, paths, model, status, step, wall, last_val, n_params, device)
+    summary = finish(spec, paths, model, status, step, wall, last_val, n_params, device, ctx)
+    distributed.teardown(ctx)
+    return summary
 
 
-def finish(spec: RunSpec, paths: RunPaths, model, status: str, step: int, wall: float, last_val: float, n_params: int, device) -> dict[str, Any]:
-    """Write final weights, the metrics log and the summary (last: its presence means done)."""
+def finish(spec: RunSpec, paths: RunPaths, model, status: str, step: int, wall: float, last_val: float, n_params: int, device,
+           ctx: distributed.DistContext | None = None) -> dict[str, Any]:
+    """Write final weights, the metrics log and the summary (last: its presence means done).
+    Under torch.distributed every rank gathers the full weights; rank 0 writes."""
     from safetensors.torch import save_file
 
+    ctx = ctx or distributed.DistContext()
     tc = spec.train
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    full = distributed.full_model_state(model, ctx)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in full.items()}
+    if not ctx.is_main:
+        return {"run_id": spec.run_id, "status": status, "rank": ctx.rank}
     atomic_write(paths.weights, lambda tmp: save_file(tensors, tmp, metadata={"run_id": spec.run_id, "step": str(step)}))
     text = paths.metrics.read_text() if paths.metrics.exists() else ""
     atomic_write(paths.curves, lambda tmp: Path(tmp).write_text(text))
@@ -283,6 +319,8 @@ def finish(spec: RunSpec, paths: RunPaths, model, status: str, step: int, wall: 
         "peak_memory_bytes": peak_mem,
         "peak_memory_kind": peak_kind,
         "device": str(device),
+        "world_size": ctx.world_size,
+        "parallel": ctx.strategy,
         "spec": spec.to_dict(),
     }
     atomic_write_json(paths.summary, summary)

@@ -14,6 +14,11 @@ def train_threads(wildcards):
     return 1 if config["launcher"]["backend"] == "slurm" else config["train"]["threads"]
 
 
+from depthbench.launch import ranks_per_run
+
+RANKS_PER_RUN = ranks_per_run(config["launcher"])
+
+
 def slurm_request(key):
     launcher = config["launcher"]
     return launcher["slurm"][key] if launcher["backend"] == "slurm" else 0

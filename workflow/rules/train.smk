@@ -23,6 +23,7 @@ rule train:
         # allocates them; 0 when training runs on this machine).
         nodes=slurm_request("nodes"),
         gpus_per_node=slurm_request("gpus_per_node"),
+        ranks=RANKS_PER_RUN,  # torch.distributed ranks of one run (one task per GPU on SLURM)
     log:
         f"{RESULTS}/logs/train/{{run_id}}.log",
     benchmark:

@@ -1,0 +1,155 @@
+"""Data-parallel training with torch.distributed: DDP by default, FSDP2 (`fully_shard`) on request.
+
+The process group is set up from the standard environment variables (MASTER_ADDR, MASTER_PORT,
+RANK, WORLD_SIZE, LOCAL_RANK). Under submitit (SLURM or the local executor with several tasks)
+`TrainingJob` exports them from submitit's job environment
+(`submitit.helpers.TorchDistributedEnvironment`), one task per GPU: no torchrun inside srun.
+NCCL on GPUs, gloo on CPU.
+
+What does not depend on the number of ranks: the global batch (each rank takes every R-th micro-batch
+of a step, see depthbench.data.loader, and accumulates global / (micro x R) micro-batches), the
+learning-rate schedule and the token budget. Gradients are averaged over ranks, so R ranks
+compute the same update as one rank up to floating-point summation order.
+
+Checkpoints hold full (unsharded) state dicts keyed by parameter name, gathered with
+torch.distributed.checkpoint.state_dict and written once by rank 0, so a run resumes with any
+number of ranks and either strategy.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    strategy: str = "none"  # none (one rank), ddp or fsdp
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def world_from_env() -> tuple[int, int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def setup(strategy: str, device_name: str) -> tuple[DistContext, str]:
+    """Join the process group described by the environment (when WORLD_SIZE > 1) and return the
+    context and the device name this rank trains on."""
+    if strategy not in STRATEGIES:
+        from depthbench.errors import ConfigError
+
+        raise ConfigError("train.parallel", f"{strategy!r}; valid: {list(STRATEGIES)}")
+    rank, world, local_rank = world_from_env()
+    if world <= 1:
+        return DistContext(), device_name
+    use_cuda = torch.cuda.is_available() and device_name in ("auto", "cuda")
+    if use_cuda:
+        # one GPU per task: submitit sets CUDA_VISIBLE_DEVICES to the local rank; otherwise pick it
+        index = 0 if torch.cuda.device_count() == 1 else local_rank
+        torch.cuda.set_device(index)
+        device_name = f"cuda:{index}"
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return DistContext(rank, world, local_rank, strategy), device_name
+
+
+def wrap(model: nn.Module, ctx: DistContext, device: torch.device) -> nn.Module:
+    """The module the training step calls: DDP, FSDP2-sharded in place, or the model itself."""
+    if not ctx.enabled:
+        return model
+    if ctx.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:  # one FSDP unit per layer, then the rest (embedding, head)
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def gradient_sync(net: nn.Module, ctx: DistContext, sync: bool):
+    """Context for one micro-batch's forward and backward: skip the gradient all-reduce
+    (reduce-scatter under FSDP2) on all but the last micro-batch of a step."""
+    import contextlib
+
+    if not ctx.enabled or sync:
+        if ctx.strategy == "fsdp":
+            net.set_requires_gradient_sync(True)
+        return contextlib.nullcontext()
+    if ctx.strategy == "ddp":
+        return net.no_sync()
+    net.set_requires_gradient_sync(False)
+    return contextlib.nullcontext()
+
+
+def all_reduce_mean(value: float, ctx: DistContext, device: torch.device) -> float:
+    if not ctx.enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item()) / ctx.world_size
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> tuple[dict, dict]:
+    """Unsharded model and optimizer state keyed by parameter name (a collective under FSDP).
+    Without a process group this is the plain state, in the same name-keyed format."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=ctx.enabled)
+    return get_state_dict(model, optimizer, options=options)
+
+
+def full_model_state(model: nn.Module, ctx: DistContext) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=ctx.enabled))
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
+    """Load a name-keyed full state into a plain, DDP-wrapped or FSDP-sharded model (every rank
+    passes the full state; each keeps its shard)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=StateDictOptions(full_state_dict=True))
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.enabled:
+        dist.barrier()
+
+
+def teardown(ctx: DistContext) -> None:
+    if ctx.enabled and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+
+
+def scalar(t: Any) -> float:
+    """A float from a tensor that may be a DTensor (FSDP2 gradient norms)."""
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return float(t)
