@@ -176,3 +176,24 @@ def test_share_above_threshold_counts_pairs_in_the_last_three_quarters():
     C[6, 8] = 1.0
     pairs = sum(1 for s in range(3, 9) for l in range(s + 1, 9))
     assert share_above(C, 0.45) == pytest.approx(2 / pairs)
+
+
+def test_attnres_block_dead_zone_uses_every_layers_partial_sum_weight():
+    from depthbench.probes.run import dead_zone
+
+    # 4 layers, 2 blocks (ends after layers 2 and 4); each sublayer's last weight is the one on
+    # the partial sum; block starts (layers 1 and 3) have no partial sum at their attention
+    def w(*values):
+        return torch.tensor(values)
+
+    depth = [w(1.0), w(0.99, 0.01),          # layer 1: attn (block start), ffn
+             w(0.98, 0.02), w(0.97, 0.03),   # layer 2
+             w(0.5, 0.5), w(0.4, 0.3, 0.3),  # layer 3: attn (block start), ffn
+             w(0.2, 0.4, 0.4), w(0.1, 0.1, 0.8)]
+    length, weights = dead_zone(depth, 4, 2, threshold=0.05)
+    assert weights == pytest.approx([0.01, 0.025, 0.3, 0.6])
+    assert length == 2
+    # every layer its own block: still defined for every layer, from the FFN sublayer
+    depth = [w(1.0), w(0.5, 0.5), w(0.5, 0.5), w(0.9, 0.06, 0.04)]
+    length, weights = dead_zone(depth, 2, 8, threshold=0.05)
+    assert weights == pytest.approx([0.5, 0.04]) and length == 0

@@ -69,19 +69,27 @@ def _scalar(probe: str, stage: str, value: float) -> dict:
 
 
 def dead_zone(depth_weights: list[torch.Tensor], n_layer: int, n_blocks: int, threshold: float) -> tuple[int, list[float]]:
-    """attnres_block: weight each layer's first sublayer puts on the current partial sum (NaN at
-    a block start, where there is none) and the dead-zone length: the number of leading layers
-    whose partial-sum weight is missing or below `threshold`."""
+    """attnres_block: per layer, the weight its sublayers put on the current partial sum, and the
+    dead-zone length: the number of leading layers whose weight is below `threshold`.
+
+    A layer's weight is the mean over its sublayers that have a partial sum to weigh: the FFN
+    sublayer always has one (at least the same layer's attention output), the attention sublayer
+    unless the layer starts a block. So the weight is defined for every layer, also when every
+    layer is its own block (n_blocks >= n_layer). The partial sum is the last source of a
+    sublayer's depth softmax (see BlockSources.stacked)."""
     from depthbench.models.archs.attnres_block import block_ends
 
     starts = {1} | {e + 1 for e in block_ends(n_layer, n_blocks)}
-    weights = [float("nan") if l in starts else float(depth_weights[2 * (l - 1)][-1]) for l in range(1, n_layer + 1)]
+    weights = []
+    for l in range(1, n_layer + 1):
+        attn, ffn = depth_weights[2 * (l - 1)], depth_weights[2 * (l - 1) + 1]
+        parts = [float(ffn[-1])] + ([] if l in starts else [float(attn[-1])])
+        weights.append(sum(parts) / len(parts))
     length = 0
     for w in weights:
-        if math.isnan(w) or w < threshold:
-            length += 1
-        else:
+        if w >= threshold:
             break
+        length += 1
     return length, weights
 
 
