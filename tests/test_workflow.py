@@ -60,6 +60,7 @@ def grid(wiki_jsonl, **overrides) -> dict:
     config["tokenizer"] = {"kind": "bpe", "vocab_size": 384}
     config["train"]["tokens_per_param"] = 0.6
     config["train"]["dynamics_every"] = 20
+    config["nll"] = {"sets": ["humaneval", "sciq", "gsm8k"], "max_docs_per_set": 6}
     config.update(overrides)
     return config
 
@@ -114,6 +115,68 @@ def test_probes_stage_writes_a_tidy_table_with_config_columns_and_figures(workfl
     assert not (root / "results/figures/residual_product_rank.png").exists()  # no hc/mhc in this grid
 
 
+FIGURES = ["headline", "loss_vs_lr", "loss_curves", "dynamics", "angular_distance", "probe_shares", "token_similarity_init",
+           "effective_rank", "usefulness", "nll_vs_ratio", "cost_vs_ratio", "loss_vs_cost"]
+
+
+def test_nll_and_cost_tables(workflow):
+    root, _ = workflow
+    runs = pd.read_parquet(root / "results/tables/runs.parquet")
+    nll = pd.read_parquet(root / "results/tables/nll.parquet")
+    assert set(nll.run_id) == set(runs.run_id)
+    sets = nll[nll.level == "set"]
+    assert len(sets) == 8 * 3 and set(sets.set) == {"humaneval", "sciq", "gsm8k"}
+    assert set(sets.n_docs) == {6} and set(sets.groupby("set").n_docs_source.first()) == {164, 1000, 1319}
+    domains = nll[nll.level == "domain"]
+    assert set(domains.domain) == {"code", "stem", "math"}
+    ok = nll[(nll.status == "ok")]
+    assert ok.bits_per_byte.notna().all() and (ok.bits_per_byte > 0).all()
+    assert nll[nll.status == "diverged"].bits_per_byte.isna().all()
+    assert {"arch", "n_layer", "lr", "is_best_lr", "ratio"} <= set(nll.columns)
+    cost = pd.read_parquet(root / "results/tables/cost.parquet")
+    assert len(cost) == 8 and (cost.params_total == cost.params_embedding + cost.params_non_embedding).all()
+    assert (cost.prefill_flops_4096 > 0).all() and (cost.kv_cache_bytes_per_token > 0).all()
+    assert (cost.step_seconds > 0).all() and set(cost.peak_memory_kind) == {"process_max_rss"}
+    for stem in ("nll_vs_ratio", "cost_vs_ratio", "loss_vs_cost"):
+        assert (root / f"results/figures/{stem}.png").stat().st_size > 10_000
+        assert (root / f"results/figures/{stem}.pdf").read_bytes()[:5] == b"%PDF-"
+
+
+def test_report_holds_every_figure_with_its_caption(workflow):
+    root, _ = workflow
+    snakemake(root, "--report", "results/report.html")
+    html = (root / "results/report.html").read_text()
+    for name in FIGURES:  # every figure embedded as a PNG data URI: self-contained, shown in a browser
+        assert f"data:image/png;charset=utf8;filename={name}.png;base64,iVBORw0KGgo" in html, name
+    # captions say which config produced the figures
+    assert html.count('Config <tt class=\\"docutils literal\\">tiny</tt>') >= len(FIGURES)
+
+
+def test_regenerate_rebuilds_figures_without_training(workflow, tmp_path):
+    """Delete the figures; `depthbench regenerate` rebuilds them and the report, and no training,
+    probing or scoring job runs: also in a fresh copy that has only the results/ folder."""
+    root, _ = workflow
+    shutil.rmtree(root / "results/figures")
+    proc = subprocess.run([sys.executable, "-m", "depthbench.cli", "regenerate"], cwd=root, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rule in ("rule train:", "rule probe:", "rule nll:", "rule tokenize:"):
+        assert rule not in proc.stdout + proc.stderr
+    for name in FIGURES:
+        assert (root / f"results/figures/{name}.png").exists(), name
+    assert (root / "results/report.html").stat().st_size > 100_000
+
+    (tmp_path / "laptop").mkdir()
+    laptop = copy_workflow(tmp_path / "laptop")
+    shutil.copytree(root / "results", laptop / "results", ignore=shutil.ignore_patterns("*.bin", "work", "figures", "tables"))
+    shutil.copy(root / "config/config.yaml", laptop / "config/config.yaml")
+    proc = subprocess.run([sys.executable, "-m", "depthbench.cli", "regenerate"], cwd=laptop, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rule train:" not in proc.stdout + proc.stderr
+    for name in FIGURES:
+        assert (laptop / f"results/figures/{name}.png").exists(), name
+    assert len(pd.read_parquet(laptop / "results/tables/runs.parquet")) == 8
+
+
 def test_probe_setting_reruns_probes_only(workflow, wiki_jsonl):
     root, _ = workflow
     write_config(root, grid(wiki_jsonl, probes={"n_sequences": 4}))
@@ -132,7 +195,7 @@ def test_figure_setting_reruns_only_figures(workflow, wiki_jsonl):
     root, _ = workflow
     write_config(root, grid(wiki_jsonl, figures={"dpi": 80}))
     plan = snakemake(root, "-n")
-    assert job_counts(plan.stdout + plan.stderr) == {"all": 1, "figures": 1, "probe_figures": 1, "dynamics_figure": 1, "total": 4}
+    assert job_counts(plan.stdout + plan.stderr) == {"all": 1, "figures": 1, "probe_figures": 1, "dynamics_figure": 1, "cost_figures": 1, "total": 5}
     snakemake(root)
     write_config(root, grid(wiki_jsonl))
     snakemake(root)
@@ -155,7 +218,7 @@ def test_adding_a_learning_rate_trains_only_the_new_runs(workflow, wiki_jsonl):
     plan = snakemake(root, "-n")
     assert job_counts(plan.stdout + plan.stderr) == {
         "all": 1, "figures": 1, "tables": 1, "train": 4, "probe": 4, "probes_table": 1, "probe_figures": 1,
-        "dynamics_figure": 1, "total": 14}
+        "dynamics_figure": 1, "nll": 4, "nll_table": 1, "cost_table": 1, "cost_figures": 1, "total": 21}
     write_config(root, grid(wiki_jsonl))
 
 
