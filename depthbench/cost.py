@@ -22,7 +22,8 @@ Backward costs twice the forward, as for every matmul. Prefill of a 4096-token s
 4096 x forward(4096).
 
 KV cache (bytes per token at bf16, what persists across tokens in decoding): K and V of every
-attention layer, 2 L n_kv_head head_dim x 2 bytes. MoDA's depth keys and values of position t are
+attention layer, 2 L n_kv_head head_dim x 2 bytes (checked against the cache that
+depthbench.models.decoding fills while generating). MoDA's depth keys and values of position t are
 read only by position t: with reuse_kv they are the same tensors as the sequence cache (no extra
 bytes), with ffn_kv the FFN-side K/V are per-token working state, not cache. That per-token state a
 decode step holds across the depth of the network is reported separately as
@@ -33,15 +34,13 @@ architectures beyond the d-vector every model holds.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from depthbench.models import ModelConfig, build_model
-from depthbench.models.layers import CausalSelfAttention
 
 PREFILL_TOKENS = 4096
 BF16_BYTES = 2
@@ -146,30 +145,6 @@ def analytic_cost(cfg: ModelConfig, train_seq_len: int) -> dict[str, Any]:
         "kv_cache_bytes_4096": PREFILL_TOKENS * kv_cache_bytes_per_token(cfg),
         "depth_state_bytes_per_token": depth_state_bytes_per_token(model),
     }
-
-
-@contextlib.contextmanager
-def record_attention_cache(model: nn.Module) -> Iterator[list[torch.Tensor]]:
-    """Collect the K and V tensors every attention layer produces (after RoPE) during a forward
-    pass: what a decoding cache stores for those positions. Yields the list being filled."""
-    cached: list[torch.Tensor] = []
-    originals = []
-    for module in model.modules():
-        if isinstance(module, CausalSelfAttention):
-            original = module.project_qkv
-
-            def recording(x, rope, _original=original):
-                q, k, v = _original(x, rope)
-                cached.extend([k.detach(), v.detach()])
-                return q, k, v
-
-            module.project_qkv = recording
-            originals.append(module)
-    try:
-        yield cached
-    finally:
-        for module in originals:
-            del module.project_qkv  # back to the class method
 
 
 def measured_cost(summary: dict[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import torch
 from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
-from depthbench.cost import analytic_cost, attnres_block_sources, forward_flops_per_token, measured_cost, record_attention_cache
+from depthbench.cost import analytic_cost, attnres_block_sources, forward_flops_per_token, measured_cost
 from depthbench.models import ModelConfig, build_model
 
 ARCHS = [
@@ -74,19 +74,35 @@ def test_moe_flops_count_only_the_active_experts():
 
 
 @pytest.mark.parametrize("arch,options", ARCHS + [("pre_ln", {"gqa": True})], ids=str)
-def test_kv_cache_bytes_match_the_tensors_attention_caches(arch, options):
-    kw = {}
-    if options.pop("gqa", False):
-        kw["n_kv_head"] = 2
-    cfg = small(arch, dict(options), **kw)
-    model = build_model(cfg).to(torch.bfloat16)
-    B, T = 2, 16
-    with record_attention_cache(model) as cached, torch.no_grad():
-        model(torch.randint(0, 256, (B, T)))
-    measured = sum(t.numel() * t.element_size() for t in cached) / (B * T)
-    assert all(t.dtype == torch.bfloat16 for t in cached)
-    assert measured == analytic_cost(cfg, T)["kv_cache_bytes_per_token"]
-    assert not hasattr(model.blocks[0].attn, "__dict__") or "project_qkv" not in model.blocks[0].attn.__dict__
+def test_kv_cache_bytes_match_what_generation_caches(arch, options):
+    """Prefill 10 tokens, decode 6 one by one with the KV cache: the logits equal a full forward
+    pass (so the cache holds everything attention needs), and its bytes per token at bf16 are the
+    cost table's figure."""
+    from depthbench.models.decoding import generate, incremental_decoding
+
+    options = dict(options)
+    kw = {"n_kv_head": 2} if options.pop("gqa", False) else {}
+    cfg = small(arch, options, **kw)
+    torch.manual_seed(0)
+    model = build_model(cfg).double().eval()
+    idx = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        full = model(idx).logits
+    with incremental_decoding(model) as decoder:
+        steps = [decoder.step(idx[:, :10])] + [decoder.step(idx[:, t : t + 1]) for t in range(10, 16)]
+        assert decoder.position == 16
+    assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-10)
+    assert model.position_offset == 0 and all(getattr(m, "cache", None) is None for m in model.modules())
+
+    model = model.to(torch.bfloat16)
+    with incremental_decoding(model) as decoder:
+        decoder.step(idx[:, :10])
+        for t in range(10, 16):
+            decoder.step(idx[:, t : t + 1])
+        per_token = decoder.cache_bytes() / (2 * 16)
+    assert per_token == analytic_cost(cfg, 16)["kv_cache_bytes_per_token"]
+    out = generate(model.float(), idx[:, :4], 5)
+    assert out.shape == (2, 9) and torch.equal(out[:, :4], idx[:, :4])
 
 
 def test_parameter_columns_add_up():

@@ -108,6 +108,7 @@ class DecoderLM(nn.Module):
     arch_name: ClassVar[str] = ""
     block_class: ClassVar[type[Block]] = Block
     has_final_norm: ClassVar[bool] = True
+    position_offset: int = 0  # position of idx[:, 0]; > 0 only while decoding with a KV cache
 
     def __init__(self, cfg: ModelConfig, initialize: bool = True):
         super().__init__()
@@ -173,7 +174,7 @@ class DecoderLM(nn.Module):
         h0 = self.embed_tokens(idx)
         hidden = [] if return_hidden else None
         internals = {} if return_internals else None
-        x = self.trunk(h0, self.rope(T), hidden, internals)
+        x = self.trunk(h0, self.rope(T, self.position_offset), hidden, internals)
         if self.final_norm is not None:
             x = self.final_norm(x)
         logits = self.lm_head(x)

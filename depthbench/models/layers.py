@@ -44,10 +44,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if seq_len > self.cos.shape[0]:
-            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.cos.shape[0]}")
-        return self.cos[:seq_len], self.sin[:seq_len]
+    def forward(self, seq_len: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables for positions offset .. offset + seq_len - 1 (offset > 0 when decoding)."""
+        if offset + seq_len > self.cos.shape[0]:
+            raise ValueError(f"sequence length {offset + seq_len} exceeds max_seq_len {self.cos.shape[0]}")
+        return self.cos[offset : offset + seq_len], self.sin[offset : offset + seq_len]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -58,6 +59,31 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = at_least_fp32(x).chunk(2, dim=-1)
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return rotated.to(x.dtype)
+
+
+class KVCache:
+    """The keys and values one attention layer keeps across decoding steps (after RoPE)."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new positions' k, v (B, H_kv, T_new, hd); return all cached so far."""
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v) if t is not None)
+
+
+def causal_mask(n_query: int, n_key: int, device) -> torch.Tensor | None:
+    """Boolean mask for queries that are the last n_query of n_key positions (None: plain causal
+    square, which SDPA handles with is_causal)."""
+    if n_query == n_key:
+        return None
+    return torch.ones(n_query, n_key, dtype=torch.bool, device=device).tril(diagonal=n_key - n_query)
 
 
 class CausalSelfAttention(nn.Module):
@@ -76,6 +102,7 @@ class CausalSelfAttention(nn.Module):
         self.kv_dim = cfg.n_kv_head * cfg.head_dim
         self.wqkv = nn.Linear(cfg.d_model, self.q_dim + 2 * self.kv_dim, bias=False)
         self.wo = nn.Linear(self.q_dim, cfg.d_model, bias=False)
+        self.cache: KVCache | None = None  # set while decoding (depthbench.models.decoding)
 
     def project_qkv(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
@@ -92,10 +119,13 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x, rope)
+        if self.cache is not None:  # decoding: attend to every cached position too
+            k, v = self.cache.extend(k, v)
+        mask = causal_mask(T, k.shape[2], x.device)
         # softmax(q k^T / sqrt(hd) + causal mask) v; SDPA picks the flash / memory-efficient
         # kernel on GPU. enable_gqa lets each group of query heads share one K/V head.
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv_head != self.n_head
         )
         return self.wo(y.transpose(1, 2).reshape(B, T, self.q_dim))
 

@@ -27,21 +27,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from depthbench.models.base import Block, DecoderLM, Rope, register
-from depthbench.models.layers import RMSNorm, apply_rotary, at_least_fp32
+from depthbench.models.layers import RMSNorm, apply_rotary, at_least_fp32, causal_mask
 
 VARIANTS = ("reuse_kv", "ffn_kv")
 
 
 def joint_depth_attention(q, k, v, depth_k, depth_v):
-    """q: (B, H, T, hd); k, v: (B, H, T, hd); depth_k, depth_v: (B, H, T, D, hd). -> (B, H, T, hd)."""
-    T = q.shape[2]
+    """q: (B, H, T, hd); k, v: (B, H, S, hd), S >= T (the queries are the last T of S positions);
+    depth_k, depth_v: (B, H, T, D, hd). -> (B, H, T, hd)."""
+    T, S = q.shape[2], k.shape[2]  # S > T while decoding: the queries are the last T positions
     scale = 1.0 / math.sqrt(q.shape[-1])
     seq = (q @ k.transpose(-1, -2)) * scale
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
     seq = seq.masked_fill(~causal, float("-inf"))
     depth = torch.einsum("bhtd,bhtmd->bhtm", q, depth_k) * scale
     p = torch.softmax(at_least_fp32(torch.cat([seq, depth], dim=-1)), dim=-1).to(q.dtype)
-    return p[..., :T] @ v + torch.einsum("bhtm,bhtmd->bhtd", p[..., T:], depth_v)
+    return p[..., :S] @ v + torch.einsum("bhtm,bhtmd->bhtd", p[..., S:], depth_v)
 
 
 class MoDABlock(Block):
@@ -58,13 +59,16 @@ class MoDABlock(Block):
         attn = self.attn
         B, T, _ = x.shape
         q, k, v = attn.project_qkv(self.attn_norm(x), rope)
+        # the sequence keys: with a decoding cache, every position so far (depth keys stay per position)
+        k_seq, v_seq = attn.cache.extend(k, v) if attn.cache is not None else (k, v)
         groups = attn.n_head // attn.n_kv_head
         if depth:
             dk = torch.stack([d[0] for d in depth], dim=3).repeat_interleave(groups, dim=1)
             dv = torch.stack([d[1] for d in depth], dim=3).repeat_interleave(groups, dim=1)
-            y = joint_depth_attention(q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), dk, dv)
+            y = joint_depth_attention(q, k_seq.repeat_interleave(groups, dim=1), v_seq.repeat_interleave(groups, dim=1), dk, dv)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
+            mask = causal_mask(T, k_seq.shape[2], x.device)
+            y = F.scaled_dot_product_attention(q, k_seq, v_seq, attn_mask=mask, is_causal=mask is None, enable_gqa=groups > 1)
         x = x + attn.wo(y.transpose(1, 2).reshape(B, T, attn.q_dim))
         depth.append((k, v))
         h = self.ffn_norm(x)
