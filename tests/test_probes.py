@@ -197,3 +197,21 @@ def test_attnres_block_dead_zone_uses_every_layers_partial_sum_weight():
     depth = [w(1.0), w(0.5, 0.5), w(0.5, 0.5), w(0.9, 0.06, 0.04)]
     length, weights = dead_zone(depth, 2, 8, threshold=0.05)
     assert weights == pytest.approx([0.5, 0.04]) and length == 0
+
+
+@pytest.mark.parametrize("arch", ["pre_ln", "lns", "hc", "mhc"])
+def test_permutation_scores_resumed_at_layer_a_equal_full_passes(arch):
+    from depthbench.probes.core import lm_loss, permutation_scores, swapped_layers
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(arch=arch, vocab_size=128, d_model=32, n_layer=4, n_head=2, max_seq_len=32)).eval()
+    for p in model.parameters():  # break HC's zero-initialised dynamics so that order matters
+        p.data.add_(0.05 * torch.randn_like(p))
+    idx = torch.randint(0, 128, (3, 17))
+    P = permutation_scores(model, idx)
+    base = lm_loss(model, idx)
+    for a, b in [(1, 2), (2, 4), (3, 4)]:
+        with swapped_layers(model, a, b):
+            full = abs(lm_loss(model, idx) - base) / base
+        assert P[a, b].item() == pytest.approx(full, rel=1e-5, abs=1e-7)
+    assert (P.nan_to_num(0.0) > 0).any()

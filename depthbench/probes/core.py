@@ -119,17 +119,51 @@ def swapped_layers(model: DecoderLM, a: int, b: int):
                 pb[name].copy_(tmp)
 
 
+def block_inputs(model: DecoderLM, inputs: torch.Tensor) -> list | None:
+    """The trunk state each block receives in one forward pass, for architectures that use the
+    shared trunk (blocks chained on one state: the norm family, hc, mhc); None for the others."""
+    if type(model).trunk is not DecoderLM.trunk:
+        return None
+    states: list = []
+    hooks = [b.register_forward_pre_hook(lambda module, args: states.append(args[0])) for b in model.blocks]
+    try:
+        model(inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return states
+
+
+def loss_from_layer(model: DecoderLM, layer: int, state, targets: torch.Tensor) -> float:
+    """The LM loss of a forward pass resumed at block `layer` (1-based) from its input `state`:
+    the same operations as DecoderLM.forward from there on."""
+    rope = model.rope(targets.shape[1])
+    for block in model.blocks[layer - 1 :]:
+        state = block(state, rope, None)
+    x = model.read_stream(state)
+    if model.final_norm is not None:
+        x = model.final_norm(x)
+    logits = model.lm_head(x)
+    return float(torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)))
+
+
 @torch.no_grad()
 def permutation_scores(model: DecoderLM, idx: torch.Tensor) -> torch.Tensor:
-    """P[a, b] = |loss_swapped - loss| / loss for a < b (1-based, NaN elsewhere): one loss
-    routine, weights swapped in place and restored."""
+    """P[a, b] = |loss_swapped - loss| / loss for a < b (1-based, NaN elsewhere): weights swapped
+    in place and restored. Swapping a and b leaves layers 1 .. a-1 unchanged, so where the
+    architecture chains its blocks on one state their inputs are computed once and each swapped
+    pass starts at layer a (a third fewer layer evaluations over all pairs, same numbers)."""
+    model.eval()
     L = model.cfg.n_layer
     base = lm_loss(model, idx)
+    states = block_inputs(model, idx[:, :-1])
+    targets = idx[:, 1:]
     P = torch.full((L + 1, L + 1), float("nan"))
     for a in range(1, L + 1):
         for b in range(a + 1, L + 1):
             with swapped_layers(model, a, b):
-                P[a, b] = abs(lm_loss(model, idx) - base) / base
+                loss = lm_loss(model, idx) if states is None else loss_from_layer(model, a, states[a - 1], targets)
+            P[a, b] = abs(loss - base) / base
     return P
 
 
