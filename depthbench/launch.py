@@ -43,9 +43,10 @@ def export_distributed_env() -> int:
     except Exception:  # not inside a submitit job (inline tests) or a debug job: one rank
         return 1
     if n_tasks > 1:
-        import torch
-
-        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=torch.cuda.is_available(), overwrite=True)
+        # CUDA_VISIBLE_DEVICES is left alone (asking torch about CUDA here could initialise it
+        # before the variable takes effect): each rank picks its GPU by LOCAL_RANK in
+        # depthbench.train.distributed.setup, whether SLURM shows a task all GPUs or one.
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     return n_tasks
 
 

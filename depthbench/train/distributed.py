@@ -4,6 +4,7 @@ The process group is set up from the standard environment variables (MASTER_ADDR
 RANK, WORLD_SIZE, LOCAL_RANK). Under submitit (SLURM or the local executor with several tasks)
 `TrainingJob` exports them from submitit's job environment
 (`submitit.helpers.TorchDistributedEnvironment`), one task per GPU: no torchrun inside srun.
+Each rank takes the GPU of its LOCAL_RANK (or the only one it sees when SLURM binds GPUs).
 NCCL on GPUs, gloo on CPU.
 
 What does not depend on the number of ranks: the global batch (each rank takes every R-th micro-batch
@@ -61,8 +62,8 @@ def setup(strategy: str, device_name: str) -> tuple[DistContext, str]:
         return DistContext(), device_name
     use_cuda = torch.cuda.is_available() and device_name in ("auto", "cuda")
     if use_cuda:
-        # one GPU per task: submitit sets CUDA_VISIBLE_DEVICES to the local rank; otherwise pick it
-        index = 0 if torch.cuda.device_count() == 1 else local_rank
+        # one GPU per rank: by local rank when the task sees the node's GPUs, else the one it sees
+        index = local_rank if torch.cuda.device_count() > local_rank else 0
         torch.cuda.set_device(index)
         device_name = f"cuda:{index}"
     if not dist.is_initialized():
