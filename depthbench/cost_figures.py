@@ -34,6 +34,14 @@ def _panels(n: int, width: float, height: float):
     return fig, list(axes.flat[:n])
 
 
+def _finish(fig, title: str, archs: list[str], png, pdf, dpi: int) -> None:
+    """Title, one legend of the architectures below the panels, and the PNG and PDF."""
+    fig.suptitle(title)
+    fig.legend(fontsize=7, loc="lower center", ncol=min(6, max(1, len(archs))), bbox_to_anchor=(0.5, -0.05))
+    fig.tight_layout()
+    save(fig, png, pdf, dpi)
+
+
 def nll_vs_ratio(nll: pd.DataFrame, png, pdf, width: float, height: float, dpi: int, title: str) -> None:
     """Bits per byte of each domain against d_model / n_layer, one panel per domain."""
     data = _best(nll[nll["level"] == "domain"])
@@ -50,10 +58,7 @@ def nll_vs_ratio(nll: pd.DataFrame, png, pdf, width: float, height: float, dpi: 
         ax.set_xlabel("d_model / n_layer")
         ax.set_ylabel("teacher-forced NLL (bits per byte)")
         ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.legend(fontsize=7, loc="lower center", ncol=min(6, max(1, len(archs))), bbox_to_anchor=(0.5, -0.05))
-    fig.tight_layout()
-    save(fig, png, pdf, dpi)
+    _finish(fig, title, archs, png, pdf, dpi)
 
 
 COST_PANELS = [
@@ -79,10 +84,7 @@ def cost_vs_ratio(cost: pd.DataFrame, png, pdf, width: float, height: float, dpi
         ax.set_ylabel(label, fontsize=8)
         ax.set_xlabel("d_model / n_layer")
         ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.legend(fontsize=7, loc="lower center", ncol=min(6, max(1, len(archs))), bbox_to_anchor=(0.5, -0.05))
-    fig.tight_layout()
-    save(fig, png, pdf, dpi)
+    _finish(fig, title, archs, png, pdf, dpi)
 
 
 def loss_vs_cost(cost: pd.DataFrame, png, pdf, width: float, height: float, dpi: int, title: str) -> None:
@@ -102,7 +104,4 @@ def loss_vs_cost(cost: pd.DataFrame, png, pdf, width: float, height: float, dpi:
         ax.set_xlabel(label + " (log)")
         ax.set_ylabel("validation loss at best LR (nats/token)")
         ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.legend(fontsize=7, loc="lower center", ncol=min(6, max(1, len(archs))), bbox_to_anchor=(0.5, -0.05))
-    fig.tight_layout()
-    save(fig, png, pdf, dpi)
+    _finish(fig, title, archs, png, pdf, dpi)

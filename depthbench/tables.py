@@ -101,16 +101,22 @@ def write_parquet(df: pd.DataFrame, path: str | Path) -> None:
     atomic_write(path, lambda tmp: df.to_parquet(tmp, index=False))
 
 
-def probe_rows(probe_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
-    """All runs' tidy probe rows with the runs' config columns and an `is_best_lr` flag."""
-    frames = [pd.read_parquet(p) for p in probe_paths]
-    probes = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["run_id", "probe", "stage", "i", "j", "value"])
-    config_columns = ["run_id", "experiment", "arch", "n_layer", "d_model", "ratio", "params", "lr", "seed", "knobs", "final_val_loss"]
-    out = probes.drop(columns=["status"], errors="ignore").merge(runs[config_columns + ["status"]], on="run_id", how="left")
+RUN_CONFIG_COLUMNS = ["run_id", "experiment", "arch", "n_layer", "d_model", "ratio", "params", "lr", "seed", "knobs", "final_val_loss", "status"]
+
+
+def _with_run_columns(rows: pd.DataFrame, runs: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
+    out = rows.drop(columns=["status"], errors="ignore").merge(runs[RUN_CONFIG_COLUMNS], on="run_id", how="left")
     keys = best[["arch", "n_layer", "d_model", "knobs", "best_lr"]]
     out = out.merge(keys, on=["arch", "n_layer", "d_model", "knobs"], how="left")
     out["is_best_lr"] = out["lr"] == out["best_lr"]
     return out.drop(columns=["best_lr"])
+
+
+def probe_rows(probe_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
+    """All runs' tidy probe rows with the runs' config columns and an `is_best_lr` flag."""
+    frames = [pd.read_parquet(p) for p in probe_paths]
+    probes = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["run_id", "probe", "stage", "i", "j", "value"])
+    return _with_run_columns(probes, runs, best)
 
 
 def dynamics_rows(run_ids: Iterable[str], metric_paths: Iterable[str]) -> pd.DataFrame:
@@ -129,17 +135,6 @@ def dynamics_rows(run_ids: Iterable[str], metric_paths: Iterable[str]) -> pd.Dat
             for name, v in dyn["norm_factor"].items():
                 rows.append({"run_id": run_id, "step": step, "quantity": "norm_factor", "index": -1, "name": name, "value": v})
     return pd.DataFrame(rows, columns=["run_id", "step", "quantity", "index", "name", "value"])
-
-
-RUN_CONFIG_COLUMNS = ["run_id", "experiment", "arch", "n_layer", "d_model", "ratio", "params", "lr", "seed", "knobs", "final_val_loss", "status"]
-
-
-def _with_run_columns(rows: pd.DataFrame, runs: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
-    out = rows.drop(columns=["status"], errors="ignore").merge(runs[RUN_CONFIG_COLUMNS], on="run_id", how="left")
-    keys = best[["arch", "n_layer", "d_model", "knobs", "best_lr"]]
-    out = out.merge(keys, on=["arch", "n_layer", "d_model", "knobs"], how="left")
-    out["is_best_lr"] = out["lr"] == out["best_lr"]
-    return out.drop(columns=["best_lr"])
 
 
 def nll_rows(nll_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:

@@ -68,10 +68,8 @@ def build_sets(settings: dict, tokenizer_path: str, eos_token: str | None, out_p
 
 def run_nll(spec_dict: dict, run_dir: str, sets_path: str, out_path: str, settings: dict) -> dict:
     """Score one run's final weights on every set and write its Parquet rows."""
-    from safetensors.torch import load_file
-
     from depthbench.config import RunSpec
-    from depthbench.models import build_model
+    from depthbench.train.checkpoint import load_final_model
     from depthbench.train.loop import resolve_device
 
     settings = {**DEFAULTS, **settings}
@@ -82,9 +80,7 @@ def run_nll(spec_dict: dict, run_dir: str, sets_path: str, out_path: str, settin
     start = time.time()
     if summary["status"] == "ok":
         device = resolve_device(spec.train.device)
-        model = build_model(spec.model)
-        model.load_state_dict(load_file(Path(run_dir) / "model.safetensors"))
-        model.to(device).eval()
+        model = load_final_model(spec.model, run_dir).to(device).eval()
         window = min(settings["seq_len"] or spec.train.seq_len, spec.model.max_seq_len)
         table = aggregate(score_documents(model, docs, window, int(settings["tokens_per_batch"]), device))
         table["window"] = window

@@ -24,6 +24,7 @@ from depthbench.data.shards import read_meta, split_files
 from depthbench.io import atomic_write
 from depthbench.models import build_model
 from depthbench.probes import core
+from depthbench.train.checkpoint import load_final_model
 
 DEFAULTS: dict[str, Any] = {
     "n_sequences": 16,
@@ -137,8 +138,6 @@ def probe_model(model, idx: torch.Tensor, stage: str, settings: dict, full: bool
 
 def run_probes(spec_dict: dict, data_dir: str, run_dir: str, out_path: str, settings: dict) -> dict:
     """Probe one run (trained weights, and its initialisation) and write its Parquet file."""
-    from safetensors.torch import load_file
-
     settings = {**DEFAULTS, **settings}
     torch.set_num_threads(int(settings["threads"]))
     spec = RunSpec.from_dict(spec_dict)
@@ -150,9 +149,7 @@ def run_probes(spec_dict: dict, data_dir: str, run_dir: str, out_path: str, sett
     torch.manual_seed(spec.train.seed)  # the run's own initialisation
     rows += probe_model(build_model(spec.model).eval(), idx, "init", settings, full=False)
     if summary["status"] == "ok":
-        model = build_model(spec.model)
-        model.load_state_dict(load_file(Path(run_dir) / "model.safetensors"))
-        rows += probe_model(model.eval(), idx, "trained", settings, full=True)
+        rows += probe_model(load_final_model(spec.model, run_dir).eval(), idx, "trained", settings, full=True)
     df = pd.DataFrame(rows, columns=["probe", "stage", "i", "j", "value"])
     df.insert(0, "run_id", spec.run_id)
     df["status"] = summary["status"]

@@ -53,3 +53,14 @@ def load_latest(folder: str | os.PathLike, run_id: str) -> dict[str, Any] | None
             raise CheckpointError(f"{path}: file name says step {step}, content says {state.get('step')}")
         return state
     return None
+
+
+def load_final_model(model_cfg, run_dir: str | os.PathLike):
+    """The model of a finished run with its final weights (run_dir/model.safetensors), on CPU."""
+    from safetensors.torch import load_file
+
+    from depthbench.models import build_model
+
+    model = build_model(model_cfg)
+    model.load_state_dict(load_file(Path(run_dir) / "model.safetensors"))
+    return model
