@@ -46,8 +46,9 @@ def main() -> None:
                                         n_layer=s.n_layer, d_model=s.d_model, d_ff=s.d_ff)).eval()
         idx = torch.randint(0, args.vocab, (args.n_sequences, args.seq + 1))
         t = time.perf_counter()
-        rows = probe_model(model, idx, "init", DEFAULTS, full=False)
-        rows += probe_model(model, idx, "trained", DEFAULTS, full=True)
+        settings = {**DEFAULTS, "threads": args.threads}  # as the probe stage runs with `threads: 2`
+        rows = probe_model(model, idx, "init", settings, full=False)
+        rows += probe_model(model, idx, "trained", settings, full=True)
         seconds = time.perf_counter() - t
         results[arch] = {"d_model": s.d_model, "seconds": round(seconds, 2), "rows": len(rows)}
         print(f"{arch:<14} L={s.n_layer} d={s.d_model:<4} {seconds:6.1f} s  ({len(rows)} rows)", flush=True)

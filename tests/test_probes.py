@@ -199,19 +199,29 @@ def test_attnres_block_dead_zone_uses_every_layers_partial_sum_weight():
     assert weights == pytest.approx([0.5, 0.04]) and length == 0
 
 
-@pytest.mark.parametrize("arch", ["pre_ln", "lns", "hc", "mhc"])
-def test_permutation_scores_resumed_at_layer_a_equal_full_passes(arch):
-    from depthbench.probes.core import lm_loss, permutation_scores, swapped_layers
+ALL_ARCHS = ["pre_ln", "post_ln", "peri_ln", "lns", "deepnorm", "keel", "hc", "mhc", "attnres_full", "attnres_block", "moda"]
+
+
+@pytest.mark.parametrize("arch, options", [(a, {}) for a in ALL_ARCHS] + [("moda", {"variant": "ffn_kv"}), ("attnres_block", {"n_blocks": 2})])
+def test_permutation_scores_resumed_at_layer_a_equal_full_passes(arch, options):
+    from depthbench.probes.core import layer_states, lm_loss, loss_from_layer, permutation_scores, swapped_layers
 
     torch.manual_seed(0)
-    model = build_model(ModelConfig(arch=arch, vocab_size=128, d_model=32, n_layer=4, n_head=2, max_seq_len=32)).eval()
-    for p in model.parameters():  # break HC's zero-initialised dynamics so that order matters
+    model = build_model(ModelConfig(arch=arch, vocab_size=128, d_model=32, n_layer=4, n_head=2, max_seq_len=32, arch_options=options)).eval()
+    for p in model.parameters():  # break zero-initialised dynamics and queries so that order matters
         p.data.add_(0.05 * torch.randn_like(p))
     idx = torch.randint(0, 128, (3, 17))
-    P = permutation_scores(model, idx)
     base = lm_loss(model, idx)
-    for a, b in [(1, 2), (2, 4), (3, 4)]:
+    states = layer_states(model, idx[:, :-1])
+    for layer in range(1, 5):  # resuming unswapped at any layer is the full forward, twice in a row
+        for _ in range(2):
+            assert loss_from_layer(model, layer, states[layer - 1], idx[:, 1:]) == pytest.approx(base, rel=1e-6)
+    P = permutation_scores(model, idx)
+    for a, b in [(1, 2), (2, 4), (3, 4), (1, 4)]:
         with swapped_layers(model, a, b):
             full = abs(lm_loss(model, idx) - base) / base
-        assert P[a, b].item() == pytest.approx(full, rel=1e-5, abs=1e-7)
+        assert P[a, b].item() == pytest.approx(full, rel=1e-5, abs=1e-6)  # float32 rounding of the losses
     assert (P.nan_to_num(0.0) > 0).any()
+    # shared among two worker threads (each with its own copy of the model): the same matrix
+    torch.testing.assert_close(permutation_scores(model, idx, workers=2), P, equal_nan=True)
+    assert lm_loss(model, idx) == base  # every swap restored

@@ -147,8 +147,14 @@ def test_depth_attention_gradient_matches_finite_differences():
     depth = DepthAttention(5, 1e-6).double()
     with torch.no_grad():
         depth.query.normal_()
+        depth.key_norm.weight.uniform_(0.5, 1.5)
     v = torch.randn(4, 2, 3, 5, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: depth(t, rms_unit(t, 1e-6))[0], (v,))
+    # logits w . N(v_i) through the effective query q = w * g, then the softmax mixture
+    assert torch.autograd.gradcheck(lambda t: depth.mix(t, rms_unit(t, 1e-6) @ depth.effective_query())[0], (v,))
+    w = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q: depth.mix(v.detach(), rms_unit(v.detach(), 1e-6) @ q)[1], (w,))
+    # the effective-query logit is the design's w . N(v)
+    torch.testing.assert_close(rms_unit(v, 1e-6) @ depth.effective_query(), depth.key_norm(v) @ depth.query)
 
 
 def dense_moda_reference(q, k, v, dk, dv):
@@ -171,6 +177,31 @@ def test_moda_joint_softmax_equals_dense_reference():
     torch.testing.assert_close(joint_depth_attention(q, k, v, dk, dv), dense_moda_reference(q, k, v, dk, dv))
     args = [t.clone().requires_grad_() for t in (q, k, v, dk, dv)]
     assert torch.autograd.gradcheck(joint_depth_attention, args)
+
+
+def test_moda_fused_inference_path_equals_the_explicit_joint_softmax():
+    from depthbench.models.archs.moda import joint_depth_attention_fused
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 9, 4, dtype=torch.float64) for _ in range(3))
+    dk, dv = (torch.randn(2, 3, 9, 3, 4, dtype=torch.float64) for _ in range(2))
+    depth = [(dk[:, :, :, m], dv[:, :, :, m]) for m in range(3)]
+    assert joint_depth_attention_fused(q, k, v, depth, 1) is None  # autograd on: the explicit path
+    with torch.no_grad():
+        fused = joint_depth_attention_fused(q, k, v, depth, 1)
+    torch.testing.assert_close(fused, dense_moda_reference(q, k, v, dk, dv))
+    # GQA: 6 query heads over 3 KV heads equal the explicit path on repeated KV heads
+    q6 = torch.randn(2, 6, 9, 4, dtype=torch.float64)
+    with torch.no_grad():
+        fused = joint_depth_attention_fused(q6, k, v, depth, 2)
+    rep = lambda t: t.repeat_interleave(2, dim=1)  # noqa: E731
+    torch.testing.assert_close(fused, dense_moda_reference(q6, rep(k), rep(v), rep(dk), rep(dv)))
+    for options in ({}, {"variant": "ffn_kv"}):
+        model = build_model(cfg("moda", n_head=4, n_kv_head=2, arch_options=options)).eval()
+        idx = torch.randint(0, 61, (2, 9))
+        with torch.no_grad():
+            fused = model(idx).logits
+        torch.testing.assert_close(fused, model(idx).logits.detach(), rtol=1e-5, atol=1e-5)
 
 
 def test_moda_first_layer_is_pre_ln_and_later_layers_see_depth_keys():

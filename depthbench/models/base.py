@@ -152,6 +152,25 @@ class DecoderLM(nn.Module):
         """h_l from the trunk state after layer l (the sum of streams for hc/mhc)."""
         return state
 
+    # -- layer-by-layer stepping --------------------------------------------------------------
+    # The trunk as a fold over layers: state <- layer_step(state, block); the trunk output is
+    # trunk_output(state). Probes use this to resume a pass at any layer from a saved state
+    # (a permutation that swaps layers a and b leaves layers 1 .. a-1 as they were). An
+    # architecture whose state is not one immutable tensor (attnres's source list, moda's depth
+    # keys) overrides all four, and its `trunk` must take the same steps.
+    def layer_step(self, state, block: Block, rope: Rope):
+        """The trunk state after `block`, from the state before it (no probe records)."""
+        return block(state, rope, None)
+
+    def trunk_output(self, state) -> torch.Tensor:
+        """h_L from the state after the last layer: what the final norm reads."""
+        return self.read_stream(state)
+
+    def fork_state(self, state):
+        """A copy of `state` that later layer steps may advance without changing the original.
+        Tensor states are never modified in place, so the default shares them."""
+        return state
+
     def trunk(self, h0: torch.Tensor, rope: Rope, hidden: list | None, internals: dict | None) -> torch.Tensor:
         """Run the L layers on h_0 and return h_L, appending h_0..h_L to `hidden` if given."""
         state = self.init_state(h0)

@@ -6,8 +6,11 @@ Conventions: `idx` is a (N, T) LongTensor of validation sequences; h_l is what l
 
 from __future__ import annotations
 
+import copy
 import math
+import threading
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 
@@ -66,18 +69,22 @@ def _delta_norms(hidden: list[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def causal_scores(model: DecoderLM, idx: torch.Tensor) -> torch.Tensor:
+def causal_scores(model: DecoderLM, idx: torch.Tensor, workers: int = 1) -> torch.Tensor:
     """C[s, l] = E||(h'_l - h'_{l-1}) - (h_l - h_{l-1})|| / E||h_l - h_{l-1}||, h' with layer s
     skipped, for l > s (NaN elsewhere); 1-based (L + 1, L + 1) with row/column 0 unused.
-    L + 1 forward passes: one baseline and one per skipped layer."""
+    L + 1 forward passes: one baseline and one per skipped layer (shared among `workers`, see
+    map_over_model_copies)."""
     base = _delta_norms(residual_stream(model, idx))
     L = base.shape[0]
     denom = base.norm(dim=-1).mean(dim=(1, 2))  # (L,)
     C = torch.full((L + 1, L + 1), float("nan"))
-    for s in range(1, L + 1):
-        with skip_layers(model, [s]):
-            skipped = _delta_norms(residual_stream(model, idx))
-        diff = (skipped - base).norm(dim=-1).mean(dim=(1, 2))
+
+    def skipped_diff(m: DecoderLM, s: int) -> torch.Tensor:
+        with skip_layers(m, [s]):
+            skipped = _delta_norms(residual_stream(m, idx))
+        return (skipped - base).norm(dim=-1).mean(dim=(1, 2))
+
+    for s, diff in enumerate(map_over_model_copies(model, list(range(1, L + 1)), skipped_diff, workers), start=1):
         C[s, s + 1 :] = diff[s:] / denom[s:]
     return C
 
@@ -119,51 +126,97 @@ def swapped_layers(model: DecoderLM, a: int, b: int):
                 pb[name].copy_(tmp)
 
 
-def block_inputs(model: DecoderLM, inputs: torch.Tensor) -> list | None:
-    """The trunk state each block receives in one forward pass, for architectures that use the
-    shared trunk (blocks chained on one state: the norm family, hc, mhc); None for the others."""
-    if type(model).trunk is not DecoderLM.trunk:
-        return None
-    states: list = []
-    hooks = [b.register_forward_pre_hook(lambda module, args: states.append(args[0])) for b in model.blocks]
-    try:
-        model(inputs)
-    finally:
-        for h in hooks:
-            h.remove()
+@torch.no_grad()
+def layer_states(model: DecoderLM, inputs: torch.Tensor) -> list:
+    """The trunk state entering each layer (index l - 1 for layer l) in one forward pass, each
+    forked so that a later pass resumed from it leaves it unchanged (DecoderLM.layer_step)."""
+    rope = model.rope(inputs.shape[1])
+    state = model.init_state(model.embed_tokens(inputs))
+    states = []
+    for block in model.blocks:
+        states.append(model.fork_state(state))
+        state = model.layer_step(state, block, rope)
     return states
 
 
+@torch.no_grad()
 def loss_from_layer(model: DecoderLM, layer: int, state, targets: torch.Tensor) -> float:
-    """The LM loss of a forward pass resumed at block `layer` (1-based) from its input `state`:
-    the same operations as DecoderLM.forward from there on."""
+    """The LM loss of a forward pass resumed at block `layer` (1-based) from the state entering
+    it: the same operations as DecoderLM.forward from there on."""
     rope = model.rope(targets.shape[1])
+    state = model.fork_state(state)
     for block in model.blocks[layer - 1 :]:
-        state = block(state, rope, None)
-    x = model.read_stream(state)
+        state = model.layer_step(state, block, rope)
+    x = model.trunk_output(state)
     if model.final_norm is not None:
         x = model.final_norm(x)
     logits = model.lm_head(x)
     return float(torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)))
 
 
+def map_over_model_copies(model: DecoderLM, items: list, fn: Callable, workers: int = 1) -> list:
+    """[fn(m, item) for item in items], where m is `model` or a private copy of it: probes swap
+    weights and attach hooks in place, so each worker thread holds its own deep copy.
+
+    With workers > 1 (CPU only) the items are shared among that many threads, each running
+    torch with one intra-op thread: the GIL is released inside every kernel, and at probe
+    shapes (d = 32, 2 048 tokens) two single-threaded streams of small kernels do about 1.5x
+    the work of one two-threaded stream (benchmarks/probe_time.py). Items are taken in the
+    given order from a shared queue (put the longest first); results come back in item order."""
+    workers = max(1, min(workers, len(items)))
+    if workers == 1 or next(model.parameters()).device.type != "cpu":
+        return [fn(model, item) for item in items]
+    results: list = [None] * len(items)
+    queue = iter(enumerate(items))
+    lock, errors = threading.Lock(), []
+
+    def work(m: DecoderLM) -> None:
+        while not errors:
+            with lock:
+                nxt = next(queue, None)
+            if nxt is None:
+                return
+            try:
+                results[nxt[0]] = fn(m, nxt[1])
+            except BaseException as exc:  # re-raised in the calling thread
+                errors.append(exc)
+
+    intra_op = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        threads = [threading.Thread(target=work, args=(model if i == 0 else copy.deepcopy(model),)) for i in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        torch.set_num_threads(intra_op)
+    if errors:
+        raise errors[0]
+    return results
+
+
 @torch.no_grad()
-def permutation_scores(model: DecoderLM, idx: torch.Tensor) -> torch.Tensor:
+def permutation_scores(model: DecoderLM, idx: torch.Tensor, workers: int = 1) -> torch.Tensor:
     """P[a, b] = |loss_swapped - loss| / loss for a < b (1-based, NaN elsewhere): weights swapped
-    in place and restored. Swapping a and b leaves layers 1 .. a-1 unchanged, so where the
-    architecture chains its blocks on one state their inputs are computed once and each swapped
-    pass starts at layer a (a third fewer layer evaluations over all pairs, same numbers)."""
+    in place and restored. Swapping a and b leaves layers 1 .. a-1 unchanged, so the trunk
+    state entering every layer is computed once and each swapped pass resumes at layer a (a
+    third fewer layer evaluations over all pairs, same numbers). `workers`: see
+    map_over_model_copies."""
     model.eval()
     L = model.cfg.n_layer
     base = lm_loss(model, idx)
-    states = block_inputs(model, idx[:, :-1])
+    states = layer_states(model, idx[:, :-1])
     targets = idx[:, 1:]
+    pairs = [(a, b) for a in range(1, L + 1) for b in range(a + 1, L + 1)]  # longest passes first
+
+    def swapped_loss(m: DecoderLM, pair: tuple[int, int]) -> float:
+        with swapped_layers(m, *pair):
+            return loss_from_layer(m, pair[0], states[pair[0] - 1], targets)
+
     P = torch.full((L + 1, L + 1), float("nan"))
-    for a in range(1, L + 1):
-        for b in range(a + 1, L + 1):
-            with swapped_layers(model, a, b):
-                loss = lm_loss(model, idx) if states is None else loss_from_layer(model, a, states[a - 1], targets)
-            P[a, b] = abs(loss - base) / base
+    for (a, b), loss in zip(pairs, map_over_model_copies(model, pairs, swapped_loss, workers)):
+        P[a, b] = abs(loss - base) / base
     return P
 
 
@@ -244,18 +297,24 @@ def affine_layer(model: DecoderLM, layer: int, weight: torch.Tensor):
 
 
 @torch.no_grad()
-def usefulness_ratios(model: DecoderLM, idx: torch.Tensor) -> torch.Tensor:
+def usefulness_ratios(model: DecoderLM, idx: torch.Tensor, workers: int = 1) -> torch.Tensor:
     """r_l = loss with layer l replaced by its least-squares affine fit / loss (1-based, index 0
     unused). One pass records every layer's input and output; each fit is solved once."""
     if model.arch_name.startswith("attnres"):
         raise ValueError(STATE_ARCHS_NOTE)
     base = lm_loss(model, idx)
     ratios = torch.full((model.cfg.n_layer + 1,), float("nan"))
-    for l, (x, y) in enumerate(block_io(model, idx), start=1):
+
+    def affine_ratio(m: DecoderLM, layer_io: tuple[int, tuple[torch.Tensor, torch.Tensor]]) -> float:
+        l, (x, y) = layer_io
         design = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
         weight = torch.linalg.lstsq(design, y).solution  # (width + 1, width)
-        with affine_layer(model, l, weight):
-            ratios[l] = lm_loss(model, idx) / base
+        with affine_layer(m, l, weight):
+            return lm_loss(m, idx) / base
+
+    layers = list(enumerate(block_io(model, idx), start=1))
+    for (l, _), ratio in zip(layers, map_over_model_copies(model, layers, affine_ratio, workers)):
+        ratios[l] = ratio
     return ratios
 
 

@@ -77,7 +77,7 @@ def dead_zone(depth_weights: list[torch.Tensor], n_layer: int, n_blocks: int, th
     sublayer always has one (at least the same layer's attention output), the attention sublayer
     unless the layer starts a block. So the weight is defined for every layer, also when every
     layer is its own block (n_blocks >= n_layer). The partial sum is the last source of a
-    sublayer's depth softmax (see BlockSources.stacked)."""
+    sublayer's depth softmax (see BlockSources.read)."""
     from depthbench.models.archs.attnres_block import block_ends
 
     starts = {1} | {e + 1 for e in block_ends(n_layer, n_blocks)}
@@ -112,14 +112,15 @@ def probe_model(model, idx: torch.Tensor, stage: str, settings: dict, full: bool
     rows += _rows("effective_rank", stage, torch.tensor(core.effective_rank_by_layer(hidden)))
     rows += _rows("angular_distance_last", stage, core.angular_distance(hidden, last_token_only=True))
     rows += _rows("angular_distance_all", stage, core.angular_distance(hidden, last_token_only=False))
-    C = core.causal_scores(model, idx[:, :-1])
+    workers = int(settings.get("threads", 1))  # the passes of one probe run in that many threads
+    C = core.causal_scores(model, idx[:, :-1], workers)
     rows += _rows("causal_score", stage, C)
     rows.append(_scalar("causal_share", stage, core.share_above(C, settings["causal_threshold"])))
-    P = core.permutation_scores(model, idx)
+    P = core.permutation_scores(model, idx, workers)
     rows += _rows("permutation_score", stage, P)
     rows.append(_scalar("permutation_share", stage, core.share_above(P, settings["permutation_threshold"])))
     if not arch.startswith("attnres"):
-        r = core.usefulness_ratios(model, idx)
+        r = core.usefulness_ratios(model, idx, workers)
         rows += _rows("usefulness_ratio", stage, r)
         rows.append(_scalar("useful_fraction", stage, float((r[1:] > settings["usefulness_threshold"]).float().mean())))
     if arch in ("hc", "mhc"):

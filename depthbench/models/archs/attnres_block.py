@@ -23,20 +23,26 @@ def block_ends(n_layer: int, n_blocks: int) -> list[int]:
 
 
 class BlockSources(DepthSources):
-    def __init__(self, v0: torch.Tensor, eps: float, ends: list[int]):
-        super().__init__(v0, eps)
+    """Sources: v_0, the completed block sums, and the current partial sum, which only the next
+    reader sees (its logit is computed when read)."""
+
+    def __init__(self, v0: torch.Tensor, queries: torch.Tensor, eps: float, ends: list[int]):
+        super().__init__(v0, queries, eps)
         self.ends = set(ends)
         self.partial: torch.Tensor | None = None
 
-    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.partial is None:
-            return super().stacked()
-        return torch.stack([*self.values, self.partial]), torch.stack([*self.units, rms_unit(self.partial, self.eps)])
+            return super().read()
+        partial_logit = (rms_unit(self.partial, self.eps) @ self.queries[:, self.next_reader, None]).squeeze(-1)
+        return (torch.stack([*self.values, self.partial]),
+                torch.stack([*self.logits[self.next_reader], partial_logit]))
 
     def add(self, out: torch.Tensor, layer: int, is_last_sublayer_of_layer: bool) -> None:
+        self.next_reader += 1
         self.partial = out if self.partial is None else self.partial + out
         if is_last_sublayer_of_layer and layer in self.ends:
-            super().add(self.partial, layer, is_last_sublayer_of_layer)
+            self.append(self.partial)
             self.partial = None
 
 
@@ -46,4 +52,4 @@ class AttnResBlocks(AttnResFull):
 
     def make_sources(self, h0: torch.Tensor) -> BlockSources:
         n_blocks = int(self.cfg.arch_options.get("n_blocks", 8))
-        return BlockSources(h0, self.cfg.norm_eps, block_ends(self.cfg.n_layer, n_blocks))
+        return BlockSources(h0, self.reader_queries(), self.cfg.norm_eps, block_ends(self.cfg.n_layer, n_blocks))

@@ -11,7 +11,10 @@ sublayer then computes F(N_pre(h_s)) (the usual pre-norm is kept). A final aggre
 own pseudo-query feeds the final norm and LM head.
 
 Since N_s(v) = g_s * v / rms(v), the logit w_s . N_s(v_i) = (w_s * g_s) . (v_i / rms(v_i)): each
-source is RMS-normalised once and every later sublayer only takes a dot product with it.
+source is RMS-normalised once, and when it is added its logits against the effective queries
+q_s = w_s * g_s of every later reader come from one matmul (unit_i @ [q_s ...]). A sublayer then
+only stacks its sources' values and their logit columns: no normalised source is stored or
+re-stacked (the O(L^2) copies were most of this architecture's overhead on CPU).
 
 h_l for probes is the aggregated input of the first sublayer of layer l + 1 (h_0 = v_0; h_L is
 the final aggregation). `internals["depth_weights"]` records, per sublayer (and last the final
@@ -19,6 +22,8 @@ aggregation), the softmax weight on each available source averaged over batch an
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from torch import nn
@@ -28,23 +33,27 @@ from depthbench.models.layers import RMSNorm, at_least_fp32
 
 
 class DepthAttention(nn.Module):
-    """softmax over sources of w . N(v_i), mixing the sources themselves."""
+    """One reader's pseudo-query w and key-norm gain g; mixes its sources under softmax_i(logit_i)."""
 
     def __init__(self, d_model: int, eps: float):
         super().__init__()
         self.query = nn.Parameter(torch.zeros(d_model))  # pseudo-query w, zero init
         self.key_norm = RMSNorm(d_model, eps)  # N: its gain applies to the keys only
 
-    def forward(self, sources: torch.Tensor, unit_sources: torch.Tensor):
-        """sources, unit_sources: (S, B, T, d), the latter RMS-normalised without gain.
-        Returns h (B, T, d) and the weights (S, B, T)."""
-        # a (d, 1) matrix rather than a vector: a matmul, which the FLOP counter counts (mv it does not)
-        logits = (unit_sources @ (self.query * self.key_norm.weight).unsqueeze(-1)).squeeze(-1)  # (S, B, T)
-        weights = torch.softmax(at_least_fp32(logits), dim=0).to(sources.dtype)
-        return (weights.unsqueeze(-1) * sources).sum(dim=0), weights
+    def effective_query(self) -> torch.Tensor:
+        """q = w * g, so that w . N(v) = q . (v / rms(v))."""
+        return self.query * self.key_norm.weight
+
+    @staticmethod
+    def mix(values: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """values (S, B, T, d), logits (S, B, T) -> h = sum_i softmax_i(logits) v_i (B, T, d) and
+        the weights (S, B, T)."""
+        weights = torch.softmax(at_least_fp32(logits), dim=0).to(values.dtype)
+        return (weights.unsqueeze(-1) * values).sum(dim=0), weights
 
 
 def rms_unit(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """v / rms(v): RMSNorm without its gain."""
     return v * torch.rsqrt(at_least_fp32(v).pow(2).mean(-1, keepdim=True) + eps).to(v.dtype)
 
 
@@ -65,19 +74,53 @@ class AttnResBlock(Block):
 
 
 class DepthSources:
-    """The sources a sublayer may attend to. Full AttnRes: every earlier output."""
+    """The sources each reader may attend to, with their logits. Full AttnRes: every earlier
+    output. Readers are numbered 0 .. 2L (the 2L sublayers, then the final aggregation);
+    `queries` (d, 2L + 1) holds their effective queries. A source added after reader r - 1 ran
+    is read by readers r .. 2L: its logits for all of them are computed at once."""
 
-    def __init__(self, v0: torch.Tensor, eps: float):
+    def __init__(self, v0: torch.Tensor, queries: torch.Tensor, eps: float):
         self.eps = eps
-        self.values = [v0]
-        self.units = [rms_unit(v0, eps)]
+        self.queries = queries
+        self.next_reader = 0
+        self.values: list[torch.Tensor] = []
+        self.units: list[torch.Tensor] = []  # v / rms(v), kept for fork()
+        self.logits: list[list[torch.Tensor]] = [[] for _ in range(queries.shape[1])]  # per reader
+        self.append(v0)
 
-    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.stack(self.values), torch.stack(self.units)
+    def _add_logits(self, unit: torch.Tensor) -> None:
+        # a matmul (the FLOP counter counts it): 2 d per (source, reader), as cost.py charges
+        columns = unit @ self.queries[:, self.next_reader :]  # (B, T, readers from next_reader)
+        for reader, column in enumerate(columns.unbind(-1), start=self.next_reader):
+            self.logits[reader].append(column)
+
+    def append(self, v: torch.Tensor) -> None:
+        """v becomes a source of every reader from `next_reader` on."""
+        unit = rms_unit(v, self.eps)
+        self._add_logits(unit)
+        self.values.append(v)
+        self.units.append(unit)
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Values (S, B, T, d) and logits (S, B, T) of the next reader's sources."""
+        return torch.stack(self.values), torch.stack(self.logits[self.next_reader])
 
     def add(self, out: torch.Tensor, layer: int, is_last_sublayer_of_layer: bool) -> None:
-        self.values.append(out)
-        self.units.append(rms_unit(out, self.eps))
+        """The reader that just ran produced `out`."""
+        self.next_reader += 1
+        self.append(out)
+
+    def fork(self, queries: torch.Tensor) -> "DepthSources":
+        """A copy whose later additions leave this one unchanged (tensors are shared), with the
+        logits of the readers still to run recomputed for `queries`: a probe resuming from this
+        state may have swapped the pseudo-queries of later layers."""
+        other = copy.copy(self)
+        other.queries = queries
+        other.values, other.units = list(self.values), list(self.units)
+        other.logits = [list(column) for column in self.logits[: self.next_reader]] + [[] for _ in self.logits[self.next_reader :]]
+        for unit in other.units:
+            other._add_logits(unit)
+        return other
 
 
 @register("attnres_full")
@@ -97,23 +140,47 @@ class AttnResFull(DecoderLM):
                 nn.init.zeros_(module.query)
 
     def make_sources(self, h0: torch.Tensor) -> DepthSources:
-        return DepthSources(h0, self.cfg.norm_eps)
+        return DepthSources(h0, self.reader_queries(), self.cfg.norm_eps)
+
+    def reader_queries(self) -> torch.Tensor:
+        """(d, 2L + 1): the effective query of every sublayer in order, then the final one."""
+        readers = [depth for block in self.blocks for depth in (block.attn_depth, block.ffn_depth)]
+        return torch.stack([depth.effective_query() for depth in readers + [self.final_depth]], dim=1)
+
+    # The trunk state is the source list (see DecoderLM.layer_step).
+    def init_state(self, h0: torch.Tensor) -> DepthSources:
+        return self.make_sources(h0)
+
+    def run_layer(self, sources: DepthSources, block: AttnResBlock, rope: Rope, hidden: list | None = None, record: list | None = None) -> DepthSources:
+        for position, (depth, sublayer) in enumerate(block.sublayers(rope)):
+            h, weights = depth.mix(*sources.read())
+            if position == 0 and hidden is not None:
+                hidden.append(h)  # h_{layer-1}: what layer `layer` reads
+            if record is not None:
+                record.append(weights.detach().float().mean(dim=(1, 2)))
+            sources.add(sublayer(h), block.layer_index, is_last_sublayer_of_layer=position == 1)
+        return sources
+
+    def layer_step(self, state: DepthSources, block: AttnResBlock, rope: Rope) -> DepthSources:
+        return self.run_layer(state, block, rope)
+
+    def final_aggregation(self, sources: DepthSources) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.final_depth.mix(*sources.read())
+
+    def trunk_output(self, state: DepthSources) -> torch.Tensor:
+        return self.final_aggregation(state)[0]
+
+    def fork_state(self, state: DepthSources) -> DepthSources:
+        return state.fork(self.reader_queries())
 
     def trunk(self, h0: torch.Tensor, rope: Rope, hidden: list | None, internals: dict | None) -> torch.Tensor:
-        sources = self.make_sources(h0)
+        sources = self.init_state(h0)
         record = internals.setdefault("depth_weights", []) if internals is not None else None
-        for layer, block in enumerate(self.blocks, start=1):
-            for position, (depth, sublayer) in enumerate(block.sublayers(rope)):
-                h, weights = depth(*sources.stacked())
-                if position == 0 and hidden is not None:
-                    hidden.append(h)  # h_{layer-1}: what layer `layer` reads
-                if record is not None:
-                    record.append(weights.detach().float().mean(dim=(1, 2)))
-                sources.add(sublayer(h), layer, is_last_sublayer_of_layer=position == 1)
-        h_final, weights = self.final_depth(*sources.stacked())
+        for block in self.blocks:
+            self.run_layer(sources, block, rope, hidden, record)
+        h_final, weights = self.final_aggregation(sources)
         if record is not None:
             record.append(weights.detach().float().mean(dim=(1, 2)))
         if hidden is not None:
             hidden.append(h_final)
         return h_final
-
