@@ -90,6 +90,18 @@ def test_sinkhorn_gradient_matches_finite_differences():
     assert torch.autograd.gradcheck(lambda t: sinkhorn_knopp(t, 20), (x,))
 
 
+def test_sinkhorn_loop_taken_under_compile_equals_the_hand_written_backward(monkeypatch):
+    torch.manual_seed(0)
+    x = torch.randn(5, 4, 4, dtype=torch.float64, requires_grad=True)
+    eager = sinkhorn_knopp(x, 20)
+    (g_eager,) = torch.autograd.grad((eager * torch.arange(16.0, dtype=torch.float64).view(4, 4)).sum(), x)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    looped = sinkhorn_knopp(x, 20)
+    (g_loop,) = torch.autograd.grad((looped * torch.arange(16.0, dtype=torch.float64).view(4, 4)).sum(), x)
+    torch.testing.assert_close(looped, eager, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(g_loop, g_eager, rtol=1e-10, atol=1e-12)
+
+
 def test_attnres_full_zero_queries_give_uniform_weights_over_earlier_outputs():
     torch.manual_seed(0)
     L = 3

@@ -71,7 +71,14 @@ def sinkhorn_knopp(log_m: torch.Tensor, iterations: int = 20) -> torch.Tensor:
     shifted = log_m - log_m.amax(dim=-1, keepdim=True).detach()
     m = shifted.clamp_min(-60.0).exp()
     m = m.movedim(-2, 0).movedim(-1, 1).contiguous()  # (n, n, ...)
-    m = _AlternatingNormalization.apply(m, iterations)
+    if torch.compiler.is_compiling():
+        # under torch.compile the plain loop lets inductor fuse the iterations (and autograd
+        # derive their backward); the hand-written Function is for eager mode
+        for _ in range(iterations):
+            m = m / m.sum(1, keepdim=True)
+            m = m / m.sum(0, keepdim=True)
+    else:
+        m = _AlternatingNormalization.apply(m, iterations)
     return m.movedim(0, -1).movedim(0, -1)
 
 
