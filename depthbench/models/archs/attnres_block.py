@@ -31,12 +31,11 @@ class BlockSources(DepthSources):
         self.ends = set(ends)
         self.partial: torch.Tensor | None = None
 
-    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         if self.partial is None:
             return super().read()
         partial_logit = (rms_unit(self.partial, self.eps) @ self.queries[:, self.next_reader, None]).squeeze(-1)
-        return (torch.stack([*self.values, self.partial]),
-                torch.stack([*self.logits[self.next_reader], partial_logit]))
+        return [*self.values, self.partial], torch.stack([*self.logits[self.next_reader], partial_logit])
 
     def add(self, out: torch.Tensor, layer: int, is_last_sublayer_of_layer: bool) -> None:
         self.next_reader += 1

@@ -13,8 +13,8 @@ own pseudo-query feeds the final norm and LM head.
 Since N_s(v) = g_s * v / rms(v), the logit w_s . N_s(v_i) = (w_s * g_s) . (v_i / rms(v_i)): each
 source is RMS-normalised once, and when it is added its logits against the effective queries
 q_s = w_s * g_s of every later reader come from one matmul (unit_i @ [q_s ...]). A sublayer then
-only stacks its sources' values and their logit columns: no normalised source is stored or
-re-stacked (the O(L^2) copies were most of this architecture's overhead on CPU).
+only stacks its sources' logit columns and takes one multiply-add per source: no source is
+ever stacked (those O(L^2) copies were most of this architecture's overhead on CPU).
 
 h_l for probes is the aggregated input of the first sublayer of layer l + 1 (h_0 = v_0; h_L is
 the final aggregation). `internals["depth_weights"]` records, per sublayer (and last the final
@@ -45,11 +45,17 @@ class DepthAttention(nn.Module):
         return self.query * self.key_norm.weight
 
     @staticmethod
-    def mix(values: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """values (S, B, T, d), logits (S, B, T) -> h = sum_i softmax_i(logits) v_i (B, T, d) and
-        the weights (S, B, T)."""
-        weights = torch.softmax(at_least_fp32(logits), dim=0).to(values.dtype)
-        return (weights.unsqueeze(-1) * values).sum(dim=0), weights
+    def mix(values, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """values: the S sources (a list of (B, T, d), or one (S, B, T, d) tensor); logits
+        (S, B, T) -> h = sum_i softmax_i(logits) v_i (B, T, d) and the weights (S, B, T).
+
+        A multiply-add per source: the sources are never stacked (an O(S) copy per reader, so
+        O(L^2) over the network), and no (S, B, T, d) product is materialised."""
+        weights = torch.softmax(at_least_fp32(logits), dim=0).to(values[0].dtype)
+        h = weights[0].unsqueeze(-1) * values[0]
+        for i in range(1, len(values)):
+            h = torch.addcmul(h, weights[i].unsqueeze(-1), values[i])
+        return h, weights
 
 
 def rms_unit(v: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,9 +107,9 @@ class DepthSources:
         self.values.append(v)
         self.units.append(unit)
 
-    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Values (S, B, T, d) and logits (S, B, T) of the next reader's sources."""
-        return torch.stack(self.values), torch.stack(self.logits[self.next_reader])
+    def read(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The next reader's S sources (B, T, d each) and their logits (S, B, T)."""
+        return list(self.values), torch.stack(self.logits[self.next_reader])
 
     def add(self, out: torch.Tensor, layer: int, is_last_sublayer_of_layer: bool) -> None:
         """The reader that just ran produced `out`."""
