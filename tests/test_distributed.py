@@ -82,3 +82,39 @@ def test_checkpoint_of_two_ranks_resumes_with_one(tiny_data, one_rank, tmp_path)
 def test_slurm_jobs_ask_one_task_per_gpu():
     p = slurm_parameters({"slurm": {"nodes": 2, "gpus_per_node": 8}})
     assert p["nodes"] == 2 and p["gpus_per_node"] == 8 and p["ntasks_per_node"] == 8
+
+
+ALL_ARCHS = ["pre_ln", "post_ln", "peri_ln", "lns", "deepnorm", "keel", "hc", "mhc", "attnres_full", "attnres_block", "moda"]
+
+
+def test_every_architecture_shards_with_fsdp2(tmp_path):
+    """FSDP2 gathers a unit's parameters only inside its own forward: every architecture's units
+    (DecoderLM.fsdp_units) must give the unsharded model's loss and gradients. One gloo rank in
+    this process is enough to catch a parameter read outside its unit (a DTensor error)."""
+    import copy
+
+    import torch.distributed as dist
+
+    from depthbench.models import ModelConfig, build_model
+    from depthbench.train.distributed import shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for arch in ALL_ARCHS:
+            torch.manual_seed(0)
+            model = build_model(ModelConfig(arch=arch, vocab_size=64, d_model=32, n_layer=3, n_head=2, max_seq_len=16))
+            for p in model.parameters():  # away from zero-initialised queries and dynamics
+                p.data.add_(0.05 * torch.randn_like(p))
+            reference = copy.deepcopy(model)
+            shard(model)
+            idx = torch.randint(0, 64, (2, 9))
+            loss = model(idx[:, :-1], idx[:, 1:]).loss
+            loss.backward()
+            ref_loss = reference(idx[:, :-1], idx[:, 1:]).loss
+            ref_loss.backward()
+            assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6), arch
+            ref_grads = dict(reference.named_parameters())
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name].grad, rtol=1e-5, atol=1e-6, msg=f"{arch} {name}")
+    finally:
+        dist.destroy_process_group()

@@ -205,6 +205,14 @@ class DecoderLM(nn.Module):
         aux_loss = torch.stack(aux).sum() if aux else None
         return ModelOutput(logits=logits, loss=loss, hidden=hidden, aux_loss=aux_loss, internals=internals)
 
+    # -- sharding -----------------------------------------------------------------------------
+    def fsdp_units(self) -> list[nn.Module]:
+        """The submodules FSDP2 shards as separate units (one all-gather each). A unit's
+        parameters are gathered only inside its own forward, so every unit must be a module the
+        trunk calls; parameters read outside any unit's forward (attnres's pseudo-queries) stay
+        in the root unit. Default: one unit per layer."""
+        return list(self.blocks)
+
     # -- accounting -------------------------------------------------------------------------
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Total parameters as built (every expert of an MoE counted)."""

@@ -79,10 +79,16 @@ def wrap(model: nn.Module, ctx: DistContext, device: torch.device) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return shard(model)
+
+
+def shard(model: nn.Module) -> nn.Module:
+    """FSDP2 in place: each of the architecture's units (one per layer by default, see
+    DecoderLM.fsdp_units), then the rest (embedding, head, final norm) as the root unit."""
     from torch.distributed.fsdp import fully_shard
 
-    for block in model.blocks:  # one FSDP unit per layer, then the rest (embedding, head)
-        fully_shard(block)
+    for unit in model.fsdp_units():
+        fully_shard(unit)
     fully_shard(model)
     return model
 

@@ -153,6 +153,12 @@ class AttnResFull(DecoderLM):
         readers = [depth for block in self.blocks for depth in (block.attn_depth, block.ffn_depth)]
         return torch.stack([depth.effective_query() for depth in readers + [self.final_depth]], dim=1)
 
+    def fsdp_units(self) -> list[nn.Module]:
+        """The trunk calls each layer's attention and FFN sublayers, never the block itself, and
+        reads every pseudo-query at its start (reader_queries): the sublayers are the units and
+        the norms and depth-attention parameters stay in the root unit."""
+        return [sub for block in self.blocks for sub in (block.attn, block.ffn)]
+
     # The trunk state is the source list (see DecoderLM.layer_step).
     def init_state(self, h0: torch.Tensor) -> DepthSources:
         return self.make_sources(h0)

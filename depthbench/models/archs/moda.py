@@ -47,13 +47,13 @@ def joint_depth_attention(q, k, v, depth_k, depth_v):
     return p[..., :S] @ v + torch.einsum("bhtm,bhtmd->bhtd", p[..., S:], depth_v)
 
 
-def joint_depth_attention_fused(q, k, v, depth: list, groups: int):
+def joint_depth_attention_fused(q, k, v, depth, groups: int):
     """The same joint softmax as `joint_depth_attention` for inference on CPU, or None where it
     does not apply (autograd on, another device, a decoding offset, no fused kernel).
 
     The sequence half comes from the fused causal kernel with the log-sum-exp of its scores;
     the depth half is a loop over the depth keys (no stacking); softmax over [seq; depth] is
-    each half weighted by exp(lse_half - lse_all). `depth` holds (k, v) pairs with the KV heads
+    each half weighted by exp(lse_half - lse_all). `depth` iterates (k, v) pairs with the KV heads
     (B, H_kv, T, hd); the query heads of a group share them. About 2x faster at probe shapes.
     (In training the explicit path runs: the kernel gives no gradient through its log-sum-exp.)"""
     kernel = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -75,6 +75,30 @@ def joint_depth_attention_fused(q, k, v, depth: list, groups: int):
     return y.view(B, H, T, hd)
 
 
+class DepthKeys:
+    """The (k, v) pairs (B, H_kv, T, hd) that earlier layers left for later ones, in order.
+
+    A plain object rather than a list on purpose: module hooks that walk a forward's arguments
+    as a pytree (FSDP2 moving inputs, for one) rebuild the lists they find, and every layer must
+    append to the very object the next layer reads. Iterating gives the pairs."""
+
+    def __init__(self, pairs: list | None = None):
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = list(pairs or [])
+
+    def append(self, pair: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.pairs.append(pair)
+
+    def fork(self) -> "DepthKeys":
+        """A copy that later layers may extend without changing this one (tensors shared)."""
+        return DepthKeys(self.pairs)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __iter__(self):
+        return iter(self.pairs)
+
+
 class MoDABlock(Block):
     def __init__(self, cfg, layer_index):
         super().__init__(cfg, layer_index)
@@ -84,8 +108,8 @@ class MoDABlock(Block):
         self.ffn_kv = nn.Linear(cfg.d_model, 2 * self.attn.kv_dim, bias=False) if variant == "ffn_kv" else None
         self.n_layer = cfg.n_layer
 
-    def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None, depth: list | None = None) -> torch.Tensor:
-        """`depth` holds (k, v) pairs (B, H_kv, T, hd) of earlier layers; this layer appends its own."""
+    def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None, depth: DepthKeys | None = None) -> torch.Tensor:
+        """`depth` holds the (k, v) pairs of earlier layers; this layer appends its own."""
         attn = self.attn
         B, T, _ = x.shape
         q, k, v = attn.project_qkv(self.attn_norm(x), rope)
@@ -129,10 +153,10 @@ class MixtureOfDepthsAttention(DecoderLM):
         super().__init__(cfg, initialize)
 
     # The trunk state is (x, the depth keys and values so far); see DecoderLM.layer_step.
-    def init_state(self, h0: torch.Tensor) -> tuple[torch.Tensor, list]:
-        return h0, []
+    def init_state(self, h0: torch.Tensor) -> tuple[torch.Tensor, DepthKeys]:
+        return h0, DepthKeys()
 
-    def read_stream(self, state: tuple[torch.Tensor, list]) -> torch.Tensor:
+    def read_stream(self, state: tuple[torch.Tensor, DepthKeys]) -> torch.Tensor:
         return state[0]
 
     def layer_step(self, state, block: MoDABlock, rope: Rope):
@@ -140,7 +164,7 @@ class MixtureOfDepthsAttention(DecoderLM):
         return block(x, rope, None, depth), depth
 
     def fork_state(self, state):
-        return state[0], list(state[1])
+        return state[0], state[1].fork()
 
     def trunk(self, h0: torch.Tensor, rope: Rope, hidden: list | None, internals: dict | None) -> torch.Tensor:
         x, depth = self.init_state(h0)
