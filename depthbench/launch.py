@@ -145,26 +145,34 @@ def submit_and_wait(fn, args: tuple, label: str, work_dir: str, launcher: dict, 
     folder.mkdir(parents=True, exist_ok=True)
     record = work / record_name
     backend = launcher.get("backend", "inline")
-    job = _live_slurm_job(folder, record) if backend == "slurm" else None
-    if job is None:
-        executor = make_executor(launcher, folder, threads=1)
-        # Submitting from inside a SLURM allocation would inherit its SLURM_* variables.
-        with submitit.helpers.clean_env():
-            job = executor.submit(fn, *args)
-        atomic_write_json(record, {"job_id": str(job.job_id), "backend": backend, "folder": str(folder)})
-        print(f"[{label}] submitted {backend} job {job.job_id}; logs in {folder}", file=sys.stderr)
-    else:
-        print(f"[{label}] re-attached to running SLURM job {job.job_id}", file=sys.stderr)
+    job = None
 
     def cancel(signum, frame):  # Snakemake interrupted: do not leave orphaned jobs behind
-        print(f"[{label}] signal {signum}: cancelling job {job.job_id}", file=sys.stderr)
+        if job is not None:
+            print(f"[{label}] signal {signum}: cancelling job {job.job_id}", file=sys.stderr)
         try:
-            job.cancel(check=False)
+            if job is not None:
+                job.cancel(check=False)
         finally:
             raise SystemExit(128 + signum)
 
+    # Installed before submitting: no signal can fall between the submission and the handler,
+    # and a local job's controller, started from here, inherits the default SIGINT disposition
+    # rather than "ignored" (what a dispatcher started in the background of a non-interactive
+    # shell has). submitit cancels a local job with SIGINT, which an ignoring controller would
+    # never see, leaving the training running.
     previous = {s: signal.signal(s, cancel) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        job = _live_slurm_job(folder, record) if backend == "slurm" else None
+        if job is None:
+            executor = make_executor(launcher, folder, threads=1)
+            # Submitting from inside a SLURM allocation would inherit its SLURM_* variables.
+            with submitit.helpers.clean_env():
+                job = executor.submit(fn, *args)
+            atomic_write_json(record, {"job_id": str(job.job_id), "backend": backend, "folder": str(folder)})
+            print(f"[{label}] submitted {backend} job {job.job_id}; logs in {folder}", file=sys.stderr)
+        else:
+            print(f"[{label}] re-attached to running SLURM job {job.job_id}", file=sys.stderr)
         return job.results()[0]  # rank 0's result when a job has several tasks
     finally:
         for s, handler in previous.items():

@@ -58,13 +58,23 @@ def tiny_data(tmp_path_factory, wiki_jsonl):
     return config, exp, root / "shards"
 
 
-def wait_until_gone(pid: int, seconds: float = 10.0) -> bool:
-    """True once no process `pid` exists (polled), False if it is still there after `seconds`."""
+def wait_until_gone(pid: int, seconds: float = 30.0) -> bool:
+    """True once process `pid` has exited (polled), False if it still runs after `seconds`.
+
+    An exited process whose parent has not reaped it yet (a zombie: its dispatcher was killed
+    and the container's init may reap late) has exited too. The wait is generous because a
+    cancelled training job may be in the middle of writing a checkpoint."""
     deadline = time.time() + seconds
     while time.time() < deadline:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
+            return True
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            state = ""
+        if state == "Z":
             return True
         time.sleep(0.1)
     return False
