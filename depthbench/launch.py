@@ -148,10 +148,9 @@ def submit_and_wait(fn, args: tuple, label: str, work_dir: str, launcher: dict, 
     job = None
 
     def cancel(signum, frame):  # Snakemake interrupted: do not leave orphaned jobs behind
-        if job is not None:
-            print(f"[{label}] signal {signum}: cancelling job {job.job_id}", file=sys.stderr)
         try:
             if job is not None:
+                print(f"[{label}] signal {signum}: cancelling job {job.job_id}", file=sys.stderr)
                 job.cancel(check=False)
         finally:
             raise SystemExit(128 + signum)

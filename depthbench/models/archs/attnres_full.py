@@ -121,9 +121,15 @@ class DepthSources:
         logits of the readers still to run recomputed for `queries`: a probe resuming from this
         state may have swapped the pseudo-queries of later layers."""
         other = copy.copy(self)
-        other.queries = queries
         other.values, other.units = list(self.values), list(self.units)
-        other.logits = [list(column) for column in self.logits[: self.next_reader]] + [[] for _ in self.logits[self.next_reader :]]
+        # readers that already ran never read again: their logits are not carried over
+        past = [[] for _ in self.logits[: self.next_reader]]
+        if queries.shape == self.queries.shape and torch.equal(queries, self.queries):
+            # nothing swapped (a baseline pass, layer_states): the pending logits still hold
+            other.logits = past + [list(column) for column in self.logits[self.next_reader :]]
+            return other
+        other.queries = queries
+        other.logits = past + [[] for _ in self.logits[self.next_reader :]]
         for unit in other.units:
             other._add_logits(unit)
         return other
