@@ -2,7 +2,7 @@
 
 FLOP convention (the one of MFU, PaLM appendix B and `torch.utils.flop_counter`): count the
 multiply-adds of matrix products, 2 FLOPs each, and nothing element-wise (norms, activations,
-softmax, HC's stream combinations, Sinkhorn iterations). Attention scores and value mixing are
+softmax, HC's write of a sublayer's output into the streams, Sinkhorn iterations). Attention scores and value mixing are
 counted over the full T x T square, not the causal half (as fused SDPA kernels are counted).
 Per token, at sequence length T:
 
@@ -12,7 +12,9 @@ N_mm: the weights that multiply each token once (every Linear, LM head included,
 layer's router and top-k experts only); d_q = n_head * head_dim. depth(T) is what an
 architecture adds in matrix products beyond those (0 for the norm family):
   hc            its dynamic projection multiplies all n streams, not one: 2 (n - 1) d (n + 2) per
-                sublayer (the n x (n + 2) block is counted once in N_mm).
+                sublayer (the n x (n + 2) block is counted once in N_mm); and the read and mix
+                of the streams, one (n + 1) x n by n x d product per token: 2 (n + 1) n d.
+  mhc           the read and mix of the streams as for hc: 2 (n + 1) n d per sublayer.
   attnres_*     the depth logits w . N(v_i): 2 d per source per sublayer and for the final
                 aggregation (full: s sources at sublayer s, 2L + 1 at the end).
   moda          the joint softmax's depth half: 4 D_l d_q at layer l with D_l depth keys
@@ -68,9 +70,11 @@ def depth_flops_per_token(model: nn.Module) -> float:
     cfg = model.cfg
     arch, L, d = model.arch_name, cfg.n_layer, cfg.d_model
     opts = cfg.arch_options
-    if arch == "hc":
+    if arch in ("hc", "mhc"):
         n = int(opts.get("n_streams", 4))
-        return 2 * L * 2.0 * (n - 1) * d * (n + 2)
+        read_and_mix = 2.0 * (n + 1) * n * d  # [read; mix] (n + 1, n) @ streams (n, d), per token
+        projection = 2.0 * (n - 1) * d * (n + 2) if arch == "hc" else 0.0
+        return 2 * L * (read_and_mix + projection)
     if arch == "attnres_full":
         return sum(2.0 * d * s for s in range(1, 2 * L + 2))
     if arch == "attnres_block":

@@ -9,6 +9,7 @@ import torch
 from depthbench.models import ModelConfig, build_model, count_parameters
 from depthbench.models.archs.attnres_block import block_ends
 from depthbench.models.archs.attnres_full import DepthAttention, rms_unit
+from depthbench.models.archs.hc import mix_matrix
 from depthbench.models.archs.mhc import sinkhorn_knopp
 from depthbench.models.archs.moda import joint_depth_attention
 from depthbench.models.moe import MoESwiGLU
@@ -47,6 +48,41 @@ def test_hc_static_init_and_stream_sum():
     out = model(torch.randint(0, 61, (1, 5)), return_hidden=True, return_internals=True)
     mixing = out.internals["stream_mixing"]
     assert len(mixing) == 6 and mixing[0].shape == (1, 5, 4, 4)
+
+
+def test_stream_mixing_matmul_gradient_matches_finite_differences_and_the_broadcast_sum():
+    """mix_matrix's hand-written backward, fed a contiguous gradient and the stride-0 one a sum
+    over streams sends back (the case it makes contiguous)."""
+    torch.manual_seed(0)
+    M = torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True)
+    H = torch.randn(2, 3, 4, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(mix_matrix, (M, H))
+    reference = (M.unsqueeze(-1) * H.unsqueeze(-3)).sum(-2)
+    torch.testing.assert_close(mix_matrix(M, H), reference)
+    for loss in (lambda y: y.sum(-2).sum(), lambda y: (y * torch.arange(6.0, dtype=y.dtype)).sum()):
+        got = torch.autograd.grad(loss(mix_matrix(M, H)), (M, H))
+        want = torch.autograd.grad(loss((M.unsqueeze(-1) * H.unsqueeze(-3)).sum(-2)), (M, H))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("arch", ["pre_ln", "post_ln", "peri_ln", "lns", "deepnorm", "keel", *NEW])
+def test_bf16_autocast_on_cpu_trains_every_architecture(arch):
+    """The custom autograd Functions (stream mixing, Sinkhorn) meet mixed dtypes under autocast;
+    the loss stays close to fp32 and every gradient is finite. HC's streams stay fp32."""
+    torch.manual_seed(0)
+    model = build_model(cfg(arch))
+    idx = torch.randint(0, 61, (2, 12))
+    with torch.no_grad():
+        ref = model(idx, idx).loss.item()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(idx, idx, return_hidden=True)
+    assert abs(out.loss.item() - ref) / ref < 0.02
+    if arch in ("hc", "mhc"):
+        assert all(h.dtype == torch.float32 for h in out.hidden)
+    out.loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
 
 
 @pytest.mark.parametrize("phi_std, gain", [(0.0, 0.01), (1.0, 0.01), (1.0, 0.04), (0.1, 0.3)])

@@ -21,11 +21,12 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from depthbench.models.archs.hc import MultiStreamLM, mix_matrix, mix_streams
+from depthbench.models.archs.hc import MultiStreamLM, mix_matrix, write_streams
 from depthbench.models.base import Block, Rope, register
-from depthbench.models.layers import RMSNorm, at_least_fp32
+from depthbench.models.layers import RMSNorm, at_least_fp32, inverse_rms
 
 
 class _AlternatingNormalization(torch.autograd.Function):
@@ -106,14 +107,20 @@ class ManifoldHyperConnection(nn.Module):
 
     def forward(self, H: torch.Tensor, sublayer_fn: Callable[[torch.Tensor], torch.Tensor]):
         B, T, n, d = H.shape
-        z = at_least_fp32(self.phi(self.norm(H.reshape(B, T, n * d))))
+        flat = H.reshape(B, T, n * d)
+        # N(flat) Phi = (flat (g * Phi)) / rms(flat): the normalised state is never materialised
+        # (an RMSNorm over n*d values per token has a slow backward on CPU at this size)
+        inv_rms = inverse_rms(flat, self.norm.eps)
+        z = at_least_fp32(F.linear(flat, self.phi.weight * self.norm.weight)) * inv_rms
         g_pre, g_post, g_res = at_least_fp32(self.gains)
         pre = torch.sigmoid(g_pre * z[..., :n] + self.b_pre)
         post = 2.0 * torch.sigmoid(g_post * z[..., n : 2 * n] + self.b_post)
         res = sinkhorn_knopp(g_res * z[..., 2 * n :].view(B, T, n, n) + self.b_res, self.iterations)
-        pre, post, res_h = pre.to(H.dtype), post.to(H.dtype), res.to(H.dtype)
-        out = sublayer_fn(mix_streams(pre, H))
-        H = mix_matrix(res_h, H) + post.unsqueeze(-1) * out.unsqueeze(-2)
+        # read (H_pre H) and mix (H_res H) in one batched matmul: row 0 reads, rows 1..n mix
+        coeff = torch.cat([pre.unsqueeze(-2), res], dim=-2).to(H.dtype)  # the streams keep their dtype
+        x, mixed = mix_matrix(coeff, H).split([1, n], dim=-2)
+        out = sublayer_fn(x.squeeze(-2))
+        H = write_streams(mixed, post.to(H.dtype), out)  # + H_post^T F(...)
         return H, res
 
 
