@@ -44,6 +44,13 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+def normed_linear(x: torch.Tensor, norm: RMSNorm, linear: nn.Linear) -> torch.Tensor:
+    """linear(norm(x)) for a bias-free linear, in at least fp32, without materialising norm(x):
+    N(x) W^T = (x (g * W)^T) / rms(x), the gain folded into the weight. For projections that only
+    feed coefficients (HC's dynamic weights, mHC's Phi), where the normalised input is not needed."""
+    return at_least_fp32(F.linear(x, linear.weight * norm.weight)) * inverse_rms(x, norm.eps)
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE tables. Rotation uses the half-split (GPT-NeoX) pairing of dimensions i and i + hd/2."""
 

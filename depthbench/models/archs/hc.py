@@ -21,11 +21,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from depthbench.models.base import Block, DecoderLM, Rope, register
-from depthbench.models.layers import RMSNorm, at_least_fp32, inverse_rms
+from depthbench.models.layers import RMSNorm, normed_linear
 
 DYNAMIC_SCALE = 0.01
 
@@ -96,12 +95,10 @@ class HyperConnection(nn.Module):
 
     def forward(self, H: torch.Tensor, sublayer_fn: Callable[[torch.Tensor], torch.Tensor]):
         n = self.n
-        # N(H_i) W = (H_i (g * W)) / rms(H_i): the normalised streams are never materialised.
-        inv_rms = inverse_rms(H, self.norm.eps).to(H.dtype)
-        proj = F.linear(H, self.dynamic.weight * self.norm.weight)  # (B, T, n, n + 2)
+        proj = normed_linear(H, self.norm, self.dynamic)  # N(H_i) W per stream: (B, T, n, n + 2)
         # row i = stream i's [a_m,i | A_r[i, :] | b_i]: static part + the bounded dynamic part
         static = torch.cat([self.static_read[:, None], self.static_mix, self.static_write[:, None]], dim=1)
-        coeff = static + DYNAMIC_SCALE * torch.tanh(proj * inv_rms)
+        coeff = (static + DYNAMIC_SCALE * torch.tanh(proj)).to(H.dtype)  # the streams keep their dtype
         # read (a_m^T H) and mix (A_r^T H) in one batched matmul: row 0 reads, rows 1..n mix
         x, mixed = mix_matrix(coeff[..., : n + 1].mT, H).split([1, n], dim=-2)
         out = sublayer_fn(x.squeeze(-2))

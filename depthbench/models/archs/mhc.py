@@ -21,12 +21,11 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from depthbench.models.archs.hc import MultiStreamLM, mix_matrix, write_streams
 from depthbench.models.base import Block, Rope, register
-from depthbench.models.layers import RMSNorm, at_least_fp32, inverse_rms
+from depthbench.models.layers import RMSNorm, at_least_fp32, normed_linear
 
 
 class _AlternatingNormalization(torch.autograd.Function):
@@ -107,11 +106,9 @@ class ManifoldHyperConnection(nn.Module):
 
     def forward(self, H: torch.Tensor, sublayer_fn: Callable[[torch.Tensor], torch.Tensor]):
         B, T, n, d = H.shape
-        flat = H.reshape(B, T, n * d)
-        # N(flat) Phi = (flat (g * Phi)) / rms(flat): the normalised state is never materialised
-        # (an RMSNorm over n*d values per token has a slow backward on CPU at this size)
-        inv_rms = inverse_rms(flat, self.norm.eps)
-        z = at_least_fp32(F.linear(flat, self.phi.weight * self.norm.weight)) * inv_rms
+        # N(flatten(H)) Phi without materialising the normalised state (an RMSNorm over n*d
+        # values per token has a slow backward on CPU at this size)
+        z = normed_linear(H.reshape(B, T, n * d), self.norm, self.phi)
         g_pre, g_post, g_res = at_least_fp32(self.gains)
         pre = torch.sigmoid(g_pre * z[..., :n] + self.b_pre)
         post = 2.0 * torch.sigmoid(g_post * z[..., n : 2 * n] + self.b_post)
