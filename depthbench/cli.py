@@ -6,6 +6,7 @@ outputs under results/ without training, probing or scoring anything."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from depthbench.config import expand_grid, load_config, shape_table
@@ -97,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     except DepthBenchError as exc:
         print(f"depthbench: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader stopped early (`depthbench runs CONFIG | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush is silent
+        return 0
     return 0
 
 

@@ -157,3 +157,19 @@ def test_identity_dict_round_trips_with_the_operational_settings(wiki_jsonl):
     assert "dynamics_every" not in ident["train"]  # added after v1, at its default
     restored = RunSpec.from_dict(ident).with_operational(config["train"])
     assert restored.to_dict() == spec.to_dict()
+
+
+def test_cli_listing_into_a_closed_pipe_exits_cleanly():
+    """`depthbench runs CONFIG | head -1`: the reader closes the pipe early; the command must not
+    print a BrokenPipeError traceback or fail."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "depthbench", "runs", "config/presets/cpu_all.yaml"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    proc.stdout.close()  # before the listing is written (the import alone takes seconds), as `head` may
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 0, err
+    assert "Traceback" not in err
