@@ -1,6 +1,9 @@
 """Probe computations against cases whose answer is known exactly."""
 
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -222,6 +225,53 @@ def test_permutation_scores_resumed_at_layer_a_equal_full_passes(arch, options):
             full = abs(lm_loss(model, idx) - base) / base
         assert P[a, b].item() == pytest.approx(full, rel=1e-5, abs=1e-6)  # float32 rounding of the losses
     assert (P.nan_to_num(0.0) > 0).any()
-    # shared among two worker threads (each with its own copy of the model): the same matrix
+    # shared among two workers (forked processes on Linux, each with its own copy of the model):
+    # the same matrix
     torch.testing.assert_close(permutation_scores(model, idx, workers=2), P, equal_nan=True)
     assert lm_loss(model, idx) == base  # every swap restored
+
+
+@pytest.mark.parametrize("mapper", ["processes", "threads"])
+def test_map_over_model_copies_returns_results_in_item_order(mapper):
+    """Both worker kinds return fn's results in item order; forked workers mutate only their own
+    copy, so a worker that zeroes its model's weights leaves the caller's model as it was."""
+    from depthbench.probes import core
+
+    if mapper == "processes" and not sys.platform.startswith("linux"):
+        pytest.skip("forked workers are used on Linux only")
+    model = build_model(ModelConfig(arch="pre_ln", vocab_size=64, n_layer=2, d_model=32, n_head=2, max_seq_len=16))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def fn(m, item):
+        with torch.no_grad():
+            next(m.parameters()).zero_()
+        return torch.tensor([item, item * item])
+
+    run = core._map_in_forked_processes if mapper == "processes" else core._map_in_threads
+    out = run(model, list(range(9)), fn, 2)
+    assert [t.tolist() for t in out] == [[i, i * i] for i in range(9)]
+    if mapper == "processes":
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k]), k
+
+
+def test_forked_worker_failures_name_the_item():
+    from depthbench.probes import core
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("forked workers are used on Linux only")
+    model = build_model(ModelConfig(arch="pre_ln", vocab_size=64, n_layer=2, d_model=32, n_head=2, max_seq_len=16))
+
+    def fn(m, item):
+        if item == 3:
+            raise ValueError("bad item three")
+        return item
+
+    with pytest.raises(RuntimeError, match=r"failed on item 3(.|\n)*ValueError: bad item three"):
+        core.map_over_model_copies(model, list(range(6)), fn, workers=2)
+
+    def dies(m, item):
+        os._exit(7)
+
+    with pytest.raises(RuntimeError, match="exited with code 7"):
+        core.map_over_model_copies(model, list(range(6)), dies, workers=2)
