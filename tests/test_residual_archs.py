@@ -128,6 +128,34 @@ def test_sinkhorn_gradient_matches_finite_differences():
     assert torch.autograd.gradcheck(lambda t: sinkhorn_knopp(t, 20), (x,))
 
 
+def test_sinkhorn_in_place_inference_path_equals_the_autograd_path():
+    """Without autograd the iterations normalise in place: the same numbers, input untouched."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 4, 4) * 0.5 + torch.eye(4)
+    x_before = x.clone()
+    with torch.no_grad():
+        inferred = sinkhorn_knopp(x, 20)
+    trained = sinkhorn_knopp(x.clone().requires_grad_(), 20)
+    assert trained.requires_grad and torch.equal(inferred, trained.detach())
+    assert torch.equal(x, x_before)
+
+
+@pytest.mark.parametrize("arch", ["mhc", "attnres_full", "attnres_block", "moda", "hc"])
+def test_inference_forward_equals_the_training_forward(arch):
+    """The no-grad fast paths (in-place Sinkhorn, fused MoDA kernel) give the training path's
+    logits."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(arch=arch, vocab_size=64, n_layer=3, d_model=32, n_head=2, max_seq_len=16)).eval()
+    with torch.no_grad():  # move the zero-initialised pseudo-queries and dynamic weights off their init
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    idx = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        inferred = model(idx).logits
+    trained = model(idx).logits
+    torch.testing.assert_close(inferred, trained.detach(), rtol=1e-5, atol=1e-5)
+
+
 def test_sinkhorn_loop_taken_under_compile_equals_the_hand_written_backward(monkeypatch):
     torch.manual_seed(0)
     x = torch.randn(5, 4, 4, dtype=torch.float64, requires_grad=True)

@@ -95,10 +95,13 @@ class DepthSources:
         self.append(v0)
 
     def _add_logits(self, unit: torch.Tensor) -> None:
-        # a matmul (the FLOP counter counts it): 2 d per (source, reader), as cost.py charges
-        columns = unit @ self.queries[:, self.next_reader :]  # (B, T, readers from next_reader)
-        for reader, column in enumerate(columns.unbind(-1), start=self.next_reader):
-            self.logits[reader].append(column)
+        # a matmul (the FLOP counter counts it): 2 d per (source, reader), as cost.py charges.
+        # Computed as (readers, B*T) so that each reader's column is contiguous: read() stacks
+        # them, and stacking strided columns of a (B, T, readers) product was a slow gather.
+        B, T, d = unit.shape
+        rows = self.queries[:, self.next_reader :].t() @ unit.reshape(B * T, d).t()
+        for reader, row in enumerate(rows.view(-1, B, T).unbind(0), start=self.next_reader):
+            self.logits[reader].append(row)
 
     def append(self, v: torch.Tensor) -> None:
         """v becomes a source of every reader from `next_reader` on."""

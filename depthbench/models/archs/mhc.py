@@ -67,11 +67,18 @@ def sinkhorn_knopp(log_m: torch.Tensor, iterations: int = 20) -> torch.Tensor:
     every entry is at least exp(-60) and no sum can vanish. Speed: the n x n dims are moved in
     front, so that every sum adds n contiguous slices instead of reducing a size-n inner dim
     (about 6x faster on CPU), and the iterations have a hand-written backward (1.5x more).
+    Without autograd (probes, decoding) they normalise in place: a 32-layer forward pass at probe
+    shapes is about 20% faster than through the Function, with the same numbers.
     """
     shifted = log_m - log_m.amax(dim=-1, keepdim=True).detach()
     m = shifted.clamp_min(-60.0).exp()
     m = m.movedim(-2, 0).movedim(-1, 1).contiguous()  # (n, n, ...)
-    if torch.compiler.is_compiling():
+    if not (torch.is_grad_enabled() and m.requires_grad):
+        # inference (probes, decoding): nothing is saved for a backward, so normalise in place
+        for _ in range(iterations):
+            m.div_(m.sum(1, keepdim=True))
+            m.div_(m.sum(0, keepdim=True))
+    elif torch.compiler.is_compiling():
         # under torch.compile the plain loop lets inductor fuse the iterations (and autograd
         # derive their backward); the hand-written Function is for eager mode
         for _ in range(iterations):
