@@ -275,3 +275,15 @@ def test_forked_worker_failures_name_the_item():
 
     with pytest.raises(RuntimeError, match="exited with code 7"):
         core.map_over_model_copies(model, list(range(6)), dies, workers=2)
+
+
+def test_probe_workers_inside_a_daemonic_process_fall_back_to_threads(monkeypatch):
+    """A multiprocessing pool's worker may not start children: the map uses threads there."""
+    import multiprocessing
+
+    from depthbench.probes import core
+
+    model = build_model(ModelConfig(arch="pre_ln", vocab_size=64, n_layer=2, d_model=32, n_head=2, max_seq_len=16))
+    monkeypatch.setattr(multiprocessing.current_process(), "daemon", True, raising=False)
+    monkeypatch.setattr(core, "_map_in_forked_processes", lambda *a: pytest.fail("forked inside a daemon"))
+    assert core.map_over_model_copies(model, [1, 2, 3], lambda m, i: i * 10, workers=2) == [10, 20, 30]
