@@ -168,10 +168,11 @@ def map_over_model_copies(model: DecoderLM, items: list, fn: Callable, workers: 
     small, so one stream of them is bound by Python and dispatch overhead rather than by
     arithmetic, and two single-threaded streams do more work than one two-threaded stream. On
     Linux the workers are forked processes (the copy is the fork's copy-on-write image, and no
-    GIL is shared); elsewhere, where forking a process that has loaded torch is not safe, and
-    inside a daemonic process, which may not start children, they are threads with deep copies (the GIL is released inside kernels but serialises the Python
-    between them). Items are taken in the given order from a shared counter (put the longest
-    first); results come back in item order."""
+    GIL is shared). Elsewhere, where forking a process that has loaded torch is not safe, and
+    inside a daemonic process, which may not start children, they are threads with deep copies
+    (the GIL is released inside kernels but serialises the Python between them). Items are
+    taken in the given order from a shared counter (put the longest first); results come back
+    in item order."""
     workers = max(1, min(workers, len(items)))
     if workers == 1 or next(model.parameters()).device.type != "cpu":
         return [fn(model, item) for item in items]
