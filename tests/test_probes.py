@@ -1,6 +1,7 @@
 """Probe computations against cases whose answer is known exactly."""
 
 
+import multiprocessing
 import os
 import sys
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from depthbench.models import ModelConfig, build_model
+from depthbench.probes import core
 from depthbench.probes.core import (
     angular_distance,
     causal_scores,
@@ -231,16 +233,15 @@ def test_permutation_scores_resumed_at_layer_a_equal_full_passes(arch, options):
     assert lm_loss(model, idx) == base  # every swap restored
 
 
-@pytest.mark.parametrize("mapper", ["processes", "threads"])
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked workers are used on Linux only")
+
+
+@pytest.mark.parametrize("mapper", [pytest.param("processes", marks=linux_only), "threads"])
 def test_map_over_model_copies_returns_results_in_item_order(mapper):
     """Both worker kinds return fn's results in item order; forked workers mutate only their own
     copy, so a worker that zeroes its model's weights leaves the caller's model as it was."""
-    from depthbench.probes import core
-
-    if mapper == "processes" and not sys.platform.startswith("linux"):
-        pytest.skip("forked workers are used on Linux only")
-    model = build_model(ModelConfig(arch="pre_ln", vocab_size=64, n_layer=2, d_model=32, n_head=2, max_seq_len=16))
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    m0 = model(n_layer=2)
+    before = {k: v.clone() for k, v in m0.state_dict().items()}
 
     def fn(m, item):
         with torch.no_grad():
@@ -248,42 +249,32 @@ def test_map_over_model_copies_returns_results_in_item_order(mapper):
         return torch.tensor([item, item * item])
 
     run = core._map_in_forked_processes if mapper == "processes" else core._map_in_threads
-    out = run(model, list(range(9)), fn, 2)
+    out = run(m0, list(range(9)), fn, 2)
     assert [t.tolist() for t in out] == [[i, i * i] for i in range(9)]
     if mapper == "processes":
-        for k, v in model.state_dict().items():
+        for k, v in m0.state_dict().items():
             assert torch.equal(v, before[k]), k
 
 
+@linux_only
 def test_forked_worker_failures_name_the_item():
-    from depthbench.probes import core
-
-    if not sys.platform.startswith("linux"):
-        pytest.skip("forked workers are used on Linux only")
-    model = build_model(ModelConfig(arch="pre_ln", vocab_size=64, n_layer=2, d_model=32, n_head=2, max_seq_len=16))
-
     def fn(m, item):
         if item == 3:
             raise ValueError("bad item three")
         return item
 
     with pytest.raises(RuntimeError, match=r"failed on item 3(.|\n)*ValueError: bad item three"):
-        core.map_over_model_copies(model, list(range(6)), fn, workers=2)
+        core.map_over_model_copies(model(n_layer=2), list(range(6)), fn, workers=2)
 
     def dies(m, item):
         os._exit(7)
 
     with pytest.raises(RuntimeError, match="exited with code 7"):
-        core.map_over_model_copies(model, list(range(6)), dies, workers=2)
+        core.map_over_model_copies(model(n_layer=2), list(range(6)), dies, workers=2)
 
 
 def test_probe_workers_inside_a_daemonic_process_fall_back_to_threads(monkeypatch):
     """A multiprocessing pool's worker may not start children: the map uses threads there."""
-    import multiprocessing
-
-    from depthbench.probes import core
-
-    model = build_model(ModelConfig(arch="pre_ln", vocab_size=64, n_layer=2, d_model=32, n_head=2, max_seq_len=16))
     monkeypatch.setattr(multiprocessing.current_process(), "daemon", True, raising=False)
     monkeypatch.setattr(core, "_map_in_forked_processes", lambda *a: pytest.fail("forked inside a daemon"))
-    assert core.map_over_model_copies(model, [1, 2, 3], lambda m, i: i * 10, workers=2) == [10, 20, 30]
+    assert core.map_over_model_copies(model(n_layer=2), [1, 2, 3], lambda m, i: i * 10, workers=2) == [10, 20, 30]
