@@ -282,6 +282,22 @@ def test_moda_fused_inference_path_equals_the_explicit_joint_softmax():
         torch.testing.assert_close(fused, model(idx).logits.detach(), rtol=1e-5, atol=1e-5)
 
 
+def test_moda_depth_keys_are_feature_major_only_for_the_cpu_inference_path():
+    """depth_layout changes where the values sit in memory, never the values; the fused path's
+    result does not depend on the layout it is given."""
+    from depthbench.models.archs.moda import depth_layout, joint_depth_attention_fused
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 9, 4, dtype=torch.float64) for _ in range(3))
+    pairs = [(torch.randn(2, 3, 9, 4, dtype=torch.float64), torch.randn(2, 3, 9, 4, dtype=torch.float64)) for _ in range(3)]
+    assert depth_layout(pairs[0][0]).is_contiguous()  # autograd on: the explicit path stacks them
+    with torch.no_grad():
+        laid = [(depth_layout(a), depth_layout(b)) for a, b in pairs]
+        assert all(torch.equal(a, la) and la.permute(3, 0, 1, 2).is_contiguous() for (a, _), (la, _) in zip(pairs, laid))
+        torch.testing.assert_close(joint_depth_attention_fused(q, k, v, laid, 1), joint_depth_attention_fused(q, k, v, pairs, 1),
+                                   rtol=0, atol=0)
+
+
 def test_moda_first_layer_is_pre_ln_and_later_layers_see_depth_keys():
     torch.manual_seed(0)
     pre = build_model(cfg("pre_ln", n_layer=1))
