@@ -21,11 +21,12 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
 def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """1 / sqrt(mean(x^2, -1) + eps), (..., 1), in at least fp32.
 
-    From the 2-norm: ||x||^2 / d = mean(x^2). One reduction kernel forward and a fused one
-    backward, against pow, mean and their backward (on CPU about 1.7x faster forward + backward
-    over a (8192, 64) tensor)."""
+    From the dot product x . x = sum(x^2): one reduction kernel forward and two multiplies
+    backward. On CPU (2 threads, forward + backward) about 1.8x faster than through the 2-norm
+    (whose backward divides by the norm and masks zeros: HC's (2048, 4, 64) streams, 1.48 -> 0.80
+    ms) and 2.5x faster than pow and mean."""
     x = at_least_fp32(x)
-    return torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / x.shape[-1] + eps)
+    return torch.rsqrt(torch.linalg.vecdot(x, x).unsqueeze(-1) / x.shape[-1] + eps)
 
 
 class RMSNorm(nn.Module):
