@@ -60,14 +60,18 @@ def test_skipping_an_identity_layer_gives_causal_score_zero_and_others_do_not():
     assert torch.isnan(C[3, 2]) and torch.isnan(C[0, 1])
 
 
-@pytest.mark.parametrize("arch", ["pre_ln", "post_ln", "hc", "attnres_full"])
+@pytest.mark.parametrize("arch", ["pre_ln", "post_ln", "hc", "attnres_full", "attnres_block", "moda"])
 def test_causal_scores_in_L_plus_1_passes_equal_the_per_pair_computation(arch):
-    m = model(arch, n_layer=3)
-    calls = []
-    handle = m.register_forward_hook(lambda *a: calls.append(1))
+    L = 3
+    m = model(arch, n_layer=L)
+    calls = []  # layer evaluations: every architecture calls each layer's FFN sublayer once
+    handles = [b.ffn.register_forward_hook(lambda *a: calls.append(1)) for b in m.blocks]
     fast = causal_scores(m, IDX)
-    handle.remove()
-    assert len(calls) == 3 + 1
+    for h in handles:
+        h.remove()
+    # the baseline pass, the pass recording the state entering each layer, and for each skipped
+    # layer s a pass resumed at s: at most the L + 1 full passes' worth the design allows
+    assert len(calls) == 2 * L + L * (L + 1) // 2 <= (L + 1) * L
     torch.testing.assert_close(fast, causal_scores_naive(m, IDX), equal_nan=True, rtol=1e-5, atol=1e-6)
 
 
@@ -140,6 +144,20 @@ def test_identity_layer_replaced_by_its_affine_fit_has_usefulness_one():
     assert r[3].item() == pytest.approx(1.0, abs=1e-6)
     assert torch.isnan(r[0])
     assert all(r[l] != 1.0 for l in (1, 2, 4))
+
+
+@pytest.mark.parametrize("arch", ["pre_ln", "hc", "moda"])
+def test_usefulness_resumed_at_the_replaced_layer_equals_full_passes(arch):
+    from depthbench.probes.core import affine_fit, affine_layer, block_io, lm_loss, usefulness_ratios
+
+    m = model(arch, n_layer=3)  # hc at init: its n streams are identical, the fit rank-deficient
+    r = usefulness_ratios(m, IDX)
+    base = lm_loss(m, IDX)
+    for l, (x, y) in enumerate(block_io(m, IDX), start=1):
+        weight = affine_fit(x, y)
+        torch.testing.assert_close(affine_fit(x, y), weight, rtol=0, atol=0)  # one solution, every call
+        with affine_layer(m, l, weight):
+            assert r[l].item() == pytest.approx(lm_loss(m, IDX) / base, rel=1e-6)
 
 
 def test_usefulness_of_multi_stream_layers_and_refusal_for_attnres():

@@ -171,6 +171,15 @@ class DecoderLM(nn.Module):
         Tensor states are never modified in place, so the default shares them."""
         return state
 
+    def hidden_from_layer(self, state, layer: int, rope: Rope) -> list[torch.Tensor]:
+        """h_(layer-1) .. h_L of a pass resumed at block `layer` (1-based) from the state entering
+        it: what `trunk` appends to `hidden` from there on. Advances `state` (pass a fork)."""
+        hidden = [self.read_stream(state)]
+        for block in self.blocks[layer - 1 :]:
+            state = self.layer_step(state, block, rope)
+            hidden.append(self.read_stream(state))
+        return hidden
+
     def trunk(self, h0: torch.Tensor, rope: Rope, hidden: list | None, internals: dict | None) -> torch.Tensor:
         """Run the L layers on h_0 and return h_L, appending h_0..h_L to `hidden` if given."""
         state = self.init_state(h0)

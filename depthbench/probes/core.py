@@ -77,20 +77,23 @@ def _delta_norms(hidden: list[torch.Tensor]) -> torch.Tensor:
 def causal_scores(model: DecoderLM, idx: torch.Tensor, workers: int = 1) -> torch.Tensor:
     """C[s, l] = E||(h'_l - h'_{l-1}) - (h_l - h_{l-1})|| / E||h_l - h_{l-1}||, h' with layer s
     skipped, for l > s (NaN elsewhere); 1-based (L + 1, L + 1) with row/column 0 unused.
-    L + 1 forward passes: one baseline and one per skipped layer (shared among `workers`, see
+    One baseline pass, then one pass per skipped layer s, which resumes at layer s from the
+    state entering it (skipping s leaves layers 1 .. s-1 as they were): L + 1 passes at most,
+    and about half of that in layer evaluations. The passes are shared among `workers` (see
     map_over_model_copies)."""
     base = _delta_norms(residual_stream(model, idx))
     L = base.shape[0]
     denom = base.norm(dim=-1).mean(dim=(1, 2))  # (L,)
+    states = layer_states(model, idx)
     C = torch.full((L + 1, L + 1), float("nan"))
 
     def skipped_diff(m: DecoderLM, s: int) -> torch.Tensor:
         with skip_layers(m, [s]):
-            skipped = _delta_norms(residual_stream(m, idx))
-        return (skipped - base).norm(dim=-1).mean(dim=(1, 2))
+            resumed = _delta_norms(hidden_from_layer(m, s, states[s - 1], idx.shape[1]))  # layers s..L
+        return (resumed[1:] - base[s:]).norm(dim=-1).mean(dim=(1, 2))  # layers s+1..L
 
     for s, diff in enumerate(map_over_model_copies(model, list(range(1, L + 1)), skipped_diff, workers), start=1):
-        C[s, s + 1 :] = diff[s:] / denom[s:]
+        C[s, s + 1 :] = diff / denom[s:]
     return C
 
 
@@ -142,6 +145,14 @@ def layer_states(model: DecoderLM, inputs: torch.Tensor) -> list:
         states.append(model.fork_state(state))
         state = model.layer_step(state, block, rope)
     return states
+
+
+@torch.no_grad()
+def hidden_from_layer(model: DecoderLM, layer: int, state, seq_len: int) -> list[torch.Tensor]:
+    """h_(layer-1) .. h_L in fp32 of a pass resumed at block `layer` (1-based) from the state
+    entering it (left unchanged): the tail of `residual_stream` from there on."""
+    hidden = model.hidden_from_layer(model.fork_state(state), layer, model.rope(seq_len))
+    return [h.float() for h in hidden]
 
 
 @torch.no_grad()
@@ -359,6 +370,16 @@ def block_io(model: DecoderLM, idx: torch.Tensor) -> list[tuple[torch.Tensor, to
     return [(x.reshape(-1, x[0, 0].numel()).double(), y.reshape(-1, y[0, 0].numel()).double()) for x, y in records]
 
 
+def affine_fit(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The least-squares affine map [x, 1] @ W ~ y, (width + 1, width): the minimum-norm
+    solution (SVD driver), so that it is unique when the inputs are rank-deficient, as HC's and
+    mHC's streams are at initialisation (n identical copies). The default QR driver returns one
+    of many solutions there, a different one from call to call, and the probe's loss moved with
+    it (0.3% on a 3-layer hc model)."""
+    design = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
+    return torch.linalg.lstsq(design, y, driver="gelsd").solution
+
+
 @contextmanager
 def affine_layer(model: DecoderLM, layer: int, weight: torch.Tensor):
     """Layer `layer` (1-based) replaced by state -> [state, 1] @ weight."""
@@ -379,18 +400,18 @@ def affine_layer(model: DecoderLM, layer: int, weight: torch.Tensor):
 @torch.no_grad()
 def usefulness_ratios(model: DecoderLM, idx: torch.Tensor, workers: int = 1) -> torch.Tensor:
     """r_l = loss with layer l replaced by its least-squares affine fit / loss (1-based, index 0
-    unused). One pass records every layer's input and output; each fit is solved once."""
+    unused). One pass records every layer's input and output; each fit is solved once, and its
+    pass resumes at layer l from the state entering it."""
     if model.arch_name.startswith("attnres"):
         raise ValueError(STATE_ARCHS_NOTE)
     base = lm_loss(model, idx)
+    states, targets = layer_states(model, idx[:, :-1]), idx[:, 1:]
     ratios = torch.full((model.cfg.n_layer + 1,), float("nan"))
 
     def affine_ratio(m: DecoderLM, layer_io: tuple[int, tuple[torch.Tensor, torch.Tensor]]) -> float:
         l, (x, y) = layer_io
-        design = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
-        weight = torch.linalg.lstsq(design, y).solution  # (width + 1, width)
-        with affine_layer(m, l, weight):
-            return lm_loss(m, idx) / base
+        with affine_layer(m, l, affine_fit(x, y)):  # layers 1 .. l-1 are unchanged: resume at layer l
+            return loss_from_layer(m, l, states[l - 1], targets) / base
 
     layers = list(enumerate(block_io(model, idx), start=1))
     for (l, _), ratio in zip(layers, map_over_model_copies(model, layers, affine_ratio, workers)):

@@ -194,6 +194,14 @@ class AttnResFull(DecoderLM):
     def fork_state(self, state: DepthSources) -> DepthSources:
         return state.fork(self.reader_queries())
 
+    def hidden_from_layer(self, state: DepthSources, layer: int, rope: Rope) -> list[torch.Tensor]:
+        # h_(l-1) is what layer l's first sublayer reads, h_L the final aggregation (as in trunk)
+        hidden: list[torch.Tensor] = []
+        for block in self.blocks[layer - 1 :]:
+            self.run_layer(state, block, rope, hidden)
+        hidden.append(self.final_aggregation(state)[0])
+        return hidden
+
     def trunk(self, h0: torch.Tensor, rope: Rope, hidden: list | None, internals: dict | None) -> torch.Tensor:
         sources = self.init_state(h0)
         record = internals.setdefault("depth_weights", []) if internals is not None else None
