@@ -375,9 +375,9 @@ def affine_fit(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     solution (SVD driver), so that it is unique when the inputs are rank-deficient, as HC's and
     mHC's streams are at initialisation (n identical copies). The default QR driver returns one
     of many solutions there, a different one from call to call, and the probe's loss moved with
-    it (0.3% on a 3-layer hc model)."""
-    design = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
-    return torch.linalg.lstsq(design, y, driver="gelsd").solution
+    it (0.3% on a 3-layer hc model). Solved on the CPU, the only device with that driver."""
+    design = torch.cat([x, torch.ones_like(x[:, :1])], dim=1).cpu()
+    return torch.linalg.lstsq(design, y.cpu(), driver="gelsd").solution.to(x.device)
 
 
 @contextmanager
