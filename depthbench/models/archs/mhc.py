@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from depthbench import kernels
 from depthbench.models.archs.hc import MultiStreamLM, mix_matrix, write_streams
 from depthbench.models.base import Block, Rope, register
 from depthbench.models.layers import RMSNorm, at_least_fp32, normed_linear
@@ -58,6 +59,54 @@ class _AlternatingNormalization(torch.autograd.Function):
         return grad, None
 
 
+class _FusedAlternatingNormalization(torch.autograd.Function):
+    """The same iterations in one C++ kernel (depthbench/kernels/sinkhorn.cpp): forward does all
+    of them per tile of tokens in cache, and backward recomputes them from the saved input
+    instead of reading 2 * iterations saved results back. Same arithmetic in the same order."""
+
+    @staticmethod
+    def forward(ctx, m: torch.Tensor, iterations: int) -> torch.Tensor:
+        ctx.iterations = iterations
+        ctx.save_for_backward(m)
+        return kernels.cpu_kernels().sinkhorn_forward(m, iterations)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (m,) = ctx.saved_tensors
+        return kernels.cpu_kernels().sinkhorn_backward(m, grad.contiguous(), ctx.iterations), None
+
+
+class _FusedCoefficients(torch.autograd.Function):
+    """u (N, 2n + n^2) -> coeff (N, n + 1, n) = [H_pre; H_res], post (N, n) = H_post in one C++
+    kernel (depthbench/kernels/mhc.cpp): the sigmoids, the stabilised exp, the Sinkhorn
+    iterations and the layout changes, which eager PyTorch runs as some 25 small kernels forward
+    and more backward per sublayer. Backward recomputes from u."""
+
+    @staticmethod
+    def forward(ctx, u: torch.Tensor, n: int, iterations: int):
+        ctx.n, ctx.iterations = n, iterations
+        ctx.save_for_backward(u)
+        coeff, post = kernels.cpu_kernels().mhc_coefficients_forward(u, n, iterations)
+        return coeff, post
+
+    @staticmethod
+    def backward(ctx, grad_coeff: torch.Tensor | None, grad_post: torch.Tensor | None):
+        (u,) = ctx.saved_tensors
+        n, N = ctx.n, u.shape[0]
+        if grad_coeff is None:
+            grad_coeff = u.new_zeros(N, n + 1, n)
+        if grad_post is None:
+            grad_post = u.new_zeros(N, n)
+        grad_u = kernels.cpu_kernels().mhc_coefficients_backward(
+            u, grad_coeff.contiguous(), grad_post.contiguous(), n, ctx.iterations)
+        return grad_u, None, None
+
+
+def _fused_kernel_applies(m: torch.Tensor) -> bool:
+    return (m.device.type == "cpu" and m.dtype in (torch.float32, torch.float64)
+            and not torch.compiler.is_compiling() and kernels.cpu_kernels() is not None)
+
+
 def sinkhorn_knopp(log_m: torch.Tensor, iterations: int = 20) -> torch.Tensor:
     """exp(log_m) scaled to a doubly stochastic matrix over the last two dims.
 
@@ -73,7 +122,9 @@ def sinkhorn_knopp(log_m: torch.Tensor, iterations: int = 20) -> torch.Tensor:
     shifted = log_m - log_m.amax(dim=-1, keepdim=True).detach()
     m = shifted.clamp_min(-60.0).exp()
     m = m.movedim(-2, 0).movedim(-1, 1).contiguous()  # (n, n, ...)
-    if not (torch.is_grad_enabled() and m.requires_grad):
+    if _fused_kernel_applies(m):
+        m = _FusedAlternatingNormalization.apply(m, iterations)
+    elif not (torch.is_grad_enabled() and m.requires_grad):
         # inference (probes, decoding): nothing is saved for a backward, so normalise in place
         for _ in range(iterations):
             m.div_(m.sum(1, keepdim=True))
@@ -111,17 +162,34 @@ class ManifoldHyperConnection(nn.Module):
             self.b_post.fill_(1.0)
             self.b_res.copy_(torch.eye(n))
 
+    def fused_coefficients(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[H_pre; H_res] (B, T, n + 1, n) and H_post (B, T, n) from z = N(flatten(H)) Phi through
+        the C++ kernel: u = g * z + b here (autograd gives the gains' and biases' gradients), the
+        rest in `_FusedCoefficients`."""
+        B, T, width = z.shape
+        n = self.n
+        gains = at_least_fp32(self.gains).repeat_interleave(torch.tensor([n, n, n * n]), output_size=width)
+        biases = torch.cat([self.b_pre, self.b_post, self.b_res.reshape(-1)])
+        u = torch.addcmul(biases.to(z.dtype), z, gains.to(z.dtype))
+        coeff, post = _FusedCoefficients.apply(u.reshape(B * T, width), n, self.iterations)
+        return coeff.view(B, T, n + 1, n), post.view(B, T, n)
+
     def forward(self, H: torch.Tensor, sublayer_fn: Callable[[torch.Tensor], torch.Tensor]):
         B, T, n, d = H.shape
         # N(flatten(H)) Phi without materialising the normalised state (an RMSNorm over n*d
         # values per token has a slow backward on CPU at this size)
         z = normed_linear(H.reshape(B, T, n * d), self.norm, self.phi)
-        g_pre, g_post, g_res = at_least_fp32(self.gains)
-        pre = torch.sigmoid(g_pre * z[..., :n] + self.b_pre)
-        post = 2.0 * torch.sigmoid(g_post * z[..., n : 2 * n] + self.b_post)
-        res = sinkhorn_knopp(g_res * z[..., 2 * n :].view(B, T, n, n) + self.b_res, self.iterations)
+        if _fused_kernel_applies(z):
+            coeff, post = self.fused_coefficients(z)
+            res = coeff[..., 1:, :]
+        else:
+            g_pre, g_post, g_res = at_least_fp32(self.gains)
+            pre = torch.sigmoid(g_pre * z[..., :n] + self.b_pre)
+            post = 2.0 * torch.sigmoid(g_post * z[..., n : 2 * n] + self.b_post)
+            res = sinkhorn_knopp(g_res * z[..., 2 * n :].view(B, T, n, n) + self.b_res, self.iterations)
+            coeff = torch.cat([pre.unsqueeze(-2), res], dim=-2)
         # read (H_pre H) and mix (H_res H) in one batched matmul: row 0 reads, rows 1..n mix
-        coeff = torch.cat([pre.unsqueeze(-2), res], dim=-2).to(H.dtype)  # the streams keep their dtype
+        coeff = coeff.to(H.dtype)  # the streams keep their dtype
         x, mixed = mix_matrix(coeff, H).split([1, n], dim=-2)
         out = sublayer_fn(x.squeeze(-2))
         H = write_streams(mixed, post.to(H.dtype), out)  # + H_post^T F(...)
