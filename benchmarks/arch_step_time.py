@@ -9,6 +9,9 @@ and moda.
     .venv/bin/python benchmarks/arch_step_time.py [--budget 8e5 --n-layer 8 --vocab 2048
         --batch 16 --seq 128 --threads 2 --rounds 5 --steps 3 --json out.json]
 
+mHC runs its coefficients through the C++ CPU kernels (depthbench/kernels) where they build; the
+header says whether they did, and DEPTHBENCH_CPU_KERNELS=0 times the PyTorch code instead.
+
 --compile wraps every model in torch.compile, as `train.compile: true` does in a run, and also
 reports each model's compile time (its first step): on CPU, inductor fuses the element-wise
 stream and depth mixing that eager mode runs as separate kernels.
@@ -23,6 +26,7 @@ import time
 
 import torch
 
+from depthbench import kernels
 from depthbench.models import ARCHITECTURES, ModelConfig, build_model, canonical_arch
 from depthbench.shapes import solve_width
 
@@ -80,7 +84,8 @@ def main() -> None:
             times[arch].append((time.perf_counter() - t) / args.steps)
     ref = statistics.median(times["pre_ln"])
     print(f"budget {args.budget:,.0f} params, L={args.n_layer}, batch {args.batch}x{args.seq}, vocab {args.vocab}, "
-          f"threads {args.threads}, {'torch.compile' if args.compile else 'eager'}")
+          f"threads {args.threads}, {'torch.compile' if args.compile else 'eager'}, "
+          f"CPU kernels {'on' if kernels.cpu_kernels() is not None else 'off'}")
     print(f"{'arch':<14} {'d_model':>7} {'params':>10} {'step ms':>9} {'vs pre_ln':>9} {'first step s':>12}")
     for arch in archs:
         med = statistics.median(times[arch])
@@ -89,7 +94,7 @@ def main() -> None:
               f" {info[arch]['first_step_seconds']:>12.1f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": vars(args), "results": info}, f, indent=2)
+            json.dump({"config": vars(args), "cpu_kernels": kernels.cpu_kernels() is not None, "results": info}, f, indent=2)
 
 
 if __name__ == "__main__":

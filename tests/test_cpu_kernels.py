@@ -165,3 +165,30 @@ def test_mhc_coefficient_kernel_gradient_matches_finite_differences():
 def test_mhc_coefficient_kernel_rejects_a_wrong_width():
     with pytest.raises(RuntimeError, match=r"2n \+ n\^2"):
         kernels.cpu_kernels().mhc_coefficients_forward(torch.zeros(3, 20), 4, 20)
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path):
+    """torch's build lock has no timeout: a build killed while holding it would make every later
+    run wait forever."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    kernels._remove_stale_lock(tmp_path)
+    assert lock.exists()  # a build may be running
+    old = time.time() - kernels.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    kernels._remove_stale_lock(tmp_path)
+    assert not lock.exists()
+
+
+def test_build_directory_changes_with_the_sources(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    here = kernels.build_directory()
+    assert here.parent == tmp_path / "depthbench" and "torch" in here.name
+    changed = tmp_path / "changed.cpp"
+    changed.write_text("// another version")
+    monkeypatch.setattr(kernels, "_SOURCES", [changed])
+    assert kernels.build_directory() != here
+

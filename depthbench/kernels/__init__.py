@@ -1,31 +1,41 @@
 """Optional C++ kernels for the CPU, compiled on first use.
 
 `cpu_kernels()` builds the extension from the `.cpp` files beside this module with
-`torch.utils.cpp_extension.load` (needs a C++ compiler and the `ninja` package, both installed
-by scripts/setup.sh on Linux) and caches the build (TORCH_EXTENSIONS_DIR, by default
+`torch.utils.cpp_extension.load` (needs a C++ compiler and the `ninja` package, installed by
+scripts/setup.sh) and caches the build in a directory named after the Python and torch versions
+and a hash of the sources and flags, under TORCH_EXTENSIONS_DIR (default
 ~/.cache/torch_extensions): the first call in a new environment compiles for about a minute,
-later ones only load. Where the build is impossible, or DEPTHBENCH_CPU_KERNELS=0 asks, it
-returns None once with a warning and callers keep their PyTorch code: the kernels change speed,
-never results (tests compare them with the PyTorch code they replace).
+later ones only load. Concurrent first calls (parallel workflow jobs) wait on the build's lock
+file; a lock left by a build that was killed is removed once it is older than
+`STALE_LOCK_SECONDS`, so a later run does not wait forever. Where the build is impossible, or
+DEPTHBENCH_CPU_KERNELS=0 asks, it returns None once with a warning and callers keep their
+PyTorch code: the kernels change speed, never definitions (tests compare them with the PyTorch
+code they replace).
 
-Kernels (mhc.cpp), used by `depthbench.models.archs.mhc`: `sinkhorn_forward(m, iterations)` and
-`sinkhorn_backward(m, grad, iterations)` (Sinkhorn-Knopp on (n, n, ...) matrices), and
-`mhc_coefficients_forward(u, n, iterations)` / `mhc_coefficients_backward(u, grad_coeff,
-grad_post, n, iterations)` (mHC's read, mix and write coefficients from their pre-activations).
+Kernels (mhc.cpp), used by `depthbench.models.archs.mhc`:
+- `sinkhorn_forward(m, iterations)`, `sinkhorn_backward(m, grad, iterations)`: Sinkhorn-Knopp on
+  (n, n, ...) matrices (`sinkhorn_knopp`);
+- `mhc_coefficients_forward(u, n, iterations)`, `mhc_coefficients_backward(u, grad_coeff,
+  grad_post, n, iterations)`: mHC's read, mix and write coefficients from their pre-activations.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 import shutil
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name("mhc.cpp")]
+_CFLAGS = ["-O3"]
+STALE_LOCK_SECONDS = 15 * 60  # a build takes about a minute on 2 cores
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 
@@ -70,9 +80,38 @@ def _build() -> ModuleType | None:
             bin_dir = getattr(ninja, "BIN_DIR", None)
             if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
                 os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+            build_dir = build_directory()
+            build_dir.mkdir(parents=True, exist_ok=True)
+            _remove_stale_lock(build_dir)
             return load(name="depthbench_cpu_kernels", sources=[str(s) for s in _SOURCES],
-                        extra_cflags=["-O3"], verbose=False)
+                        extra_cflags=_CFLAGS, build_directory=str(build_dir), verbose=False)
         except Exception as exc:  # a failed compile: fall back, and say why
             reason = f"build failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
     log.warning("DepthBench CPU kernels unavailable (%s); using the PyTorch code, which is slower", reason)
     return None
+
+
+def build_directory() -> Path:
+    """Where the extension is built and cached: one directory per Python, torch, machine
+    architecture and version of the sources and flags, so versions never overwrite each other."""
+    import torch
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    digest = hashlib.sha256()
+    for source in _SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(" ".join(_CFLAGS).encode())
+    py = "".join(platform.python_version_tuple()[:2])
+    tag = f"py{py}-torch{torch.__version__}-{platform.machine()}-{digest.hexdigest()[:12]}"
+    return root / "depthbench" / tag
+
+
+def _remove_stale_lock(build_dir: Path) -> None:
+    lock = build_dir / "lock"  # torch's FileBaton
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        log.warning("removing %s, left %.0f minutes ago by a build that did not finish", lock, age / 60)
+        lock.unlink(missing_ok=True)

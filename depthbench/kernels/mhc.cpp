@@ -36,8 +36,8 @@ constexpr int64_t TILE = 32;
 #endif
 
 // One half-step on a tile: normalise rows (rows = true: sum over j) or columns (sum over i)
-// of every token's matrix in x (n * n * TILE) into out (x itself, or another tile), keeping the
-// reciprocal sums in r (n * TILE).
+// of every token's matrix in x (n * n * TILE) into out (another tile: the two must not
+// overlap), keeping the reciprocal sums in r (n * TILE).
 // Entry (a, b) of the rows' view is x[first + b * stride]; the sum over b is the inner loop of
 // each token, so that, with n a compile-time constant, GCC vectorises the loop over tokens (the
 // form "for b: for t: r[t] += x[...]" it did not vectorise: 6x slower).
