@@ -159,7 +159,7 @@ def test_mhc_coefficient_kernel_equals_the_definition(n, tokens):
 def test_mhc_coefficient_kernel_gradient_matches_finite_differences():
     torch.manual_seed(0)
     u = torch.randn(6, 24, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: mhc_module._FusedCoefficients.apply(t, 4, 20), (u,))
+    assert torch.autograd.gradcheck(lambda t: mhc_module.fused_coefficients(t, 4, 20), (u,))
 
 
 def test_mhc_coefficient_kernel_rejects_a_wrong_width():
@@ -192,3 +192,41 @@ def test_build_directory_changes_with_the_sources(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "_SOURCES", [changed])
     assert kernels.build_directory() != here
 
+
+
+def test_mhc_coefficient_custom_op_registration():
+    """Fake (shape) implementation, autograd registration and schema agree with the kernel."""
+    torch.manual_seed(0)
+    u = torch.randn(40, 24, requires_grad=True)
+    torch.library.opcheck(mhc_module.fused_coefficients, (u, 4, 20))
+
+
+def test_compiled_mhc_keeps_the_kernel_and_matches_eager(monkeypatch):
+    """Under torch.compile the coefficients stay one custom-op call: same loss and gradients."""
+    real = kernels.cpu_kernels()
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(kernels, "cpu_kernels", lambda: Spy())
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(arch="mhc", vocab_size=64, n_layer=1, d_model=16, n_head=2, max_seq_len=8))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    idx, targets = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    results = []
+    for net in (model, torch.compile(model)):
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        loss = net(idx, targets).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        # both sublayers of the layer, forward and backward
+        assert calls.count("mhc_coefficients_forward") == 2 and calls.count("mhc_coefficients_backward") == 2
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -76,35 +76,59 @@ class _FusedAlternatingNormalization(torch.autograd.Function):
         return kernels.cpu_kernels().sinkhorn_backward(m, grad.contiguous(), ctx.iterations), None
 
 
-class _FusedCoefficients(torch.autograd.Function):
+@torch.library.custom_op("depthbench::mhc_coefficients", mutates_args=(), device_types="cpu")
+def fused_coefficients(u: torch.Tensor, n: int, iterations: int) -> tuple[torch.Tensor, torch.Tensor]:
     """u (N, 2n + n^2) -> coeff (N, n + 1, n) = [H_pre; H_res], post (N, n) = H_post in one C++
     kernel (depthbench/kernels/mhc.cpp): the sigmoids, the stabilised exp, the Sinkhorn
-    iterations and the layout changes, which eager PyTorch runs as some 25 small kernels forward
-    and more backward per sublayer. Backward recomputes from u."""
-
-    @staticmethod
-    def forward(ctx, u: torch.Tensor, n: int, iterations: int):
-        ctx.n, ctx.iterations = n, iterations
-        ctx.save_for_backward(u)
-        coeff, post = kernels.cpu_kernels().mhc_coefficients_forward(u, n, iterations)
-        return coeff, post
-
-    @staticmethod
-    def backward(ctx, grad_coeff: torch.Tensor | None, grad_post: torch.Tensor | None):
-        (u,) = ctx.saved_tensors
-        n, N = ctx.n, u.shape[0]
-        if grad_coeff is None:
-            grad_coeff = u.new_zeros(N, n + 1, n)
-        if grad_post is None:
-            grad_post = u.new_zeros(N, n)
-        grad_u = kernels.cpu_kernels().mhc_coefficients_backward(
-            u, grad_coeff.contiguous(), grad_post.contiguous(), n, ctx.iterations)
-        return grad_u, None, None
+    iterations and the layout, which eager PyTorch runs as some 25 small kernels forward and more
+    backward per sublayer. Backward recomputes from u. A torch custom op, so that
+    `torch.compile` keeps it as one call (inductor would otherwise unroll the 20 iterations)."""
+    coeff, post = kernels.cpu_kernels().mhc_coefficients_forward(u, n, iterations)
+    return coeff, post
 
 
-def _fused_kernel_applies(m: torch.Tensor) -> bool:
-    return (m.device.type == "cpu" and m.dtype in (torch.float32, torch.float64)
-            and not torch.compiler.is_compiling() and kernels.cpu_kernels() is not None)
+@fused_coefficients.register_fake
+def _(u, n, iterations):
+    return u.new_empty(u.shape[0], n + 1, n), u.new_empty(u.shape[0], n)
+
+
+@torch.library.custom_op("depthbench::mhc_coefficients_backward", mutates_args=(), device_types="cpu")
+def fused_coefficients_backward(u: torch.Tensor, grad_coeff: torch.Tensor, grad_post: torch.Tensor, n: int,
+                                iterations: int) -> torch.Tensor:
+    return kernels.cpu_kernels().mhc_coefficients_backward(
+        u, grad_coeff.contiguous(), grad_post.contiguous(), n, iterations)
+
+
+@fused_coefficients_backward.register_fake
+def _(u, grad_coeff, grad_post, n, iterations):
+    return torch.empty_like(u)
+
+
+def _save_for_coefficients_backward(ctx, inputs, output):
+    u, ctx.n, ctx.iterations = inputs
+    ctx.save_for_backward(u)
+
+
+def _coefficients_backward(ctx, grad_coeff, grad_post):
+    (u,) = ctx.saved_tensors
+    N, n = u.shape[0], ctx.n
+    grad_coeff = u.new_zeros(N, n + 1, n) if grad_coeff is None else grad_coeff
+    grad_post = u.new_zeros(N, n) if grad_post is None else grad_post
+    return fused_coefficients_backward(u, grad_coeff, grad_post, n, ctx.iterations), None, None
+
+
+fused_coefficients.register_autograd(_coefficients_backward, setup_context=_save_for_coefficients_backward)
+
+
+@torch.compiler.assume_constant_result
+def _kernels_built() -> bool:
+    """Whether the CPU kernels are loaded (building them on the first call); a constant to
+    torch.compile, which calls it once while tracing."""
+    return kernels.cpu_kernels() is not None
+
+
+def _fused_kernel_applies(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) and _kernels_built()
 
 
 def sinkhorn_knopp(log_m: torch.Tensor, iterations: int = 20) -> torch.Tensor:
@@ -122,7 +146,7 @@ def sinkhorn_knopp(log_m: torch.Tensor, iterations: int = 20) -> torch.Tensor:
     shifted = log_m - log_m.amax(dim=-1, keepdim=True).detach()
     m = shifted.clamp_min(-60.0).exp()
     m = m.movedim(-2, 0).movedim(-1, 1).contiguous()  # (n, n, ...)
-    if _fused_kernel_applies(m):
+    if _fused_kernel_applies(m) and not torch.compiler.is_compiling():
         m = _FusedAlternatingNormalization.apply(m, iterations)
     elif not (torch.is_grad_enabled() and m.requires_grad):
         # inference (probes, decoding): nothing is saved for a backward, so normalise in place
@@ -165,13 +189,13 @@ class ManifoldHyperConnection(nn.Module):
     def fused_coefficients(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[H_pre; H_res] (B, T, n + 1, n) and H_post (B, T, n) from z = N(flatten(H)) Phi through
         the C++ kernel: u = g * z + b here (autograd gives the gains' and biases' gradients), the
-        rest in `_FusedCoefficients`."""
+        rest in `fused_coefficients`."""
         B, T, width = z.shape
         n = self.n
         gains = at_least_fp32(self.gains).repeat_interleave(torch.tensor([n, n, n * n]), output_size=width)
         biases = torch.cat([self.b_pre, self.b_post, self.b_res.reshape(-1)])
         u = torch.addcmul(biases.to(z.dtype), z, gains.to(z.dtype))
-        coeff, post = _FusedCoefficients.apply(u.reshape(B * T, width), n, self.iterations)
+        coeff, post = fused_coefficients(u.reshape(B * T, width), n, self.iterations)
         return coeff.view(B, T, n + 1, n), post.view(B, T, n)
 
     def forward(self, H: torch.Tensor, sublayer_fn: Callable[[torch.Tensor], torch.Tensor]):
