@@ -14,6 +14,11 @@ the paper's exact init was not found. Sinkhorn-Knopp runs 20 alternating row and
 normalisations (stabilised, see `sinkhorn_knopp`), so the result's columns sum to 1 exactly and
 its rows to within a tolerance that shrinks with the iterations.
 `internals["stream_mixing"]` records H_res of every sublayer, (B, T, n, n).
+
+On the CPU (float32/float64) everything from u = g * (x Phi) + b to [H_pre; H_res] and H_post
+runs in one C++ kernel per direction (`fused_coefficients`, depthbench/kernels/mhc.cpp), also
+under torch.compile; elsewhere, or where the kernels cannot be built, the PyTorch code below
+computes the same numbers.
 """
 
 from __future__ import annotations
