@@ -65,9 +65,10 @@ class _AlternatingNormalization(torch.autograd.Function):
 
 
 class _FusedAlternatingNormalization(torch.autograd.Function):
-    """The same iterations in one C++ kernel (depthbench/kernels/sinkhorn.cpp): forward does all
-    of them per tile of tokens in cache, and backward recomputes them from the saved input
-    instead of reading 2 * iterations saved results back. Same arithmetic in the same order."""
+    """The same iterations in one C++ kernel (depthbench/kernels/mhc.cpp): forward does all of
+    them per tile of tokens in cache, and backward recomputes them from the saved input instead
+    of reading 2 * iterations saved results back. The same sums; entries are multiplied by the
+    reciprocal of their sum, so results agree with `_AlternatingNormalization` to rounding."""
 
     @staticmethod
     def forward(ctx, m: torch.Tensor, iterations: int) -> torch.Tensor:
@@ -191,7 +192,7 @@ class ManifoldHyperConnection(nn.Module):
             self.b_post.fill_(1.0)
             self.b_res.copy_(torch.eye(n))
 
-    def fused_coefficients(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def kernel_coefficients(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[H_pre; H_res] (B, T, n + 1, n) and H_post (B, T, n) from z = N(flatten(H)) Phi through
         the C++ kernel: u = g * z + b here (autograd gives the gains' and biases' gradients), the
         rest in `fused_coefficients`."""
@@ -209,7 +210,7 @@ class ManifoldHyperConnection(nn.Module):
         # values per token has a slow backward on CPU at this size)
         z = normed_linear(H.reshape(B, T, n * d), self.norm, self.phi)
         if _fused_kernel_applies(z):
-            coeff, post = self.fused_coefficients(z)
+            coeff, post = self.kernel_coefficients(z)
             res = coeff[..., 1:, :]
         else:
             g_pre, g_post, g_res = at_least_fp32(self.gains)
