@@ -8,7 +8,6 @@ import torch
 from depthbench import kernels
 from depthbench.models import ModelConfig, build_model
 from depthbench.models.archs import mhc as mhc_module
-from depthbench.models.archs.mhc import sinkhorn_knopp
 
 reason = kernels.unavailable_reason()
 pytestmark = pytest.mark.skipif(reason is not None, reason=f"CPU kernels cannot be built here: {reason}")
@@ -26,79 +25,20 @@ def _loop(m: torch.Tensor, iterations: int) -> torch.Tensor:
     return m
 
 
-@pytest.mark.parametrize("n,tokens", [(4, 1), (4, 33), (3, 100), (2, 64), (5, 7)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_forward_and_backward_equal_the_unrolled_loop(n, tokens, dtype):
-    """Token counts below, at and across the kernel's tile of 32, several n, both dtypes."""
-    torch.manual_seed(n * 1000 + tokens)
-    m = (torch.randn(n, n, tokens, dtype=dtype) * 0.7 + 3 * torch.eye(n, dtype=dtype)[..., None]).exp()
-    grad = torch.randn(n, n, tokens, dtype=dtype)
-    k = kernels.cpu_kernels()
-    out = k.sinkhorn_forward(m, 20)
-    ref = _loop(m, 20)
-    # the same operations; PyTorch may add n > 4 slices in another order: equal to rounding
-    torch.testing.assert_close(out, ref, rtol=16 * torch.finfo(dtype).eps, atol=0)
-    x = m.clone().requires_grad_()
-    (ref_grad,) = torch.autograd.grad(_loop(x, 20), x, grad)
-    tol = 1e-4 if dtype == torch.float32 else 1e-11
-    torch.testing.assert_close(k.sinkhorn_backward(m, grad, 20), ref_grad, rtol=tol, atol=tol)
-
-
-def test_kernel_gradient_matches_finite_differences():
-    torch.manual_seed(0)
-    x = torch.randn(2, 5, 4, 4, dtype=torch.float64, requires_grad=True)
-    assert mhc_module._fused_kernel_applies(x.detach())
-    assert torch.autograd.gradcheck(lambda t: sinkhorn_knopp(t, 20), (x,))
-
-
 def test_kernel_is_independent_of_thread_count():
     torch.manual_seed(0)
-    m = (torch.randn(4, 4, 2000) * 0.5).exp()
-    grad = torch.randn(4, 4, 2000)
+    u = torch.randn(2000, 24)
+    g_coeff, g_post = torch.randn(2000, 5, 4), torch.randn(2000, 4)
     threads = torch.get_num_threads()
     k = kernels.cpu_kernels()
     try:
-        torch.set_num_threads(1)
-        one = (k.sinkhorn_forward(m, 20), k.sinkhorn_backward(m, grad, 20))
-        torch.set_num_threads(2)
-        two = (k.sinkhorn_forward(m, 20), k.sinkhorn_backward(m, grad, 20))
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append((*k.mhc_coefficients_forward(u, 4, 20), k.mhc_coefficients_backward(u, g_coeff, g_post, 4, 20)))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
-
-
-def test_sinkhorn_knopp_with_and_without_the_kernel(monkeypatch):
-    """The public function: same matrices and gradients through the kernel and the PyTorch
-    Function, with and without autograd, and the kernel is what runs on the CPU."""
-    torch.manual_seed(0)
-    logits = torch.randn(3, 50, 4, 4) * 0.5 + torch.eye(4)
-    weight = torch.randn(4, 4)
-    calls = []
-    real = kernels.cpu_kernels()
-
-    class Spy:
-        def sinkhorn_forward(self, m, it):
-            calls.append("forward")
-            return real.sinkhorn_forward(m, it)
-
-        def sinkhorn_backward(self, m, g, it):
-            calls.append("backward")
-            return real.sinkhorn_backward(m, g, it)
-
-    results = {}
-    for name, module in [("kernel", Spy()), ("pytorch", None)]:
-        monkeypatch.setattr(kernels, "cpu_kernels", lambda module=module: module)
-        x = logits.clone().requires_grad_()
-        out = sinkhorn_knopp(x, 20)
-        (g,) = torch.autograd.grad((out * weight).sum(), x)
-        with torch.no_grad():
-            inferred = sinkhorn_knopp(logits, 20)
-        results[name] = (out.detach(), g, inferred)
-    assert calls == ["forward", "backward", "forward"]
-    kernel, pytorch = results["kernel"], results["pytorch"]
-    torch.testing.assert_close(kernel[0], pytorch[0], rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(kernel[1], pytorch[1], rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(kernel[2], pytorch[2], rtol=1e-6, atol=1e-7)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_mhc_training_step_is_the_same_with_and_without_the_kernel(monkeypatch):
@@ -136,23 +76,27 @@ def _coefficients_reference(u: torch.Tensor, n: int, iterations: int):
     return torch.cat([pre.unsqueeze(1), res], dim=1), post
 
 
-@pytest.mark.parametrize("n,tokens", [(4, 70), (3, 5), (5, 40)])
-def test_mhc_coefficient_kernel_equals_the_definition(n, tokens):
+@pytest.mark.parametrize("n,tokens", [(4, 1), (4, 32), (4, 70), (3, 5), (2, 64), (5, 40)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_mhc_coefficient_kernel_equals_the_definition(n, tokens, dtype):
     """Values and gradients (with respect to u) of the fused coefficients, including logits far
-    enough below their row maximum for the clamp at -60 to cut the gradient."""
+    enough below their row maximum for the clamp at -60 to cut the gradient; token counts below,
+    at and across the kernel's tile of 32, n a compile-time constant (2, 3, 4) or not (5)."""
     torch.manual_seed(n + tokens)
-    u = torch.randn(tokens, 2 * n + n * n, dtype=torch.float64)
+    u = torch.randn(tokens, 2 * n + n * n, dtype=dtype)
     u[0, 2 * n] = -100.0  # 100 below its row's maximum: clamped
     k = kernels.cpu_kernels()
     coeff, post = k.mhc_coefficients_forward(u, n, 20)
     ref_coeff, ref_post = _coefficients_reference(u, n, 20)
-    torch.testing.assert_close(coeff, ref_coeff, rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(post, ref_post, rtol=1e-12, atol=1e-14)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5  # reciprocal-multiply vs divide: rounding
+    torch.testing.assert_close(coeff, ref_coeff, rtol=tol, atol=tol / 100)
+    torch.testing.assert_close(post, ref_post, rtol=tol, atol=tol / 100)
     g_coeff, g_post = torch.randn_like(coeff), torch.randn_like(post)
     x = u.clone().requires_grad_()
     (ref_grad,) = torch.autograd.grad(_coefficients_reference(x, n, 20), x, (g_coeff, g_post))
     grad = k.mhc_coefficients_backward(u, g_coeff, g_post, n, 20)
-    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
+    gtol = 1e-10 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(grad, ref_grad, rtol=gtol, atol=gtol / 100)
     assert grad[0, 2 * n] == 0
 
 

@@ -12,11 +12,10 @@ DEPTHBENCH_CPU_KERNELS=0 asks, it returns None once with a warning and callers k
 PyTorch code: the kernels change speed, never definitions (tests compare them with the PyTorch
 code they replace).
 
-Kernels (mhc.cpp), used by `depthbench.models.archs.mhc`:
-- `sinkhorn_forward(m, iterations)`, `sinkhorn_backward(m, grad, iterations)`: Sinkhorn-Knopp on
-  (n, n, ...) matrices (`sinkhorn_knopp`);
-- `mhc_coefficients_forward(u, n, iterations)`, `mhc_coefficients_backward(u, grad_coeff,
-  grad_post, n, iterations)`: mHC's read, mix and write coefficients from their pre-activations.
+Kernels (mhc.cpp), used by `depthbench.models.archs.mhc.fused_coefficients`:
+`mhc_coefficients_forward(u, n, iterations)` and `mhc_coefficients_backward(u, grad_coeff,
+grad_post, n, iterations)`: mHC's read, mix and write coefficients from their pre-activations,
+the Sinkhorn-Knopp iterations included.
 """
 
 from __future__ import annotations

@@ -1,21 +1,19 @@
-// mHC's kernels on the CPU: Sinkhorn-Knopp alone (sinkhorn_forward / _backward) and mHC's whole
-// coefficient computation around it (mhc_coefficients_forward / _backward, below).
+// mHC's coefficients on the CPU (mhc_coefficients_forward / _backward, below): the sigmoids,
+// the stabilised exp and the Sinkhorn-Knopp iterations of every token, fused.
 //
-// Sinkhorn-Knopp iterations, fused: one pass over the tokens does all 2 * iterations
-// alternating row and column normalisations of each token's n x n matrix, and the backward
-// recomputes them tile by tile instead of reading 2 * iterations saved tensors back from memory.
+// Sinkhorn-Knopp: one pass over the tokens does all 2 * iterations alternating row and column
+// normalisations of each token's n x n matrix, and the backward recomputes them tile by tile
+// instead of reading 2 * iterations saved tensors back from memory. A tile of TILE tokens lives
+// in a local buffer laid out (n, n, TILE): entry (i, j) of token t at (i * n + j) * TILE + t. The
+// innermost loops run over the tile's tokens, contiguous, so the compiler vectorises them
+// (target_clones below compiles an AVX2 version beside the baseline one and picks one when the
+// library loads, so a build runs on any x86-64 machine).
 //
-// Layout (n, n, N), contiguous: entry (i, j) of token t is at (i * n + j) * N + t, the layout
-// depthbench.models.archs.mhc.sinkhorn_knopp builds. A tile of TILE tokens is copied into a
-// local buffer; the innermost loops run over the tile's tokens, contiguous, so the compiler
-// vectorises them (target_clones below compiles an AVX2 version beside the baseline one and
-// picks one when the library loads, so a build runs on any x86-64 machine).
-//
-// The arithmetic is that of the PyTorch loop it replaces, except that each entry is multiplied
-// by the reciprocal of its sum instead of divided by the sum (n divisions per half-step instead
-// of n * n: the divisions bounded the kernel's speed); results differ from the loop's by
-// rounding only. A row sum adds the n entries j = 0..n-1 in turn. Backward of y = x / s,
-// s = sum over the normalised dim: dx = (dy - sum(dy y)) / s.
+// The arithmetic is that of the PyTorch loop in depthbench.models.archs.mhc.sinkhorn_knopp,
+// except that each entry is multiplied by the reciprocal of its sum instead of divided by the
+// sum (n divisions per half-step instead of n * n: the divisions bounded the kernel's speed);
+// results differ from the loop's by rounding only. A row sum adds the n entries j = 0..n-1 in
+// turn. Backward of y = x / s, s = sum over the normalised dim: dx = (dy - sum(dy y)) / s.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -80,67 +78,6 @@ DB_CLONES void half_step_backward(T* __restrict__ g, const T* __restrict__ y, co
   }
 }
 
-template <typename T>
-void load_tile(const T* src, T* tile, int64_t nn, int64_t N, int64_t t0, int64_t w) {
-  // a last, partial tile is padded with matrices of ones (no sum is 0), computed and dropped
-  for (int64_t e = 0; e < nn; ++e)
-    for (int64_t t = 0; t < TILE; ++t) tile[e * TILE + t] = t < w ? src[e * N + t0 + t] : T(1);
-}
-
-template <typename T>
-void store_tile(const T* tile, T* dst, int64_t nn, int64_t N, int64_t t0, int64_t w) {
-  for (int64_t e = 0; e < nn; ++e)
-    for (int64_t t = 0; t < w; ++t) dst[e * N + t0 + t] = tile[e * TILE + t];
-}
-
-void check_input(const torch::Tensor& m, int64_t iterations) {
-  TORCH_CHECK(m.device().is_cpu(), "sinkhorn kernel: expected a CPU tensor, got ", m.device());
-  TORCH_CHECK(m.dim() >= 2 && m.size(0) == m.size(1),
-              "sinkhorn kernel: expected (n, n, ...) matrices, got shape ", m.sizes());
-  TORCH_CHECK(m.scalar_type() == torch::kFloat || m.scalar_type() == torch::kDouble,
-              "sinkhorn kernel: float32 or float64 only, got ", m.scalar_type());
-  TORCH_CHECK(iterations >= 0, "sinkhorn kernel: iterations must be >= 0, got ", iterations);
-}
-
-// All iterations on the tiles [begin, end) of the N tokens of src, into dst.
-template <typename T, int NC>
-void forward_tiles(const T* src, T* dst, int64_t n, int64_t N, int64_t iterations, int64_t begin, int64_t end) {
-  const int64_t nn = n * n;
-  std::vector<T> x(nn * TILE), y(nn * TILE), r(n * TILE);
-  for (int64_t k = begin; k < end; ++k) {
-    const int64_t t0 = k * TILE, w = std::min(TILE, N - t0);
-    load_tile(src, x.data(), nn, N, t0, w);
-    for (int64_t it = 0; it < iterations; ++it) {
-      half_step<T, NC>(x.data(), y.data(), r.data(), n, true);
-      half_step<T, NC>(y.data(), x.data(), r.data(), n, false);
-    }
-    store_tile(x.data(), dst, nn, N, t0, w);
-  }
-}
-
-// The vector-Jacobian product on the tiles [begin, end): recompute every half-step's result and
-// reciprocal sums for one tile from the input, then apply the half-steps' VJPs in reverse.
-template <typename T, int NC>
-void backward_tiles(const T* src, const T* gsrc, T* dst, int64_t n, int64_t N, int64_t iterations,
-                    int64_t begin, int64_t end) {
-  const int64_t nn = n * n, steps = 2 * iterations;
-  std::vector<T> ys((steps + 1) * nn * TILE), rs(std::max<int64_t>(steps, 1) * n * TILE);
-  std::vector<T> g(nn * TILE), acc(TILE);
-  for (int64_t k = begin; k < end; ++k) {
-    const int64_t t0 = k * TILE, w = std::min(TILE, N - t0);
-    load_tile(src, ys.data(), nn, N, t0, w);
-    for (int64_t h = 0; h < steps; ++h) {
-      half_step<T, NC>(ys.data() + h * nn * TILE, ys.data() + (h + 1) * nn * TILE, rs.data() + h * n * TILE, n,
-                       h % 2 == 0);
-    }
-    load_tile(gsrc, g.data(), nn, N, t0, w);
-    for (int64_t h = steps - 1; h >= 0; --h)
-      half_step_backward<T, NC>(g.data(), ys.data() + (h + 1) * nn * TILE, rs.data() + h * n * TILE,
-                                acc.data(), n, h % 2 == 0);
-    store_tile(g.data(), dst, nn, N, t0, w);
-  }
-}
-
 // --- mHC's coefficients -----------------------------------------------------------------------
 // From the pre-activations u = g * (x Phi) + b of one token, laid out [u_pre (n) | u_post (n) |
 // u_res (n * n, row-major)], mHC's sublayer coefficients (depthbench/models/archs/mhc.py):
@@ -200,8 +137,8 @@ void coefficients_forward_tiles(const T* u, T* coeff, T* post, int64_t n_, int64
   }
 }
 
-// Gradient with respect to u from the gradients of coeff and post; the Sinkhorn part recomputed
-// tile by tile as in backward_tiles.
+// Gradient with respect to u from the gradients of coeff and post: every half-step's result and
+// reciprocal sums recomputed for one tile from u, then the half-steps' VJPs applied in reverse.
 template <typename T, int NC>
 void coefficients_backward_tiles(const T* u, const T* gcoeff, const T* gpost, T* gu, int64_t n_, int64_t N,
                                  int64_t iterations, int64_t begin, int64_t end) {
@@ -249,48 +186,7 @@ void dispatch_n(int64_t n, Fn&& fn) {
 
 }  // namespace
 
-// The result of `iterations` row-then-column normalisations of every matrix of m.
-torch::Tensor sinkhorn_forward(torch::Tensor m, int64_t iterations) {
-  check_input(m, iterations);
-  m = m.contiguous();
-  const int64_t n = m.size(0), N = m.numel() / (n * n);
-  auto out = torch::empty_like(m);
-  AT_DISPATCH_FLOATING_TYPES(m.scalar_type(), "sinkhorn_forward", [&] {
-    const scalar_t* src = m.data_ptr<scalar_t>();
-    scalar_t* dst = out.data_ptr<scalar_t>();
-    at::parallel_for(0, (N + TILE - 1) / TILE, 16, [&](int64_t begin, int64_t end) {
-      dispatch_n(n, [&](auto nc) {
-        forward_tiles<scalar_t, decltype(nc)::value>(src, dst, n, N, iterations, begin, end);
-      });
-    });
-  });
-  return out;
-}
-
-// The vector-Jacobian product of sinkhorn_forward at m for the output gradient grad.
-torch::Tensor sinkhorn_backward(torch::Tensor m, torch::Tensor grad, int64_t iterations) {
-  check_input(m, iterations);
-  TORCH_CHECK(grad.sizes() == m.sizes() && grad.scalar_type() == m.scalar_type(),
-              "sinkhorn kernel: gradient ", grad.sizes(), " ", grad.scalar_type(),
-              " does not match the input ", m.sizes(), " ", m.scalar_type());
-  m = m.contiguous();
-  grad = grad.contiguous();
-  const int64_t n = m.size(0), N = m.numel() / (n * n);
-  auto dm = torch::empty_like(m);
-  AT_DISPATCH_FLOATING_TYPES(m.scalar_type(), "sinkhorn_backward", [&] {
-    const scalar_t* src = m.data_ptr<scalar_t>();
-    const scalar_t* gsrc = grad.data_ptr<scalar_t>();
-    scalar_t* dst = dm.data_ptr<scalar_t>();
-    at::parallel_for(0, (N + TILE - 1) / TILE, 16, [&](int64_t begin, int64_t end) {
-      dispatch_n(n, [&](auto nc) {
-        backward_tiles<scalar_t, decltype(nc)::value>(src, gsrc, dst, n, N, iterations, begin, end);
-      });
-    });
-  });
-  return dm;
-}
-
-void check_coefficients(const torch::Tensor& u, int64_t n, int64_t iterations) {
+static void check_coefficients(const torch::Tensor& u, int64_t n, int64_t iterations) {
   TORCH_CHECK(u.device().is_cpu(), "mhc coefficient kernel: expected a CPU tensor, got ", u.device());
   TORCH_CHECK(n >= 1 && u.dim() == 2 && u.size(1) == 2 * n + n * n,
               "mhc coefficient kernel: expected (tokens, 2n + n^2) = (N, ", 2 * n + n * n, ") for n = ", n,
@@ -349,8 +245,6 @@ torch::Tensor mhc_coefficients_backward(torch::Tensor u, torch::Tensor gcoeff, t
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("sinkhorn_forward", &sinkhorn_forward, "Sinkhorn-Knopp iterations, (n, n, ...) layout");
-  module.def("sinkhorn_backward", &sinkhorn_backward, "their vector-Jacobian product, recomputed");
   module.def("mhc_coefficients_forward", &mhc_coefficients_forward, "mHC's pre, res and post coefficients");
   module.def("mhc_coefficients_backward", &mhc_coefficients_backward, "their gradient w.r.t. the pre-activations");
 }

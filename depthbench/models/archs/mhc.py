@@ -64,24 +64,6 @@ class _AlternatingNormalization(torch.autograd.Function):
         return grad, None
 
 
-class _FusedAlternatingNormalization(torch.autograd.Function):
-    """The same iterations in one C++ kernel (depthbench/kernels/mhc.cpp): forward does all of
-    them per tile of tokens in cache, and backward recomputes them from the saved input instead
-    of reading 2 * iterations saved results back. The same sums; entries are multiplied by the
-    reciprocal of their sum, so results agree with `_AlternatingNormalization` to rounding."""
-
-    @staticmethod
-    def forward(ctx, m: torch.Tensor, iterations: int) -> torch.Tensor:
-        ctx.iterations = iterations
-        ctx.save_for_backward(m)
-        return kernels.cpu_kernels().sinkhorn_forward(m, iterations)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (m,) = ctx.saved_tensors
-        return kernels.cpu_kernels().sinkhorn_backward(m, grad.contiguous(), ctx.iterations), None
-
-
 @torch.library.custom_op("depthbench::mhc_coefficients", mutates_args=(), device_types="cpu")
 def fused_coefficients(u: torch.Tensor, n: int, iterations: int) -> tuple[torch.Tensor, torch.Tensor]:
     """u (N, 2n + n^2) -> coeff (N, n + 1, n) = [H_pre; H_res], post (N, n) = H_post in one C++
@@ -147,14 +129,13 @@ def sinkhorn_knopp(log_m: torch.Tensor, iterations: int = 20) -> torch.Tensor:
     front, so that every sum adds n contiguous slices instead of reducing a size-n inner dim
     (about 6x faster on CPU), and the iterations have a hand-written backward (1.5x more).
     Without autograd (probes, decoding) they normalise in place: a 32-layer forward pass at probe
-    shapes is about 20% faster than through the Function, with the same numbers.
+    shapes is about 20% faster than through the Function, with the same numbers. (On the CPU,
+    mHC's sublayers do not call this: `fused_coefficients` runs the iterations in C++.)
     """
     shifted = log_m - log_m.amax(dim=-1, keepdim=True).detach()
     m = shifted.clamp_min(-60.0).exp()
     m = m.movedim(-2, 0).movedim(-1, 1).contiguous()  # (n, n, ...)
-    if _fused_kernel_applies(m) and not torch.compiler.is_compiling():
-        m = _FusedAlternatingNormalization.apply(m, iterations)
-    elif not (torch.is_grad_enabled() and m.requires_grad):
+    if not (torch.is_grad_enabled() and m.requires_grad):
         # inference (probes, decoding): nothing is saved for a backward, so normalise in place
         for _ in range(iterations):
             m.div_(m.sum(1, keepdim=True))
