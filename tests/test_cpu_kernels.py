@@ -146,7 +146,7 @@ def test_mhc_coefficient_custom_op_registration():
 
 
 def test_compiled_mhc_keeps_the_kernel_and_matches_eager(monkeypatch):
-    """Under torch.compile the coefficients stay one custom-op call: same loss and gradients."""
+    """Under torch.compile each sublayer's read stays one custom-op call: same loss and gradients."""
     real = kernels.cpu_kernels()
     calls = []
 
@@ -169,8 +169,85 @@ def test_compiled_mhc_keeps_the_kernel_and_matches_eager(monkeypatch):
         loss = net(idx, targets).loss
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
-        # both sublayers of the layer, forward and backward
-        assert calls.count("mhc_coefficients_forward") == 2 and calls.count("mhc_coefficients_backward") == 2
+        # both sublayers of the layer, forward and backward, each one fused read
+        assert calls.count("mhc_read_forward") == 2 and calls.count("mhc_read_backward") == 2
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
     for a, b in zip(results[1][1], results[0][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+# --- mHC's fused read (mhc_read_forward / _backward) -----------------------------------------
+
+
+def _read_reference(H, weight, scale, bias, eps, iterations):
+    """mHC's read by its definition: flattened RMS norm, projection, u = scale * z + bias, the
+    coefficients, then read (row 0) and mix (rows 1..n)."""
+    N, n, d = H.shape
+    h = H.reshape(N, n * d)
+    z = (h @ weight.T) * torch.rsqrt((h * h).mean(-1, keepdim=True) + eps)
+    coeff, post = _coefficients_reference(scale * z + bias, n, iterations)
+    out = coeff @ H
+    return out[:, 0], out[:, 1:], coeff, post
+
+
+def _read_case(n, d, tokens, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    width = 2 * n + n * n
+    H = torch.randn(tokens, n, d, dtype=dtype, generator=g)
+    weight = torch.randn(width, n * d, dtype=dtype, generator=g) * 0.3
+    scale = torch.rand(width, dtype=dtype, generator=g)
+    bias = torch.randn(width, dtype=dtype, generator=g)
+    return H, weight, scale, bias
+
+
+@pytest.mark.parametrize("n,d,tokens", [(4, 64, 70), (4, 16, 1), (3, 20, 5), (5, 7, 40), (2, 16, 300)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_mhc_read_kernel_equals_the_definition(n, d, tokens, dtype):
+    """Outputs and the gradients of H, the weight, the scale and the bias; n = 2..5 (5: runtime
+    n), d with and without a partial vector, token counts across tiles and chunks."""
+    inputs = [t.clone().requires_grad_() for t in _read_case(n, d, tokens, dtype)]
+    expected = _read_reference(*inputs, 1e-6, 20)
+    grads_out = [torch.randn_like(t) for t in expected]
+    expected_grads = torch.autograd.grad(expected, inputs, grads_out)
+    k = kernels.cpu_kernels()
+    plain = [t.detach() for t in inputs]
+    got = k.mhc_read_forward(*plain, 1e-6, 20)
+    got_grads = k.mhc_read_backward(*plain, 1e-6, 20, got[2], *grads_out)
+    tol = dict(rtol=1e-11, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b.detach(), **tol)
+    gtol = dict(rtol=1e-10, atol=1e-11) if dtype == torch.float64 else dict(rtol=1e-4, atol=2e-4)
+    for a, b in zip(got_grads, expected_grads):
+        torch.testing.assert_close(a, b, **gtol)
+
+
+def test_mhc_read_kernel_is_independent_of_thread_count():
+    H, weight, scale, bias = _read_case(4, 32, 1000, torch.float32)
+    grads = [torch.randn(1000, 32), torch.randn(1000, 4, 32), torch.randn(1000, 5, 4), torch.randn(1000, 4)]
+    k = kernels.cpu_kernels()
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            out = k.mhc_read_forward(H, weight, scale, bias, 1e-6, 20)
+            results.append((*out, *k.mhc_read_backward(H, weight, scale, bias, 1e-6, 20, out[2], *grads)))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_mhc_read_custom_op_registration_and_gradcheck():
+    inputs = [t.requires_grad_() for t in _read_case(3, 4, 7, torch.float64)]
+    torch.library.opcheck(mhc_module.fused_read, (*inputs, 1e-6, 20))
+    assert torch.autograd.gradcheck(lambda *a: mhc_module.fused_read(*a, 1e-6, 20), inputs)
+
+
+def test_mhc_read_kernel_rejects_bad_shapes():
+    H, weight, scale, bias = _read_case(4, 8, 3, torch.float32)
+    with pytest.raises(RuntimeError, match=r"weight \(2n \+ n\^2, n d\)"):
+        kernels.cpu_kernels().mhc_read_forward(H, weight[:, :-1], scale, bias, 1e-6, 20)
+    out = kernels.cpu_kernels().mhc_read_forward(H, weight, scale, bias, 1e-6, 20)
+    with pytest.raises(RuntimeError, match="grad post has shape"):
+        kernels.cpu_kernels().mhc_read_backward(H, weight, scale, bias, 1e-6, 20, out[2], torch.zeros(3, 8),
+                                                torch.zeros(3, 4, 8), torch.zeros(3, 5, 4), torch.zeros(3, 5))

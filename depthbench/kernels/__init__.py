@@ -12,10 +12,14 @@ DEPTHBENCH_CPU_KERNELS=0 asks, it returns None once with a warning and callers k
 PyTorch code: the kernels change speed, never definitions (tests compare them with the PyTorch
 code they replace).
 
-Kernels (mhc.cpp), used by `depthbench.models.archs.mhc.fused_coefficients`:
-`mhc_coefficients_forward(u, n, iterations)` and `mhc_coefficients_backward(u, grad_coeff,
-grad_post, n, iterations)`: mHC's read, mix and write coefficients from their pre-activations,
-the Sinkhorn-Knopp iterations included.
+Kernels:
+- mhc.cpp, used by `depthbench.models.archs.mhc.fused_coefficients`:
+  `mhc_coefficients_forward(u, n, iterations)` and `mhc_coefficients_backward(u, grad_coeff,
+  grad_post, n, iterations)`: mHC's read, mix and write coefficients from their pre-activations,
+  the Sinkhorn-Knopp iterations included.
+- hc.cpp, used by `depthbench.models.archs.hc.fused_read`: `hc_read_forward(H, W, S, eps,
+  scale)` and `hc_read_backward(...)`: Hyper-Connections' whole read (per-stream RMS, dynamic
+  projection, tanh, read and mix) from the streams.
 """
 
 from __future__ import annotations
@@ -30,10 +34,17 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("mhc.cpp")]
-_CFLAGS = ["-O3"]
+_SOURCES = [Path(__file__).with_name(name) for name in ("mhc.cpp", "hc.cpp")]
+_HEADERS = [Path(__file__).with_name("common.h")]
+# -ffp-contract=fast: a * b + c as one fused multiply-add (ISO C++ mode would keep them apart);
+# -Wno-psabi: the 32-byte vector types of hc.cpp only pass between always-inlined functions;
+# -fopenmp: at::parallel_for is an OpenMP loop in ATen's headers, serial without it (the GOMP
+# calls resolve to the libgomp that libtorch_cpu loads, so no second OpenMP runtime is linked)
+_CFLAGS = ["-O3", "-ffp-contract=fast", "-Wno-psabi", "-fopenmp"]
 STALE_LOCK_SECONDS = 15 * 60  # a build takes about a minute on 2 cores
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
@@ -42,6 +53,18 @@ _state: dict[str, ModuleType | None] = {}
 def enabled() -> bool:
     """False when DEPTHBENCH_CPU_KERNELS is set to 0 / false / no / off."""
     return os.environ.get("DEPTHBENCH_CPU_KERNELS", "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+@torch.compiler.assume_constant_result
+def built() -> bool:
+    """Whether the kernels are loaded (building them on the first call); a constant to
+    torch.compile, which calls it once while tracing."""
+    return cpu_kernels() is not None
+
+
+def apply_to(t: "torch.Tensor") -> bool:
+    """Whether a kernel can take t: a CPU float32/float64 tensor, with the kernels built."""
+    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) and built()
 
 
 def unavailable_reason() -> str | None:
@@ -93,11 +116,9 @@ def _build() -> ModuleType | None:
 def build_directory() -> Path:
     """Where the extension is built and cached: one directory per Python, torch, machine
     architecture and version of the sources and flags, so versions never overwrite each other."""
-    import torch
-
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
     digest = hashlib.sha256()
-    for source in _SOURCES:
+    for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
     digest.update(" ".join(_CFLAGS).encode())
     py = "".join(platform.python_version_tuple()[:2])

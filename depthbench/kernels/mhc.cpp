@@ -18,20 +18,24 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "common.h"
+
 #include <algorithm>
+#include <tuple>
 #include <cmath>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t TILE = 32;
+using depthbench::dispatch_n;
+using depthbench::lane_sum;
+using depthbench::load;
+using depthbench::store;
+using depthbench::LANES;
+using depthbench::Vec;
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define DB_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define DB_CLONES
-#endif
+constexpr int64_t TILE = 32;
 
 // One half-step on a tile: normalise rows (rows = true: sum over j) or columns (sum over i)
 // of every token's matrix in x (n * n * TILE) into out (another tile: the two must not
@@ -170,17 +174,190 @@ void coefficients_backward_tiles(const T* u, const T* gcoeff, const T* gpost, T*
   }
 }
 
-// fn(std::integral_constant<int, NC>) with NC = n for the usual stream counts (the loops over n
-// then unroll and the loops over tokens vectorise, see half_step), NC = 0 (runtime n) otherwise.
-template <typename Fn>
-void dispatch_n(int64_t n, Fn&& fn) {
-  switch (n) {
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 6: fn(std::integral_constant<int, 6>{}); break;
-    case 8: fn(std::integral_constant<int, 8>{}); break;
-    default: fn(std::integral_constant<int, 0>{});
+// --- mHC's whole read -----------------------------------------------------------------------
+// For token t with streams H (n x d), flattened h (D = n d) (depthbench/models/archs/mhc.py):
+//   r = 1 / sqrt(mean_f h_f^2 + eps),  z_e = r sum_f h_f W_ef        N(flatten(H)) Phi, W = Phi^T * gain
+//   u_e = scale_e z_e + bias_e                                          (scale: g_pre, g_post or g_res)
+//   [H_pre; H_res], H_post = the coefficients above, from u
+//   x = sum_i H_pre,i H_i,  mixed_j = sum_i H_res,ji H_i
+// Tokens go in chunks of READ_CHUNK: one GEMM (at::mm, serial inside the parallel loop) gives a
+// chunk's projections q = h W^T, then each tile of TILE tokens gets its u, its coefficients (the
+// tile functions above) and its read and mix, while H is in cache. The backward recomputes q, u
+// and the Sinkhorn iterations (the coefficients themselves come back from the forward's output),
+// and the projection's gradients are two more GEMMs per chunk: dh += dq W and dW += dq^T h.
+// Eager PyTorch ran this read as about 15 kernels forward and 30 backward, each a pass over the
+// n-wide state.
+
+constexpr int64_t READ_CHUNK = 4 * TILE;
+
+// The GEMMs inside the kernels run as plain arithmetic in the inputs' dtype: no autograd
+// recording, no autocast (under CPU autocast at::mm would return bfloat16). Both are per thread,
+// so each worker of the parallel loops takes one too.
+struct PlainMath {
+  torch::NoGradGuard no_grad;
+  c10::impl::ExcludeDispatchKeyGuard no_autocast{c10::autocast_dispatch_keyset};
+};  // tokens per projection GEMM and per partial gradient sum
+
+template <typename T>
+DB_CLONES T sum_of_squares(const T* __restrict__ h, int64_t D) {
+  constexpr int64_t V = LANES<T>;
+  Vec<T> acc0 = {}, acc1 = {};
+  int64_t k = 0;
+  for (; k + 2 * V <= D; k += 2 * V) {
+    const Vec<T> a = load(h + k), b = load(h + k + V);
+    acc0 += a * a;
+    acc1 += b * b;
+  }
+  for (; k + V <= D; k += V) {
+    const Vec<T> a = load(h + k);
+    acc0 += a * a;
+  }
+  T s = lane_sum<T>(acc0 + acc1);
+  for (; k < D; ++k) s += h[k] * h[k];
+  return s;
+}
+
+// out_r = sum_i M_ri H_i for r = 0..n (rows of M: n + 1, each n long), out_0 to x, the rest to mixed.
+template <typename T, int NC>
+DB_CLONES void mix_rows(const T* __restrict__ h, const T* __restrict__ M, T* __restrict__ x, T* __restrict__ mixed,
+                        int64_t n_, int64_t d) {
+  constexpr int64_t V = LANES<T>;
+  const int64_t n = NC > 0 ? NC : n_;
+  for (int64_t r = 0; r <= n; ++r) {
+    T* __restrict__ o = r == 0 ? x : mixed + (r - 1) * d;
+    const T* w = M + r * n;
+    int64_t k = 0;
+    for (; k + V <= d; k += V) {
+      Vec<T> a = w[0] * load(h + k);
+#pragma GCC unroll 16
+      for (int64_t i = 1; i < n; ++i) a += w[i] * load(h + i * d + k);
+      store(o + k, a);
+    }
+    for (; k < d; ++k) {
+      T a = 0;
+      for (int64_t i = 0; i < n; ++i) a += w[i] * h[i * d + k];
+      o[k] = a;
+    }
+  }
+}
+
+// dM_ri = g_r . H_i for one token (g_0 = dx, g_1+j = dmixed_j), added to gc (n + 1, n), and
+// dH_i = sum_r M_ri g_r + cr H_i written to gh (the projection's part is added later).
+template <typename T, int NC>
+DB_CLONES void mix_rows_backward(const T* __restrict__ h, const T* __restrict__ M, const T* __restrict__ gx,
+                                 const T* __restrict__ gm, T cr, T* __restrict__ gc, T* __restrict__ gh, int64_t n_,
+                                 int64_t d) {
+  constexpr int64_t V = LANES<T>, RA = NC > 0 ? NC + 1 : 1;
+  const int64_t n = NC > 0 ? NC : n_;
+  for (int64_t i = 0; i < n; ++i) {
+    const T* __restrict__ hi = h + i * d;
+    T* __restrict__ o = gh + i * d;
+    if constexpr (NC > 0) {  // the n + 1 dot products with H_i side by side, in registers
+      Vec<T> acc[RA];
+#pragma GCC unroll 17
+      for (int64_t r = 0; r < RA; ++r) acc[r] = Vec<T>{};
+      int64_t k = 0;
+      for (; k + V <= d; k += V) {
+        const Vec<T> hv = load(hi + k), g0 = load(gx + k);
+        acc[0] += g0 * hv;
+        Vec<T> a = M[i] * g0 + cr * hv;
+#pragma GCC unroll 16
+        for (int64_t j = 0; j < n; ++j) {
+          const Vec<T> gj = load(gm + j * d + k);
+          acc[1 + j] += gj * hv;
+          a += M[(1 + j) * n + i] * gj;
+        }
+        store(o + k, a);
+      }
+      for (int64_t r = 0; r <= n; ++r) {
+        const T* g = r == 0 ? gx : gm + (r - 1) * d;
+        T s = lane_sum<T>(acc[r]);
+        for (int64_t kk = k; kk < d; ++kk) s += g[kk] * hi[kk];
+        gc[r * n + i] += s;
+      }
+      for (; k < d; ++k) {
+        T a = M[i] * gx[k] + cr * hi[k];
+        for (int64_t j = 0; j < n; ++j) a += M[(1 + j) * n + i] * gm[j * d + k];
+        o[k] = a;
+      }
+    } else {
+      for (int64_t r = 0; r <= n; ++r) {
+        const T* g = r == 0 ? gx : gm + (r - 1) * d;
+        T s = 0;
+        for (int64_t k = 0; k < d; ++k) s += g[k] * hi[k];
+        gc[r * n + i] += s;
+      }
+      for (int64_t k = 0; k < d; ++k) {
+        T a = M[i] * gx[k] + cr * hi[k];
+        for (int64_t j = 0; j < n; ++j) a += M[(1 + j) * n + i] * gm[j * d + k];
+        o[k] = a;
+      }
+    }
+  }
+}
+
+// Tokens [t0, t0 + w) of one chunk, whose projections q = h W^T (w x P) are computed: x, mixed,
+// coeff and post.
+template <typename T, int NC>
+void read_forward_chunk(const T* H, const T* q, const T* scale, const T* bias, T eps, int64_t iterations, T* x,
+                        T* mixed, T* coeff, T* post, int64_t n_, int64_t d, int64_t t0, int64_t w) {
+  const int64_t n = NC > 0 ? NC : n_, P = 2 * n + n * n, D = n * d;
+  std::vector<T> u(TILE * P);
+  for (int64_t s0 = 0; s0 < w; s0 += TILE) {
+    const int64_t tw = std::min(TILE, w - s0);
+    for (int64_t t = 0; t < tw; ++t) {
+      const int64_t tok = t0 + s0 + t;
+      const T r = T(1) / std::sqrt(sum_of_squares<T>(H + tok * D, D) / T(D) + eps);
+      for (int64_t e = 0; e < P; ++e) u[t * P + e] = scale[e] * (r * q[(s0 + t) * P + e]) + bias[e];
+    }
+    const int64_t first = t0 + s0;
+    coefficients_forward_tiles<T, NC>(u.data(), coeff + first * (n + 1) * n, post + first * n, n, tw, iterations, 0, 1);
+    for (int64_t t = 0; t < tw; ++t)
+      mix_rows<T, NC>(H + (first + t) * D, coeff + (first + t) * (n + 1) * n, x + (first + t) * d,
+                      mixed + (first + t) * D, n, d);
+  }
+}
+
+// Backward of one chunk, given its projections q (w x P): dH without the projection's part
+// (gH), dL/dq scaled to the GEMMs' input (gq, w x P), and this chunk's sums of the scale and
+// bias gradients (zeroed by the caller).
+template <typename T, int NC>
+void read_backward_chunk(const T* H, const T* q, const T* scale, const T* bias, T eps, int64_t iterations,
+                         const T* coeff, const T* gx, const T* gmixed, const T* gcoeff, const T* gpost, T* gH, T* gq,
+                         T* gscale, T* gbias, int64_t n_, int64_t d, int64_t t0, int64_t w) {
+  const int64_t n = NC > 0 ? NC : n_, P = 2 * n + n * n, D = n * d, nc = (n + 1) * n;
+  std::vector<T> u(TILE * P), rs(TILE), gc(TILE * nc), gu(TILE * P);
+  for (int64_t s0 = 0; s0 < w; s0 += TILE) {
+    const int64_t tw = std::min(TILE, w - s0), first = t0 + s0;
+    for (int64_t t = 0; t < tw; ++t) {
+      rs[t] = T(1) / std::sqrt(sum_of_squares<T>(H + (first + t) * D, D) / T(D) + eps);
+      for (int64_t e = 0; e < P; ++e) u[t * P + e] = scale[e] * (rs[t] * q[(s0 + t) * P + e]) + bias[e];
+      for (int64_t e = 0; e < nc; ++e) gc[t * nc + e] = gcoeff[(first + t) * nc + e];
+    }
+    // dL/dM from the read and mix (dots with H), and the mix's part of dH; cr comes later, so
+    // the H term is added below with it
+    for (int64_t t = 0; t < tw; ++t)
+      mix_rows_backward<T, NC>(H + (first + t) * D, coeff + (first + t) * nc, gx + (first + t) * d,
+                               gmixed + (first + t) * D, T(0), gc.data() + t * nc, gH + (first + t) * D, n, d);
+    coefficients_backward_tiles<T, NC>(u.data(), gc.data(), gpost + first * n, gu.data(), n, tw, iterations, 0, 1);
+    for (int64_t t = 0; t < tw; ++t) {
+      const T r = rs[t];
+      const T* qt = q + (s0 + t) * P;
+      T* gqt = gq + (s0 + t) * P;
+      T gr = 0;
+      for (int64_t e = 0; e < P; ++e) {
+        const T g = gu[t * P + e];
+        gscale[e] += g * (r * qt[e]);
+        gbias[e] += g;
+        const T gz = g * scale[e];
+        gqt[e] = gz * r;  // z = r q
+        gr += gz * qt[e];
+      }
+      const T cr = -gr * r * r * r / T(D);  // dr / dh_f = -r^3 h_f / D
+      const T* h = H + (first + t) * D;
+      T* o = gH + (first + t) * D;
+      for (int64_t f = 0; f < D; ++f) o[f] += cr * h[f];
+    }
   }
 }
 
@@ -244,7 +421,139 @@ torch::Tensor mhc_coefficients_backward(torch::Tensor u, torch::Tensor gcoeff, t
   return gu;
 }
 
+static void check_read(const torch::Tensor& H, const torch::Tensor& W, const torch::Tensor& scale,
+                       const torch::Tensor& bias, int64_t iterations) {
+  TORCH_CHECK(H.device().is_cpu() && W.device().is_cpu() && scale.device().is_cpu() && bias.device().is_cpu(),
+              "mhc read kernel: expected CPU tensors");
+  TORCH_CHECK(H.dim() == 3 && H.size(1) >= 1, "mhc read kernel: expected streams of shape (tokens, n, d), got ",
+              H.sizes());
+  const int64_t n = H.size(1), D = n * H.size(2), P = 2 * n + n * n;
+  TORCH_CHECK(W.dim() == 2 && W.size(0) == P && W.size(1) == D, "mhc read kernel: expected weight (2n + n^2, n d) = (",
+              P, ", ", D, "), got ", W.sizes());
+  TORCH_CHECK(scale.sizes() == torch::IntArrayRef({P}) && bias.sizes() == torch::IntArrayRef({P}),
+              "mhc read kernel: expected scale and bias of shape (", P, "), got ", scale.sizes(), " and ", bias.sizes());
+  TORCH_CHECK(H.scalar_type() == torch::kFloat || H.scalar_type() == torch::kDouble,
+              "mhc read kernel: float32 or float64 only, got ", H.scalar_type());
+  TORCH_CHECK(W.scalar_type() == H.scalar_type() && scale.scalar_type() == H.scalar_type() &&
+                  bias.scalar_type() == H.scalar_type(),
+              "mhc read kernel: parameters must have the streams' dtype ", H.scalar_type());
+  TORCH_CHECK(iterations >= 0, "mhc read kernel: iterations must be >= 0, got ", iterations);
+}
+
+// x (N, d), mixed (N, n, d), coeff (N, n + 1, n) = [H_pre; H_res], post (N, n) from the streams H
+// (N, n, d), W = Phi^T * gain (2n + n^2, n d), scale and bias (2n + n^2). Each chunk's
+// projections are one GEMM (at::mm, serial inside the parallel loop).
+std::vector<torch::Tensor> mhc_read_forward(torch::Tensor H, torch::Tensor W, torch::Tensor scale, torch::Tensor bias,
+                                            double eps, int64_t iterations) {
+  check_read(H, W, scale, bias, iterations);
+  PlainMath plain_math;
+  H = H.contiguous();
+  W = W.contiguous();
+  scale = scale.contiguous();
+  bias = bias.contiguous();
+  const int64_t N = H.size(0), n = H.size(1), d = H.size(2), D = n * d;
+  const int64_t chunks = (N + READ_CHUNK - 1) / READ_CHUNK;
+  auto x = torch::empty({N, d}, H.options());
+  auto mixed = torch::empty({N, n, d}, H.options());
+  auto coeff = torch::empty({N, n + 1, n}, H.options());
+  auto post = torch::empty({N, n}, H.options());
+  const auto flat = H.view({N, D});
+  const auto Wt = W.t();
+  AT_DISPATCH_FLOATING_TYPES(H.scalar_type(), "mhc_read_forward", [&] {
+    const scalar_t *hp = H.data_ptr<scalar_t>(), *sp = scale.data_ptr<scalar_t>(), *bp = bias.data_ptr<scalar_t>();
+    scalar_t *xp = x.data_ptr<scalar_t>(), *mp = mixed.data_ptr<scalar_t>(), *cp = coeff.data_ptr<scalar_t>(),
+             *pp = post.data_ptr<scalar_t>();
+    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+      PlainMath worker_plain_math;
+      for (int64_t chunk = begin; chunk < end; ++chunk) {
+        const int64_t t0 = chunk * READ_CHUNK, w = std::min(READ_CHUNK, N - t0);
+        const auto q = at::mm(flat.narrow(0, t0, w), Wt);
+        dispatch_n(n, [&](auto nc) {
+          read_forward_chunk<scalar_t, decltype(nc)::value>(hp, q.data_ptr<scalar_t>(), sp, bp, scalar_t(eps),
+                                                            iterations, xp, mp, cp, pp, n, d, t0, w);
+        });
+      }
+    });
+  });
+  return {x, mixed, coeff, post};
+}
+
+// dH, dW, dscale, dbias from the gradients of the four outputs (and the forward's coeff).
+std::vector<torch::Tensor> mhc_read_backward(torch::Tensor H, torch::Tensor W, torch::Tensor scale, torch::Tensor bias,
+                                             double eps, int64_t iterations, torch::Tensor coeff, torch::Tensor gx,
+                                             torch::Tensor gmixed, torch::Tensor gcoeff, torch::Tensor gpost) {
+  check_read(H, W, scale, bias, iterations);
+  PlainMath plain_math;
+  const int64_t N = H.size(0), n = H.size(1), d = H.size(2), D = n * d, P = 2 * n + n * n;
+  for (const auto& [name, t, shape] :
+       {std::tuple<const char*, const torch::Tensor&, std::vector<int64_t>>{"coeff", coeff, {N, n + 1, n}},
+        {"grad x", gx, {N, d}}, {"grad mixed", gmixed, {N, n, d}}, {"grad coeff", gcoeff, {N, n + 1, n}},
+        {"grad post", gpost, {N, n}}}) {
+    TORCH_CHECK(t.sizes() == torch::IntArrayRef(shape) && t.scalar_type() == H.scalar_type(), "mhc read kernel: ",
+                name, " has shape ", t.sizes(), " and dtype ", t.scalar_type(), ", expected ",
+                torch::IntArrayRef(shape), " and ", H.scalar_type());
+  }
+  H = H.contiguous();
+  W = W.contiguous();
+  scale = scale.contiguous();
+  bias = bias.contiguous();
+  coeff = coeff.contiguous();
+  gx = gx.contiguous();
+  gmixed = gmixed.contiguous();
+  gcoeff = gcoeff.contiguous();
+  gpost = gpost.contiguous();
+  const int64_t chunks = std::max<int64_t>(1, (N + READ_CHUNK - 1) / READ_CHUNK);
+  auto gH = torch::empty_like(H);
+  auto partial_W = torch::zeros({chunks, P, D}, H.options());
+  auto partial_sb = torch::zeros({chunks, 2, P}, H.options());  // scale, bias
+  const auto flat = H.view({N, D});
+  auto gflat = gH.view({N, D});
+  const auto Wt = W.t();
+  AT_DISPATCH_FLOATING_TYPES(H.scalar_type(), "mhc_read_backward", [&] {
+    const scalar_t *hp = H.data_ptr<scalar_t>(), *sp = scale.data_ptr<scalar_t>(), *bp = bias.data_ptr<scalar_t>(),
+                   *cp = coeff.data_ptr<scalar_t>(), *gxp = gx.data_ptr<scalar_t>(),
+                   *gmp = gmixed.data_ptr<scalar_t>(), *gcp = gcoeff.data_ptr<scalar_t>(),
+                   *gpp = gpost.data_ptr<scalar_t>();
+    scalar_t *ghp = gH.data_ptr<scalar_t>(), *psb = partial_sb.data_ptr<scalar_t>();
+    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+      PlainMath worker_plain_math;
+      for (int64_t chunk = begin; chunk < end; ++chunk) {
+        const int64_t t0 = chunk * READ_CHUNK, w = std::min(READ_CHUNK, N - t0);
+        const auto h = flat.narrow(0, t0, w);
+        const auto q = at::mm(h, Wt);
+        auto gq = torch::empty({w, P}, H.options());
+        dispatch_n(n, [&](auto nc) {
+          read_backward_chunk<scalar_t, decltype(nc)::value>(
+              hp, q.data_ptr<scalar_t>(), sp, bp, scalar_t(eps), iterations, cp, gxp, gmp, gcp, gpp, ghp,
+              gq.data_ptr<scalar_t>(), psb + chunk * 2 * P, psb + chunk * 2 * P + P, n, d, t0, w);
+        });
+        // the projection's part: dh += gq W, and this chunk's dW = gq^T h
+        gflat.narrow(0, t0, w).addmm_(gq, W);
+        partial_W.select(0, chunk).addmm_(gq.t(), h);
+      }
+    });
+  });
+  // the chunks' sums added in chunk order: the same result for any number of threads
+  auto gW = partial_W.select(0, 0).clone();
+  auto gsb = partial_sb.select(0, 0).clone();
+  for (int64_t chunk = 1; chunk < chunks; ++chunk) {
+    gW.add_(partial_W.select(0, chunk));
+    gsb.add_(partial_sb.select(0, chunk));
+  }
+  return {gH, gW, gsb.select(0, 0).clone(), gsb.select(0, 1).clone()};  // separate tensors, not views of one
+}
+
+// Hyper-Connections' read (hc.cpp).
+std::vector<at::Tensor> hc_read_forward(at::Tensor H, at::Tensor W, at::Tensor S, double eps, double scale);
+std::vector<at::Tensor> hc_read_backward(at::Tensor H, at::Tensor W, at::Tensor S, double eps, double scale,
+                                         at::Tensor gx, at::Tensor gmixed, at::Tensor gcoeff);
+
+// The extension's one module, for the kernels of every source file.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("mhc_coefficients_forward", &mhc_coefficients_forward, "mHC's pre, res and post coefficients");
   module.def("mhc_coefficients_backward", &mhc_coefficients_backward, "their gradient w.r.t. the pre-activations");
+  module.def("mhc_read_forward", &mhc_read_forward, "mHC's read: x, mixed streams and coefficients from the streams");
+  module.def("mhc_read_backward", &mhc_read_backward, "its gradients w.r.t. the streams, weight, scale and bias");
+  module.def("hc_read_forward", &hc_read_forward, "HC's read: x, mixed streams and coefficients from the streams");
+  module.def("hc_read_backward", &hc_read_backward, "its gradients w.r.t. the streams, weight and static weights");
 }

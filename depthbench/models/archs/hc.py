@@ -14,6 +14,11 @@ fixed constant (documented choice). The model output is the sum of streams, then
 and LM head; h_l for probes is the sum of streams. With n = 1 and zero dynamic weights this is
 exactly Pre-LN. `internals["stream_mixing"]` records, for every sublayer, the matrix acting on the
 streams, A_r^T (B, T, n, n), as mhc records H_res: both read H <- M H + ...
+
+On the CPU (float32/float64, up to 16 streams) the whole read, from H to the sublayer input, the
+mixed streams and the coefficients, runs in one C++ kernel per direction (`fused_read`,
+depthbench/kernels/hc.cpp), also under torch.compile; elsewhere, or where the kernels cannot be
+built, the PyTorch code below computes the same numbers.
 """
 
 from __future__ import annotations
@@ -23,10 +28,62 @@ from typing import Callable
 import torch
 from torch import nn
 
+from depthbench import kernels
 from depthbench.models.base import Block, DecoderLM, Rope, register
 from depthbench.models.layers import RMSNorm, normed_linear
 
 DYNAMIC_SCALE = 0.01
+KERNEL_MAX_STREAMS = 16  # hc.cpp's limit
+
+
+@torch.library.custom_op("depthbench::hc_read", mutates_args=(), device_types="cpu")
+def fused_read(H: torch.Tensor, weight: torch.Tensor, static: torch.Tensor, eps: float,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """HC's read in one C++ kernel (depthbench/kernels/hc.cpp): from the streams H (N, n, d), the
+    folded dynamic weight (n + 2, d) (projection times the norm's gain) and the static weights
+    (n, n + 2), the sublayer input x (N, d), the mixed streams (N, n, d) and the coefficients
+    (N, n, n + 2) = static + scale * tanh(N(H_i) weight^T). Eager PyTorch runs this as about ten
+    kernels forward and twenty backward, each a pass over the n-wide state. Backward recomputes
+    from the inputs. A torch custom op, so that torch.compile keeps it as one call."""
+    x, mixed, coeff = kernels.cpu_kernels().hc_read_forward(H, weight, static, eps, scale)
+    return x, mixed, coeff
+
+
+@fused_read.register_fake
+def _(H, weight, static, eps, scale):
+    N, n, d = H.shape
+    return H.new_empty(N, d), H.new_empty(N, n, d), H.new_empty(N, n, n + 2)
+
+
+@torch.library.custom_op("depthbench::hc_read_backward", mutates_args=(), device_types="cpu")
+def fused_read_backward(H: torch.Tensor, weight: torch.Tensor, static: torch.Tensor, eps: float, scale: float,
+                        grad_x: torch.Tensor, grad_mixed: torch.Tensor,
+                        grad_coeff: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad_H, grad_weight, grad_static = kernels.cpu_kernels().hc_read_backward(
+        H, weight, static, eps, scale, grad_x.contiguous(), grad_mixed.contiguous(), grad_coeff.contiguous())
+    return grad_H, grad_weight, grad_static
+
+
+@fused_read_backward.register_fake
+def _(H, weight, static, eps, scale, grad_x, grad_mixed, grad_coeff):
+    return torch.empty_like(H), torch.empty_like(weight), torch.empty_like(static)
+
+
+def _save_for_read_backward(ctx, inputs, output):
+    H, weight, static, ctx.eps, ctx.scale = inputs
+    ctx.save_for_backward(H, weight, static)
+
+
+def _read_backward(ctx, grad_x, grad_mixed, grad_coeff):
+    H, weight, static = ctx.saved_tensors
+    N, n, d = H.shape
+    grad_x = H.new_zeros(N, d) if grad_x is None else grad_x
+    grad_mixed = H.new_zeros(N, n, d) if grad_mixed is None else grad_mixed
+    grad_coeff = H.new_zeros(N, n, n + 2) if grad_coeff is None else grad_coeff
+    return (*fused_read_backward(H, weight, static, ctx.eps, ctx.scale, grad_x, grad_mixed, grad_coeff), None, None)
+
+
+fused_read.register_autograd(_read_backward, setup_context=_save_for_read_backward)
 
 
 class _BatchedMix(torch.autograd.Function):
@@ -95,13 +152,21 @@ class HyperConnection(nn.Module):
 
     def forward(self, H: torch.Tensor, sublayer_fn: Callable[[torch.Tensor], torch.Tensor]):
         n = self.n
-        proj = normed_linear(H, self.norm, self.dynamic)  # N(H_i) W per stream: (B, T, n, n + 2)
         # row i = stream i's [a_m,i | A_r[i, :] | b_i]: static part + the bounded dynamic part
         static = torch.cat([self.static_read[:, None], self.static_mix, self.static_write[:, None]], dim=1)
-        coeff = (static + DYNAMIC_SCALE * torch.tanh(proj)).to(H.dtype)  # the streams keep their dtype
-        # read (a_m^T H) and mix (A_r^T H) in one batched matmul: row 0 reads, rows 1..n mix
-        x, mixed = mix_matrix(coeff[..., : n + 1].mT, H).split([1, n], dim=-2)
-        out = sublayer_fn(x.squeeze(-2))
+        if n <= KERNEL_MAX_STREAMS and kernels.apply_to(H):
+            B, T, _, d = H.shape
+            weight = self.dynamic.weight * self.norm.weight  # N(H_i) W^T = (H_i (g * W)^T) / rms(H_i)
+            x, mixed, coeff = fused_read(H.reshape(B * T, n, d), weight.to(H.dtype), static.to(H.dtype),
+                                         self.norm.eps, DYNAMIC_SCALE)
+            x, mixed, coeff = x.view(B, T, d), mixed.view(B, T, n, d), coeff.view(B, T, n, n + 2)
+        else:
+            proj = normed_linear(H, self.norm, self.dynamic)  # N(H_i) W per stream: (B, T, n, n + 2)
+            coeff = (static + DYNAMIC_SCALE * torch.tanh(proj)).to(H.dtype)  # the streams keep their dtype
+            # read (a_m^T H) and mix (A_r^T H) in one batched matmul: row 0 reads, rows 1..n mix
+            x, mixed = mix_matrix(coeff[..., : n + 1].mT, H).split([1, n], dim=-2)
+            x = x.squeeze(-2)
+        out = sublayer_fn(x)
         H = write_streams(mixed, coeff[..., n + 1], out)  # + b^T F(...)
         return H, coeff[..., 1 : n + 1].mT  # the matrix acting on the streams: H <- A_r^T H + ...
 

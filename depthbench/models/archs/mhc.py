@@ -15,10 +15,12 @@ normalisations (stabilised, see `sinkhorn_knopp`), so the result's columns sum t
 its rows to within a tolerance that shrinks with the iterations.
 `internals["stream_mixing"]` records H_res of every sublayer, (B, T, n, n).
 
-On the CPU (float32/float64) everything from u = g * (x Phi) + b to [H_pre; H_res] and H_post
-runs in one C++ kernel per direction (`fused_coefficients`, depthbench/kernels/mhc.cpp), also
-under torch.compile; elsewhere, or where the kernels cannot be built, the PyTorch code below
-computes the same numbers.
+On the CPU (float32/float64) the whole read, from H to the sublayer input, the mixed streams and
+the coefficients (the norm, the projection, the Sinkhorn iterations, the read and the mix), runs
+in one C++ kernel per direction (`fused_read`, depthbench/kernels/mhc.cpp), also under
+torch.compile; elsewhere, or where the kernels cannot be built, the PyTorch code below computes
+the same numbers. (`fused_coefficients`, the coefficients alone from their pre-activations,
+is the kernels' tested building block.)
 """
 
 from __future__ import annotations
@@ -108,15 +110,59 @@ def _coefficients_backward(ctx, grad_coeff, grad_post):
 fused_coefficients.register_autograd(_coefficients_backward, setup_context=_save_for_coefficients_backward)
 
 
-@torch.compiler.assume_constant_result
-def _kernels_built() -> bool:
-    """Whether the CPU kernels are loaded (building them on the first call); a constant to
-    torch.compile, which calls it once while tracing."""
-    return kernels.cpu_kernels() is not None
+@torch.library.custom_op("depthbench::mhc_read", mutates_args=(), device_types="cpu")
+def fused_read(H: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float,
+               iterations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC's read in one C++ kernel (depthbench/kernels/mhc.cpp): from the streams H (N, n, d),
+    the folded projection weight (2n + n^2, n d) (Phi^T times the norm's gain) and the per-column
+    gain and bias of u = gain * (N(flatten(H)) Phi) + bias (2n + n^2 each), the sublayer input x
+    (N, d), the mixed streams (N, n, d), [H_pre; H_res] (N, n + 1, n) and H_post (N, n).
+    Backward recomputes from the inputs and the returned coefficients. A torch custom op, so that
+    torch.compile keeps it as one call."""
+    x, mixed, coeff, post = kernels.cpu_kernels().mhc_read_forward(H, weight, scale, bias, eps, iterations)
+    return x, mixed, coeff, post
 
 
-def _fused_kernel_applies(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) and _kernels_built()
+@fused_read.register_fake
+def _(H, weight, scale, bias, eps, iterations):
+    N, n, d = H.shape
+    return H.new_empty(N, d), H.new_empty(N, n, d), H.new_empty(N, n + 1, n), H.new_empty(N, n)
+
+
+@torch.library.custom_op("depthbench::mhc_read_backward", mutates_args=(), device_types="cpu")
+def fused_read_backward(H: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float,
+                        iterations: int, coeff: torch.Tensor, grad_x: torch.Tensor, grad_mixed: torch.Tensor,
+                        grad_coeff: torch.Tensor,
+                        grad_post: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = kernels.cpu_kernels().mhc_read_backward(
+        H, weight, scale, bias, eps, iterations, coeff, grad_x.contiguous(), grad_mixed.contiguous(),
+        grad_coeff.contiguous(), grad_post.contiguous())
+    return tuple(grads)
+
+
+@fused_read_backward.register_fake
+def _(H, weight, scale, bias, eps, iterations, coeff, grad_x, grad_mixed, grad_coeff, grad_post):
+    return torch.empty_like(H), torch.empty_like(weight), torch.empty_like(scale), torch.empty_like(bias)
+
+
+def _save_for_read_backward(ctx, inputs, output):
+    H, weight, scale, bias, ctx.eps, ctx.iterations = inputs
+    ctx.save_for_backward(H, weight, scale, bias, output[2])
+
+
+def _read_backward(ctx, grad_x, grad_mixed, grad_coeff, grad_post):
+    H, weight, scale, bias, coeff = ctx.saved_tensors
+    N, n, d = H.shape
+    grad_x = H.new_zeros(N, d) if grad_x is None else grad_x
+    grad_mixed = H.new_zeros(N, n, d) if grad_mixed is None else grad_mixed
+    grad_coeff = H.new_zeros(N, n + 1, n) if grad_coeff is None else grad_coeff
+    grad_post = H.new_zeros(N, n) if grad_post is None else grad_post
+    grads = fused_read_backward(H, weight, scale, bias, ctx.eps, ctx.iterations, coeff, grad_x, grad_mixed,
+                                grad_coeff, grad_post)
+    return (*grads, None, None)
+
+
+fused_read.register_autograd(_read_backward, setup_context=_save_for_read_backward)
 
 
 def sinkhorn_knopp(log_m: torch.Tensor, iterations: int = 20) -> torch.Tensor:
@@ -187,10 +233,22 @@ class ManifoldHyperConnection(nn.Module):
 
     def forward(self, H: torch.Tensor, sublayer_fn: Callable[[torch.Tensor], torch.Tensor]):
         B, T, n, d = H.shape
+        if kernels.apply_to(H):
+            width = 2 * n + n * n
+            weight = (self.phi.weight * self.norm.weight).to(H.dtype)  # N(h) Phi = (h (g * Phi)) / rms(h)
+            scale = at_least_fp32(self.gains).repeat_interleave(torch.tensor([n, n, n * n]), output_size=width)
+            bias = torch.cat([self.b_pre, self.b_post, self.b_res.reshape(-1)])
+            x, mixed, coeff, post = fused_read(H.reshape(B * T, n, d), weight, scale.to(H.dtype), bias.to(H.dtype),
+                                               self.norm.eps, self.iterations)
+            x, mixed = x.view(B, T, d), mixed.view(B, T, n, d)
+            coeff, post = coeff.view(B, T, n + 1, n), post.view(B, T, n)
+            out = sublayer_fn(x)
+            H = write_streams(mixed, post, out)  # + H_post^T F(...)
+            return H, coeff[..., 1:, :]
         # N(flatten(H)) Phi without materialising the normalised state (an RMSNorm over n*d
         # values per token has a slow backward on CPU at this size)
         z = normed_linear(H.reshape(B, T, n * d), self.norm, self.phi)
-        if _fused_kernel_applies(z):
+        if kernels.apply_to(z):  # bf16 streams on the CPU: the coefficients in C++
             coeff, post = self.kernel_coefficients(z)
             res = coeff[..., 1:, :]
         else:

@@ -1,0 +1,154 @@
+"""HC's fused read kernel (depthbench/kernels/hc.cpp) gives the numbers of HC's definition."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from depthbench import kernels
+from depthbench.models import ModelConfig, build_model
+from depthbench.models.archs import hc as hc_module
+
+reason = kernels.unavailable_reason()
+pytestmark = pytest.mark.skipif(reason is not None, reason=f"CPU kernels cannot be built here: {reason}")
+
+
+def _read_reference(H, weight, static, eps, scale):
+    """The definition in PyTorch: per-stream RMS, projection, static + scale * tanh, read, mix."""
+    n = H.shape[1]
+    inv_rms = torch.rsqrt((H * H).mean(-1, keepdim=True) + eps)
+    coeff = static + scale * torch.tanh((H @ weight.T) * inv_rms)
+    out = coeff[..., : n + 1].mT @ H  # row 0 reads, rows 1..n mix
+    return out[:, 0], out[:, 1:], coeff
+
+
+def _case(n, d, tokens, dtype, weight_scale=0.5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    H = torch.randn(tokens, n, d, dtype=dtype, generator=g)
+    weight = torch.randn(n + 2, d, dtype=dtype, generator=g) * weight_scale
+    static = torch.randn(n, n + 2, dtype=dtype, generator=g)
+    return H, weight, static
+
+
+@pytest.mark.parametrize("n,d,tokens", [(4, 64, 70), (4, 64, 1), (3, 20, 5), (5, 37, 130), (1, 8, 3), (2, 16, 257)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_hc_read_kernel_equals_the_definition(n, d, tokens, dtype):
+    """Outputs and the gradients of H, the weight and the static weights; n = 1..5 (5: the
+    runtime-n path), d with and without a partial vector, token counts across a weight chunk."""
+    H, weight, static = _case(n, d, tokens, dtype)
+    inputs = [t.clone().requires_grad_() for t in (H, weight, static)]
+    expected = _read_reference(*inputs, 1e-6, 0.5)
+    grads_out = [torch.randn_like(t) for t in expected]
+    expected_grads = torch.autograd.grad(expected, inputs, grads_out)
+    k = kernels.cpu_kernels()
+    got = k.hc_read_forward(H, weight, static, 1e-6, 0.5)
+    got_grads = k.hc_read_backward(H, weight, static, 1e-6, 0.5, *grads_out)
+    tol = dict(rtol=1e-11, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b.detach(), **tol)
+    gtol = dict(rtol=1e-10, atol=1e-11) if dtype == torch.float64 else dict(rtol=1e-4, atol=2e-4)
+    for a, b in zip(got_grads, expected_grads):
+        torch.testing.assert_close(a, b, **gtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_kernels_tanh_is_accurate_over_its_whole_range(dtype):
+    """The vectorised tanh of hc.cpp against torch.tanh, for |p| from 1e-9 to beyond its clamp
+    at 20, both signs. One stream with d = 2 and H_t = (cos a_t, sin a_t): RMS normalisation
+    gives p_t = sqrt(2) s cos(a_t) for a weight row (s, 0), static 0 and scale 1, so the first
+    coefficient is tanh(p_t)."""
+    angles = torch.linspace(0, torch.pi, 2001, dtype=torch.float64)
+    H = torch.stack([angles.cos(), angles.sin()], dim=-1).view(-1, 1, 2).to(dtype)
+    for s in (1e-9, 1e-4, 0.1, 1.0, 5.0, 30.0):
+        weight = torch.tensor([[s, 0.0], [0.0, 0.0], [0.0, 0.0]], dtype=dtype)
+        _, _, coeff = kernels.cpu_kernels().hc_read_forward(H, weight, torch.zeros(1, 3, dtype=dtype), 0.0, 1.0)
+        p = (H[:, 0, 0] * s) * torch.rsqrt((H * H).mean(-1)[:, 0])  # as the kernel rounds it
+        tol = dict(rtol=1e-14, atol=1e-300) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-30)
+        torch.testing.assert_close(coeff[:, 0, 0], torch.tanh(p), **tol)
+
+
+def test_hc_read_kernel_is_independent_of_thread_count():
+    H, weight, static = _case(4, 64, 1000, torch.float32)
+    grads = [torch.randn(1000, 64), torch.randn(1000, 4, 64), torch.randn(1000, 4, 6)]
+    k = kernels.cpu_kernels()
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append((*k.hc_read_forward(H, weight, static, 1e-6, 0.01),
+                            *k.hc_read_backward(H, weight, static, 1e-6, 0.01, *grads)))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_hc_read_custom_op_registration_and_gradcheck():
+    H, weight, static = _case(3, 12, 9, torch.float64)
+    inputs = [t.requires_grad_() for t in (H, weight, static)]
+    torch.library.opcheck(hc_module.fused_read, (*inputs, 1e-6, 0.5))
+    assert torch.autograd.gradcheck(lambda *a: hc_module.fused_read(*a, 1e-6, 0.5), inputs)
+
+
+def test_hc_read_kernel_rejects_bad_shapes():
+    H, weight, static = _case(4, 16, 3, torch.float32)
+    with pytest.raises(RuntimeError, match=r"weight \(n \+ 2, d\)"):
+        kernels.cpu_kernels().hc_read_forward(H, weight[:5], static, 1e-6, 0.01)
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        kernels.cpu_kernels().hc_read_forward(H.half(), weight.half(), static.half(), 1e-6, 0.01)
+
+
+def _perturbed_hc(n_layer=2, d_model=32, **options):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(arch="hc", vocab_size=64, n_layer=n_layer, d_model=d_model, n_head=2,
+                                    max_seq_len=16, arch_options=options))
+    with torch.no_grad():  # move the zero-initialised dynamic weights off their init
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+@pytest.mark.parametrize("n_streams", [4, 3])
+def test_hc_training_step_is_the_same_with_and_without_the_kernel(monkeypatch, n_streams):
+    """Loss, every parameter gradient and the recorded stream-mixing matrices agree."""
+    model = _perturbed_hc(n_streams=n_streams)
+    idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    results = {}
+    for name, module in [("kernel", kernels.cpu_kernels()), ("pytorch", None)]:
+        monkeypatch.setattr(kernels, "cpu_kernels", lambda module=module: module)
+        model.zero_grad(set_to_none=True)
+        loss = model(idx, targets).loss
+        loss.backward()
+        with torch.no_grad():
+            internals = model(idx, return_internals=True).internals
+        results[name] = (loss.detach(), [p.grad.clone() for p in model.parameters()], internals["stream_mixing"])
+    torch.testing.assert_close(results["kernel"][0], results["pytorch"][0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(results["kernel"][1], results["pytorch"][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    for a, b in zip(results["kernel"][2], results["pytorch"][2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_hc_keeps_the_kernel_and_matches_eager(monkeypatch):
+    real = kernels.cpu_kernels()
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(kernels, "cpu_kernels", lambda: Spy())
+    model = _perturbed_hc(n_layer=1, d_model=16)
+    idx, targets = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    results = []
+    for net in (model, torch.compile(model)):
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        loss = net(idx, targets).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        assert calls.count("hc_read_forward") == 2 and calls.count("hc_read_backward") == 2
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
