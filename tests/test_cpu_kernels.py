@@ -212,9 +212,10 @@ def test_mhc_read_kernel_equals_the_definition(n, d, tokens, dtype):
     k = kernels.cpu_kernels()
     plain = [t.detach() for t in inputs]
     got = k.mhc_read_forward(*plain, 1e-6, 20)
-    got_grads = k.mhc_read_backward(*plain, 1e-6, 20, got[2], *grads_out)
+    torch.testing.assert_close(got[4], plain[0].reshape(tokens, -1) @ plain[1].T)  # the projections
+    got_grads = k.mhc_read_backward(*plain, 1e-6, 20, got[2], got[4], *grads_out)
     tol = dict(rtol=1e-11, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
-    for a, b in zip(got, expected):
+    for a, b in zip(got[:4], expected):
         torch.testing.assert_close(a, b.detach(), **tol)
     gtol = dict(rtol=1e-10, atol=1e-11) if dtype == torch.float64 else dict(rtol=1e-4, atol=2e-4)
     for a, b in zip(got_grads, expected_grads):
@@ -231,7 +232,7 @@ def test_mhc_read_kernel_is_independent_of_thread_count():
         for count in (1, 2):
             torch.set_num_threads(count)
             out = k.mhc_read_forward(H, weight, scale, bias, 1e-6, 20)
-            results.append((*out, *k.mhc_read_backward(H, weight, scale, bias, 1e-6, 20, out[2], *grads)))
+            results.append((*out, *k.mhc_read_backward(H, weight, scale, bias, 1e-6, 20, out[2], out[4], *grads)))
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(*results))
@@ -240,7 +241,7 @@ def test_mhc_read_kernel_is_independent_of_thread_count():
 def test_mhc_read_custom_op_registration_and_gradcheck():
     inputs = [t.requires_grad_() for t in _read_case(3, 4, 7, torch.float64)]
     torch.library.opcheck(mhc_module.fused_read, (*inputs, 1e-6, 20))
-    assert torch.autograd.gradcheck(lambda *a: mhc_module.fused_read(*a, 1e-6, 20), inputs)
+    assert torch.autograd.gradcheck(lambda *a: mhc_module.fused_read(*a, 1e-6, 20)[:4], inputs)
 
 
 def test_mhc_read_kernel_rejects_bad_shapes():
@@ -249,5 +250,5 @@ def test_mhc_read_kernel_rejects_bad_shapes():
         kernels.cpu_kernels().mhc_read_forward(H, weight[:, :-1], scale, bias, 1e-6, 20)
     out = kernels.cpu_kernels().mhc_read_forward(H, weight, scale, bias, 1e-6, 20)
     with pytest.raises(RuntimeError, match="grad post has shape"):
-        kernels.cpu_kernels().mhc_read_backward(H, weight, scale, bias, 1e-6, 20, out[2], torch.zeros(3, 8),
+        kernels.cpu_kernels().mhc_read_backward(H, weight, scale, bias, 1e-6, 20, out[2], out[4], torch.zeros(3, 8),
                                                 torch.zeros(3, 4, 8), torch.zeros(3, 5, 4), torch.zeros(3, 5))

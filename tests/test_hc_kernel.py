@@ -152,3 +152,28 @@ def test_compiled_hc_keeps_the_kernel_and_matches_eager(monkeypatch):
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
     for a, b in zip(results[1][1], results[0][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("n,d,tokens", [(4, 64, 70), (3, 13, 5), (5, 8, 1)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_stream_write_backward_equals_autograd_through_addcmul(n, d, tokens, dtype):
+    """HC's and mHC's write H = mixed + w^T out: the C++ backward against autograd."""
+    g = torch.Generator().manual_seed(1)
+    mixed, w, out = (torch.randn(*shape, dtype=dtype, generator=g, requires_grad=True)
+                     for shape in ((tokens, n, d), (tokens, n), (tokens, d)))
+    H = torch.addcmul(mixed, w.unsqueeze(-1), out.unsqueeze(-2))
+    grad = torch.randn_like(H)
+    expected = torch.autograd.grad(H, (mixed, w, out), grad)
+    fused = hc_module.fused_write(mixed, w, out)
+    torch.testing.assert_close(fused, H)
+    got = torch.autograd.grad(fused, (mixed, w, out), grad)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_stream_write_custom_op_registration():
+    g = torch.Generator().manual_seed(2)
+    args = [torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True) for shape in ((5, 3, 4), (5, 3), (5, 4))]
+    torch.library.opcheck(hc_module.fused_write, args)
+    assert torch.autograd.gradcheck(hc_module.fused_write, args)

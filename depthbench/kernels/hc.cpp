@@ -251,6 +251,43 @@ DB_CLONES void read_backward_range(const T* H, const T* W, const T* S, T eps, T 
   }
 }
 
+// Backward of the write H = mixed + w^T out (w: n per token, out: d per token):
+//   dw_i = sum_k dH_ik out_k,  dout_k = sum_i w_i dH_ik   (dmixed is dH itself)
+// in one pass over dH, where autograd through addcmul makes four.
+template <typename T, int NC>
+DB_CLONES void write_backward_range(const T* gH, const T* w, const T* out, T* gw, T* gout, int64_t n_, int64_t d,
+                                    int64_t begin, int64_t end) {
+  constexpr int64_t V = LANES<T>;
+  const int64_t n = NC > 0 ? NC : n_;
+  for (int64_t t = begin; t < end; ++t) {
+    const T* __restrict__ g = gH + t * n * d;
+    const T* __restrict__ o = out + t * d;
+    const T* wt = w + t * n;
+    T* __restrict__ go = gout + t * d;
+    int64_t k = 0;
+    for (; k + V <= d; k += V) {
+      Vec<T> a = wt[0] * load(g + k);
+#pragma GCC unroll 16
+      for (int64_t i = 1; i < n; ++i) a += wt[i] * load(g + i * d + k);
+      store(go + k, a);
+    }
+    for (; k < d; ++k) {
+      T a = 0;
+      for (int64_t i = 0; i < n; ++i) a += wt[i] * g[i * d + k];
+      go[k] = a;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const T* __restrict__ gi = g + i * d;
+      Vec<T> acc = {};
+      int64_t kk = 0;
+      for (; kk + V <= d; kk += V) acc += load(gi + kk) * load(o + kk);
+      T a = lane_sum<T>(acc);
+      for (; kk < d; ++kk) a += gi[kk] * o[kk];
+      gw[t * n + i] = a;
+    }
+  }
+}
+
 void check_read(const at::Tensor& H, const at::Tensor& W, const at::Tensor& S) {
   TORCH_CHECK(H.device().is_cpu() && W.device().is_cpu() && S.device().is_cpu(),
               "hc read kernel: expected CPU tensors, got ", H.device(), ", ", W.device(), ", ", S.device());
@@ -344,4 +381,35 @@ std::vector<at::Tensor> hc_read_backward(at::Tensor H, at::Tensor W, at::Tensor 
     }
   });
   return {gH, gW, gS};
+}
+
+// (dw (N, n), dout (N, d)) from dH (N, n, d), the write weights w (N, n) and the sublayer output
+// out (N, d) of H = mixed + w^T out.
+std::vector<at::Tensor> stream_write_backward(at::Tensor gH, at::Tensor w, at::Tensor out) {
+  TORCH_CHECK(gH.device().is_cpu() && w.device().is_cpu() && out.device().is_cpu(),
+              "stream write kernel: expected CPU tensors");
+  TORCH_CHECK(gH.dim() == 3, "stream write kernel: expected a gradient of shape (tokens, n, d), got ", gH.sizes());
+  const int64_t N = gH.size(0), n = gH.size(1), d = gH.size(2);
+  TORCH_CHECK(w.sizes() == at::IntArrayRef({N, n}) && out.sizes() == at::IntArrayRef({N, d}),
+              "stream write kernel: expected weights (", N, ", ", n, ") and output (", N, ", ", d, "), got ", w.sizes(),
+              " and ", out.sizes());
+  TORCH_CHECK(gH.scalar_type() == at::kFloat || gH.scalar_type() == at::kDouble,
+              "stream write kernel: float32 or float64 only, got ", gH.scalar_type());
+  TORCH_CHECK(w.scalar_type() == gH.scalar_type() && out.scalar_type() == gH.scalar_type(),
+              "stream write kernel: all dtypes must be ", gH.scalar_type());
+  gH = gH.contiguous();
+  w = w.contiguous();
+  out = out.contiguous();
+  auto gw = at::empty({N, n}, gH.options());
+  auto gout = at::empty({N, d}, gH.options());
+  AT_DISPATCH_FLOATING_TYPES(gH.scalar_type(), "stream_write_backward", [&] {
+    const scalar_t *gp = gH.data_ptr<scalar_t>(), *wp = w.data_ptr<scalar_t>(), *op = out.data_ptr<scalar_t>();
+    scalar_t *gwp = gw.data_ptr<scalar_t>(), *gop = gout.data_ptr<scalar_t>();
+    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+      dispatch_n(n, [&](auto nc) {
+        write_backward_range<scalar_t, decltype(nc)::value>(gp, wp, op, gwp, gop, n, d, begin, end);
+      });
+    });
+  });
+  return {gw, gout};
 }

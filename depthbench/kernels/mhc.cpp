@@ -180,19 +180,18 @@ void coefficients_backward_tiles(const T* u, const T* gcoeff, const T* gpost, T*
 //   u_e = scale_e z_e + bias_e                                          (scale: g_pre, g_post or g_res)
 //   [H_pre; H_res], H_post = the coefficients above, from u
 //   x = sum_i H_pre,i H_i,  mixed_j = sum_i H_res,ji H_i
-// Tokens go in chunks of READ_CHUNK: one GEMM (at::mm, serial inside the parallel loop) gives a
-// chunk's projections q = h W^T, then each tile of TILE tokens gets its u, its coefficients (the
-// tile functions above) and its read and mix, while H is in cache. The backward recomputes q, u
-// and the Sinkhorn iterations (the coefficients themselves come back from the forward's output),
-// and the projection's gradients are two more GEMMs per chunk: dh += dq W and dW += dq^T h.
+// One GEMM (at::mm) gives every token's projections q = h W^T; then, in parallel over chunks of
+// READ_CHUNK tokens, each tile of TILE tokens gets its u, its coefficients (the tile functions
+// above) and its read and mix, while its H is in cache. The backward takes q and the coefficients
+// back from the forward's outputs and recomputes u and the Sinkhorn iterations,
+// and the projection's gradients are two more GEMMs: dh += dq W and dW = dq^T h.
 // Eager PyTorch ran this read as about 15 kernels forward and 30 backward, each a pass over the
 // n-wide state.
 
 constexpr int64_t READ_CHUNK = 4 * TILE;
 
 // The GEMMs inside the kernels run as plain arithmetic in the inputs' dtype: no autograd
-// recording, no autocast (under CPU autocast at::mm would return bfloat16). Both are per thread,
-// so each worker of the parallel loops takes one too.
+// recording, no autocast (under CPU autocast at::mm would return bfloat16).
 struct PlainMath {
   torch::NoGradGuard no_grad;
   c10::impl::ExcludeDispatchKeyGuard no_autocast{c10::autocast_dispatch_keyset};
@@ -441,7 +440,8 @@ static void check_read(const torch::Tensor& H, const torch::Tensor& W, const tor
 }
 
 // x (N, d), mixed (N, n, d), coeff (N, n + 1, n) = [H_pre; H_res], post (N, n) from the streams H
-// (N, n, d), W = Phi^T * gain (2n + n^2, n d), scale and bias (2n + n^2). Each chunk's
+// (N, n, d), W = Phi^T * gain (2n + n^2, n d), scale and bias (2n + n^2); and proj = h W^T
+// (N, 2n + n^2), kept for the backward. Each chunk's
 // projections are one GEMM (at::mm, serial inside the parallel loop).
 std::vector<torch::Tensor> mhc_read_forward(torch::Tensor H, torch::Tensor W, torch::Tensor scale, torch::Tensor bias,
                                             double eps, int64_t iterations) {
@@ -451,42 +451,43 @@ std::vector<torch::Tensor> mhc_read_forward(torch::Tensor H, torch::Tensor W, to
   W = W.contiguous();
   scale = scale.contiguous();
   bias = bias.contiguous();
-  const int64_t N = H.size(0), n = H.size(1), d = H.size(2), D = n * d;
+  const int64_t N = H.size(0), n = H.size(1), d = H.size(2), D = n * d, P = 2 * n + n * n;
   const int64_t chunks = (N + READ_CHUNK - 1) / READ_CHUNK;
   auto x = torch::empty({N, d}, H.options());
   auto mixed = torch::empty({N, n, d}, H.options());
   auto coeff = torch::empty({N, n + 1, n}, H.options());
   auto post = torch::empty({N, n}, H.options());
-  const auto flat = H.view({N, D});
-  const auto Wt = W.t();
+  const auto q = at::mm(H.view({N, D}), W.t());  // the projections of every token, one GEMM
   AT_DISPATCH_FLOATING_TYPES(H.scalar_type(), "mhc_read_forward", [&] {
-    const scalar_t *hp = H.data_ptr<scalar_t>(), *sp = scale.data_ptr<scalar_t>(), *bp = bias.data_ptr<scalar_t>();
+    const scalar_t *hp = H.data_ptr<scalar_t>(), *qp = q.data_ptr<scalar_t>(), *sp = scale.data_ptr<scalar_t>(),
+                   *bp = bias.data_ptr<scalar_t>();
     scalar_t *xp = x.data_ptr<scalar_t>(), *mp = mixed.data_ptr<scalar_t>(), *cp = coeff.data_ptr<scalar_t>(),
              *pp = post.data_ptr<scalar_t>();
     at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-      PlainMath worker_plain_math;
       for (int64_t chunk = begin; chunk < end; ++chunk) {
         const int64_t t0 = chunk * READ_CHUNK, w = std::min(READ_CHUNK, N - t0);
-        const auto q = at::mm(flat.narrow(0, t0, w), Wt);
         dispatch_n(n, [&](auto nc) {
-          read_forward_chunk<scalar_t, decltype(nc)::value>(hp, q.data_ptr<scalar_t>(), sp, bp, scalar_t(eps),
-                                                            iterations, xp, mp, cp, pp, n, d, t0, w);
+          read_forward_chunk<scalar_t, decltype(nc)::value>(hp, qp + t0 * P, sp, bp, scalar_t(eps), iterations, xp, mp,
+                                                            cp, pp, n, d, t0, w);
         });
       }
     });
   });
-  return {x, mixed, coeff, post};
+  return {x, mixed, coeff, post, q};
 }
 
-// dH, dW, dscale, dbias from the gradients of the four outputs (and the forward's coeff).
+// dH, dW, dscale, dbias from the gradients of x, mixed, coeff and post (and the forward's coeff
+// and proj).
 std::vector<torch::Tensor> mhc_read_backward(torch::Tensor H, torch::Tensor W, torch::Tensor scale, torch::Tensor bias,
-                                             double eps, int64_t iterations, torch::Tensor coeff, torch::Tensor gx,
-                                             torch::Tensor gmixed, torch::Tensor gcoeff, torch::Tensor gpost) {
+                                             double eps, int64_t iterations, torch::Tensor coeff, torch::Tensor proj,
+                                             torch::Tensor gx, torch::Tensor gmixed, torch::Tensor gcoeff,
+                                             torch::Tensor gpost) {
   check_read(H, W, scale, bias, iterations);
   PlainMath plain_math;
   const int64_t N = H.size(0), n = H.size(1), d = H.size(2), D = n * d, P = 2 * n + n * n;
   for (const auto& [name, t, shape] :
        {std::tuple<const char*, const torch::Tensor&, std::vector<int64_t>>{"coeff", coeff, {N, n + 1, n}},
+        {"proj", proj, {N, P}},
         {"grad x", gx, {N, d}}, {"grad mixed", gmixed, {N, n, d}}, {"grad coeff", gcoeff, {N, n + 1, n}},
         {"grad post", gpost, {N, n}}}) {
     TORCH_CHECK(t.sizes() == torch::IntArrayRef(shape) && t.scalar_type() == H.scalar_type(), "mhc read kernel: ",
@@ -504,42 +505,33 @@ std::vector<torch::Tensor> mhc_read_backward(torch::Tensor H, torch::Tensor W, t
   gpost = gpost.contiguous();
   const int64_t chunks = std::max<int64_t>(1, (N + READ_CHUNK - 1) / READ_CHUNK);
   auto gH = torch::empty_like(H);
-  auto partial_W = torch::zeros({chunks, P, D}, H.options());
+  auto gq = torch::empty({N, P}, H.options());
   auto partial_sb = torch::zeros({chunks, 2, P}, H.options());  // scale, bias
   const auto flat = H.view({N, D});
-  auto gflat = gH.view({N, D});
-  const auto Wt = W.t();
+  const auto q = proj.contiguous();
   AT_DISPATCH_FLOATING_TYPES(H.scalar_type(), "mhc_read_backward", [&] {
-    const scalar_t *hp = H.data_ptr<scalar_t>(), *sp = scale.data_ptr<scalar_t>(), *bp = bias.data_ptr<scalar_t>(),
-                   *cp = coeff.data_ptr<scalar_t>(), *gxp = gx.data_ptr<scalar_t>(),
+    const scalar_t *hp = H.data_ptr<scalar_t>(), *qp = q.data_ptr<scalar_t>(), *sp = scale.data_ptr<scalar_t>(),
+                   *bp = bias.data_ptr<scalar_t>(), *cp = coeff.data_ptr<scalar_t>(), *gxp = gx.data_ptr<scalar_t>(),
                    *gmp = gmixed.data_ptr<scalar_t>(), *gcp = gcoeff.data_ptr<scalar_t>(),
                    *gpp = gpost.data_ptr<scalar_t>();
-    scalar_t *ghp = gH.data_ptr<scalar_t>(), *psb = partial_sb.data_ptr<scalar_t>();
+    scalar_t *ghp = gH.data_ptr<scalar_t>(), *gqp = gq.data_ptr<scalar_t>(), *psb = partial_sb.data_ptr<scalar_t>();
     at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-      PlainMath worker_plain_math;
       for (int64_t chunk = begin; chunk < end; ++chunk) {
         const int64_t t0 = chunk * READ_CHUNK, w = std::min(READ_CHUNK, N - t0);
-        const auto h = flat.narrow(0, t0, w);
-        const auto q = at::mm(h, Wt);
-        auto gq = torch::empty({w, P}, H.options());
         dispatch_n(n, [&](auto nc) {
-          read_backward_chunk<scalar_t, decltype(nc)::value>(
-              hp, q.data_ptr<scalar_t>(), sp, bp, scalar_t(eps), iterations, cp, gxp, gmp, gcp, gpp, ghp,
-              gq.data_ptr<scalar_t>(), psb + chunk * 2 * P, psb + chunk * 2 * P + P, n, d, t0, w);
+          read_backward_chunk<scalar_t, decltype(nc)::value>(hp, qp + t0 * P, sp, bp, scalar_t(eps), iterations, cp,
+                                                             gxp, gmp, gcp, gpp, ghp, gqp + t0 * P,
+                                                             psb + chunk * 2 * P, psb + chunk * 2 * P + P, n, d, t0, w);
         });
-        // the projection's part: dh += gq W, and this chunk's dW = gq^T h
-        gflat.narrow(0, t0, w).addmm_(gq, W);
-        partial_W.select(0, chunk).addmm_(gq.t(), h);
       }
     });
   });
+  // the projection's part, two GEMMs: dh += dq W, dW = dq^T h
+  gH.view({N, D}).addmm_(gq, W);
+  auto gW = at::mm(gq.t(), flat);
   // the chunks' sums added in chunk order: the same result for any number of threads
-  auto gW = partial_W.select(0, 0).clone();
   auto gsb = partial_sb.select(0, 0).clone();
-  for (int64_t chunk = 1; chunk < chunks; ++chunk) {
-    gW.add_(partial_W.select(0, chunk));
-    gsb.add_(partial_sb.select(0, chunk));
-  }
+  for (int64_t chunk = 1; chunk < chunks; ++chunk) gsb.add_(partial_sb.select(0, chunk));
   return {gH, gW, gsb.select(0, 0).clone(), gsb.select(0, 1).clone()};  // separate tensors, not views of one
 }
 
@@ -547,6 +539,7 @@ std::vector<torch::Tensor> mhc_read_backward(torch::Tensor H, torch::Tensor W, t
 std::vector<at::Tensor> hc_read_forward(at::Tensor H, at::Tensor W, at::Tensor S, double eps, double scale);
 std::vector<at::Tensor> hc_read_backward(at::Tensor H, at::Tensor W, at::Tensor S, double eps, double scale,
                                          at::Tensor gx, at::Tensor gmixed, at::Tensor gcoeff);
+std::vector<at::Tensor> stream_write_backward(at::Tensor gH, at::Tensor w, at::Tensor out);
 
 // The extension's one module, for the kernels of every source file.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -554,6 +547,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("mhc_coefficients_backward", &mhc_coefficients_backward, "their gradient w.r.t. the pre-activations");
   module.def("mhc_read_forward", &mhc_read_forward, "mHC's read: x, mixed streams and coefficients from the streams");
   module.def("mhc_read_backward", &mhc_read_backward, "its gradients w.r.t. the streams, weight, scale and bias");
+  module.def("stream_write_backward", &stream_write_backward, "HC's and mHC's write H = mixed + w^T out, backward");
   module.def("hc_read_forward", &hc_read_forward, "HC's read: x, mixed streams and coefficients from the streams");
   module.def("hc_read_backward", &hc_read_backward, "its gradients w.r.t. the streams, weight and static weights");
 }

@@ -112,52 +112,55 @@ fused_coefficients.register_autograd(_coefficients_backward, setup_context=_save
 
 @torch.library.custom_op("depthbench::mhc_read", mutates_args=(), device_types="cpu")
 def fused_read(H: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float,
-               iterations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               iterations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC's read in one C++ kernel (depthbench/kernels/mhc.cpp): from the streams H (N, n, d),
     the folded projection weight (2n + n^2, n d) (Phi^T times the norm's gain) and the per-column
     gain and bias of u = gain * (N(flatten(H)) Phi) + bias (2n + n^2 each), the sublayer input x
-    (N, d), the mixed streams (N, n, d), [H_pre; H_res] (N, n + 1, n) and H_post (N, n).
-    Backward recomputes from the inputs and the returned coefficients. A torch custom op, so that
+    (N, d), the mixed streams (N, n, d), [H_pre; H_res] (N, n + 1, n) and H_post (N, n); and
+    the projections h weight^T (N, 2n + n^2), returned for the backward only (no gradient flows
+    back through them). Backward recomputes the rest from the inputs. A torch custom op, so that
     torch.compile keeps it as one call."""
-    x, mixed, coeff, post = kernels.cpu_kernels().mhc_read_forward(H, weight, scale, bias, eps, iterations)
-    return x, mixed, coeff, post
+    x, mixed, coeff, post, proj = kernels.cpu_kernels().mhc_read_forward(H, weight, scale, bias, eps, iterations)
+    return x, mixed, coeff, post, proj
 
 
 @fused_read.register_fake
 def _(H, weight, scale, bias, eps, iterations):
     N, n, d = H.shape
-    return H.new_empty(N, d), H.new_empty(N, n, d), H.new_empty(N, n + 1, n), H.new_empty(N, n)
+    return (H.new_empty(N, d), H.new_empty(N, n, d), H.new_empty(N, n + 1, n), H.new_empty(N, n),
+            H.new_empty(N, 2 * n + n * n))
 
 
 @torch.library.custom_op("depthbench::mhc_read_backward", mutates_args=(), device_types="cpu")
 def fused_read_backward(H: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float,
-                        iterations: int, coeff: torch.Tensor, grad_x: torch.Tensor, grad_mixed: torch.Tensor,
+                        iterations: int, coeff: torch.Tensor, proj: torch.Tensor, grad_x: torch.Tensor,
+                        grad_mixed: torch.Tensor,
                         grad_coeff: torch.Tensor,
                         grad_post: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     grads = kernels.cpu_kernels().mhc_read_backward(
-        H, weight, scale, bias, eps, iterations, coeff, grad_x.contiguous(), grad_mixed.contiguous(),
+        H, weight, scale, bias, eps, iterations, coeff, proj, grad_x.contiguous(), grad_mixed.contiguous(),
         grad_coeff.contiguous(), grad_post.contiguous())
     return tuple(grads)
 
 
 @fused_read_backward.register_fake
-def _(H, weight, scale, bias, eps, iterations, coeff, grad_x, grad_mixed, grad_coeff, grad_post):
+def _(H, weight, scale, bias, eps, iterations, coeff, proj, grad_x, grad_mixed, grad_coeff, grad_post):
     return torch.empty_like(H), torch.empty_like(weight), torch.empty_like(scale), torch.empty_like(bias)
 
 
 def _save_for_read_backward(ctx, inputs, output):
     H, weight, scale, bias, ctx.eps, ctx.iterations = inputs
-    ctx.save_for_backward(H, weight, scale, bias, output[2])
+    ctx.save_for_backward(H, weight, scale, bias, output[2], output[4])
 
 
-def _read_backward(ctx, grad_x, grad_mixed, grad_coeff, grad_post):
-    H, weight, scale, bias, coeff = ctx.saved_tensors
+def _read_backward(ctx, grad_x, grad_mixed, grad_coeff, grad_post, grad_proj):
+    H, weight, scale, bias, coeff, proj = ctx.saved_tensors
     N, n, d = H.shape
     grad_x = H.new_zeros(N, d) if grad_x is None else grad_x
     grad_mixed = H.new_zeros(N, n, d) if grad_mixed is None else grad_mixed
     grad_coeff = H.new_zeros(N, n + 1, n) if grad_coeff is None else grad_coeff
     grad_post = H.new_zeros(N, n) if grad_post is None else grad_post
-    grads = fused_read_backward(H, weight, scale, bias, ctx.eps, ctx.iterations, coeff, grad_x, grad_mixed,
+    grads = fused_read_backward(H, weight, scale, bias, ctx.eps, ctx.iterations, coeff, proj, grad_x, grad_mixed,
                                 grad_coeff, grad_post)
     return (*grads, None, None)
 
@@ -238,8 +241,8 @@ class ManifoldHyperConnection(nn.Module):
             weight = (self.phi.weight * self.norm.weight).to(H.dtype)  # N(h) Phi = (h (g * Phi)) / rms(h)
             scale = at_least_fp32(self.gains).repeat_interleave(torch.tensor([n, n, n * n]), output_size=width)
             bias = torch.cat([self.b_pre, self.b_post, self.b_res.reshape(-1)])
-            x, mixed, coeff, post = fused_read(H.reshape(B * T, n, d), weight, scale.to(H.dtype), bias.to(H.dtype),
-                                               self.norm.eps, self.iterations)
+            x, mixed, coeff, post, _ = fused_read(H.reshape(B * T, n, d), weight, scale.to(H.dtype),
+                                                  bias.to(H.dtype), self.norm.eps, self.iterations)
             x, mixed = x.view(B, T, d), mixed.view(B, T, n, d)
             coeff, post = coeff.view(B, T, n + 1, n), post.view(B, T, n)
             out = sublayer_fn(x)
