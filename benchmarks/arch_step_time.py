@@ -29,6 +29,7 @@ import torch
 from depthbench import kernels
 from depthbench.models import ARCHITECTURES, ModelConfig, build_model, canonical_arch
 from depthbench.shapes import solve_width
+from depthbench.train.loop import build_optimizer
 
 
 def main() -> None:
@@ -60,7 +61,7 @@ def main() -> None:
         torch.manual_seed(0)
         model = build_model(ModelConfig(arch=arch, vocab_size=args.vocab, n_head=args.n_head, max_seq_len=args.seq,
                                         n_layer=shape.n_layer, d_model=shape.d_model, d_ff=shape.d_ff))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = build_optimizer(model, 1e-4, 0.1, (0.9, 0.95), 1e-8, torch.device("cpu"))  # as training does
 
         net = torch.compile(model) if args.compile else model
 
