@@ -62,4 +62,54 @@ DB_INLINE T lane_sum(Vec<T> v) {
   return s;
 }
 
+// exp(y) = 2^k (1 + expm1(r)) for y <= 0, y = k ln2 + r, |r| <= ln2 / 2: returns 2^k in s and
+// expm1(r) in em. expm1(r) from its Taylor series (to r^7 in float, r^13 in double: truncation
+// below half an ulp); k rounded with the 1.5 * 2^(mantissa bits) trick and 2^k built from its
+// exponent bits, so y must stay above -87 (float) for 2^k to be a normal number. Vector
+// arithmetic only: libm's expf / tanhf, one call per value, bounded the kernels' speed.
+template <typename T>
+DB_INLINE void exp_parts(Vec<T> y, Vec<T>& s, Vec<T>& em) {
+  constexpr bool F = std::is_same_v<T, float>;
+  using I = std::conditional_t<F, int32_t, int64_t>;
+  typedef I VI __attribute__((vector_size(32)));
+  constexpr T magic = F ? T(12582912.0) : T(6755399441055744.0);  // 1.5 * 2^23, 1.5 * 2^52
+  // ln 2 = ln2_hi + ln2_lo, ln2_hi with trailing zero bits so that k * ln2_hi is exact
+  constexpr T ln2_hi = F ? T(0.693145751953125) : T(0.6931467056274414);
+  constexpr T ln2_lo = F ? T(1.4286068203094173e-06) : T(4.7493250390316726e-07);
+  constexpr T log2e = T(1.4426950408889634);
+  constexpr int terms = F ? 7 : 13;
+  const Vec<T> k = (y * log2e + magic) - magic;
+  const Vec<T> r = (y - k * ln2_hi) - k * ln2_lo;
+  // expm1(r) / r = 1 + r/2! + r^2/3! + ... = 1 + (r/2)(1 + (r/3)(1 + ...)), innermost first;
+  // 1 / j is a constant once the loop is unrolled (a division per term would bound the speed)
+  Vec<T> poly = Vec<T>{} + T(1);
+  for (int j = terms; j >= 2; --j) poly = T(1) + r * poly * (T(1) / T(j));
+  em = r * poly;
+  const VI bits = (__builtin_convertvector(k, VI) + (F ? 127 : 1023)) << (F ? 23 : 52);
+  s = (Vec<T>)bits;
+}
+
+// exp(y) for -60 <= y <= 0 (mHC's clamped, max-shifted logits).
+template <typename T>
+DB_INLINE Vec<T> exp_vec(Vec<T> y) {
+  Vec<T> s, em;
+  exp_parts<T>(y, s, em);
+  return s * em + s;
+}
+
+// tanh(x) = -e / (2 + e) with e = expm1(-2a) = 2^k expm1(r) + (2^k - 1), a = |x| (then the sign
+// of x), |x| clamped at 20, where tanh is 1 in float and double alike. For k = 0 (|x| < 0.17), e
+// is expm1(r) itself, so small arguments keep their relative accuracy.
+template <typename T>
+DB_INLINE Vec<T> tanh_vec(Vec<T> x) {
+  const Vec<T> zero = {};
+  Vec<T> a = x < zero ? -x : x;
+  a = a < zero + T(20) ? a : zero + T(20);
+  Vec<T> s, em;
+  exp_parts<T>(T(-2) * a, s, em);
+  const Vec<T> ex = s * em + (s - T(1));
+  const Vec<T> t = -ex / (T(2) + ex);
+  return x < zero ? -t : t;
+}
+
 }  // namespace depthbench

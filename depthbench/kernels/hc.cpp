@@ -36,49 +36,13 @@ using depthbench::dispatch_n;
 using depthbench::lane_sum;
 using depthbench::load;
 using depthbench::store;
+using depthbench::tanh_vec;
 using depthbench::LANES;
 using depthbench::Vec;
 
 constexpr int64_t CHUNK = 128;    // tokens per partial sum of the weight gradients
 constexpr int64_t MAX_STREAMS = 16;
 constexpr int64_t MAX_P = MAX_STREAMS + 2;
-
-// tanh of a vector (libm's tanhf, a call per value through expm1f, took more time than the rest
-// of the forward pass):
-//   tanh(a) = -e / (2 + e),  e = expm1(-2a), a = |x| (then the sign of x), |x| clamped at 20,
-//   where tanh is 1 in float and double alike;
-//   expm1(y) = 2^k (expm1(r) + 1) - 1 = 2^k expm1(r) + (2^k - 1),  y = k ln2 + r, |r| <= ln2 / 2,
-// expm1(r) from its Taylor series (to r^7 in float, r^13 in double: truncation below half an
-// ulp). For k = 0 (|x| < 0.17) this is expm1(r) itself, so small arguments keep their relative
-// accuracy. k is rounded with the 1.5 * 2^(mantissa bits) trick and 2^k built from exponent bits.
-template <typename T>
-DB_INLINE Vec<T> tanh_vec(Vec<T> x) {
-  constexpr bool F = std::is_same_v<T, float>;
-  using I = std::conditional_t<F, int32_t, int64_t>;
-  typedef I VI __attribute__((vector_size(32)));
-  constexpr T magic = F ? T(12582912.0) : T(6755399441055744.0);  // 1.5 * 2^23, 1.5 * 2^52
-  // ln 2 = ln2_hi + ln2_lo, ln2_hi with trailing zero bits so that k * ln2_hi is exact
-  constexpr T ln2_hi = F ? T(0.693145751953125) : T(0.6931467056274414);
-  constexpr T ln2_lo = F ? T(1.4286068203094173e-06) : T(4.7493250390316726e-07);
-  constexpr T log2e = T(1.4426950408889634);
-  constexpr int terms = F ? 7 : 13;
-  const Vec<T> zero = {};
-  Vec<T> a = x < zero ? -x : x;
-  a = a < zero + T(20) ? a : zero + T(20);
-  const Vec<T> y = T(-2) * a;
-  const Vec<T> k = (y * log2e + magic) - magic;
-  const Vec<T> r = (y - k * ln2_hi) - k * ln2_lo;
-  // expm1(r) / r = 1 + r/2! + r^2/3! + ... = 1 + (r/2)(1 + (r/3)(1 + ...)), innermost first;
-  // 1 / j is a constant once the loop is unrolled (a division per term would bound the speed)
-  Vec<T> poly = zero + T(1);
-  for (int j = terms; j >= 2; --j) poly = T(1) + r * poly * (T(1) / T(j));
-  const Vec<T> em = r * poly;
-  const VI bits = (__builtin_convertvector(k, VI) + (F ? 127 : 1023)) << (F ? 23 : 52);
-  const Vec<T> s = (Vec<T>)bits;
-  const Vec<T> ex = s * em + (s - T(1));
-  const Vec<T> t = -ex / (T(2) + ex);
-  return x < zero ? -t : t;
-}
 
 // tanh in place of m values, m rounded up to whole vectors (the caller's buffer is that long).
 template <typename T>

@@ -95,6 +95,12 @@ inline T sigmoid(T v) {
   return T(1) / (T(1) + std::exp(-v));
 }
 
+// exp in place of m values in [-60, 0], m a multiple of the vector length (TILE is).
+template <typename T>
+DB_CLONES void exp_tile(T* x, int64_t m) {
+  for (int64_t e = 0; e < m; e += LANES<T>) store(x + e, depthbench::exp_vec<T>(load(x + e)));
+}
+
 // The Sinkhorn input of a tile: exp of the row-shifted, clamped logits, tile layout; mask = 1
 // where the clamp let the gradient through.
 template <typename T, int NC>
@@ -102,7 +108,7 @@ void exp_logits(const T* u, T* x, T* mask, int64_t n_, int64_t N, int64_t t0, in
   const int64_t n = NC > 0 ? NC : n_, width = 2 * n + n * n;
   for (int64_t t = 0; t < TILE; ++t) {
     if (t >= w) {  // padding of a last, partial tile: matrices of ones
-      for (int64_t e = 0; e < n * n; ++e) x[e * TILE + t] = T(1);
+      for (int64_t e = 0; e < n * n; ++e) x[e * TILE + t] = T(0);  // exp(0)
       continue;
     }
     const T* ut = u + (t0 + t) * width + 2 * n;
@@ -112,11 +118,12 @@ void exp_logits(const T* u, T* x, T* mask, int64_t n_, int64_t N, int64_t t0, in
       for (int64_t j = 0; j < n; ++j) {
         const T shifted = ut[i * n + j] - mx;
         const bool inside = shifted >= T(-60);
-        x[(i * n + j) * TILE + t] = std::exp(inside ? shifted : T(-60));
+        x[(i * n + j) * TILE + t] = inside ? shifted : T(-60);
         if (mask) mask[(i * n + j) * TILE + t] = inside ? T(1) : T(0);
       }
     }
   }
+  exp_tile<T>(x, n * n * TILE);
 }
 
 template <typename T, int NC>
