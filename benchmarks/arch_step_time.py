@@ -2,15 +2,19 @@
 
 For each architecture the shape solver picks the width that meets the same budget at the same
 depth (extra parameters of an architecture are charged to it, so its width may be smaller).
-All models are timed alternately, several rounds, in one process; the median step time of each
-is divided by pre_ln's. Target on CPU: at most 1.5x for hc, mhc, attnres_full, attnres_block
-and moda.
+All models live in one process and are timed in pairs: each round times `--steps` steps of
+pre_ln, then the same number of the architecture, for every architecture in turn; an
+architecture's ratio is the median over rounds of its time divided by the pre_ln time measured
+just before it. (Pairing cancels the slow drifts of a shared machine's speed, which moved
+separately-timed medians by up to 20%.) The step times shown are medians too. Target on CPU: at
+most 1.5x for hc, mhc, attnres_full, attnres_block and moda.
 
     .venv/bin/python benchmarks/arch_step_time.py [--budget 8e5 --n-layer 8 --vocab 2048
-        --batch 16 --seq 128 --threads 2 --rounds 5 --steps 3 --json out.json]
+        --batch 16 --seq 128 --threads 2 --rounds 7 --steps 1 --json out.json]
 
-mHC runs its coefficients through the C++ CPU kernels (depthbench/kernels) where they build; the
-header says whether they did, and DEPTHBENCH_CPU_KERNELS=0 times the PyTorch code instead.
+HC's and mHC's reads and writes run through the C++ CPU kernels (depthbench/kernels) where they
+build; the header says whether they did, and DEPTHBENCH_CPU_KERNELS=0 times the PyTorch code
+instead. The optimizer is the training loop's (fused AdamW).
 
 --compile wraps every model in torch.compile, as `train.compile: true` does in a run, and also
 reports each model's compile time (its first step): on CPU, inductor fuses the element-wise
@@ -42,15 +46,16 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--steps", type=int, default=1)
     p.add_argument("--archs", nargs="*", default=None)
     p.add_argument("--compile", action="store_true", help="torch.compile every model (train.compile: true)")
     p.add_argument("--json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     canonical_arch("pre_ln")
-    archs = args.archs or ["pre_ln"] + sorted(a for a in ARCHITECTURES if a != "pre_ln")
+    others = args.archs or sorted(ARCHITECTURES)
+    archs = ["pre_ln"] + [canonical_arch(a) for a in others if canonical_arch(a) != "pre_ln"]  # the reference first
 
     steps, info = {}, {}
     x = torch.randint(0, args.vocab, (args.batch, args.seq))
@@ -76,22 +81,34 @@ def main() -> None:
         first = time.perf_counter() - t
         steps[arch] = step
         info[arch] = {"d_model": shape.d_model, "n_layer": shape.n_layer, "params": shape.n_params, "first_step_seconds": first}
+    def timed(arch: str) -> float:
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            steps[arch]()
+        return (time.perf_counter() - t) / args.steps
+
     times: dict[str, list[float]] = {a: [] for a in archs}
+    ratios: dict[str, list[float]] = {a: [] for a in archs}
     for _ in range(args.rounds):
         for arch in archs:
-            t = time.perf_counter()
-            for _ in range(args.steps):
-                steps[arch]()
-            times[arch].append((time.perf_counter() - t) / args.steps)
-    ref = statistics.median(times["pre_ln"])
+            if arch == "pre_ln":
+                continue
+            reference = timed("pre_ln")  # the pair: pre_ln, then the architecture
+            elapsed = timed(arch)
+            times["pre_ln"].append(reference)
+            times[arch].append(elapsed)
+            ratios[arch].append(elapsed / reference)
+        if archs == ["pre_ln"]:
+            times["pre_ln"].append(timed("pre_ln"))
+    ratios["pre_ln"] = [1.0]
     print(f"budget {args.budget:,.0f} params, L={args.n_layer}, batch {args.batch}x{args.seq}, vocab {args.vocab}, "
           f"threads {args.threads}, {'torch.compile' if args.compile else 'eager'}, "
           f"CPU kernels {'on' if kernels.cpu_kernels() is not None else 'off'}")
     print(f"{'arch':<14} {'d_model':>7} {'params':>10} {'step ms':>9} {'vs pre_ln':>9} {'first step s':>12}")
     for arch in archs:
-        med = statistics.median(times[arch])
-        info[arch].update(step_seconds=med, ratio_to_pre_ln=med / ref)
-        print(f"{arch:<14} {info[arch]['d_model']:>7} {info[arch]['params']:>10,} {1000 * med:>9.1f} {med / ref:>8.2f}x"
+        med, ratio = statistics.median(times[arch]), statistics.median(ratios[arch])
+        info[arch].update(step_seconds=med, ratio_to_pre_ln=ratio, ratios=ratios[arch])
+        print(f"{arch:<14} {info[arch]['d_model']:>7} {info[arch]['params']:>10,} {1000 * med:>9.1f} {ratio:>8.2f}x"
               f" {info[arch]['first_step_seconds']:>12.1f}")
     if args.json:
         with open(args.json, "w") as f:

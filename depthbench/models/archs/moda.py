@@ -37,11 +37,14 @@ VARIANTS = ("reuse_kv", "ffn_kv")
 def joint_depth_attention(q, k, v, depth_k, depth_v):
     """q: (B, H, T, hd); k, v: (B, H, S, hd), S >= T (the queries are the last T of S positions);
     depth_k, depth_v: (B, H, T, D, hd). -> (B, H, T, hd)."""
-    T, S = q.shape[2], k.shape[2]  # S > T while decoding: the queries are the last T positions
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    seq = (q @ k.transpose(-1, -2)) * scale
-    causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
-    seq = seq.masked_fill(~causal, float("-inf"))
+    B, H, T, hd = q.shape
+    S = k.shape[2]  # S > T while decoding: the queries are the last T positions
+    scale = 1.0 / math.sqrt(hd)
+    # q k^T / sqrt(hd) + causal mask (0, or -inf above the diagonal) as ONE batched GEMM whose
+    # input term is the mask: no separate passes to scale and mask the (T, S) scores
+    future = torch.full((T, S), float("-inf"), dtype=q.dtype, device=q.device).triu(diagonal=S - T + 1)
+    seq = torch.baddbmm(future, q.reshape(B * H, T, hd), k.reshape(B * H, S, hd).transpose(1, 2), alpha=scale)
+    seq = seq.view(B, H, T, S)
     depth = torch.einsum("bhtd,bhtmd->bhtm", q, depth_k) * scale
     p = torch.softmax(at_least_fp32(torch.cat([seq, depth], dim=-1)), dim=-1).to(q.dtype)
     return p[..., :S] @ v + torch.einsum("bhtm,bhtmd->bhtd", p[..., S:], depth_v)
