@@ -242,6 +242,7 @@ def test_mhc_read_custom_op_registration_and_gradcheck():
     inputs = [t.requires_grad_() for t in _read_case(3, 4, 7, torch.float64)]
     torch.library.opcheck(mhc_module.fused_read, (*inputs, 1e-6, 20))
     assert torch.autograd.gradcheck(lambda *a: mhc_module.fused_read(*a, 1e-6, 20)[:4], inputs)
+    assert torch.autograd.gradcheck(lambda *a: mhc_module.read(*a, 1e-6, 20)[:4], inputs)  # eager: the Function
 
 
 def test_mhc_read_kernel_rejects_bad_shapes():

@@ -88,6 +88,7 @@ def test_hc_read_custom_op_registration_and_gradcheck():
     inputs = [t.requires_grad_() for t in (H, weight, static)]
     torch.library.opcheck(hc_module.fused_read, (*inputs, 1e-6, 0.5))
     assert torch.autograd.gradcheck(lambda *a: hc_module.fused_read(*a, 1e-6, 0.5), inputs)
+    assert torch.autograd.gradcheck(lambda *a: hc_module.read(*a, 1e-6, 0.5), inputs)  # eager: the Function
 
 
 def test_hc_read_kernel_rejects_bad_shapes():
@@ -177,3 +178,4 @@ def test_stream_write_custom_op_registration():
     args = [torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True) for shape in ((5, 3, 4), (5, 3), (5, 4))]
     torch.library.opcheck(hc_module.fused_write, args)
     assert torch.autograd.gradcheck(hc_module.fused_write, args)
+    assert torch.autograd.gradcheck(hc_module._EagerWrite.apply, args)

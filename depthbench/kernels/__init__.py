@@ -13,13 +13,17 @@ PyTorch code: the kernels change speed, never definitions (tests compare them wi
 code they replace).
 
 Kernels:
-- mhc.cpp, used by `depthbench.models.archs.mhc.fused_coefficients`:
-  `mhc_coefficients_forward(u, n, iterations)` and `mhc_coefficients_backward(u, grad_coeff,
-  grad_post, n, iterations)`: mHC's read, mix and write coefficients from their pre-activations,
-  the Sinkhorn-Knopp iterations included.
-- hc.cpp, used by `depthbench.models.archs.hc.fused_read`: `hc_read_forward(H, W, S, eps,
-  scale)` and `hc_read_backward(...)`: Hyper-Connections' whole read (per-stream RMS, dynamic
-  projection, tanh, read and mix) from the streams.
+- mhc.cpp: `mhc_read_forward(H, W, scale, bias, eps, iterations)` and `mhc_read_backward(...)`,
+  used by `depthbench.models.archs.mhc.fused_read`: mHC's whole read (flattened RMS, projection,
+  coefficients with the Sinkhorn-Knopp iterations, read and mix) from the streams; and
+  `mhc_coefficients_forward(u, n, iterations)` / `_backward(...)`, the coefficients alone from
+  their pre-activations (`fused_coefficients`: bf16 streams on the CPU).
+- hc.cpp: `hc_read_forward(H, W, S, eps, scale)` and `hc_read_backward(...)`, used by
+  `depthbench.models.archs.hc.fused_read`: Hyper-Connections' whole read (per-stream RMS, dynamic
+  projection, tanh, read and mix); and `stream_write_backward(grad, w, out)`, the backward of
+  both architectures' write H = mixed + w^T out (`hc.fused_write`).
+- common.h: the CPU dispatch (an x86-64-v3 clone beside the baseline one), vector helpers, and
+  the vectorised exp and tanh.
 """
 
 from __future__ import annotations
@@ -102,25 +106,32 @@ def _build() -> ModuleType | None:
             bin_dir = getattr(ninja, "BIN_DIR", None)
             if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
                 os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-            build_dir = build_directory()
-            build_dir.mkdir(parents=True, exist_ok=True)
-            _remove_stale_lock(build_dir)
-            return load(name="depthbench_cpu_kernels", sources=[str(s) for s in _SOURCES],
-                        extra_cflags=_CFLAGS, build_directory=str(build_dir), verbose=False)
+            # -fopenmp where the compiler has it; otherwise (Apple clang) the same kernels, serial
+            for flags in (_CFLAGS, [f for f in _CFLAGS if f != "-fopenmp"]):
+                build_dir = build_directory(flags)
+                build_dir.mkdir(parents=True, exist_ok=True)
+                _remove_stale_lock(build_dir)
+                try:
+                    return load(name="depthbench_cpu_kernels", sources=[str(s) for s in _SOURCES],
+                                extra_cflags=flags, build_directory=str(build_dir), verbose=False)
+                except Exception:
+                    if "-fopenmp" not in flags:
+                        raise
+                    log.info("DepthBench CPU kernels: the build with -fopenmp failed; building them serial")
         except Exception as exc:  # a failed compile: fall back, and say why
             reason = f"build failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
     log.warning("DepthBench CPU kernels unavailable (%s); using the PyTorch code, which is slower", reason)
     return None
 
 
-def build_directory() -> Path:
+def build_directory(flags: list[str] | None = None) -> Path:
     """Where the extension is built and cached: one directory per Python, torch, machine
     architecture and version of the sources and flags, so versions never overwrite each other."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
     digest = hashlib.sha256()
     for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
-    digest.update(" ".join(_CFLAGS).encode())
+    digest.update(" ".join(_CFLAGS if flags is None else flags).encode())
     py = "".join(platform.python_version_tuple()[:2])
     tag = f"py{py}-torch{torch.__version__}-{platform.machine()}-{digest.hexdigest()[:12]}"
     return root / "depthbench" / tag

@@ -9,9 +9,11 @@ namespace depthbench {
 
 // Compile the marked functions twice, for x86-64-v3 (AVX2 and FMA) and for baseline x86-64, and
 // pick one when the library loads: a cached build runs on any x86-64 machine and uses AVX2 and
-// FMA where they exist (GCC 11 or later; "avx2" alone would leave out FMA).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// FMA where they exist (GCC 11 or later; older GCC gets an "avx2" clone, which leaves out FMA).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
 #define DB_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define DB_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define DB_CLONES
 #endif

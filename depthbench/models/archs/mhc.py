@@ -168,6 +168,35 @@ def _read_backward(ctx, grad_x, grad_mixed, grad_coeff, grad_post, grad_proj):
 fused_read.register_autograd(_read_backward, setup_context=_save_for_read_backward)
 
 
+class _EagerRead(torch.autograd.Function):
+    """`fused_read` for eager mode: the same kernels through a plain autograd Function, whose
+    per-call overhead is a fraction of a torch.library custom op's. torch.compile gets the custom
+    op (see `read`)."""
+
+    @staticmethod
+    def forward(ctx, H, weight, scale, bias, eps, iterations):
+        x, mixed, coeff, post, proj = kernels.cpu_kernels().mhc_read_forward(H, weight, scale, bias, eps, iterations)
+        ctx.eps, ctx.iterations = eps, iterations
+        ctx.save_for_backward(H, weight, scale, bias, coeff, proj)
+        ctx.mark_non_differentiable(proj)
+        return x, mixed, coeff, post, proj
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_mixed, grad_coeff, grad_post, grad_proj):
+        H, weight, scale, bias, coeff, proj = ctx.saved_tensors
+        grads = kernels.cpu_kernels().mhc_read_backward(
+            H, weight, scale, bias, ctx.eps, ctx.iterations, coeff, proj, grad_x.contiguous(), grad_mixed.contiguous(),
+            grad_coeff.contiguous(), grad_post.contiguous())
+        return (*grads, None, None)
+
+
+def read(H, weight, scale, bias, eps: float, iterations: int):
+    """mHC's fused read: the custom op under torch.compile, the Function in eager mode."""
+    if torch.compiler.is_compiling():
+        return fused_read(H, weight, scale, bias, eps, iterations)
+    return _EagerRead.apply(H, weight, scale, bias, eps, iterations)
+
+
 def sinkhorn_knopp(log_m: torch.Tensor, iterations: int = 20) -> torch.Tensor:
     """exp(log_m) scaled to a doubly stochastic matrix over the last two dims.
 
@@ -241,8 +270,8 @@ class ManifoldHyperConnection(nn.Module):
             weight = (self.phi.weight * self.norm.weight).to(H.dtype)  # N(h) Phi = (h (g * Phi)) / rms(h)
             scale = at_least_fp32(self.gains).repeat_interleave(torch.tensor([n, n, n * n]), output_size=width)
             bias = torch.cat([self.b_pre, self.b_post, self.b_res.reshape(-1)])
-            x, mixed, coeff, post, _ = fused_read(H.reshape(B * T, n, d), weight, scale.to(H.dtype),
-                                                  bias.to(H.dtype), self.norm.eps, self.iterations)
+            x, mixed, coeff, post, _ = read(H.reshape(B * T, n, d), weight, scale.to(H.dtype), bias.to(H.dtype),
+                                            self.norm.eps, self.iterations)
             x, mixed = x.view(B, T, d), mixed.view(B, T, n, d)
             coeff, post = coeff.view(B, T, n + 1, n), post.view(B, T, n)
             out = sublayer_fn(x)
