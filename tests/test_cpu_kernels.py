@@ -9,6 +9,8 @@ from depthbench import kernels
 from depthbench.models import ModelConfig, build_model
 from depthbench.models.archs import mhc as mhc_module
 
+from kernel_checks import assert_compiled_calls_kernels_and_matches_eager, results_per_thread_count
+
 reason = kernels.unavailable_reason()
 pytestmark = pytest.mark.skipif(reason is not None, reason=f"CPU kernels cannot be built here: {reason}")
 
@@ -29,36 +31,10 @@ def test_kernel_is_independent_of_thread_count():
     torch.manual_seed(0)
     u = torch.randn(2000, 24)
     g_coeff, g_post = torch.randn(2000, 5, 4), torch.randn(2000, 4)
-    threads = torch.get_num_threads()
     k = kernels.cpu_kernels()
-    try:
-        results = []
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            results.append((*k.mhc_coefficients_forward(u, 4, 20), k.mhc_coefficients_backward(u, g_coeff, g_post, 4, 20)))
-    finally:
-        torch.set_num_threads(threads)
+    results = results_per_thread_count(lambda: (*k.mhc_coefficients_forward(u, 4, 20),
+                                                k.mhc_coefficients_backward(u, g_coeff, g_post, 4, 20)))
     assert all(torch.equal(a, b) for a, b in zip(*results))
-
-
-def test_mhc_training_step_is_the_same_with_and_without_the_kernel(monkeypatch):
-    """Loss and every parameter gradient of an mHC model agree between the two paths."""
-    torch.manual_seed(0)
-    model = build_model(ModelConfig(arch="mhc", vocab_size=64, n_layer=2, d_model=32, n_head=2, max_seq_len=16))
-    with torch.no_grad():  # move the zero-initialised projections off their init
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
-    grads = {}
-    for name, module in [("kernel", kernels.cpu_kernels()), ("pytorch", None)]:
-        monkeypatch.setattr(kernels, "cpu_kernels", lambda module=module: module)
-        model.zero_grad(set_to_none=True)
-        loss = model(idx, targets).loss
-        loss.backward()
-        grads[name] = (loss.detach(), [p.grad.clone() for p in model.parameters()])
-    torch.testing.assert_close(grads["kernel"][0], grads["pytorch"][0], rtol=1e-6, atol=1e-6)
-    for a, b in zip(grads["kernel"][1], grads["pytorch"][1]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_disabled_by_environment(monkeypatch):
@@ -147,33 +123,15 @@ def test_mhc_coefficient_custom_op_registration():
 
 def test_compiled_mhc_keeps_the_kernel_and_matches_eager(monkeypatch):
     """Under torch.compile each sublayer's read stays one custom-op call: same loss and gradients."""
-    real = kernels.cpu_kernels()
-    calls = []
-
-    class Spy:
-        def __getattr__(self, name):
-            calls.append(name)
-            return getattr(real, name)
-
-    monkeypatch.setattr(kernels, "cpu_kernels", lambda: Spy())
     torch.manual_seed(0)
     model = build_model(ModelConfig(arch="mhc", vocab_size=64, n_layer=1, d_model=16, n_head=2, max_seq_len=8))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     idx, targets = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
-    results = []
-    for net in (model, torch.compile(model)):
-        model.zero_grad(set_to_none=True)
-        calls.clear()
-        loss = net(idx, targets).loss
-        loss.backward()
-        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
-        # both sublayers of the layer, forward and backward, each one fused read
-        assert calls.count("mhc_read_forward") == 2 and calls.count("mhc_read_backward") == 2
-    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
-    for a, b in zip(results[1][1], results[0][1]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    # both sublayers of the layer, forward and backward, each one fused read
+    assert_compiled_calls_kernels_and_matches_eager(monkeypatch, model, idx, targets,
+                                                    {"mhc_read_forward": 2, "mhc_read_backward": 2})
 
 
 # --- mHC's fused read (mhc_read_forward / _backward) -----------------------------------------
@@ -226,15 +184,12 @@ def test_mhc_read_kernel_is_independent_of_thread_count():
     H, weight, scale, bias = _read_case(4, 32, 1000, torch.float32)
     grads = [torch.randn(1000, 32), torch.randn(1000, 4, 32), torch.randn(1000, 5, 4), torch.randn(1000, 4)]
     k = kernels.cpu_kernels()
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            out = k.mhc_read_forward(H, weight, scale, bias, 1e-6, 20)
-            results.append((*out, *k.mhc_read_backward(H, weight, scale, bias, 1e-6, 20, out[2], out[4], *grads)))
-    finally:
-        torch.set_num_threads(threads)
+
+    def compute():
+        out = k.mhc_read_forward(H, weight, scale, bias, 1e-6, 20)
+        return (*out, *k.mhc_read_backward(H, weight, scale, bias, 1e-6, 20, out[2], out[4], *grads))
+
+    results = results_per_thread_count(compute)
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 

@@ -9,6 +9,8 @@ from depthbench import kernels
 from depthbench.models import ModelConfig, build_model
 from depthbench.models.archs import hc as hc_module
 
+from kernel_checks import assert_compiled_calls_kernels_and_matches_eager, results_per_thread_count
+
 reason = kernels.unavailable_reason()
 pytestmark = pytest.mark.skipif(reason is not None, reason=f"CPU kernels cannot be built here: {reason}")
 
@@ -71,15 +73,8 @@ def test_hc_read_kernel_is_independent_of_thread_count():
     H, weight, static = _case(4, 64, 1000, torch.float32)
     grads = [torch.randn(1000, 64), torch.randn(1000, 4, 64), torch.randn(1000, 4, 6)]
     k = kernels.cpu_kernels()
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            results.append((*k.hc_read_forward(H, weight, static, 1e-6, 0.01),
-                            *k.hc_read_backward(H, weight, static, 1e-6, 0.01, *grads)))
-    finally:
-        torch.set_num_threads(threads)
+    results = results_per_thread_count(lambda: (*k.hc_read_forward(H, weight, static, 1e-6, 0.01),
+                                                *k.hc_read_backward(H, weight, static, 1e-6, 0.01, *grads)))
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
@@ -99,9 +94,9 @@ def test_hc_read_kernel_rejects_bad_shapes():
         kernels.cpu_kernels().hc_read_forward(H.half(), weight.half(), static.half(), 1e-6, 0.01)
 
 
-def _perturbed_hc(n_layer=2, d_model=32, **options):
+def _perturbed_hc(n_layer=2, d_model=32, arch="hc", **options):
     torch.manual_seed(0)
-    model = build_model(ModelConfig(arch="hc", vocab_size=64, n_layer=n_layer, d_model=d_model, n_head=2,
+    model = build_model(ModelConfig(arch=arch, vocab_size=64, n_layer=n_layer, d_model=d_model, n_head=2,
                                     max_seq_len=16, arch_options=options))
     with torch.no_grad():  # move the zero-initialised dynamic weights off their init
         for p in model.parameters():
@@ -109,10 +104,11 @@ def _perturbed_hc(n_layer=2, d_model=32, **options):
     return model
 
 
-@pytest.mark.parametrize("n_streams", [4, 3])
-def test_hc_training_step_is_the_same_with_and_without_the_kernel(monkeypatch, n_streams):
-    """Loss, every parameter gradient and the recorded stream-mixing matrices agree."""
-    model = _perturbed_hc(n_streams=n_streams)
+@pytest.mark.parametrize("arch,n_streams", [("hc", 4), ("hc", 3), ("mhc", 4), ("mhc", 3)])
+def test_training_step_is_the_same_with_and_without_the_kernels(monkeypatch, arch, n_streams):
+    """HC and mHC: loss, every parameter gradient and the recorded stream-mixing matrices agree
+    between the C++ kernels and the PyTorch code."""
+    model = _perturbed_hc(arch=arch, n_streams=n_streams)
     idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
     results = {}
     for name, module in [("kernel", kernels.cpu_kernels()), ("pytorch", None)]:
@@ -131,28 +127,11 @@ def test_hc_training_step_is_the_same_with_and_without_the_kernel(monkeypatch, n
 
 
 def test_compiled_hc_keeps_the_kernel_and_matches_eager(monkeypatch):
-    real = kernels.cpu_kernels()
-    calls = []
-
-    class Spy:
-        def __getattr__(self, name):
-            calls.append(name)
-            return getattr(real, name)
-
-    monkeypatch.setattr(kernels, "cpu_kernels", lambda: Spy())
+    """Under torch.compile each sublayer's read stays one custom-op call: same loss and gradients."""
     model = _perturbed_hc(n_layer=1, d_model=16)
     idx, targets = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
-    results = []
-    for net in (model, torch.compile(model)):
-        model.zero_grad(set_to_none=True)
-        calls.clear()
-        loss = net(idx, targets).loss
-        loss.backward()
-        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
-        assert calls.count("hc_read_forward") == 2 and calls.count("hc_read_backward") == 2
-    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
-    for a, b in zip(results[1][1], results[0][1]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert_compiled_calls_kernels_and_matches_eager(monkeypatch, model, idx, targets,
+                                                    {"hc_read_forward": 2, "hc_read_backward": 2})
 
 
 @pytest.mark.parametrize("n,d,tokens", [(4, 64, 70), (3, 13, 5), (5, 8, 1)])

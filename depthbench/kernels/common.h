@@ -64,6 +64,40 @@ DB_INLINE T lane_sum(Vec<T> v) {
   return s;
 }
 
+// sum_k a_k b_k, one partial sum per vector lane.
+template <typename T>
+DB_INLINE T dot(const T* __restrict__ a, const T* __restrict__ b, int64_t d) {
+  constexpr int64_t V = LANES<T>;
+  Vec<T> acc = {};
+  int64_t k = 0;
+  for (; k + V <= d; k += V) acc += load(a + k) * load(b + k);
+  T s = lane_sum<T>(acc);
+  for (; k < d; ++k) s += a[k] * b[k];
+  return s;
+}
+
+// o_k = sum_i w[i * w_stride] x_ik over the n rows x_i (length d) (plus o_k when ACCUMULATE):
+// the read and mix of the streams, and the sums over streams in the backward passes. NC = n when
+// it is a compile-time constant (the sum over i unrolls), else 0.
+template <typename T, int NC, bool ACCUMULATE = false>
+DB_INLINE void combine_rows(const T* __restrict__ x, const T* w, int64_t w_stride, T* __restrict__ o, int64_t n_,
+                            int64_t d) {
+  constexpr int64_t V = LANES<T>;
+  const int64_t n = NC > 0 ? NC : n_;
+  int64_t k = 0;
+  for (; k + V <= d; k += V) {
+    Vec<T> a = ACCUMULATE ? load(o + k) + w[0] * load(x + k) : w[0] * load(x + k);
+#pragma GCC unroll 16
+    for (int64_t i = 1; i < n; ++i) a += w[i * w_stride] * load(x + i * d + k);
+    store(o + k, a);
+  }
+  for (; k < d; ++k) {
+    T a = ACCUMULATE ? o[k] : T(0);
+    for (int64_t i = 0; i < n; ++i) a += w[i * w_stride] * x[i * d + k];
+    o[k] = a;
+  }
+}
+
 // exp(y) = 2^k (1 + expm1(r)) for y <= 0, y = k ln2 + r, |r| <= ln2 / 2: returns 2^k in s and
 // expm1(r) in em. expm1(r) from its Taylor series (to r^7 in float, r^13 in double: truncation
 // below half an ulp); k rounded with the 1.5 * 2^(mantissa bits) trick and 2^k built from its

@@ -32,13 +32,7 @@
 
 namespace {
 
-using depthbench::dispatch_n;
-using depthbench::lane_sum;
-using depthbench::load;
-using depthbench::store;
-using depthbench::tanh_vec;
-using depthbench::LANES;
-using depthbench::Vec;
+using namespace depthbench;  // common.h: dispatch, vectors, exp, tanh
 
 constexpr int64_t CHUNK = 128;    // tokens per partial sum of the weight gradients
 constexpr int64_t MAX_STREAMS = 16;
@@ -101,7 +95,6 @@ DB_INLINE void stream_dots(const T* __restrict__ h, const T* __restrict__ W, int
 template <typename T, int NC>
 DB_CLONES void read_forward_range(const T* H, const T* W, const T* S, T eps, T scale, T* x, T* mixed, T* coeff,
                                   int64_t n_, int64_t d, int64_t begin, int64_t end) {
-  constexpr int64_t V = LANES<T>;
   const int64_t n = NC > 0 ? NC : n_, P = n + 2;
   T ss[MAX_STREAMS], q[MAX_STREAMS * MAX_P], c[MAX_STREAMS * MAX_P] = {};  // c: whole vectors
   for (int64_t t = begin; t < end; ++t) {
@@ -115,23 +108,8 @@ DB_CLONES void read_forward_range(const T* H, const T* W, const T* S, T eps, T s
     for (int64_t e = 0; e < n * P; ++e) c[e] = S[e] + scale * c[e];
     std::memcpy(coeff + t * n * P, c, n * P * sizeof(T));
     // output row 0 reads (weights c_i0), rows 1..n mix (weights c_i,1+j); i is the inner sum
-    for (int64_t j = 0; j <= n; ++j) {
-      T* __restrict__ o = j == 0 ? x + t * d : mixed + (t * n + j - 1) * d;
-      T w[MAX_STREAMS];
-      for (int64_t i = 0; i < n; ++i) w[i] = c[i * P + j];
-      int64_t k = 0;
-      for (; k + V <= d; k += V) {
-        Vec<T> a = w[0] * load(h + k);
-#pragma GCC unroll 16
-        for (int64_t i = 1; i < n; ++i) a += w[i] * load(h + i * d + k);
-        store(o + k, a);
-      }
-      for (; k < d; ++k) {
-        T a = 0;
-        for (int64_t i = 0; i < n; ++i) a += w[i] * h[i * d + k];
-        o[k] = a;
-      }
-    }
+    combine_rows<T, NC>(h, c, P, x + t * d, n, d);
+    for (int64_t j = 1; j <= n; ++j) combine_rows<T, NC>(h, c + j, P, mixed + (t * n + j - 1) * d, n, d);
   }
 }
 
@@ -195,23 +173,7 @@ DB_CLONES void read_backward_range(const T* H, const T* W, const T* S, T eps, T 
       }
     }
     // dW_jk += sum_i gq_ij H_ik
-    for (int64_t j = 0; j < P; ++j) {
-      T* __restrict__ g = gW + j * d;
-      T w[MAX_STREAMS];
-      for (int64_t i = 0; i < n; ++i) w[i] = gq[i * P + j];
-      int64_t k = 0;
-      for (; k + V <= d; k += V) {
-        Vec<T> a = load(g + k);
-#pragma GCC unroll 16
-        for (int64_t i = 0; i < n; ++i) a += w[i] * load(h + i * d + k);
-        store(g + k, a);
-      }
-      for (; k < d; ++k) {
-        T a = g[k];
-        for (int64_t i = 0; i < n; ++i) a += w[i] * h[i * d + k];
-        g[k] = a;
-      }
-    }
+    for (int64_t j = 0; j < P; ++j) combine_rows<T, NC, true>(h, gq + j, P, gW + j * d, n, d);
   }
 }
 
@@ -221,34 +183,11 @@ DB_CLONES void read_backward_range(const T* H, const T* W, const T* S, T eps, T 
 template <typename T, int NC>
 DB_CLONES void write_backward_range(const T* gH, const T* w, const T* out, T* gw, T* gout, int64_t n_, int64_t d,
                                     int64_t begin, int64_t end) {
-  constexpr int64_t V = LANES<T>;
   const int64_t n = NC > 0 ? NC : n_;
   for (int64_t t = begin; t < end; ++t) {
     const T* __restrict__ g = gH + t * n * d;
-    const T* __restrict__ o = out + t * d;
-    const T* wt = w + t * n;
-    T* __restrict__ go = gout + t * d;
-    int64_t k = 0;
-    for (; k + V <= d; k += V) {
-      Vec<T> a = wt[0] * load(g + k);
-#pragma GCC unroll 16
-      for (int64_t i = 1; i < n; ++i) a += wt[i] * load(g + i * d + k);
-      store(go + k, a);
-    }
-    for (; k < d; ++k) {
-      T a = 0;
-      for (int64_t i = 0; i < n; ++i) a += wt[i] * g[i * d + k];
-      go[k] = a;
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      const T* __restrict__ gi = g + i * d;
-      Vec<T> acc = {};
-      int64_t kk = 0;
-      for (; kk + V <= d; kk += V) acc += load(gi + kk) * load(o + kk);
-      T a = lane_sum<T>(acc);
-      for (; kk < d; ++kk) a += gi[kk] * o[kk];
-      gw[t * n + i] = a;
-    }
+    combine_rows<T, NC>(g, w + t * n, 1, gout + t * d, n, d);
+    for (int64_t i = 0; i < n; ++i) gw[t * n + i] = dot(g + i * d, out + t * d, d);
   }
 }
 

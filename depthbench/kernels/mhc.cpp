@@ -28,12 +28,7 @@
 
 namespace {
 
-using depthbench::dispatch_n;
-using depthbench::lane_sum;
-using depthbench::load;
-using depthbench::store;
-using depthbench::LANES;
-using depthbench::Vec;
+using namespace depthbench;  // common.h: dispatch, vectors, exp, tanh
 
 constexpr int64_t TILE = 32;
 
@@ -104,7 +99,7 @@ DB_CLONES void exp_tile(T* x, int64_t m) {
 // The Sinkhorn input of a tile: exp of the row-shifted, clamped logits, tile layout; mask = 1
 // where the clamp let the gradient through.
 template <typename T, int NC>
-void exp_logits(const T* u, T* x, T* mask, int64_t n_, int64_t N, int64_t t0, int64_t w) {
+void exp_logits(const T* u, T* x, T* mask, int64_t n_, int64_t t0, int64_t w) {
   const int64_t n = NC > 0 ? NC : n_, width = 2 * n + n * n;
   for (int64_t t = 0; t < TILE; ++t) {
     if (t >= w) {  // padding of a last, partial tile: matrices of ones
@@ -133,7 +128,7 @@ void coefficients_forward_tiles(const T* u, T* coeff, T* post, int64_t n_, int64
   std::vector<T> x(nn * TILE), y(nn * TILE), r(n * TILE);
   for (int64_t k = begin; k < end; ++k) {
     const int64_t t0 = k * TILE, w = std::min(TILE, N - t0);
-    exp_logits<T, NC>(u, x.data(), nullptr, n, N, t0, w);
+    exp_logits<T, NC>(u, x.data(), nullptr, n, t0, w);
     for (int64_t it = 0; it < iterations; ++it) {
       half_step<T, NC>(x.data(), y.data(), r.data(), n, true);
       half_step<T, NC>(y.data(), x.data(), r.data(), n, false);
@@ -158,7 +153,7 @@ void coefficients_backward_tiles(const T* u, const T* gcoeff, const T* gpost, T*
   std::vector<T> mask(nn * TILE), g(nn * TILE), acc(TILE);
   for (int64_t k = begin; k < end; ++k) {
     const int64_t t0 = k * TILE, w = std::min(TILE, N - t0);
-    exp_logits<T, NC>(u, ys.data(), mask.data(), n, N, t0, w);
+    exp_logits<T, NC>(u, ys.data(), mask.data(), n, t0, w);
     for (int64_t h = 0; h < steps; ++h)
       half_step<T, NC>(ys.data() + h * nn * TILE, ys.data() + (h + 1) * nn * TILE, rs.data() + h * n * TILE, n,
                        h % 2 == 0);
@@ -227,24 +222,8 @@ DB_CLONES T sum_of_squares(const T* __restrict__ h, int64_t D) {
 template <typename T, int NC>
 DB_CLONES void mix_rows(const T* __restrict__ h, const T* __restrict__ M, T* __restrict__ x, T* __restrict__ mixed,
                         int64_t n_, int64_t d) {
-  constexpr int64_t V = LANES<T>;
   const int64_t n = NC > 0 ? NC : n_;
-  for (int64_t r = 0; r <= n; ++r) {
-    T* __restrict__ o = r == 0 ? x : mixed + (r - 1) * d;
-    const T* w = M + r * n;
-    int64_t k = 0;
-    for (; k + V <= d; k += V) {
-      Vec<T> a = w[0] * load(h + k);
-#pragma GCC unroll 16
-      for (int64_t i = 1; i < n; ++i) a += w[i] * load(h + i * d + k);
-      store(o + k, a);
-    }
-    for (; k < d; ++k) {
-      T a = 0;
-      for (int64_t i = 0; i < n; ++i) a += w[i] * h[i * d + k];
-      o[k] = a;
-    }
-  }
+  for (int64_t r = 0; r <= n; ++r) combine_rows<T, NC>(h, M + r * n, 1, r == 0 ? x : mixed + (r - 1) * d, n, d);
 }
 
 // dM_ri = g_r . H_i for one token (g_0 = dx, g_1+j = dmixed_j), added to gc (n + 1, n), and
@@ -287,12 +266,7 @@ DB_CLONES void mix_rows_backward(const T* __restrict__ h, const T* __restrict__ 
         o[k] = a;
       }
     } else {
-      for (int64_t r = 0; r <= n; ++r) {
-        const T* g = r == 0 ? gx : gm + (r - 1) * d;
-        T s = 0;
-        for (int64_t k = 0; k < d; ++k) s += g[k] * hi[k];
-        gc[r * n + i] += s;
-      }
+      for (int64_t r = 0; r <= n; ++r) gc[r * n + i] += dot(r == 0 ? gx : gm + (r - 1) * d, hi, d);
       for (int64_t k = 0; k < d; ++k) {
         T a = M[i] * gx[k] + cr * hi[k];
         for (int64_t j = 0; j < n; ++j) a += M[(1 + j) * n + i] * gm[j * d + k];

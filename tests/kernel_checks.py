@@ -1,0 +1,47 @@
+"""Checks shared by the tests of the C++ CPU kernels (test_cpu_kernels.py, test_hc_kernel.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from depthbench import kernels
+
+
+def results_per_thread_count(compute: Callable[[], tuple], counts=(1, 2)) -> list[tuple]:
+    """compute() run with each intra-op thread count in turn (the setting restored after)."""
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in counts:
+            torch.set_num_threads(count)
+            results.append(tuple(compute()))
+    finally:
+        torch.set_num_threads(threads)
+    return results
+
+
+def assert_compiled_calls_kernels_and_matches_eager(monkeypatch, model, idx, targets, calls_per_step: dict) -> None:
+    """The model's loss and gradients eager and under torch.compile agree, and both call the
+    kernel entry points `calls_per_step` times each (a spy on the kernel module counts them)."""
+    real = kernels.cpu_kernels()
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(kernels, "cpu_kernels", lambda: Spy())
+    results = []
+    for net in (model, torch.compile(model)):
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        loss = net(idx, targets).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        assert {name: calls.count(name) for name in calls_per_step} == calls_per_step
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
