@@ -251,26 +251,29 @@ class ManifoldHyperConnection(nn.Module):
             self.b_post.fill_(1.0)
             self.b_res.copy_(torch.eye(n))
 
+    def gains_and_biases(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-column gain and bias of u = g * (x Phi) + b, each (2n + n^2,) in the layout
+        [pre | post | res]: g_pre, g_post or g_res repeated over its columns (at least fp32)."""
+        n = self.n
+        gains = at_least_fp32(self.gains).repeat_interleave(torch.tensor([n, n, n * n]), output_size=2 * n + n * n)
+        return gains, torch.cat([self.b_pre, self.b_post, self.b_res.reshape(-1)])
+
     def kernel_coefficients(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[H_pre; H_res] (B, T, n + 1, n) and H_post (B, T, n) from z = N(flatten(H)) Phi through
         the C++ kernel: u = g * z + b here (autograd gives the gains' and biases' gradients), the
         rest in `fused_coefficients`."""
         B, T, width = z.shape
-        n = self.n
-        gains = at_least_fp32(self.gains).repeat_interleave(torch.tensor([n, n, n * n]), output_size=width)
-        biases = torch.cat([self.b_pre, self.b_post, self.b_res.reshape(-1)])
+        gains, biases = self.gains_and_biases()
         u = torch.addcmul(biases.to(z.dtype), z, gains.to(z.dtype))
-        coeff, post = fused_coefficients(u.reshape(B * T, width), n, self.iterations)
-        return coeff.view(B, T, n + 1, n), post.view(B, T, n)
+        coeff, post = fused_coefficients(u.reshape(B * T, width), self.n, self.iterations)
+        return coeff.view(B, T, self.n + 1, self.n), post.view(B, T, self.n)
 
     def forward(self, H: torch.Tensor, sublayer_fn: Callable[[torch.Tensor], torch.Tensor]):
         B, T, n, d = H.shape
         if kernels.apply_to(H):
-            width = 2 * n + n * n
             weight = (self.phi.weight * self.norm.weight).to(H.dtype)  # N(h) Phi = (h (g * Phi)) / rms(h)
-            scale = at_least_fp32(self.gains).repeat_interleave(torch.tensor([n, n, n * n]), output_size=width)
-            bias = torch.cat([self.b_pre, self.b_post, self.b_res.reshape(-1)])
-            x, mixed, coeff, post, _ = read(H.reshape(B * T, n, d), weight, scale.to(H.dtype), bias.to(H.dtype),
+            gains, biases = self.gains_and_biases()
+            x, mixed, coeff, post, _ = read(H.reshape(B * T, n, d), weight, gains.to(H.dtype), biases.to(H.dtype),
                                             self.norm.eps, self.iterations)
             x, mixed = x.view(B, T, d), mixed.view(B, T, n, d)
             coeff, post = coeff.view(B, T, n + 1, n), post.view(B, T, n)
