@@ -113,17 +113,30 @@ def read(H, weight, static, eps: float, scale: float):
 
 
 class _EagerWrite(torch.autograd.Function):
-    """`fused_write` for eager mode (see `_EagerRead`)."""
+    """`fused_write` for eager mode, in place: `mixed` is the fused read's fresh output, which no
+    backward saves, so H takes its memory instead of a new (N, n, d) tensor per sublayer."""
 
     @staticmethod
     def forward(ctx, mixed, weights, out):
         ctx.save_for_backward(weights, out)
-        return torch.addcmul(mixed, weights.unsqueeze(-1), out.unsqueeze(-2))
+        ctx.mark_dirty(mixed)
+        return mixed.addcmul_(weights.unsqueeze(-1), out.unsqueeze(-2))
 
     @staticmethod
     def backward(ctx, grad):
         weights, out = ctx.saved_tensors
-        return grad, *kernels.cpu_kernels().stream_write_backward(grad.contiguous(), weights, out)
+        return grad, *kernels.cpu_kernels().stream_write_backward(grad.contiguous(), weights.contiguous(), out)
+
+
+def write_after_read(mixed: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The write H = mixed + weights^T out after a fused read: mixed (N, n, d) straight from the
+    read kernel (not a view), weights (N, n), out (N, d), cast to the streams' dtype (under
+    autocast the sublayer returns bf16; addcmul would promote it the same way). In place in eager
+    mode, the custom op under torch.compile."""
+    weights, out = weights.to(mixed.dtype), out.to(mixed.dtype)
+    if torch.compiler.is_compiling():
+        return fused_write(mixed, weights, out)
+    return _EagerWrite.apply(mixed, weights, out)
 
 
 class _BatchedMix(torch.autograd.Function):
@@ -189,12 +202,8 @@ fused_write.register_autograd(_write_backward, setup_context=_save_for_write_bac
 
 
 def write_streams(mixed: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """H_i = mixed_i + b_i out for every stream i: the write of a sublayer's output. On the CPU, when
-    all three share a float32/float64 dtype, through `fused_write`; otherwise addcmul."""
-    if mixed.dtype == b.dtype == out.dtype and kernels.apply_to(mixed):
-        *lead, n, d = mixed.shape
-        write = fused_write if torch.compiler.is_compiling() else _EagerWrite.apply
-        return write(mixed.reshape(-1, n, d), b.reshape(-1, n), out.reshape(-1, d)).view(mixed.shape)
+    """H_i = mixed_i + b_i out for every stream i: the write of a sublayer's output (the PyTorch
+    code; after a fused read, `write_after_read`)."""
     return torch.addcmul(mixed, b.unsqueeze(-1), out.unsqueeze(-2))
 
 
@@ -240,14 +249,15 @@ class HyperConnection(nn.Module):
             weight = self.dynamic.weight * self.norm.weight  # N(H_i) W^T = (H_i (g * W)^T) / rms(H_i)
             x, mixed, coeff = read(H.reshape(B * T, n, d), weight.to(H.dtype), static.to(H.dtype),
                                    self.norm.eps, DYNAMIC_SCALE)
-            x, mixed, coeff = x.view(B, T, d), mixed.view(B, T, n, d), coeff.view(B, T, n, n + 2)
-        else:
-            proj = normed_linear(H, self.norm, self.dynamic)  # N(H_i) W per stream: (B, T, n, n + 2)
-            coeff = (static + DYNAMIC_SCALE * torch.tanh(proj)).to(H.dtype)  # the streams keep their dtype
-            # read (a_m^T H) and mix (A_r^T H) in one batched matmul: row 0 reads, rows 1..n mix
-            x, mixed = mix_matrix(coeff[..., : n + 1].mT, H).split([1, n], dim=-2)
-            x = x.squeeze(-2)
-        out = sublayer_fn(x)
+            out = sublayer_fn(x.view(B, T, d))
+            H = write_after_read(mixed, coeff[..., n + 1], out.reshape(B * T, d))  # + b^T F(...)
+            coeff = coeff.view(B, T, n, n + 2)
+            return H.view(B, T, n, d), coeff[..., 1 : n + 1].mT
+        proj = normed_linear(H, self.norm, self.dynamic)  # N(H_i) W per stream: (B, T, n, n + 2)
+        coeff = (static + DYNAMIC_SCALE * torch.tanh(proj)).to(H.dtype)  # the streams keep their dtype
+        # read (a_m^T H) and mix (A_r^T H) in one batched matmul: row 0 reads, rows 1..n mix
+        x, mixed = mix_matrix(coeff[..., : n + 1].mT, H).split([1, n], dim=-2)
+        out = sublayer_fn(x.squeeze(-2))
         H = write_streams(mixed, coeff[..., n + 1], out)  # + b^T F(...)
         return H, coeff[..., 1 : n + 1].mT  # the matrix acting on the streams: H <- A_r^T H + ...
 

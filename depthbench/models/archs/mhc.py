@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from depthbench import kernels
-from depthbench.models.archs.hc import MultiStreamLM, mix_matrix, write_streams
+from depthbench.models.archs.hc import MultiStreamLM, mix_matrix, write_after_read, write_streams
 from depthbench.models.base import Block, Rope, register
 from depthbench.models.layers import RMSNorm, at_least_fp32, normed_linear
 
@@ -275,11 +275,9 @@ class ManifoldHyperConnection(nn.Module):
             gains, biases = self.gains_and_biases()
             x, mixed, coeff, post, _ = read(H.reshape(B * T, n, d), weight, gains.to(H.dtype), biases.to(H.dtype),
                                             self.norm.eps, self.iterations)
-            x, mixed = x.view(B, T, d), mixed.view(B, T, n, d)
-            coeff, post = coeff.view(B, T, n + 1, n), post.view(B, T, n)
-            out = sublayer_fn(x)
-            H = write_streams(mixed, post, out)  # + H_post^T F(...)
-            return H, coeff[..., 1:, :]
+            out = sublayer_fn(x.view(B, T, d))
+            H = write_after_read(mixed, post, out.reshape(B * T, d))  # + H_post^T F(...)
+            return H.view(B, T, n, d), coeff.view(B, T, n + 1, n)[..., 1:, :]
         # N(flatten(H)) Phi without materialising the normalised state (an RMSNorm over n*d
         # values per token has a slow backward on CPU at this size)
         z = normed_linear(H.reshape(B, T, n * d), self.norm, self.phi)
