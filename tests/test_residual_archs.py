@@ -231,6 +231,9 @@ def test_depth_attention_gradient_matches_finite_differences():
     assert torch.autograd.gradcheck(lambda t: depth.mix(t, rms_unit(t, 1e-6) @ depth.effective_query())[0], (v,))
     w = torch.randn(5, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda q: depth.mix(v.detach(), rms_unit(v.detach(), 1e-6) @ q)[1], (w,))
+    # the mixture itself through the weights, with the sources as a list of separate tensors
+    sources = list(v.detach().unbind(0))
+    assert torch.autograd.gradcheck(lambda q: depth.mix(sources, rms_unit(v.detach(), 1e-6) @ q)[0], (w,))
     # the effective-query logit is the design's w . N(v)
     torch.testing.assert_close(rms_unit(v, 1e-6) @ depth.effective_query(), depth.key_norm(v) @ depth.query)
 
