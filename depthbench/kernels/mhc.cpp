@@ -190,14 +190,14 @@ void coefficients_backward_tiles(const T* u, const T* gcoeff, const T* gpost, T*
 // Eager PyTorch ran this read as about 15 kernels forward and 30 backward, each a pass over the
 // n-wide state.
 
-constexpr int64_t READ_CHUNK = 4 * TILE;
+constexpr int64_t READ_CHUNK = 4 * TILE;  // tokens per parallel work item and per partial gain/bias sum
 
 // The GEMMs inside the kernels run as plain arithmetic in the inputs' dtype: no autograd
 // recording, no autocast (under CPU autocast at::mm would return bfloat16).
 struct PlainMath {
   torch::NoGradGuard no_grad;
   c10::impl::ExcludeDispatchKeyGuard no_autocast{c10::autocast_dispatch_keyset};
-};  // tokens per projection GEMM and per partial gradient sum
+};
 
 template <typename T>
 DB_CLONES T sum_of_squares(const T* __restrict__ h, int64_t D) {
@@ -422,8 +422,7 @@ static void check_read(const torch::Tensor& H, const torch::Tensor& W, const tor
 
 // x (N, d), mixed (N, n, d), coeff (N, n + 1, n) = [H_pre; H_res], post (N, n) from the streams H
 // (N, n, d), W = Phi^T * gain (2n + n^2, n d), scale and bias (2n + n^2); and proj = h W^T
-// (N, 2n + n^2), kept for the backward. Each chunk's
-// projections are one GEMM (at::mm, serial inside the parallel loop).
+// (N, 2n + n^2), kept for the backward.
 std::vector<torch::Tensor> mhc_read_forward(torch::Tensor H, torch::Tensor W, torch::Tensor scale, torch::Tensor bias,
                                             double eps, int64_t iterations) {
   check_read(H, W, scale, bias, iterations);

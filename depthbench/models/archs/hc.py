@@ -112,6 +112,43 @@ def read(H, weight, static, eps: float, scale: float):
     return _EagerRead.apply(H, weight, static, eps, scale)
 
 
+@torch.library.custom_op("depthbench::stream_write", mutates_args=(), device_types="cpu")
+def fused_write(mixed: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """H = mixed + weights^T out on (N, n, d), (N, n), (N, d): addcmul forward, and a backward in
+    one C++ pass (depthbench/kernels/hc.cpp) where autograd through addcmul makes four."""
+    return torch.addcmul(mixed, weights.unsqueeze(-1), out.unsqueeze(-2))
+
+
+@fused_write.register_fake
+def _(mixed, weights, out):
+    return torch.empty_like(mixed)
+
+
+@torch.library.custom_op("depthbench::stream_write_backward", mutates_args=(), device_types="cpu")
+def fused_write_backward(grad: torch.Tensor, weights: torch.Tensor,
+                         out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_weights, grad_out = kernels.cpu_kernels().stream_write_backward(grad.contiguous(), weights, out)
+    return grad_weights, grad_out
+
+
+@fused_write_backward.register_fake
+def _(grad, weights, out):
+    return torch.empty_like(weights), torch.empty_like(out)
+
+
+def _save_for_write_backward(ctx, inputs, output):
+    _, weights, out = inputs
+    ctx.save_for_backward(weights, out)
+
+
+def _write_backward(ctx, grad):
+    weights, out = ctx.saved_tensors
+    return grad, *fused_write_backward(grad, weights, out)
+
+
+fused_write.register_autograd(_write_backward, setup_context=_save_for_write_backward)
+
+
 class _EagerWrite(torch.autograd.Function):
     """`fused_write` for eager mode, in place: `mixed` is the fused read's fresh output, which no
     backward saves, so H takes its memory instead of a new (N, n, d) tensor per sublayer."""
@@ -125,7 +162,7 @@ class _EagerWrite(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         weights, out = ctx.saved_tensors
-        return grad, *kernels.cpu_kernels().stream_write_backward(grad.contiguous(), weights.contiguous(), out)
+        return grad, *kernels.cpu_kernels().stream_write_backward(grad.contiguous(), weights, out)
 
 
 def write_after_read(mixed: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -162,43 +199,6 @@ class _BatchedMix(torch.autograd.Function):
         grad_M = grad @ H.mT if ctx.needs_input_grad[0] else None
         grad_H = M.mT @ grad if ctx.needs_input_grad[1] else None
         return grad_M, grad_H
-
-
-@torch.library.custom_op("depthbench::stream_write", mutates_args=(), device_types="cpu")
-def fused_write(mixed: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """H = mixed + weights^T out on (N, n, d), (N, n), (N, d): addcmul forward, and a backward in
-    one C++ pass (depthbench/kernels/hc.cpp) where autograd through addcmul makes four."""
-    return torch.addcmul(mixed, weights.unsqueeze(-1), out.unsqueeze(-2))
-
-
-@fused_write.register_fake
-def _(mixed, weights, out):
-    return torch.empty_like(mixed)
-
-
-@torch.library.custom_op("depthbench::stream_write_backward", mutates_args=(), device_types="cpu")
-def fused_write_backward(grad: torch.Tensor, weights: torch.Tensor,
-                         out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_weights, grad_out = kernels.cpu_kernels().stream_write_backward(grad.contiguous(), weights, out)
-    return grad_weights, grad_out
-
-
-@fused_write_backward.register_fake
-def _(grad, weights, out):
-    return torch.empty_like(weights), torch.empty_like(out)
-
-
-def _save_for_write_backward(ctx, inputs, output):
-    _, weights, out = inputs
-    ctx.save_for_backward(weights, out)
-
-
-def _write_backward(ctx, grad):
-    weights, out = ctx.saved_tensors
-    return grad, *fused_write_backward(grad, weights, out)
-
-
-fused_write.register_autograd(_write_backward, setup_context=_save_for_write_backward)
 
 
 def write_streams(mixed: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
