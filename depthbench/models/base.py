@@ -26,6 +26,14 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 ARCHITECTURES: dict[str, type["DecoderLM"]] = {}
 ALIASES: dict[str, str] = {}
 
+# Probes every architecture supports (depthbench.probes.run writes rows under these names); an
+# architecture adds its own in `DecoderLM.probes` (hc/mhc: residual_product_rank, attnres:
+# depth_weight, ...) and may drop one it cannot define (moda: the prefix-average intervention).
+GENERIC_PROBES = frozenset({
+    "token_similarity", "prefix_average", "effective_rank", "angular_distance", "causal_score",
+    "permutation_score", "usefulness_ratio",
+})
+
 
 def register(name: str, *aliases: str) -> Callable[[type["DecoderLM"]], type["DecoderLM"]]:
     """Class decorator: make an architecture buildable by `name` (and by its aliases)."""
@@ -106,6 +114,10 @@ class DecoderLM(nn.Module):
     """Embedding -> trunk of L layers -> optional final RMSNorm -> untied LM head."""
 
     arch_name: ClassVar[str] = ""
+    # What can be measured and drawn for this architecture: the probe families it supports and
+    # the architecture-specific figures a grid containing it gets (beyond the generic ones).
+    probes: ClassVar[frozenset[str]] = GENERIC_PROBES
+    figures: ClassVar[frozenset[str]] = frozenset()
     block_class: ClassVar[type[Block]] = Block
     has_final_norm: ClassVar[bool] = True
     position_offset: int = 0  # position of idx[:, 0]; > 0 only while decoding with a KV cache

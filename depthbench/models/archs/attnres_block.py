@@ -48,6 +48,8 @@ class BlockSources(DepthSources):
 @register("attnres_block")
 class AttnResBlocks(AttnResFull):
     block_class = AttnResBlock
+    probes = AttnResFull.probes | {"partial_sum_weight", "dead_zone_layers"}
+    figures = frozenset({"depth_mixing", "dead_zone"})
 
     def make_sources(self, h0: torch.Tensor) -> BlockSources:
         n_blocks = int(self.cfg.arch_options.get("n_blocks", 8))

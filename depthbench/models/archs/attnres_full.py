@@ -28,7 +28,7 @@ import copy
 import torch
 from torch import nn
 
-from depthbench.models.base import Block, DecoderLM, Rope, register
+from depthbench.models.base import GENERIC_PROBES, Block, DecoderLM, Rope, register
 from depthbench.models.layers import RMSNorm, at_least_fp32
 
 
@@ -168,6 +168,8 @@ class DepthSources:
 class AttnResFull(DecoderLM):
     block_class = AttnResBlock
     has_final_norm = True
+    probes = GENERIC_PROBES | {"depth_weight"}
+    figures = frozenset({"depth_mixing"})
 
     def __init__(self, cfg, initialize: bool = True):
         super().__init__(cfg, initialize=False)

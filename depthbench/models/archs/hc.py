@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from depthbench import kernels
-from depthbench.models.base import Block, DecoderLM, Rope, register
+from depthbench.models.base import GENERIC_PROBES, Block, DecoderLM, Rope, register
 from depthbench.models.layers import RMSNorm, normed_linear
 
 DYNAMIC_SCALE = 0.01
@@ -282,6 +282,9 @@ class HCBlock(Block):
 
 class MultiStreamLM(DecoderLM):
     """Shared by hc and mhc: n copies of the embedding in, the sum of streams out."""
+
+    probes = GENERIC_PROBES | {"residual_product_rank"}
+    figures = frozenset({"residual_product_rank"})
 
     def init_state(self, h0: torch.Tensor) -> torch.Tensor:
         n = int(self.cfg.arch_options.get("n_streams", 4))

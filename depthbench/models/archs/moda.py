@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from depthbench.models.base import Block, DecoderLM, Rope, register
+from depthbench.models.base import GENERIC_PROBES, Block, DecoderLM, Rope, register
 from depthbench.models.layers import RMSNorm, apply_rotary, at_least_fp32, causal_mask
 
 VARIANTS = ("reuse_kv", "ffn_kv")
@@ -167,6 +167,8 @@ class MoDABlock(Block):
 class MixtureOfDepthsAttention(DecoderLM):
     block_class = MoDABlock
     has_final_norm = True
+    # the prefix-average intervention needs the standard attention sublayer; moda's is joint over depth
+    probes = GENERIC_PROBES - {"prefix_average"}
 
     def __init__(self, cfg, initialize: bool = True):
         variant = cfg.arch_options.get("variant", "reuse_kv")
