@@ -10,14 +10,15 @@ input norm; h_0 is the embedding output and h_L the input of the final norm (nev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, ClassVar
+from dataclasses import dataclass, fields
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from depthbench.errors import ConfigError
+from depthbench.models.adapter import ModelAdapter, swapped_parameters
 from depthbench.models.config import ModelConfig
 from depthbench.models.layers import CausalSelfAttention, RMSNorm, RotaryEmbedding, SwiGLU
 
@@ -85,6 +86,33 @@ class ModelOutput:
     internals: dict[str, list[torch.Tensor]] | None = None  # per-sublayer records for probes, when requested
 
 
+@dataclass(frozen=True)
+class ArchOptions:
+    """An architecture's options, from `model.arch_options`: a subclass per architecture holds
+    each option with its default, once. One `arch_options` section serves every architecture of a
+    grid, so each takes its own fields and leaves the others'."""
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "ArchOptions":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in cfg.arch_options.items() if k in names})
+
+    def require(self, name: str, valid: tuple) -> None:
+        """ConfigError naming `model.arch_options.<name>` unless its value is one of `valid`."""
+        if getattr(self, name) not in valid:
+            raise ConfigError(f"model.arch_options.{name}", f"{getattr(self, name)!r}; valid: {list(valid)}")
+
+
+@dataclass(frozen=True)
+class Trunk:
+    """A DepthBench model's trunk state between two layers, as the adapter hands it out: the
+    architecture's own state (`value`: the residual stream, HC's streams, AttnRes's sources, MoDA's
+    stream and depth keys) and the RoPE tables of the pass."""
+
+    value: Any
+    rope: Rope
+
+
 class Block(nn.Module):
     """One layer: an attention sublayer and a SwiGLU sublayer, placed by the subclass.
 
@@ -110,14 +138,21 @@ def make_ffn(cfg: ModelConfig) -> nn.Module:
     return SwiGLU(cfg)
 
 
-class DecoderLM(nn.Module):
-    """Embedding -> trunk of L layers -> optional final RMSNorm -> untied LM head."""
+class DecoderLM(nn.Module, ModelAdapter):
+    """Embedding -> trunk of L layers -> optional final RMSNorm -> untied LM head.
+
+    It is its own model adapter (depthbench.models.adapter): the defaults below serve every
+    architecture whose trunk state is one tensor (the normalization family, hc, mhc); an
+    architecture with side state (attnres's sources, moda's depth keys) overrides the value-level
+    hooks `init_state`, `read_stream`, `layer_step`, `fork_state`, `skip_layer`,
+    `layer_features` and `from_layer_features` in its own module."""
 
     arch_name: ClassVar[str] = ""
     # What can be measured and drawn for this architecture: the probe families it supports and
     # the architecture-specific figures a grid containing it gets (beyond the generic ones).
     probes: ClassVar[frozenset[str]] = GENERIC_PROBES
     figures: ClassVar[frozenset[str]] = frozenset()
+    Options: ClassVar[type[ArchOptions]] = ArchOptions
     block_class: ClassVar[type[Block]] = Block
     has_final_norm: ClassVar[bool] = True
     position_offset: int = 0  # position of idx[:, 0]; > 0 only while decoding with a KV cache
@@ -125,6 +160,7 @@ class DecoderLM(nn.Module):
     def __init__(self, cfg: ModelConfig, initialize: bool = True):
         super().__init__()
         self.cfg = cfg
+        self.options = self.Options.of(cfg)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(
             [self.block_class(cfg, layer_index) for layer_index in range(1, cfg.n_layer + 1)]
@@ -166,10 +202,11 @@ class DecoderLM(nn.Module):
 
     # -- layer-by-layer stepping --------------------------------------------------------------
     # The trunk as a fold over layers: state <- layer_step(state, block); the trunk output is
-    # trunk_output(state). Probes use this to resume a pass at any layer from a saved state
-    # (a permutation that swaps layers a and b leaves layers 1 .. a-1 as they were). An
-    # architecture whose state is not one immutable tensor (attnres's source list, moda's depth
-    # keys) overrides all four, and its `trunk` must take the same steps.
+    # trunk_output(state). The adapter methods below build on these value-level hooks, so that
+    # probes can resume a pass at any layer from a saved state (a permutation that swaps layers
+    # a and b leaves layers 1 .. a-1 as they were). An architecture whose state is not one
+    # immutable tensor (attnres's source list, moda's depth keys) overrides them, and its
+    # `trunk` must take the same steps.
     def layer_step(self, state, block: Block, rope: Rope):
         """The trunk state after `block`, from the state before it (no probe records)."""
         return block(state, rope, None)
@@ -183,14 +220,20 @@ class DecoderLM(nn.Module):
         Tensor states are never modified in place, so the default shares them."""
         return state
 
-    def hidden_from_layer(self, state, layer: int, rope: Rope) -> list[torch.Tensor]:
-        """h_(layer-1) .. h_L of a pass resumed at block `layer` (1-based) from the state entering
-        it: what `trunk` appends to `hidden` from there on. Advances `state` (pass a fork)."""
-        hidden = [self.read_stream(state)]
-        for block in self.blocks[layer - 1 :]:
-            state = self.layer_step(state, block, rope)
-            hidden.append(self.read_stream(state))
-        return hidden
+    def skip_layer(self, state, layer: int):
+        """The state after layer `layer` removed, from a fork of the state entering it. A
+        skipped layer is the identity on the trunk state: for one tensor, the state itself."""
+        return state
+
+    def layer_features(self, state, layer: int, rope: Rope):
+        """(input, output features, state after) of layer `layer`: for one tensor state, the state
+        before and after, flattened per token ((N, T, d), or (N, T, n d) for n streams)."""
+        after = self.layer_step(self.fork_state(state), self.blocks[layer - 1], rope)
+        return _per_token(state), _per_token(after), after
+
+    def from_layer_features(self, state, layer: int, outputs: torch.Tensor, rope: Rope):
+        """The state after layer `layer` whose output features are `outputs` (see layer_features)."""
+        return outputs.reshape(state.shape).to(state.dtype)
 
     def trunk(self, h0: torch.Tensor, rope: Rope, hidden: list | None, internals: dict | None) -> torch.Tensor:
         """Run the L layers on h_0 and return h_L, appending h_0..h_L to `hidden` if given."""
@@ -226,6 +269,41 @@ class DecoderLM(nn.Module):
         aux_loss = torch.stack(aux).sum() if aux else None
         return ModelOutput(logits=logits, loss=loss, hidden=hidden, aux_loss=aux_loss, internals=internals)
 
+    # -- the model adapter (depthbench.models.adapter) ------------------------------------------
+    @property
+    def n_layer(self) -> int:
+        return self.cfg.n_layer
+
+    def begin(self, idx: torch.Tensor) -> Trunk:
+        return Trunk(self.init_state(self.embed_tokens(idx)), self.rope(idx.shape[1], self.position_offset))
+
+    def step(self, state: Trunk, layer: int) -> Trunk:
+        return Trunk(self.layer_step(self.fork_state(state.value), self.blocks[layer - 1], state.rope), state.rope)
+
+    def residual(self, state: Trunk) -> torch.Tensor:
+        return self.read_stream(state.value)
+
+    def logits(self, state: Trunk) -> torch.Tensor:
+        x = self.trunk_output(state.value)
+        return self.lm_head(self.final_norm(x) if self.final_norm is not None else x)
+
+    def skip(self, state: Trunk, layer: int) -> Trunk:
+        return Trunk(self.skip_layer(self.fork_state(state.value), layer), state.rope)
+
+    def layer_io(self, state: Trunk, layer: int):
+        x, y, after = self.layer_features(state.value, layer, state.rope)
+        return x, y, Trunk(after, state.rope)
+
+    def replace(self, state: Trunk, layer: int, outputs: torch.Tensor) -> Trunk:
+        return Trunk(self.from_layer_features(self.fork_state(state.value), layer, outputs, state.rope), state.rope)
+
+    def swapped(self, a: int, b: int):
+        return swapped_parameters(list(self.blocks), a, b)
+
+    @torch.no_grad()
+    def records(self, idx: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        return self(idx, return_internals=True).internals or {}
+
     # -- sharding -----------------------------------------------------------------------------
     def fsdp_units(self) -> list[nn.Module]:
         """The submodules FSDP2 shards as separate units (one all-gather each). A unit's
@@ -246,6 +324,11 @@ class DecoderLM(nn.Module):
         """Parameters used per token: an MoE layer counts its router and its top-k experts only."""
         inactive = sum(getattr(b.ffn, "inactive_parameters", 0) for b in self.blocks)
         return self.num_parameters() - inactive
+
+
+def _per_token(state: torch.Tensor) -> torch.Tensor:
+    """(N, T, ...) -> (N, T, features)."""
+    return state.reshape(*state.shape[:2], -1)
 
 
 def count_parameters(cfg: ModelConfig) -> int:

@@ -118,6 +118,7 @@ class DepthSources:
         self.values: list[torch.Tensor] = []
         self.units: list[torch.Tensor] = []  # v / rms(v), kept for fork()
         self.logits: list[list[torch.Tensor]] = [[] for _ in range(queries.shape[1])]  # per reader
+        self.reads: dict = {}  # the next reader's mix, once computed (h_l for probes, then its input)
         self.append(v0)
 
     def _add_logits(self, unit: torch.Tensor) -> None:
@@ -140,10 +141,22 @@ class DepthSources:
         """The next reader's S sources (B, T, d each) and their logits (S, B, T)."""
         return list(self.values), torch.stack(self.logits[self.next_reader])
 
+    def current(self, depth: "DepthAttention") -> tuple[torch.Tensor, torch.Tensor]:
+        """The next reader's mix (h, weights) through `depth`, computed once per reader: the
+        probes read it as h_l, and the layer's first sublayer then takes it as its input."""
+        if self.next_reader not in self.reads:
+            self.reads = {self.next_reader: depth.mix(*self.read())}
+        return self.reads[self.next_reader]
+
     def add(self, out: torch.Tensor, layer: int, is_last_sublayer_of_layer: bool) -> None:
         """The reader that just ran produced `out`."""
         self.next_reader += 1
         self.append(out)
+
+    def skip_layer(self, layer: int) -> None:
+        """Layer `layer` removed: its two readers do not run and add no source, so later readers'
+        softmaxes run over the other sources only (a zero source would keep softmax mass)."""
+        self.next_reader += 2
 
     def fork(self, queries: torch.Tensor) -> "DepthSources":
         """A copy whose later additions leave this one unchanged (tensors are shared), with the
@@ -151,6 +164,7 @@ class DepthSources:
         state may have swapped the pseudo-queries of later layers."""
         other = copy.copy(self)
         other.values, other.units = list(self.values), list(self.units)
+        other.reads = dict(self.reads) if torch.equal(queries, self.queries) else {}
         # readers that already ran never read again: their logits are not carried over
         past = [[] for _ in self.logits[: self.next_reader]]
         if torch.equal(queries, self.queries):  # False for another shape too
@@ -200,35 +214,69 @@ class AttnResFull(DecoderLM):
     def init_state(self, h0: torch.Tensor) -> DepthSources:
         return self.make_sources(h0)
 
-    def run_layer(self, sources: DepthSources, block: AttnResBlock, rope: Rope, hidden: list | None = None, record: list | None = None) -> DepthSources:
+    def run_layer(self, sources: DepthSources, block: AttnResBlock, rope: Rope, hidden: list | None = None,
+                  record: list | None = None, outputs: list | None = None) -> DepthSources:
         for position, (depth, sublayer) in enumerate(block.sublayers(rope)):
-            h, weights = depth.mix(*sources.read())
+            h, weights = sources.current(depth)
             if position == 0 and hidden is not None:
                 hidden.append(h)  # h_{layer-1}: what layer `layer` reads
             if record is not None:
                 record.append(weights.detach().float().mean(dim=(1, 2)))
-            sources.add(sublayer(h), block.layer_index, is_last_sublayer_of_layer=position == 1)
+            out = sublayer(h)
+            if outputs is not None:
+                outputs.append(out)
+            sources.add(out, block.layer_index, is_last_sublayer_of_layer=position == 1)
         return sources
 
     def layer_step(self, state: DepthSources, block: AttnResBlock, rope: Rope) -> DepthSources:
         return self.run_layer(state, block, rope)
 
     def final_aggregation(self, sources: DepthSources) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.final_depth.mix(*sources.read())
+        return sources.current(self.final_depth)
 
     def trunk_output(self, state: DepthSources) -> torch.Tensor:
         return self.final_aggregation(state)[0]
 
+    def read_stream(self, state: DepthSources) -> torch.Tensor:
+        """h_l: the aggregated input of layer l + 1's first sublayer (the final aggregation
+        after the last layer), whichever reader the state has next."""
+        readers = [d for block in self.blocks for d in (block.attn_depth, block.ffn_depth)] + [self.final_depth]
+        return state.current(readers[state.next_reader])[0]
+
     def fork_state(self, state: DepthSources) -> DepthSources:
         return state.fork(self.reader_queries())
 
-    def hidden_from_layer(self, state: DepthSources, layer: int, rope: Rope) -> list[torch.Tensor]:
-        # h_(l-1) is what layer l's first sublayer reads, h_L the final aggregation (as in trunk)
-        hidden: list[torch.Tensor] = []
-        for block in self.blocks[layer - 1 :]:
-            self.run_layer(state, block, rope, hidden)
-        hidden.append(self.final_aggregation(state)[0])
-        return hidden
+    # Skip and replace (depthbench.models.adapter): a skipped layer's two sublayers add no
+    # source. A replaced layer's input is what it reads first, h_(l-1), and its output features
+    # are the two sources it adds (attention and FFN outputs, (N, T, 2d)): an affine replacement
+    # makes both functions of h_(l-1), and they enter the later softmaxes as the layer's own did.
+    def skip_layer(self, state: DepthSources, layer: int) -> DepthSources:
+        state.skip_layer(layer)
+        return state
+
+    def layer_features(self, state: DepthSources, layer: int, rope: Rope):
+        x = self.read_stream(state)
+        after, outputs = self.fork_state(state), []
+        self.run_layer(after, self.blocks[layer - 1], rope, outputs=outputs)
+        return x, torch.cat(outputs, dim=-1), after
+
+    def from_layer_features(self, state: DepthSources, layer: int, outputs: torch.Tensor, rope: Rope) -> DepthSources:
+        attn_out, ffn_out = outputs.to(state.values[0].dtype).chunk(2, dim=-1)
+        state.add(attn_out, layer, is_last_sublayer_of_layer=False)
+        state.add(ffn_out, layer, is_last_sublayer_of_layer=True)
+        return state
+
+    def source_counts(self) -> list[int]:
+        """How many sources each reader sees: sublayer s (1-based) s of them, the final 2L + 1."""
+        return list(range(1, 2 * self.cfg.n_layer + 2))
+
+    def extra_flops_per_token(self, seq_len: int) -> float:
+        """The depth logits w . N(v_i): 2 d per source per reader (the matmul of _add_logits)."""
+        return 2.0 * self.cfg.d_model * sum(self.source_counts())
+
+    def depth_state_bytes_per_token(self, bytes_per_value: int = 2) -> int:
+        """The stored sources a decode step holds (at most the final reader's)."""
+        return max(self.source_counts()) * self.cfg.d_model * bytes_per_value
 
     def trunk(self, h0: torch.Tensor, rope: Rope, hidden: list | None, internals: dict | None) -> torch.Tensor:
         sources = self.init_state(h0)

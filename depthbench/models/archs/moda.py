@@ -23,15 +23,23 @@ depth half (same numbers). Layer 1, which has no depth keys, always uses SDPA.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from depthbench.models.base import GENERIC_PROBES, Block, DecoderLM, Rope, register
+from depthbench.models.base import GENERIC_PROBES, ArchOptions, Block, DecoderLM, Rope, register
 from depthbench.models.layers import RMSNorm, apply_rotary, at_least_fp32, causal_mask
 
-VARIANTS = ("reuse_kv", "ffn_kv")
+
+
+@dataclass(frozen=True)
+class MoDAOptions(ArchOptions):
+    variant: str = "reuse_kv"  # reuse_kv: the attention K/V as depth keys; ffn_kv: also a projection of each FFN input
+
+    def __post_init__(self) -> None:
+        self.require("variant", ("reuse_kv", "ffn_kv"))
 
 
 def joint_depth_attention(q, k, v, depth_k, depth_v):
@@ -99,6 +107,11 @@ def depth_layout(t: torch.Tensor) -> torch.Tensor:
     return t.permute(3, 0, 1, 2).contiguous().permute(1, 2, 3, 0)
 
 
+def _per_position(t: torch.Tensor) -> torch.Tensor:
+    """(B, H_kv, T, hd) -> (B, T, H_kv hd)."""
+    return t.transpose(1, 2).reshape(t.shape[0], t.shape[2], -1)
+
+
 class DepthKeys:
     """The (k, v) pairs (B, H_kv, T, hd) that earlier layers left for later ones, in order.
 
@@ -128,7 +141,7 @@ class MoDABlock(Block):
         super().__init__(cfg, layer_index)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        variant = cfg.arch_options.get("variant", "reuse_kv")
+        variant = MoDAOptions.of(cfg).variant
         self.ffn_kv = nn.Linear(cfg.d_model, 2 * self.attn.kv_dim, bias=False) if variant == "ffn_kv" else None
         self.n_layer = cfg.n_layer
 
@@ -167,16 +180,9 @@ class MoDABlock(Block):
 class MixtureOfDepthsAttention(DecoderLM):
     block_class = MoDABlock
     has_final_norm = True
+    Options = MoDAOptions
     # the prefix-average intervention needs the standard attention sublayer; moda's is joint over depth
     probes = GENERIC_PROBES - {"prefix_average"}
-
-    def __init__(self, cfg, initialize: bool = True):
-        variant = cfg.arch_options.get("variant", "reuse_kv")
-        if variant not in VARIANTS:
-            from depthbench.errors import ConfigError
-
-            raise ConfigError("model.arch_options.variant", f"{variant!r}; valid for moda: {list(VARIANTS)}")
-        super().__init__(cfg, initialize)
 
     # The trunk state is (x, the depth keys and values so far); see DecoderLM.layer_step.
     def init_state(self, h0: torch.Tensor) -> tuple[torch.Tensor, DepthKeys]:
@@ -191,6 +197,48 @@ class MixtureOfDepthsAttention(DecoderLM):
 
     def fork_state(self, state):
         return state[0], state[1].fork()
+
+    # Skip and replace (depthbench.models.adapter). A skipped layer leaves no depth keys: later
+    # layers attend over the depth keys of the layers that ran. A replaced layer's features are
+    # its stream output and the depth keys and values it leaves (keys before RoPE, which is
+    # re-applied at the position: an affine fit of a rotated key would have to learn the
+    # rotation), so an affine replacement replaces what later layers read from it too.
+    def layer_features(self, state, layer: int, rope: Rope):
+        x, depth = state
+        before = len(depth)
+        after = self.layer_step(self.fork_state(state), self.blocks[layer - 1], rope)
+        left = after[1].pairs[before:]
+        cos, sin = rope
+        parts = [after[0]]
+        for k, v in left:
+            parts += [_per_position(apply_rotary(k, cos, -sin)), _per_position(v)]  # R(-t) undoes R(t)
+        return x, torch.cat(parts, dim=-1), after
+
+    def from_layer_features(self, state, layer: int, outputs: torch.Tensor, rope: Rope):
+        x, depth = state
+        d, attn = self.cfg.d_model, self.blocks[layer - 1].attn
+        B, T = outputs.shape[:2]
+        pieces = outputs[..., d:].to(x.dtype).split(attn.kv_dim, dim=-1)
+        for k, v in zip(pieces[0::2], pieces[1::2]):
+            k, v = (t.reshape(B, T, attn.n_kv_head, attn.head_dim).transpose(1, 2) for t in (k, v))
+            depth.append((depth_layout(apply_rotary(k, *rope)), depth_layout(v)))
+        return outputs[..., :d].to(x.dtype), depth
+
+    def extra_flops_per_token(self, seq_len: int) -> float:
+        """The joint softmax's depth half: 4 D_l d_q at layer l with D_l depth keys (l - 1 for
+        reuse_kv, 2 (l - 1) for ffn_kv), less the last layer's ffn_kv projection, which has no
+        reader and is not run."""
+        cfg = self.cfg
+        per_layer = 2 if self.options.variant == "ffn_kv" else 1
+        d_q = cfg.n_head * cfg.head_dim
+        unused = 2.0 * cfg.d_model * 2 * cfg.n_kv_head * cfg.head_dim if per_layer == 2 else 0.0
+        return sum(4.0 * per_layer * (l - 1) * d_q for l in range(1, cfg.n_layer + 1)) - unused
+
+    def depth_state_bytes_per_token(self, bytes_per_value: int = 2) -> int:
+        """reuse_kv's depth keys are the sequence cache itself; ffn_kv's FFN-side K/V are extra
+        per-token state."""
+        cfg = self.cfg
+        return cfg.n_layer * 2 * cfg.n_kv_head * cfg.head_dim * bytes_per_value if self.options.variant == "ffn_kv" else 0
 
     def trunk(self, h0: torch.Tensor, rope: Rope, hidden: list | None, internals: dict | None) -> torch.Tensor:
         x, depth = self.init_state(h0)
