@@ -23,11 +23,11 @@ import time
 
 import torch
 
-from depthbench.models import ModelConfig, build_model
+from depthbench.models import ModelConfig, build_model, registered_architectures
 from depthbench.shapes import solve_width
 from depthbench.train.flops import device_peak_flops, train_flops_per_token
 
-ARCHS = ["pre_ln", "post_ln", "peri_ln", "lns", "deepnorm", "keel", "hc", "mhc", "attnres_full", "attnres_block", "moda"]
+ARCHS = ["pre_ln"] + [a for a in registered_architectures() if a != "pre_ln"]  # the reference first
 
 
 def shape_config(arch: str, n_layer: int, args) -> ModelConfig:

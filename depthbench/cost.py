@@ -10,16 +10,9 @@ Per token, at sequence length T:
 
 N_mm: the weights that multiply each token once (every Linear, LM head included, with an MoE
 layer's router and top-k experts only); d_q = n_head * head_dim. depth(T) is what an
-architecture adds in matrix products beyond those (0 for the norm family):
-  hc            its dynamic projection multiplies all n streams, not one: 2 (n - 1) d (n + 2) per
-                sublayer (the n x (n + 2) block is counted once in N_mm); and the read and mix
-                of the streams, one (n + 1) x n by n x d product per token: 2 (n + 1) n d.
-  mhc           the read and mix of the streams as for hc: 2 (n + 1) n d per sublayer.
-  attnres_*     the depth logits w . N(v_i): 2 d per source per sublayer and for the final
-                aggregation (full: s sources at sublayer s, 2L + 1 at the end).
-  moda          the joint softmax's depth half: 4 D_l d_q at layer l with D_l depth keys
-                (l - 1 for reuse_kv, 2 (l - 1) for ffn_kv), less the last layer's ffn_kv
-                projection, which has no reader and is not run.
+architecture adds in matrix products beyond those, `extra_flops_per_token` of its module (0 for
+the norm family; HC's dynamic projection over all streams and the read and mix of the streams,
+AttnRes's depth logits, MoDA's depth attention).
 Backward costs twice the forward, as for every matmul. Prefill of a 4096-token sequence is
 4096 x forward(4096).
 
@@ -29,9 +22,9 @@ depthbench.models.decoding fills while generating). MoDA's depth keys and values
 read only by position t: with reuse_kv they are the same tensors as the sequence cache (no extra
 bytes), with ffn_kv the FFN-side K/V are per-token working state, not cache. That per-token state a
 decode step holds across the depth of the network is reported separately as
-`depth_state_bytes_per_token`: the n streams of hc/mhc, the stored sources of AttnRes
-(2L + 1 for full, at most blocks + 2 for block), MoDA ffn_kv's extra K/V; 0 for single-stream
-architectures beyond the d-vector every model holds.
+`depth_state_bytes_per_token` (each architecture's module says what it holds: the n streams of
+hc/mhc, the stored sources of AttnRes, MoDA ffn_kv's extra K/V; 0 for single-stream architectures
+beyond the d-vector every model holds).
 """
 
 from __future__ import annotations
@@ -65,67 +58,14 @@ def matmul_parameters(model: nn.Module) -> int:
     return total
 
 
-def depth_flops_per_token(model: nn.Module) -> float:
-    """Architecture-specific matmul FLOPs per token (forward) beyond 2 N_mm + attention."""
-    cfg = model.cfg
-    arch, L, d = model.arch_name, cfg.n_layer, cfg.d_model
-    opts = cfg.arch_options
-    if arch in ("hc", "mhc"):
-        n = int(opts.get("n_streams", 4))
-        read_and_mix = 2.0 * (n + 1) * n * d  # [read; mix] (n + 1, n) @ streams (n, d), per token
-        projection = 2.0 * (n - 1) * d * (n + 2) if arch == "hc" else 0.0
-        return 2 * L * (read_and_mix + projection)
-    if arch == "attnres_full":
-        return sum(2.0 * d * s for s in range(1, 2 * L + 2))
-    if arch == "attnres_block":
-        return 2.0 * d * sum(attnres_block_sources(L, int(opts.get("n_blocks", 8))))
-    if arch == "moda":
-        per_layer = 2 if opts.get("variant", "reuse_kv") == "ffn_kv" else 1
-        d_q = cfg.n_head * cfg.head_dim
-        unused = 2.0 * d * 2 * cfg.n_kv_head * cfg.head_dim if per_layer == 2 else 0.0  # last layer's ffn_kv: not run
-        return sum(4.0 * per_layer * (l - 1) * d_q for l in range(1, L + 1)) - unused
-    return 0.0
-
-
-def attnres_block_sources(n_layer: int, n_blocks: int) -> list[int]:
-    """Number of sources each depth attention of attnres_block sees (2L sublayers, then final)."""
-    from depthbench.models.archs.attnres_block import block_ends
-
-    ends = set(block_ends(n_layer, n_blocks))
-    counts, completed, partial = [], 1, False
-    for layer in range(1, n_layer + 1):
-        for position in range(2):
-            counts.append(completed + int(partial))
-            partial = True
-            if position == 1 and layer in ends:
-                completed, partial = completed + 1, False
-    counts.append(completed)
-    return counts
-
-
 def forward_flops_per_token(model: nn.Module, seq_len: int) -> float:
     cfg = model.cfg
     attention = 4.0 * cfg.n_layer * seq_len * cfg.n_head * cfg.head_dim
-    return 2.0 * matmul_parameters(model) + attention + depth_flops_per_token(model)
+    return 2.0 * matmul_parameters(model) + attention + model.extra_flops_per_token(seq_len)
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_value: int = BF16_BYTES) -> int:
     return 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * bytes_per_value
-
-
-def depth_state_bytes_per_token(model: nn.Module, bytes_per_value: int = BF16_BYTES) -> int:
-    cfg = model.cfg
-    arch, L, d = model.arch_name, cfg.n_layer, cfg.d_model
-    opts = cfg.arch_options
-    if arch in ("hc", "mhc"):
-        return int(opts.get("n_streams", 4)) * d * bytes_per_value
-    if arch == "attnres_full":
-        return (2 * L + 1) * d * bytes_per_value
-    if arch == "attnres_block":
-        return max(attnres_block_sources(L, int(opts.get("n_blocks", 8)))) * d * bytes_per_value
-    if arch == "moda" and opts.get("variant", "reuse_kv") == "ffn_kv":
-        return L * 2 * cfg.n_kv_head * cfg.head_dim * bytes_per_value
-    return 0
 
 
 def analytic_cost(cfg: ModelConfig, train_seq_len: int) -> dict[str, Any]:
@@ -147,7 +87,7 @@ def analytic_cost(cfg: ModelConfig, train_seq_len: int) -> dict[str, Any]:
         "prefill_flops_4096": PREFILL_TOKENS * forward_prefill,
         "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg),
         "kv_cache_bytes_4096": PREFILL_TOKENS * kv_cache_bytes_per_token(cfg),
-        "depth_state_bytes_per_token": depth_state_bytes_per_token(model),
+        "depth_state_bytes_per_token": model.depth_state_bytes_per_token(BF16_BYTES),
     }
 
 

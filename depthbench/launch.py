@@ -16,7 +16,7 @@ from typing import Any
 
 import submitit
 
-from depthbench.config import RunSpec
+from depthbench.spec import RunSpec
 from depthbench.io import atomic_write_json
 
 BACKENDS = ("inline", "local", "slurm")

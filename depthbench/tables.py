@@ -147,7 +147,7 @@ def nll_rows(nll_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFrame) -
 
 def cost_rows(summary_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
     """One row per run: analytic parameters, FLOPs and KV-cache bytes, and the measured cost."""
-    from depthbench.config import RunSpec
+    from depthbench.spec import RunSpec
     from depthbench.cost import analytic_cost, measured_cost
 
     rows = []

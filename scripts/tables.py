@@ -2,12 +2,12 @@
 
 import sys
 
-from depthbench.data.shards import read_meta
+from depthbench.data.shards import unigram_floor
 from depthbench.tables import best_learning_rates, curve_rows, dynamics_rows, run_rows, write_parquet
 from pathlib import Path
 
 sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
-floor = read_meta(Path(snakemake.input.data).parent)["unigram_val_loss"]  # noqa: F821
+floor = unigram_floor(Path(snakemake.input.data).parent)  # noqa: F821
 runs = run_rows(snakemake.input.summaries, floor, snakemake.params.experiment)  # noqa: F821
 write_parquet(runs, snakemake.output.runs)  # noqa: F821
 write_parquet(curve_rows(snakemake.params.run_ids, snakemake.input.metrics), snakemake.output.curves)  # noqa: F821

@@ -2,7 +2,7 @@
 
 import sys
 
-from depthbench.config import RunSpec
+from depthbench.spec import RunSpec
 from depthbench.launch import dispatch
 
 sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821 (injected by Snakemake)

@@ -9,7 +9,7 @@ from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from depthbench import kernels
-from depthbench.cost import analytic_cost, attnres_block_sources, forward_flops_per_token, measured_cost
+from depthbench.cost import analytic_cost, forward_flops_per_token, measured_cost
 from depthbench.models import ModelConfig, build_model
 
 ARCHS = [
@@ -118,9 +118,19 @@ def test_parameter_columns_add_up():
     assert c["prefill_flops_4096"] > 4096 * c["forward_flops_per_token"]
 
 
-def test_attnres_block_source_counts():
-    # 4 layers in 2 blocks: sources = v0 [+ partial] then v0, b1 [+ partial]; final sees v0, b1, b2
-    assert attnres_block_sources(4, 2) == [1, 2, 2, 2, 2, 3, 3, 3, 3]
+@pytest.mark.parametrize("arch, options", [("attnres_block", {"n_blocks": 2}), ("attnres_block", {"n_blocks": 3}), ("attnres_full", {})])
+def test_attnres_source_counts_are_what_each_reader_mixes(arch, options, monkeypatch):
+    from depthbench.models import build_model
+    from depthbench.models.archs.attnres_full import DepthAttention
+
+    model = build_model(small(arch, options))
+    seen = []
+    mix = DepthAttention.mix
+    monkeypatch.setattr(DepthAttention, "mix", staticmethod(lambda values, logits: (seen.append(len(values)), mix(values, logits))[1]))
+    model(torch.randint(0, 256, (1, 5)))
+    assert model.source_counts() == seen
+    if options == {"n_blocks": 2}:  # 4 layers in 2 blocks: v0 [+ partial], then v0, b1 [+ partial]; final: v0, b1, b2
+        assert seen == [1, 2, 2, 2, 2, 3, 3, 3, 3]
 
 
 def test_measured_cost_from_summary():

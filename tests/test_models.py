@@ -202,3 +202,27 @@ def test_invalid_heads_name_the_field():
         ModelConfig(d_model=100, n_head=16)
     with pytest.raises(Exception, match="model.n_kv_head"):
         ModelConfig(d_model=64, n_head=4, n_kv_head=3)
+
+
+def test_the_schema_lists_exactly_the_registered_architectures_and_their_options():
+    import dataclasses
+
+    import yaml
+
+    from depthbench.config import SCHEMA_PATH
+    from depthbench.models.base import ALIASES
+
+    schema = yaml.safe_load(SCHEMA_PATH.read_text())["properties"]
+    assert set(schema["architectures"]["items"]["enum"]) == set(ARCHITECTURES) | set(ALIASES)
+    options = {f.name for cls in ARCHITECTURES.values() for f in dataclasses.fields(cls.Options)}
+    assert set(schema["model"]["properties"]["arch_options"]["properties"]) == options
+
+
+@pytest.mark.parametrize("arch, options, field", [("moda", {"variant": "both"}, "variant"),
+                                                   ("attnres_block", {"n_blocks": 0}, "n_blocks"),
+                                                   ("peri_ln", {"embed_norm": "yes"}, "embed_norm")])
+def test_invalid_architecture_options_name_the_field(arch, options, field):
+    from depthbench.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"model.arch_options.{field}"):
+        build_model(small(arch, arch_options=options))

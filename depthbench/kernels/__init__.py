@@ -126,9 +126,11 @@ def _build() -> ModuleType | None:
 
 def build_directory(flags: list[str] | None = None) -> Path:
     """Where the extension is built and cached: one directory per Python, torch, machine
-    architecture and version of the sources and flags, so versions never overwrite each other."""
+    architecture, checkout and version of the sources and flags, so versions never overwrite each
+    other. The checkout's path counts because torch's build file names the sources by absolute
+    path: two checkouts sharing a directory would rebuild in turn, each waiting on the other's lock."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(str(Path(__file__).resolve().parent).encode())
     for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
     digest.update(" ".join(_CFLAGS if flags is None else flags).encode())

@@ -1,12 +1,12 @@
 """Models: the config dataclass, the shared backbone and one module per architecture."""
 
-from depthbench.models.base import (
+from depthbench.models.base import DecoderLM, ModelOutput
+from depthbench.models.registry import (
     ARCHITECTURES,
-    DecoderLM,
-    ModelOutput,
     build_model,
     canonical_arch,
     count_parameters,
+    registered_architectures,
 )
 from depthbench.models.config import ModelConfig, swiglu_hidden
 
@@ -18,5 +18,6 @@ __all__ = [
     "build_model",
     "canonical_arch",
     "count_parameters",
+    "registered_architectures",
     "swiglu_hidden",
 ]

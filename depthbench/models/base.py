@@ -1,6 +1,6 @@
-"""The decoder LM shared by every architecture, and the architecture registry.
+"""The decoder LM shared by every architecture.
 
-An architecture is a subclass of `DecoderLM` registered by name. Single-stream architectures
+An architecture is a subclass of `DecoderLM` registered by name (depthbench.models.registry). Single-stream architectures
 (the normalization family) only supply a `Block` class and say whether a final norm exists;
 multi-stream or aggregating ones override `trunk`.
 
@@ -11,7 +11,7 @@ input norm; h_0 is the embedding output and h_L the input of the final norm (nev
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -21,11 +21,17 @@ from depthbench.errors import ConfigError
 from depthbench.models.adapter import ModelAdapter, swapped_parameters
 from depthbench.models.config import ModelConfig
 from depthbench.models.layers import CausalSelfAttention, RMSNorm, RotaryEmbedding, SwiGLU
+from depthbench.models.registry import (  # noqa: F401  (architecture modules register through base)
+    ALIASES,
+    ARCHITECTURES,
+    build_model,
+    canonical_arch,
+    count_parameters,
+    register,
+    registered_architectures,
+)
 
 Rope = tuple[torch.Tensor, torch.Tensor]
-
-ARCHITECTURES: dict[str, type["DecoderLM"]] = {}
-ALIASES: dict[str, str] = {}
 
 # Probes every architecture supports (depthbench.probes.run writes rows under these names); an
 # architecture adds its own in `DecoderLM.probes` (hc/mhc: residual_product_rank, attnres:
@@ -34,47 +40,6 @@ GENERIC_PROBES = frozenset({
     "token_similarity", "prefix_average", "effective_rank", "angular_distance", "causal_score",
     "permutation_score", "usefulness_ratio",
 })
-
-
-def register(name: str, *aliases: str) -> Callable[[type["DecoderLM"]], type["DecoderLM"]]:
-    """Class decorator: make an architecture buildable by `name` (and by its aliases)."""
-
-    def wrap(cls: type[DecoderLM]) -> type[DecoderLM]:
-        if name in ARCHITECTURES or name in ALIASES:
-            raise ValueError(f"architecture {name!r} registered twice")
-        cls.arch_name = name
-        ARCHITECTURES[name] = cls
-        for alias in aliases:
-            ALIASES[alias] = name
-        return cls
-
-    return wrap
-
-
-def canonical_arch(name: str) -> str:
-    """The registered name for `name` or one of its aliases; ConfigError when unknown."""
-    _import_architectures()
-    if name in ARCHITECTURES:
-        return name
-    if name in ALIASES:
-        return ALIASES[name]
-    raise ConfigError(
-        "architectures",
-        f"unknown architecture {name!r}; valid: {sorted(ARCHITECTURES) + sorted(ALIASES)}",
-    )
-
-
-def build_model(cfg: ModelConfig, initialize: bool = True) -> "DecoderLM":
-    """Instantiate the registered architecture `cfg.arch` on the current device.
-
-    `initialize=False` skips DepthBench's init (used on the meta device, where only shapes matter).
-    """
-    return ARCHITECTURES[canonical_arch(cfg.arch)](cfg, initialize=initialize)
-
-
-def _import_architectures() -> None:
-    # Importing the package registers every architecture module.
-    import depthbench.models.archs  # noqa: F401
 
 
 @dataclass
@@ -329,10 +294,3 @@ class DecoderLM(nn.Module, ModelAdapter):
 def _per_token(state: torch.Tensor) -> torch.Tensor:
     """(N, T, ...) -> (N, T, features)."""
     return state.reshape(*state.shape[:2], -1)
-
-
-def count_parameters(cfg: ModelConfig) -> int:
-    """Exact parameter count of the model as built, without allocating memory (meta device)."""
-    with torch.device("meta"):
-        model = build_model(cfg, initialize=False)
-    return model.num_parameters()

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from depthbench.config import RunSpec
+from depthbench.spec import RunSpec
 from depthbench.data.loader import TokenWindows, TrainBatches, eval_batches
 from depthbench.data.shards import read_meta, split_files
 from depthbench.io import atomic_write, atomic_write_json

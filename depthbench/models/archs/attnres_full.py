@@ -168,7 +168,7 @@ class DepthSources:
         # readers that already ran never read again: their logits are not carried over
         past = [[] for _ in self.logits[: self.next_reader]]
         if torch.equal(queries, self.queries):  # False for another shape too
-            # nothing swapped (a baseline pass, layer_states): the pending logits still hold
+            # nothing swapped (a baseline pass): the pending logits still hold
             other.logits = past + [list(column) for column in self.logits[self.next_reader :]]
             return other
         other.queries = queries

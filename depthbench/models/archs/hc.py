@@ -294,6 +294,19 @@ class MultiStreamLM(DecoderLM):
     def read_stream(self, state: torch.Tensor) -> torch.Tensor:
         return state.sum(dim=-2)
 
+    def n_streams(self) -> int:
+        return int(self.cfg.arch_options.get("n_streams", 4))
+
+    def read_and_mix_flops(self) -> float:
+        """The read and mix of the streams, one (n + 1) x n by n x d product per token per
+        sublayer: 2 (n + 1) n d each, over 2L sublayers."""
+        n, d = self.n_streams(), self.cfg.d_model
+        return 2 * self.cfg.n_layer * 2.0 * (n + 1) * n * d
+
+    def depth_state_bytes_per_token(self, bytes_per_value: int = 2) -> int:
+        """The n streams a decode step carries through depth."""
+        return self.n_streams() * self.cfg.d_model * bytes_per_value
+
 
 @register("hc")
 class HyperConnections(MultiStreamLM):
@@ -305,3 +318,9 @@ class HyperConnections(MultiStreamLM):
             first = 2 * (block.layer_index - 1)
             block.attn_hc.reset_static(first)
             block.ffn_hc.reset_static(first + 1)
+
+    def extra_flops_per_token(self, seq_len: int) -> float:
+        """The read and mix, and the dynamic projection, which multiplies all n streams, not one:
+        2 (n - 1) d (n + 2) per sublayer beyond the n x (n + 2) block counted once in N_mm."""
+        n, d = self.n_streams(), self.cfg.d_model
+        return self.read_and_mix_flops() + 2 * self.cfg.n_layer * 2.0 * (n - 1) * d * (n + 2)

@@ -326,3 +326,7 @@ class ManifoldHyperConnections(MultiStreamLM):
         for block in self.blocks:
             block.attn_mhc.reset()
             block.ffn_mhc.reset()
+
+    def extra_flops_per_token(self, seq_len: int) -> float:
+        """The read and mix of the streams (the projection Phi is an nn.Linear, in N_mm)."""
+        return self.read_and_mix_flops()

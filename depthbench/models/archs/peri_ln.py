@@ -5,9 +5,12 @@ x <- x + N_out(F(N_in(x))) for each sublayer, final norm before the LM head. The
 the normalized embedding, since that is what layer 1 reads.
 """
 
+from dataclasses import dataclass
+
 import torch
 
-from depthbench.models.base import Block, DecoderLM, Rope, register
+from depthbench.errors import ConfigError
+from depthbench.models.base import ArchOptions, Block, DecoderLM, Rope, register
 from depthbench.models.layers import RMSNorm
 
 
@@ -25,15 +28,25 @@ class PeriLNBlock(Block):
         return x
 
 
+@dataclass(frozen=True)
+class PeriLNOptions(ArchOptions):
+    embed_norm: bool = False  # also normalize the embedding output (h_0 is then normalized)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.embed_norm, bool):
+            raise ConfigError("model.arch_options.embed_norm", f"must be true or false, got {self.embed_norm!r}")
+
+
 @register("peri_ln", "sandwich_ln")
 class PeriLN(DecoderLM):
     block_class = PeriLNBlock
     has_final_norm = True
+    Options = PeriLNOptions
 
     def __init__(self, cfg, initialize: bool = True):
         super().__init__(cfg, initialize)
         # Created after the base init: a fresh RMSNorm's gain is already 1.
-        self.embed_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.arch_options.get("embed_norm", False) else None
+        self.embed_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if self.options.embed_norm else None
 
     def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
         h0 = self.embed(idx)
