@@ -164,7 +164,7 @@ def _check_lines(path: str, fmt: str, text_field: str, limit: int | None) -> tup
                 docs += 1
                 continue
             try:
-                record = json.loads(text)
+                record = json.loads(text.rstrip("\r\n"))  # the line break is not part of the record
             except json.JSONDecodeError as exc:
                 raise DataError(f"corpus.path: {path}: line {lineno}, column {exc.colno}: not valid JSON ({exc.msg})") from None
             docs += _check_record(record, text_field, path, f"line {lineno}")
