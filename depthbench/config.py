@@ -148,14 +148,15 @@ def load_config(source: str | os.PathLike | dict, overrides: dict | None = None)
         path = Path(source)
         if not path.exists():
             raise ConfigError("<configfile>", f"{path} does not exist")
-        config = _read_yaml(path)
+        config = read_yaml_config(path)
     if overrides:
         _deep_merge(config, overrides)
     return validate_schema(config)
 
 
-def _read_yaml(path: Path) -> dict:
+def read_yaml_config(path: str | os.PathLike) -> dict:
     """The YAML mapping in `path`; a syntax error names the file, line and column."""
+    path = Path(path)
     try:
         config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as exc:

@@ -5,7 +5,9 @@ Per run: `trained` (summary status ok), `diverged`, `probed` and `scored` (its p
 Parquet exists and is current), `missing` (no summary; `partial` when a checkpoint exists, so
 training resumes from it) and `stale`: an output exists but is older than one of its inputs, or
 its identity changed (the summary is unreadable, belongs to another run, or records another spec
-hash than the grid's: see depthbench.tables.read_summary).
+hash than the grid's: see depthbench.tables.read_summary). A summary that is unreadable, copied
+from another run or edited is `invalid`: Snakemake would not retrain it (nothing it tracks
+changed) and the tables would refuse it, so the fix is to delete it.
 
 The plan mirrors the workflow's rules (train -> probe, nll -> tables and figures) with
 Snakemake's mtime and params triggers for the run's identity; it does not call Snakemake, so it
@@ -27,7 +29,7 @@ from depthbench.train.checkpoint import list_checkpoints, verify_checkpoint
 @dataclass
 class RunStatus:
     run_id: str
-    state: str  # trained | diverged | missing | partial | stale
+    state: str  # trained | diverged | missing | partial | stale | invalid
     probed: str = "-"  # yes | no | stale | - (probes disabled)
     scored: str = "-"  # yes | no | stale | - (nll disabled)
     reasons: list[str] = field(default_factory=list)
@@ -58,7 +60,7 @@ def _nll_sets_path(exp: Experiment, results: Path) -> Path:
 
 
 def _train_state(spec, run: Path, work: Path, meta: Path) -> tuple[str, list[str]]:
-    from depthbench.tables import read_summary
+    from depthbench.tables import StaleSummary, read_summary
 
     summary = run / "summary.json"
     if not summary.exists():
@@ -66,8 +68,10 @@ def _train_state(spec, run: Path, work: Path, meta: Path) -> tuple[str, list[str
         return ("partial", [f"checkpoint at step {good[-1]}"]) if good else ("missing", [])
     try:
         s = read_summary(summary, {spec.run_id: spec.spec_hash()})
-    except DataError as exc:
+    except StaleSummary as exc:
         return "stale", [str(exc)]
+    except DataError as exc:  # Snakemake sees nothing to redo here: the tables would fail on it
+        return "invalid", [f"{exc}; snakemake would fail at the tables"]
     missing = [name for name in ("model.safetensors", "metrics.jsonl") if not (run / name).exists()]
     if missing:
         return "stale", [f"{', '.join(missing)} missing beside the summary"]
@@ -99,6 +103,8 @@ def run_statuses(exp: Experiment, results: str | os.PathLike = RESULTS) -> list[
         retrain = state in ("missing", "partial", "stale")
         if retrain:
             st.jobs.append("train (resume)" if state == "partial" else "train")
+        elif state == "invalid":
+            st.jobs.append(f"none: delete {run} to train it again")
         trained_inputs = [run / "summary.json", run / "model.safetensors"]
         for enabled, attr, job, output, extra in (
             (probes_on, "probed", "probe", results / "probes" / f"{run_id}.parquet", [meta]),
@@ -126,9 +132,15 @@ def plan(exp: Experiment, statuses: list[RunStatus], results: str | os.PathLike 
         ids = [s.run_id for s in statuses if job in s.jobs]
         if ids:
             lines.append(f"{job}: {len(ids)} run{'s' * (len(ids) != 1)}")
-    tables = results / "tables" / "runs.parquet"
+    invalid = [s.run_id for s in statuses if s.state == "invalid"]
+    if invalid:
+        lines.append(f"tables: fail on {len(invalid)} invalid summar{'ies' if len(invalid) != 1 else 'y'} (see above)")
+    # the aggregate outputs every grid has (the figures' own names depend on the grid)
+    finals = [results / "tables" / f"{name}.parquet" for name in ("runs", "curves", "best_lr", "dynamics", "cost")]
+    finals += [results / "figures" / "headline.png"]
     newest = max((t for s in statuses for t in [_mtime(results / "runs" / s.run_id / "summary.json")] if t), default=None)
-    if lines or not tables.exists() or (newest is not None and newest > (_mtime(tables) or 0)):
+    oldest = min((_mtime(p) or 0.0 for p in finals), default=0.0)
+    if lines or not oldest or (newest is not None and newest > oldest):
         lines.append("tables, figures and report: rebuilt")
     return lines or ["nothing to do: every output is up to date"]
 

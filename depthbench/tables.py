@@ -23,6 +23,11 @@ def _read_json(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
+class StaleSummary(DataError):
+    """A valid summary of an older version of the run (the grid's spec hash differs): Snakemake's
+    params trigger retrains it, unlike a copied, edited or truncated file."""
+
+
 SUMMARY_KEYS = ("run_id", "status", "spec", "steps", "final_val_loss", "n_params")
 
 
@@ -53,7 +58,7 @@ def read_summary(path: str | Path, expected: dict[str, str] | None = None) -> di
         raise DataError(f"{path}: records spec hash {s['spec_hash']} but its spec hashes to {actual} (edited?)")
     want = (expected or {}).get(s["run_id"], actual)
     if want != actual:
-        raise DataError(f"{path}: written for spec {actual}, but the grid's spec of {s['run_id']} is {want}; "
+        raise StaleSummary(f"{path}: written for spec {actual}, but the grid's spec of {s['run_id']} is {want}; "
                         "delete it (or run snakemake) to train the run again")
     return s
 

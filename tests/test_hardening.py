@@ -484,6 +484,8 @@ def test_status_reports_each_run_and_the_next_jobs(wiki_jsonl, tmp_path, capsys)
     assert rows[trained] == ["trained", "yes", "-", "-"]
     assert rows[diverged] == ["diverged", "no", "-", "probe"]
     assert rows[partial] == ["partial", "no", "-", "train", "(resume),", "probe"]
-    assert rows[stale_time][:2] == ["stale", "no"] and rows[copied][0] == "stale" and rows[missing][0] == "missing"
+    assert rows[stale_time][:2] == ["stale", "no"] and rows[missing][0] == "missing"
+    assert rows[copied][:4] == ["invalid", "no", "-", "none:"]  # snakemake would not retrain it
     assert "belongs to run" in out and "older than its input" in out and "checkpoint at step 4" in out
-    assert "train: 3 runs" in out and "train (resume): 1 run" in out and "probe: 5 runs" in out
+    assert "train: 2 runs" in out and "train (resume): 1 run" in out and "probe: 5 runs" in out
+    assert "tables: fail on 1 invalid summary" in out
