@@ -210,7 +210,7 @@ def check_corpus(corpus: dict) -> None:
                 raise ConfigError("corpus.format", f"cannot infer from {files[0]!r}; valid: {sorted(set(_EXT_FORMATS.values()))}")
         from depthbench.data.corpus import check_local_corpus
 
-        # contents, where cheap: the first MiB of each file (the tokenizer stage reads it all)
+        # contents, where cheap: the head of the first files (the tokenizer stage reads it all)
         check_local_corpus(corpus, files, corpus.get("format") or _EXT_FORMATS[Path(files[0].removesuffix(".gz")).suffix], full=False)
     elif source == "hub":
         if "dataset" not in corpus:

@@ -268,12 +268,14 @@ def test_bad_corpus_is_refused_at_validation_naming_file_and_line(wiki_jsonl, tm
 def test_bad_bytes_past_the_checked_head_fail_before_the_tokenizer_is_trained(wiki_jsonl, tmp_path, monkeypatch):
     from depthbench.data import prepare
 
-    good = wiki_jsonl.read_bytes()
-    lines = (good * (1 + (1 << 20) // len(good))).count(b"\n")
+    from depthbench.data.corpus import HEAD_BYTES
+
+    head = wiki_jsonl.read_bytes() * (1 + HEAD_BYTES // len(wiki_jsonl.read_bytes()))
     path = tmp_path / "big.jsonl"
-    path.write_bytes(good * (1 + (1 << 20) // len(good)) + b'{"text": "\xff"}\n')
+    path.write_bytes(head + b'{"text": "\xff"}\n')
+    lines = head.count(b"\n")
     config = load_config(tiny_config(path))
-    expand_grid(config)  # only the first MiB is read at config time
+    expand_grid(config)  # only the head is read at config time
     monkeypatch.setattr(prepare, "train_bpe", lambda *a: pytest.fail("the tokenizer was trained"))
     with pytest.raises(DataError, match=re.escape(str(path)) + f".*line {lines + 1} .*not UTF-8"):
         prepare.build_tokenizer(config, str(tmp_path / "tok.json"))

@@ -119,7 +119,10 @@ def split_documents(corpus: dict, want_validation: bool) -> Iterator[str]:
 
 
 # -- content checks, before any tokenizer is trained ---------------------------------------------
-HEAD_BYTES = 1 << 20  # what check_corpus reads of each file at config time (the rest: prepare)
+# What check_corpus reads at config time (every Snakemake start): the first HEAD_BYTES of the
+# first HEAD_FILES files (every file is stat'ed for emptiness); the tokenizer stage reads all.
+HEAD_BYTES = 1 << 18
+HEAD_FILES = 16
 
 
 def _open_binary(path: str):
@@ -206,14 +209,16 @@ def _check_parquet(path: str, text_field: str) -> tuple[int, bool]:
 def check_local_corpus(corpus: dict, files: list[str], fmt: str, full: bool) -> None:
     """Check a local corpus's contents: every file readable, UTF-8, its JSON records parse and
     carry the text field, and it holds at least one non-empty document. `full=False` (config
-    time) reads only the first HEAD_BYTES of each file; `full=True` (before the tokenizer is
-    trained and before tokenizing) reads everything. Errors name the file and line or offset."""
+    time) reads only the first HEAD_BYTES of the first HEAD_FILES files; `full=True` (before the
+    tokenizer is trained and before tokenizing) reads everything. Errors name the file and line or offset."""
     text_field = corpus.get("text_field", "text")
     limit = None if full else HEAD_BYTES
-    for path in files:
+    for n, path in enumerate(files):
         try:
             if os.path.getsize(path) == 0:
                 raise DataError(f"corpus.path: {path} is empty (0 bytes); remove it from corpus.path or fill it")
+            if not full and n >= HEAD_FILES:
+                continue
             if fmt == "parquet":
                 docs, complete = _check_parquet(path, text_field)
             elif fmt == "json":
