@@ -208,10 +208,10 @@ def check_corpus(corpus: dict) -> None:
             ext = Path(files[0].removesuffix(".gz")).suffix
             if ext not in _EXT_FORMATS:
                 raise ConfigError("corpus.format", f"cannot infer from {files[0]!r}; valid: {sorted(set(_EXT_FORMATS.values()))}")
-        from depthbench.data.corpus import check_local_corpus
+        from depthbench.data.corpus import check_local_corpus, local_files
 
         # contents, where cheap: the head of the first files (the tokenizer stage reads it all)
-        check_local_corpus(corpus, files, corpus.get("format") or _EXT_FORMATS[Path(files[0].removesuffix(".gz")).suffix], full=False)
+        check_local_corpus(corpus, *local_files(corpus), full=False)
     elif source == "hub":
         if "dataset" not in corpus:
             raise ConfigError("corpus.dataset", "required when corpus.source is 'hub' (e.g. HuggingFaceFW/fineweb-edu)")

@@ -130,8 +130,10 @@ def test_kill_9_during_a_checkpoint_write_keeps_and_uses_the_previous_one(tmp_pa
     assert state["step"] == 1 and torch.equal(state["model"]["w"], torch.full((4096,), 1.0))
     if where == "checksum":
         assert "step_00000002.pt" in capsys.readouterr().err
+    assert bool(list(tmp_path.glob(".step_00000002.pt.*.tmp"))) == (where == "data")
     save_checkpoint(tmp_path, 2, {**state, "step": 2})  # the next save replaces the half-written one
     assert load_latest(tmp_path, "r")["step"] == 2
+    assert not list(tmp_path.glob(".*.tmp"))  # and removes what the killed write left
 
 
 def test_run_resumes_bit_identical_past_a_corrupt_latest_checkpoint(tiny_data, tmp_path, capsys):

@@ -77,6 +77,8 @@ def save_checkpoint(folder: str | os.PathLike, step: int, state: dict[str, Any],
     for _, old in list_checkpoints(folder)[:-keep]:
         checksum_path(old).unlink(missing_ok=True)  # the sidecar first: never a stale "good" pair
         old.unlink(missing_ok=True)
+    for stray in Path(folder).glob(".step_*.tmp"):  # left by a write killed before its rename
+        stray.unlink(missing_ok=True)  # (one writer per run: no other write is in progress)
     return path
 
 
