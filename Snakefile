@@ -8,6 +8,13 @@ min_version("9.0")
 # The embedded default, unless a config is given with --configfile (presets are complete
 # configs: merging them over the default would leak its settings into them).
 if not workflow.config_settings.configfiles:
+    from depthbench.config import read_yaml_config
+    from depthbench.errors import ConfigError
+
+    try:  # Snakemake's own message for a YAML syntax error names neither the file nor the line
+        read_yaml_config("config/config.yaml")
+    except ConfigError as exc:
+        raise WorkflowError(f"DepthBench config error: {exc}") from None
 
     configfile: "config/config.yaml"
 

@@ -1,7 +1,8 @@
 """Command line: `depthbench shapes CONFIG` prints the resolved shape table; `depthbench runs
 CONFIG` lists the run ids of the grid; `depthbench validate CONFIG` checks a config;
 `depthbench regenerate [CONFIG]` rebuilds every table, figure and the HTML report from the run
-outputs under results/ without training, probing or scoring anything."""
+outputs under results/ without training, probing or scoring anything; `depthbench status
+[CONFIG]` tells, per run, what is done, missing or stale and what snakemake would do next."""
 
 from __future__ import annotations
 
@@ -76,6 +77,14 @@ def cmd_regenerate(args) -> None:
     print(f"tables in results/tables, figures in results/figures, report in {args.report}", file=sys.stderr)
 
 
+def cmd_status(args) -> None:
+    """Per run: trained / diverged / probed / scored / missing / stale, and the next snakemake
+    run's jobs, from the files under results/ (nothing is run; see depthbench.status)."""
+    from depthbench.status import format_status
+
+    print(format_status(_experiment(args.config), args.results))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="depthbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -92,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cores", type=int, default=2)
     p.add_argument("--report", default="results/report.html")
     p.set_defaults(fn=cmd_regenerate)
+    p = sub.add_parser("status", help="per run: trained, diverged, probed, scored, missing or stale, and what snakemake would do next")
+    p.add_argument("config", nargs="?", default="config/config.yaml")
+    p.add_argument("--results", default="results", help="the results folder (default: results)")
+    p.set_defaults(fn=cmd_status)
     args = parser.parse_args(argv)
     try:
         args.fn(args)

@@ -12,6 +12,7 @@ import copy
 import glob
 import itertools
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field, replace
@@ -93,6 +94,7 @@ def validate_schema(config: dict) -> dict:
     """
     schema = yaml.safe_load(SCHEMA_PATH.read_text())
     _coerce_numbers(config, schema)
+    _check_finite(config, "")
     validator = _validator_with_defaults()(schema)
     # Two passes: defaults are filled during the first, the second reports on the filled config.
     list(validator.iter_errors(config))
@@ -106,7 +108,36 @@ def validate_schema(config: dict) -> dict:
         elif err.validator in ("exclusiveMinimum", "minimum"):
             message += f" (must be {'>' if err.validator == 'exclusiveMinimum' else '>='} {err.validator_value})"
         raise ConfigError(_field_path(err), message)
+    _check_sweep_values(config.get("sweep", {}), schema)
     return config
+
+
+def _check_finite(value: Any, where: str) -> None:
+    """Reject NaN and infinities anywhere (JSON Schema's bounds let them through: NaN compares
+    false with every bound and .inf passes any minimum), naming the field."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(where or "<top level>", f"must be a finite number, got {value}")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, sub in items:
+        _check_finite(sub, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else str(key))
+
+
+def _check_sweep_values(sweep: dict, schema: dict) -> None:
+    """Each value of a sweep axis obeys the schema of the setting it replaces (a sweep is not a
+    way around the ranges), e.g. sweep.train.weight_decay[1] = -1 fails like train.weight_decay."""
+    import jsonschema
+
+    for key, values in sweep.items():
+        section, _, name = key.partition(".")
+        sub = schema["properties"].get(section, {}).get("properties", {}).get(name)
+        if sub is None:  # not a setting: _apply_knobs names the valid keys
+            continue
+        for i, value in enumerate(values):
+            err = jsonschema.exceptions.best_match(jsonschema.Draft7Validator(sub).iter_errors(copy.deepcopy(value)))
+            if err is not None:
+                inner = _field_path(err)
+                field = f"sweep.{key}[{i}]" + ("" if inner == "<top level>" else f".{inner}")
+                raise ConfigError(field, err.message)
 
 
 def load_config(source: str | os.PathLike | dict, overrides: dict | None = None) -> dict:
@@ -117,10 +148,27 @@ def load_config(source: str | os.PathLike | dict, overrides: dict | None = None)
         path = Path(source)
         if not path.exists():
             raise ConfigError("<configfile>", f"{path} does not exist")
-        config = yaml.safe_load(path.read_text()) or {}
+        config = read_yaml_config(path)
     if overrides:
         _deep_merge(config, overrides)
     return validate_schema(config)
+
+
+def read_yaml_config(path: str | os.PathLike) -> dict:
+    """The YAML mapping in `path`; a syntax error names the file, line and column."""
+    path = Path(path)
+    try:
+        config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError("<configfile>", f"{path}: not UTF-8 text (byte offset {exc.start})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError("<configfile>", f"{path}: {where}YAML syntax error: {problem}") from None
+    if not isinstance(config, dict):
+        raise ConfigError("<configfile>", f"{path}: the top level must be a mapping of settings, got a {type(config).__name__}")
+    return config
 
 
 def _deep_merge(base: dict, extra: dict) -> None:
@@ -160,6 +208,10 @@ def check_corpus(corpus: dict) -> None:
             ext = Path(files[0].removesuffix(".gz")).suffix
             if ext not in _EXT_FORMATS:
                 raise ConfigError("corpus.format", f"cannot infer from {files[0]!r}; valid: {sorted(set(_EXT_FORMATS.values()))}")
+        from depthbench.data.corpus import check_local_corpus, local_files
+
+        # contents, where cheap: the head of the first files (the tokenizer stage reads it all)
+        check_local_corpus(corpus, *local_files(corpus), full=False)
     elif source == "hub":
         if "dataset" not in corpus:
             raise ConfigError("corpus.dataset", "required when corpus.source is 'hub' (e.g. HuggingFaceFW/fineweb-edu)")
@@ -202,7 +254,7 @@ def check_tokenizer(tokenizer: dict, corpus: dict) -> int:
         from depthbench.data.tokenizer import tokenizer_file_vocab_size, resolve_tokenizer_file
 
         path = resolve_tokenizer_file(tokenizer)
-        return tokenizer_file_vocab_size(path)
+        return tokenizer_file_vocab_size(path, "tokenizer.path" if kind == "file" else "tokenizer.kind")
     # hub: the vocabulary is only known online; it must be stated.
     if "name" not in tokenizer:
         raise ConfigError("tokenizer.name", "required for kind 'hub'")

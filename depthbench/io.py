@@ -1,4 +1,8 @@
-"""Atomic writes: a reader never sees a partial file, and a crash never leaves one in place."""
+"""Atomic writes: a reader never sees a partial file, and a crash never leaves one in place.
+
+Files get the mode an ordinary `open()` would give them (0666 less the umask): `mkstemp`
+creates its file 0600, which would make every result private to its owner on a shared cluster.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
+        os.chmod(tmp, 0o666 & ~current_umask())
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -24,6 +29,20 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def current_umask() -> int:
+    """The process umask, read from /proc (Linux) so that it is not set, even briefly, to 0;
+    elsewhere by the set-and-restore idiom."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:

@@ -65,6 +65,12 @@ class RunSpec:
         d["train"] = _hashed(self.train.hashed_dict(), TRAIN_FIELDS_V1, TrainConfig)
         return d
 
+    def spec_hash(self) -> str:
+        """A hash of `identity_dict`: what a run's summary.json records (`spec_hash`) and the
+        tables check against the grid's, so that a summary of another run or of an older
+        version of this grid is refused by name instead of entering the tables."""
+        return short_hash(self.identity_dict(), 16)
+
     def with_operational(self, train_section: dict[str, Any]) -> "RunSpec":
         """A copy with the operational (unhashed) training settings taken from the config."""
         train = replace(self.train, **{k: train_section[k] for k in TrainConfig.NOT_HASHED if k in train_section})

@@ -13,6 +13,7 @@ from typing import Iterable
 
 import pandas as pd
 
+from depthbench.errors import DataError, DepthBenchError
 from depthbench.io import atomic_write
 
 GROUP_COLUMNS = ["experiment", "arch", "n_layer", "d_model", "knobs"]
@@ -22,10 +23,52 @@ def _read_json(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
-def run_rows(summary_paths: Iterable[str], unigram_floor: float, experiment: str) -> pd.DataFrame:
+class StaleSummary(DataError):
+    """A valid summary of an older version of the run (the grid's spec hash differs): Snakemake's
+    params trigger retrains it, unlike a copied, edited or truncated file."""
+
+
+SUMMARY_KEYS = ("run_id", "status", "spec", "steps", "final_val_loss", "n_params")
+
+
+def read_summary(path: str | Path, expected: dict[str, str] | None = None) -> dict:
+    """A run's summary.json, checked against its identity; DataError naming the file otherwise.
+
+    The summary must parse, carry its folder's run id, and its spec must hash (RunSpec.spec_hash)
+    to the `spec_hash` it records and to `expected[run_id]`, the grid's hash of that run (the
+    table rules pass it as a param). A summary written before spec_hash existed is checked
+    through the hash of the spec it carries."""
+    from depthbench.spec import RunSpec
+
+    path = Path(path)
+    try:
+        s = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{path}: unreadable or truncated summary ({exc}); delete it to train the run again") from None
+    missing = [k for k in SUMMARY_KEYS if not isinstance(s, dict) or k not in s]
+    if missing:
+        raise DataError(f"{path}: not a run summary (missing {missing}); delete it to train the run again")
+    if s["run_id"] != path.parent.name:
+        raise DataError(f"{path}: belongs to run {s['run_id']!r}, not to its folder's run {path.parent.name!r} (copied?)")
+    try:
+        actual = RunSpec.from_dict(s["spec"]).spec_hash()
+    except (DepthBenchError, KeyError, TypeError, ValueError) as exc:
+        raise DataError(f"{path}: its spec is not a valid run spec ({exc})") from None
+    if s.get("spec_hash", actual) != actual:
+        raise DataError(f"{path}: records spec hash {s['spec_hash']} but its spec hashes to {actual} (edited?)")
+    want = (expected or {}).get(s["run_id"], actual)
+    if want != actual:
+        raise StaleSummary(f"{path}: written for spec {actual}, but the grid's spec of {s['run_id']} is {want}; "
+                        "delete it (or run snakemake) to train the run again")
+    return s
+
+
+def run_rows(summary_paths: Iterable[str], unigram_floor: float, experiment: str,
+             expected: dict[str, str] | None = None) -> pd.DataFrame:
+    """One row per run. `expected`: the grid's spec hash per run id (see read_summary)."""
     rows = []
     for path in summary_paths:
-        s = _read_json(path)
+        s = read_summary(path, expected)
         spec = s["spec"]
         shape = spec["shape"]
         rows.append({
@@ -59,6 +102,8 @@ def run_rows(summary_paths: Iterable[str], unigram_floor: float, experiment: str
             "data_id": spec["data_id"],
             "unigram_floor": unigram_floor,
         })
+    if not rows:  # an empty grid (or none of it trained): the columns every reader selects
+        return pd.DataFrame(columns=RUN_CONFIG_COLUMNS + ["unigram_floor"])
     return pd.DataFrame(rows).sort_values(["arch", "n_layer", "lr", "seed"], ignore_index=True)
 
 
@@ -140,19 +185,20 @@ def dynamics_rows(run_ids: Iterable[str], metric_paths: Iterable[str]) -> pd.Dat
 def nll_rows(nll_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
     """Every run's per-set and per-domain NLL rows with the runs' config columns."""
     frames = [pd.read_parquet(p) for p in nll_paths]
-    if not frames:
-        return pd.DataFrame(columns=["run_id", "level", "set", "domain", "nats_per_token", "bits_per_byte"])
-    return _with_run_columns(pd.concat(frames, ignore_index=True), runs, best)
+    columns = ["run_id", "level", "set", "domain", "nats_per_token", "bits_per_byte"]
+    table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
+    return _with_run_columns(table, runs, best)  # config columns also when there are no rows
 
 
-def cost_rows(summary_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
+def cost_rows(summary_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFrame,
+              expected: dict[str, str] | None = None) -> pd.DataFrame:
     """One row per run: analytic parameters, FLOPs and KV-cache bytes, and the measured cost."""
     from depthbench.spec import RunSpec
     from depthbench.cost import analytic_cost, measured_cost
 
     rows = []
     for path in summary_paths:
-        s = _read_json(path)
+        s = read_summary(path, expected)
         spec = RunSpec.from_dict(s["spec"])
         rows.append({"run_id": s["run_id"], **analytic_cost(spec.model, spec.train.seq_len), **measured_cost(s)})
     out = pd.DataFrame(rows)

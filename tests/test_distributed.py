@@ -68,7 +68,7 @@ def test_checkpoint_of_two_ranks_resumes_with_one(tiny_data, one_rank, tmp_path)
     args = (spec.to_dict(), str(tiny_data[2]), str(paths.run_dir), str(paths.work_dir), False)
     out = launch.submit_and_wait(Interrupted(), args, "interrupted", str(paths.work_dir), {"backend": "local", "local_ranks": 2})
     assert out["status"] == "interrupted"
-    saved = torch.load(sorted((paths.checkpoints).glob("step_*.pt"))[-1], weights_only=False)
+    saved = torch.load(sorted((paths.checkpoints).glob("step_*.pt"))[-1], weights_only=True)
     assert saved["world_size"] == 2 and saved["state_format"] == "full_by_name"
     summary = train(dataclasses.replace(spec, train=dataclasses.replace(spec.train, parallel="ddp")), tiny_data[2], paths, progress=False)
     assert summary["status"] == "ok" and summary["world_size"] == 1

@@ -8,7 +8,14 @@ import time
 
 from tokenizers import Tokenizer
 
-from depthbench.data.corpus import WIKI_OFFLINE_LICENCE, split_documents, is_validation, iter_documents
+from depthbench.data.corpus import (
+    WIKI_OFFLINE_LICENCE,
+    check_local_corpus,
+    is_validation,
+    iter_documents,
+    local_files,
+    split_documents,
+)
 from depthbench.data.shards import describe_external_shards, write_token_shards
 from depthbench.data.tokenizer import (
     eos_id,
@@ -21,11 +28,19 @@ from depthbench.errors import DataError
 from depthbench.io import atomic_write
 
 
+def _check_corpus_contents(corpus: dict) -> None:
+    """Every byte of a local corpus decodes and parses, before work that would fail halfway."""
+    if corpus["source"] == "local":
+        files, fmt = local_files(corpus)
+        check_local_corpus(corpus, files, fmt, full=True)
+
+
 def build_tokenizer(config: dict, out_path: str) -> None:
     """Write the run's tokenizer JSON: trained BPE, a copied file, or a hub tokenizer."""
     spec, corpus = config["tokenizer"], config["corpus"]
     kind = spec["kind"]
     if kind == "bpe":
+        _check_corpus_contents(corpus)
         texts = split_documents(corpus, want_validation=False)  # never train on validation text
         if spec.get("train_documents"):
             texts = itertools.islice(texts, spec["train_documents"])
@@ -60,6 +75,8 @@ def build_shards(config: dict, tokenizer_path: str, out_dir: str, data_id: str, 
     if corpus["source"] == "shards":
         meta = describe_external_shards(corpus["train_paths"], corpus["val_paths"], corpus["dtype"], eos, vocab_size, out_dir, extra)
     else:
+        if spec["kind"] != "bpe":  # a trained BPE's stage has read the whole corpus already
+            _check_corpus_contents(corpus)
         frac, seed = corpus.get("val_fraction", 0.05), corpus.get("split_seed", 1234)
         documents = ((is_validation(i, frac, seed), doc) for i, doc in enumerate(iter_documents(corpus)))
 

@@ -41,11 +41,13 @@ def resolve_tokenizer_file(spec: dict) -> str:
     raise ValueError(f"tokenizer kind {spec['kind']!r} has no file")
 
 
-def tokenizer_file_vocab_size(path: str) -> int:
+def tokenizer_file_vocab_size(path: str, field: str = "tokenizer.path") -> int:
+    """The vocabulary size of a tokenizers JSON file; a file that is not one is a ConfigError
+    naming the config field that chose it and the path."""
     try:
         return Tokenizer.from_file(path).get_vocab_size()
     except Exception as exc:  # tokenizers raises a bare Exception on malformed files
-        raise DataError(f"{path}: not a valid tokenizers JSON file ({exc})") from None
+        raise ConfigError(field, f"{path} is not a valid tokenizers JSON file ({exc})") from None
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:

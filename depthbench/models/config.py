@@ -59,11 +59,24 @@ def evaluate_init_std(rule: float | int | str, d_model: int, n_layer: int) -> fl
             value = walk(ast.parse(rule, mode="eval"))
         except SyntaxError as exc:
             raise ConfigError("model.init_std", f"cannot parse {rule!r}: {exc.msg}") from None
+        except (ArithmeticError, ValueError, RecursionError, MemoryError) as exc:
+            # 10**10**10 overflows, sqrt(-1) is a domain error, 1/(d_model-d_model) divides by 0
+            # (the interpreter works in floats, so no rule can build a huge integer)
+            what = {ZeroDivisionError: "divides by zero", OverflowError: "overflows"}.get(type(exc), str(exc) or type(exc).__name__)
+            raise ConfigError(
+                "model.init_std", f"{rule!r} at d_model={d_model}, n_layer={n_layer}: {what}; it must evaluate to a positive number"
+            ) from None
     else:
         raise ConfigError("model.init_std", f"expected a number or a rule string, got {rule!r}")
     if not (value > 0 and math.isfinite(value)):
         raise ConfigError("model.init_std", f"{rule!r} evaluates to {value}, must be positive")
     return value
+
+
+def valid_head_counts(d_model: int, limit: int = 64) -> list[int]:
+    """Head counts up to `limit` that divide d_model into an even head dimension (RoPE rotates
+    pairs), i.e. every count that passes both checks of ModelConfig.check."""
+    return [h for h in range(1, limit + 1) if d_model % h == 0 and (d_model // h) % 2 == 0]
 
 
 def swiglu_hidden(d_model: int, multiple: int = 64) -> int:
@@ -106,7 +119,7 @@ class ModelConfig:
             raise ConfigError(
                 "model.n_head",
                 f"d_model {self.d_model} is not divisible by n_head {self.n_head}; valid head "
-                f"counts for this width: {[h for h in range(1, 65) if self.d_model % h == 0]}",
+                f"counts for this width: {valid_head_counts(self.d_model)}",
             )
         if (self.d_model // self.n_head) % 2:
             raise ConfigError(

@@ -329,6 +329,7 @@ def finish(spec: RunSpec, paths: RunPaths, model, status: str, step: int, wall: 
         "world_size": ctx.world_size,
         "parallel": ctx.strategy,
         "spec": spec.to_dict(),
+        "spec_hash": spec.spec_hash(),  # checked by the tables against the grid (depthbench.tables)
     }
     atomic_write_json(paths.summary, summary)
     return summary

@@ -1,5 +1,9 @@
 # Parquet tables from run outputs only: one row per run, the loss curves, the best LR.
 
+# The grid's identity of each run (RunSpec.spec_hash): the tables refuse a summary.json that
+# belongs to another run or to an older version of this grid, naming the file.
+SPEC_HASHES = {run_id: spec.spec_hash() for run_id, spec in RUNS.items()}
+
 
 rule tables:
     input:
@@ -14,6 +18,7 @@ rule tables:
     params:
         experiment=EXPERIMENT,
         run_ids=list(RUNS),
+        spec_hashes=SPEC_HASHES,  # each summary.json must match its run's identity
     log:
         f"{RESULTS}/logs/tables.log",
     benchmark:
@@ -30,6 +35,8 @@ rule cost_table:
         best_lr=rules.tables.output.best_lr,
     output:
         f"{RESULTS}/tables/cost.parquet",
+    params:
+        spec_hashes=SPEC_HASHES,
     log:
         f"{RESULTS}/logs/cost_table.log",
     benchmark:

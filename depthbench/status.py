@@ -1,0 +1,164 @@
+"""`depthbench status [CONFIG]`: where each run of the grid stands, and what the next `snakemake`
+run would do, computed from the files under results/ without running anything.
+
+Per run: `trained` (summary status ok), `diverged`, `probed` and `scored` (its probe / NLL
+Parquet exists and is current), `missing` (no summary; `partial` when a checkpoint exists, so
+training resumes from it) and `stale`: an output exists but is older than one of its inputs, or
+its identity changed (the summary is unreadable, belongs to another run, or records another spec
+hash than the grid's: see depthbench.tables.read_summary). A summary that is unreadable, copied
+from another run or edited is `invalid`: Snakemake would not retrain it (nothing it tracks
+changed) and the tables would refuse it, so the fix is to delete it.
+
+The plan mirrors the workflow's rules (train -> probe, nll -> tables and figures) with
+Snakemake's mtime and params triggers for the run's identity; it does not call Snakemake, so it
+cannot see the other triggers (a changed probe/NLL setting or script, a changed software
+environment). `snakemake -n` gives the exact plan; this gives the state of each run in a second.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from depthbench.config import Experiment, short_hash
+
+RESULTS = "results"  # the workflow's output folder (the Snakefile's RESULTS), relative to the working directory
+from depthbench.errors import DataError
+from depthbench.train.checkpoint import list_checkpoints, verify_checkpoint
+
+
+@dataclass
+class RunStatus:
+    run_id: str
+    state: str  # trained | diverged | missing | partial | stale | invalid
+    probed: str = "-"  # yes | no | stale | - (probes disabled)
+    scored: str = "-"  # yes | no | stale | - (nll disabled)
+    reasons: list[str] = field(default_factory=list)
+    jobs: list[str] = field(default_factory=list)  # what the next snakemake run does for it
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
+def _newer_input(output: Path, inputs: list[Path]) -> Path | None:
+    """The first input newer than `output` (Snakemake's mtime trigger), or None."""
+    out = _mtime(output)
+    for path in inputs:
+        t = _mtime(path)
+        if out is not None and t is not None and t > out:
+            return path
+    return None
+
+
+def _nll_sets_path(exp: Experiment, results: Path) -> Path:
+    # as in workflow/rules/nll.smk: the sets file is named by the hash of the NLL settings
+    settings = {k: v for k, v in exp.config["nll"].items() if k not in ("enabled", "tokens_per_batch")}
+    return results / "evals" / exp.tokenizer_id / f"nll_sets_{short_hash(settings)}.parquet"
+
+
+def _train_state(spec, run: Path, work: Path, meta: Path) -> tuple[str, list[str]]:
+    from depthbench.tables import StaleSummary, read_summary
+
+    summary = run / "summary.json"
+    if not summary.exists():
+        good = [s for s, p in list_checkpoints(work / "checkpoints") if verify_checkpoint(p) is None]
+        return ("partial", [f"checkpoint at step {good[-1]}"]) if good else ("missing", [])
+    try:
+        s = read_summary(summary, {spec.run_id: spec.spec_hash()})
+    except StaleSummary as exc:
+        return "stale", [str(exc)]
+    except DataError as exc:  # Snakemake sees nothing to redo here: the tables would fail on it
+        return "invalid", [f"{exc}; snakemake would fail at the tables"]
+    missing = [name for name in ("model.safetensors", "metrics.jsonl") if not (run / name).exists()]
+    if missing:
+        return "stale", [f"{', '.join(missing)} missing beside the summary"]
+    newer = _newer_input(summary, [meta])
+    if newer is not None:
+        return "stale", [f"{summary} is older than its input {newer}"]
+    return ("trained" if s["status"] == "ok" else "diverged"), []
+
+
+def _stage_state(output: Path, inputs: list[Path], retrain: bool) -> tuple[str, str | None]:
+    if not output.exists():
+        return "no", None
+    if retrain:
+        return "stale", f"{output} will be redone after training"
+    newer = _newer_input(output, inputs)
+    return ("stale", f"{output} is older than its input {newer}") if newer is not None else ("yes", None)
+
+
+def run_statuses(exp: Experiment, results: str | os.PathLike = RESULTS) -> list[RunStatus]:
+    results = Path(results)
+    meta = results / "data" / exp.data_id / "meta.json"
+    probes_on, nll_on = exp.config["probes"]["enabled"], exp.config["nll"]["enabled"]
+    sets = _nll_sets_path(exp, results)
+    out = []
+    for run_id, spec in exp.runs.items():
+        run = results / "runs" / run_id
+        state, reasons = _train_state(spec, run, results / "work" / run_id, meta)
+        st = RunStatus(run_id, state, reasons=reasons)
+        retrain = state in ("missing", "partial", "stale")
+        if retrain:
+            st.jobs.append("train (resume)" if state == "partial" else "train")
+        elif state == "invalid":
+            st.jobs.append(f"none: delete {run} to train it again")
+        trained_inputs = [run / "summary.json", run / "model.safetensors"]
+        for enabled, attr, job, output, extra in (
+            (probes_on, "probed", "probe", results / "probes" / f"{run_id}.parquet", [meta]),
+            (nll_on, "scored", "nll", results / "nll" / f"{run_id}.parquet", [sets]),
+        ):
+            if not enabled:
+                continue
+            value, reason = _stage_state(output, trained_inputs + extra, retrain)
+            setattr(st, attr, value)
+            if reason:
+                st.reasons.append(reason)
+            if value != "yes":
+                st.jobs.append(job)
+        out.append(st)
+    return out
+
+
+def plan(exp: Experiment, statuses: list[RunStatus], results: str | os.PathLike = RESULTS) -> list[str]:
+    """What the next `snakemake` run would do, one line per stage."""
+    results = Path(results)
+    lines = []
+    if not (results / "data" / exp.data_id / "meta.json").exists():
+        lines.append(f"tokenize: build results/data/{exp.data_id} (tokenizer and shards) first")
+    for job in ("train", "train (resume)", "probe", "nll"):
+        ids = [s.run_id for s in statuses if job in s.jobs]
+        if ids:
+            lines.append(f"{job}: {len(ids)} run{'s' * (len(ids) != 1)}")
+    invalid = [s.run_id for s in statuses if s.state == "invalid"]
+    if invalid:
+        lines.append(f"tables: fail on {len(invalid)} invalid summar{'ies' if len(invalid) != 1 else 'y'} (see above)")
+    # the aggregate outputs every grid has (the figures' own names depend on the grid)
+    finals = [results / "tables" / f"{name}.parquet" for name in ("runs", "curves", "best_lr", "dynamics", "cost")]
+    finals += [results / "figures" / "headline.png"]
+    newest = max((t for s in statuses for t in [_mtime(results / "runs" / s.run_id / "summary.json")] if t), default=None)
+    oldest = min((_mtime(p) or 0.0 for p in finals), default=0.0)
+    if lines or not oldest or (newest is not None and newest > oldest):
+        lines.append("tables, figures and report: rebuilt")
+    return lines or ["nothing to do: every output is up to date"]
+
+
+def format_status(exp: Experiment, results: str | os.PathLike = RESULTS) -> str:
+    statuses = run_statuses(exp, results)
+    width = max([len(s.run_id) for s in statuses] + [6])
+    lines = [f"{'run':<{width}}  {'train':<8}  {'probed':<6}  {'scored':<6}  next"]
+    for s in statuses:
+        lines.append(f"{s.run_id:<{width}}  {s.state:<8}  {s.probed:<6}  {s.scored:<6}  {', '.join(s.jobs) or '-'}")
+        lines += [f"{'':<{width}}  ^ {reason}" for reason in s.reasons]
+    counts: dict[str, int] = {}
+    for s in statuses:
+        counts[s.state] = counts.get(s.state, 0) + 1
+    lines.append("")
+    lines.append(f"{len(statuses)} runs: " + ", ".join(f"{n} {state}" for state, n in sorted(counts.items())))
+    lines.append("next snakemake run (from files; `snakemake -n` for the exact plan):")
+    lines += [f"  {line}" for line in plan(exp, statuses, results)]
+    return "\n".join(lines)

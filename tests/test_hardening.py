@@ -1,0 +1,495 @@
+"""Hardening (issue 20): each bad input or fault is injected, and gets an error naming the field
+or file before any training step, or is survived with nothing lost."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import re
+import runpy
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from depthbench.config import RunSpec, expand_grid, load_config
+from depthbench.errors import ConfigError, DataError, DepthBenchError
+from depthbench.io import atomic_write_text
+from depthbench.models.config import ModelConfig
+from depthbench.train.checkpoint import checksum_path, list_checkpoints, load_latest, save_checkpoint
+from tests.conftest import REPO, tiny_config
+
+
+def _state(step: int, run_id: str = "r") -> dict:
+    return {"run_id": run_id, "step": step, "model": {"w": torch.full((256,), float(step))},
+            "rng": {"torch": torch.get_rng_state()}, "last_val": float("nan")}
+
+
+# -- 1. checkpoints: no code execution, checksums, fallback with a report --------------------------
+def _saved(folder: Path, steps=(1, 2)) -> list[Path]:
+    return [save_checkpoint(folder, s, _state(s), keep=5) for s in steps]
+
+
+def test_checkpoint_that_would_execute_code_is_refused_and_the_previous_is_used(tmp_path, capsys):
+    marker = tmp_path / "executed"
+
+    class Payload:  # what a crafted checkpoint carries: a call run by the unpickler
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    good, bad = _saved(tmp_path, (1, 2))
+    torch.save({**_state(2), "payload": Payload()}, bad)
+    # even a matching checksum (an attacker can write one) does not make it loadable
+    checksum = __import__("hashlib").sha256(bad.read_bytes()).hexdigest()
+    checksum_path(bad).write_text(f"{checksum}  {bad.name}\n")
+    state = load_latest(tmp_path, "r")
+    assert not marker.exists()
+    assert state["step"] == 1 and torch.equal(state["model"]["w"], torch.full((256,), 1.0))
+    err = capsys.readouterr().err
+    assert bad.name in err and "without executing code" in err
+
+
+@pytest.mark.parametrize("damage", ["inf_bytes", "one_bit", "no_checksum", "bad_checksum_file"])
+def test_corrupt_latest_checkpoint_is_reported_and_the_previous_is_used(tmp_path, capsys, damage):
+    _, latest = _saved(tmp_path, (1, 2))
+    data = bytearray(latest.read_bytes())
+    if damage == "inf_bytes":  # 64 bytes of +inf inside the tensor data: the file still loads
+        w = data.find(torch.full((16,), 2.0).numpy().tobytes())
+        assert w > 0
+        data[w:w + 64] = torch.full((16,), math.inf).numpy().tobytes()
+        latest.write_bytes(bytes(data))
+        assert torch.load(latest, weights_only=True)["model"]["w"][0] == math.inf
+    elif damage == "one_bit":
+        data[len(data) // 2] ^= 0x01
+        latest.write_bytes(bytes(data))
+    elif damage == "no_checksum":
+        checksum_path(latest).unlink()
+    else:
+        checksum_path(latest).write_text("not a checksum\n")
+    state = load_latest(tmp_path, "r")
+    assert state["step"] == 1
+    err = capsys.readouterr().err
+    assert latest.name in err and "trying the previous one" in err
+    reason = {"inf_bytes": "does not match", "one_bit": "does not match", "no_checksum": "no checksum file",
+              "bad_checksum_file": "malformed"}[damage]
+    assert reason in err
+
+
+def test_no_good_checkpoint_is_said_before_starting_at_step_0(tmp_path, capsys):
+    for path in _saved(tmp_path, (1, 2)):
+        path.write_bytes(path.read_bytes()[:100])  # truncated
+    assert load_latest(tmp_path, "r") is None
+    err = capsys.readouterr().err
+    assert "no usable checkpoint" in err and "starting at step 0" in err
+    assert "step_00000001.pt" in err and "step_00000002.pt" in err
+
+
+def test_pruning_removes_checksums_with_their_checkpoints(tmp_path):
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, _state(step), keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_00000002.pt", "step_00000002.pt.sha256", "step_00000003.pt", "step_00000003.pt.sha256"]
+
+
+_KILL_SCRIPT = """
+import os, sys, time, torch
+from depthbench.train import checkpoint as ck
+folder, where = sys.argv[1], sys.argv[2]
+state = lambda s: {"run_id": "r", "step": s, "model": {"w": torch.full((4096,), float(s))}}
+ck.save_checkpoint(folder, 1, state(1))
+def hang(*args):
+    print("in the write", flush=True)
+    time.sleep(600)
+if where == "data":  # the new file's bytes are written to its temporary file, not yet renamed
+    os.fsync = hang
+else:  # the new file is in place, its checksum not yet written
+    ck._write_checksum = hang
+ck.save_checkpoint(folder, 2, state(2))
+"""
+
+
+@pytest.mark.parametrize("where", ["data", "checksum"])
+def test_kill_9_during_a_checkpoint_write_keeps_and_uses_the_previous_one(tmp_path, capsys, where):
+    proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, str(tmp_path), where], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.readline().strip() == "in the write"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    steps = [s for s, _ in list_checkpoints(tmp_path)]
+    assert steps == ([1] if where == "data" else [1, 2])
+    state = load_latest(tmp_path, "r")
+    assert state["step"] == 1 and torch.equal(state["model"]["w"], torch.full((4096,), 1.0))
+    if where == "checksum":
+        assert "step_00000002.pt" in capsys.readouterr().err
+    assert bool(list(tmp_path.glob(".step_00000002.pt.*.tmp"))) == (where == "data")
+    save_checkpoint(tmp_path, 2, {**state, "step": 2})  # the next save replaces the half-written one
+    assert load_latest(tmp_path, "r")["step"] == 2
+    assert not list(tmp_path.glob(".*.tmp"))  # and removes what the killed write left
+
+
+def test_run_resumes_bit_identical_past_a_corrupt_latest_checkpoint(tiny_data, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from depthbench.train.loop import RunPaths, train
+
+    _, exp, shards = tiny_data
+    (spec,) = exp.runs.values()
+    spec = copy.deepcopy(spec)
+    spec.train.total_steps, spec.train.checkpoint_every = 12, 4
+    full = RunPaths(tmp_path / "full", tmp_path / "full_work")
+    train(spec, shards, full, progress=False)
+    part = RunPaths(tmp_path / "part", tmp_path / "part_work")
+    train(spec, shards, part, progress=False, stop_after=9)  # checkpoints at 8 and 9
+    latest = list_checkpoints(part.checkpoints)[-1][1]
+    assert latest.name == "step_00000009.pt"
+    data = bytearray(latest.read_bytes())
+    data[len(data) // 3] ^= 0x10
+    latest.write_bytes(bytes(data))
+    train(spec, shards, part, progress=False)
+    err = capsys.readouterr().err
+    assert "step_00000009.pt" in err and "resumed from step 8" in err
+    a, b = load_file(full.weights), load_file(part.weights)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _calls(text: str, name: str) -> list[str]:
+    """The full text of every call `name(...)` in `text` (balanced parentheses)."""
+    out = []
+    for m in re.finditer(re.escape(name) + r"\(", text):
+        depth, i = 0, m.end() - 1
+        while True:
+            depth += {"(": 1, ")": -1}.get(text[i], 0)
+            if depth == 0:
+                break
+            i += 1
+        out.append(text[m.start():i + 1])
+    return out
+
+
+def test_no_torch_load_executes_pickled_code_anywhere():
+    """Every torch.load in the package and the workflow scripts passes weights_only=True."""
+    calls = [(p.name, c) for p in [*(REPO / "depthbench").rglob("*.py"), *(REPO / "scripts").glob("*.py")]
+             for c in _calls(p.read_text(), "torch.load")]
+    assert any(name == "checkpoint.py" for name, _ in calls)
+    for name, call in calls:
+        assert re.search(r"weights_only\s*=\s*True", call), (name, call)
+
+
+# -- 2. outputs checked against their identity ------------------------------------------------------
+def _fake_summary(results: Path, spec: RunSpec, status: str = "ok", **extra) -> Path:
+    run = results / "runs" / spec.run_id
+    run.mkdir(parents=True, exist_ok=True)
+    summary = {"run_id": spec.run_id, "status": status, "steps": 3, "total_steps": 10, "tokens_seen": 768,
+               "final_val_loss": 5.0 if status == "ok" else math.nan, "wall_seconds": 1.0, "tokens_per_s": 768.0,
+               "n_params": spec.shape.n_params, "device": "cpu", "world_size": 1, "spec": spec.to_dict(),
+               "spec_hash": spec.spec_hash(), **extra}
+    (run / "summary.json").write_text(json.dumps(summary))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 2, "train_loss": 5.5, "val_loss": 5.4}) + "\n")
+    (run / "model.safetensors").write_bytes(b"weights")
+    return run / "summary.json"
+
+
+def _grid(wiki_jsonl, **kw) -> dict:
+    return load_config(tiny_config(wiki_jsonl, **kw))
+
+
+@pytest.fixture(scope="module")
+def grid4(wiki_jsonl):
+    return expand_grid(_grid(wiki_jsonl, architectures=["pre_ln", "post_ln"], learning_rates=[3e-3, 50.0]))
+
+
+def test_spec_hash_survives_the_train_rules_round_trip(grid4):
+    """What scripts/train.py rebuilds from the rule's params (identity + operational settings)
+    and writes into summary.json hashes to the grid's spec hash."""
+    for spec in grid4.runs.values():
+        rebuilt = RunSpec.from_dict(spec.identity_dict()).with_operational({"threads": 2, "checkpoint_every": 7})
+        assert RunSpec.from_dict(json.loads(json.dumps(rebuilt.to_dict()))).spec_hash() == spec.spec_hash()
+    assert len({s.spec_hash() for s in grid4.runs.values()}) == len(grid4.runs)
+
+
+def test_summary_of_another_run_or_version_is_refused_by_name(grid4, tmp_path):
+    from depthbench.tables import read_summary, run_rows
+
+    a, b = list(grid4.runs.values())[:2]
+    expected = {s.run_id: s.spec_hash() for s in grid4.runs.values()}
+    pa, pb = _fake_summary(tmp_path, a), _fake_summary(tmp_path, b)
+    assert len(run_rows([str(pa), str(pb)], 6.0, "tiny", expected=expected)) == 2
+    pb.write_text(pa.read_text())  # copied over another run's
+    with pytest.raises(DataError, match=re.escape(str(pb)) + ".*belongs to run"):
+        run_rows([str(pa), str(pb)], 6.0, "tiny", expected=expected)
+    _fake_summary(tmp_path, b)
+    with pytest.raises(DataError, match=re.escape(str(pb)) + ".*grid's spec"):
+        read_summary(pb, {**expected, b.run_id: "0" * 16})  # the grid changed since it was written
+    edited = json.loads(pb.read_text())
+    edited["spec"]["train"]["weight_decay"] = 0.5
+    pb.write_text(json.dumps(edited))
+    with pytest.raises(DataError, match="edited"):
+        read_summary(pb, expected)
+
+
+@pytest.mark.parametrize("content", ['{"run_id": "x", "status": "o', "", "\xff\xfe", "[1, 2]"])
+def test_truncated_or_unreadable_summary_is_an_error_naming_the_file(grid4, tmp_path, content):
+    from depthbench.tables import run_rows
+
+    path = _fake_summary(tmp_path, next(iter(grid4.runs.values())))
+    path.write_bytes(content.encode("latin-1"))
+    with pytest.raises(DataError, match=re.escape(str(path))):
+        run_rows([str(path)], 6.0, "tiny")
+
+
+# -- 3. corpus contents ------------------------------------------------------------------------------
+CORPUS_CASES = {
+    "empty.jsonl": (b"", "is empty"),
+    "blank.jsonl": (b"\n  \n\n", "no non-empty document"),
+    "latin1.jsonl": (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "line 2 (byte offset 28) is not UTF-8"),
+    "broken.jsonl": (b'{"text": "ok"}\n{"text": "cut\n', "line 2, column 10: not valid JSON"),
+    "latin1.txt": (b"first paragraph\n\nsecond \xe9t\xe9\n", "line 3 (byte offset 24) is not UTF-8"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORPUS_CASES))
+def test_bad_corpus_is_refused_at_validation_naming_file_and_line(wiki_jsonl, tmp_path, name):
+    data, message = CORPUS_CASES[name]
+    path = tmp_path / name
+    path.write_bytes(data)
+    config = tiny_config(wiki_jsonl)
+    config["corpus"]["path"] = str(path)
+    with pytest.raises(DataError, match=re.escape(str(path)) + ".*" + re.escape(message)):
+        expand_grid(load_config(config))
+
+
+def test_bad_bytes_past_the_checked_head_fail_before_the_tokenizer_is_trained(wiki_jsonl, tmp_path, monkeypatch):
+    from depthbench.data import prepare
+
+    from depthbench.data.corpus import HEAD_BYTES
+
+    head = wiki_jsonl.read_bytes() * (1 + HEAD_BYTES // len(wiki_jsonl.read_bytes()))
+    path = tmp_path / "big.jsonl"
+    path.write_bytes(head + b'{"text": "\xff"}\n')
+    lines = head.count(b"\n")
+    config = load_config(tiny_config(path))
+    expand_grid(config)  # only the head is read at config time
+    monkeypatch.setattr(prepare, "train_bpe", lambda *a: pytest.fail("the tokenizer was trained"))
+    with pytest.raises(DataError, match=re.escape(str(path)) + f".*line {lines + 1} .*not UTF-8"):
+        prepare.build_tokenizer(config, str(tmp_path / "tok.json"))
+
+
+def test_missing_text_field_names_the_field_and_line(wiki_jsonl, tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"body": "text"}\n')
+    config = tiny_config(wiki_jsonl)
+    config["corpus"]["path"] = str(path)
+    with pytest.raises(ConfigError, match=r"corpus\.text_field.*line 1"):
+        expand_grid(load_config(config))
+
+
+# -- 4. numbers and init rules ------------------------------------------------------------------------
+@pytest.mark.parametrize("edit, field", [
+    ("learning_rates: [.nan]", "learning_rates[0]"),
+    ("learning_rates: [.inf]", "learning_rates[0]"),
+    ("learning_rates: [-.inf]", "learning_rates[0]"),
+    ("budget: {params: .nan, d_model_multiple: 16, d_ff_multiple: 16}", "budget.params"),
+    ("train: {weight_decay: .inf}", "train.weight_decay"),
+    ("sweep: {train.weight_decay: [0.1, .nan]}", "sweep.train.weight_decay[1]"),
+    ("sweep: {train.weight_decay: [0.1, -1]}", "sweep.train.weight_decay[1]"),
+    ("sweep: {train.beta2: [0.95, 1.5]}", "sweep.train.beta2[1]"),
+    ("sweep: {model.n_head: [2, 0]}", "sweep.model.n_head[1]"),
+])
+def test_numbers_that_are_not_finite_or_in_range_name_the_field(wiki_jsonl, tmp_path, edit, field):
+    config = tiny_config(wiki_jsonl)
+    config.update(yaml.safe_load(edit))
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    assert exc.value.field == field
+
+
+@pytest.mark.parametrize("rule", ["10**10**10", "sqrt(-1)", "1/(d_model-d_model)", "-0.02", "(" * 400 + "1" + ")" * 400])
+def test_init_rules_are_evaluated_at_validation_naming_model_init_std(wiki_jsonl, rule):
+    config = tiny_config(wiki_jsonl)
+    config["model"] = {"n_head": 2, "init_std": rule}
+    with pytest.raises(ConfigError) as exc:
+        expand_grid(load_config(config))
+    assert exc.value.field == "model.init_std"
+
+
+# -- 6. permissions -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+def test_outputs_get_the_mode_the_umask_allows(tmp_path, umask):
+    from depthbench.tables import write_parquet
+
+    old = os.umask(umask)
+    try:
+        atomic_write_text(tmp_path / "a.txt", "x")
+        write_parquet(pd.DataFrame({"a": [1]}), tmp_path / "t.parquet")
+        save_checkpoint(tmp_path / "ck", 1, _state(1))
+        (tmp_path / "plain.txt").write_text("x")  # what open() gives: the reference
+    finally:
+        os.umask(old)
+    want = (tmp_path / "plain.txt").stat().st_mode & 0o777
+    assert want == 0o666 & ~umask
+    for p in ("a.txt", "t.parquet", "ck/step_00000001.pt", "ck/step_00000001.pt.sha256"):
+        assert (tmp_path / p).stat().st_mode & 0o777 == want, p
+
+
+# -- 7. the smaller items -----------------------------------------------------------------------------
+def test_head_count_hint_lists_exactly_the_counts_that_pass_every_check():
+    with pytest.raises(ConfigError) as exc:
+        ModelConfig(d_model=48, n_head=5, vocab_size=50, n_layer=1)
+    hinted = json.loads(re.search(r"valid head counts for this width: (\[.*\])", str(exc.value)).group(1))
+
+    def builds(h):
+        try:
+            ModelConfig(d_model=48, n_head=h, vocab_size=50, n_layer=1)
+            return True
+        except ConfigError:
+            return False
+
+    assert hinted == [h for h in range(1, 65) if builds(h)] == [1, 2, 3, 4, 6, 8, 12, 24]
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("name: x\ncorpus:\n  name: [unclosed\nshapes: []\n")
+    with pytest.raises(ConfigError, match=re.escape(str(path)) + r": line \d+, column \d+: YAML syntax error"):
+        load_config(path)
+    path.write_text("- a list\n- not a mapping\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(path)
+
+
+def test_tokenizer_file_that_is_not_json_names_the_field_and_path(wiki_jsonl, tmp_path):
+    path = tmp_path / "tokenizer.json"
+    path.write_text("this is not JSON")
+    config = tiny_config(wiki_jsonl, tokenizer={"kind": "file", "path": str(path)})
+    with pytest.raises(ConfigError) as exc:
+        expand_grid(load_config(config))
+    assert exc.value.field == "tokenizer.path" and str(path) in str(exc.value)
+
+
+# -- 5. table stages on degenerate grids ----------------------------------------------------------------
+class _Files(list):
+    """A Snakemake-like named file list: indexable, and with attributes."""
+
+    def __init__(self, items=(), **named):
+        super().__init__(items or named.values())
+        self.__dict__.update(named)
+
+
+def _run_script(name: str, **parts) -> None:
+    runpy.run_path(str(REPO / "scripts" / name), init_globals={"snakemake": SimpleNamespace(**parts)})
+
+
+def _degenerate(wiki_jsonl, kind):
+    if kind == "all_diverged":
+        exp = expand_grid(_grid(wiki_jsonl, architectures=["pre_ln", "post_ln"], shapes=[{"n_layer": 1}, {"n_layer": 2}],
+                                learning_rates=[50.0, 80.0]))
+        return exp, {rid: "diverged" for rid in exp.runs}
+    if kind == "single_run":
+        exp = expand_grid(_grid(wiki_jsonl))
+        return exp, {rid: "ok" for rid in exp.runs}
+    if kind == "single_shape":
+        exp = expand_grid(_grid(wiki_jsonl, architectures=["pre_ln", "post_ln"], learning_rates=[3e-3, 50.0]))
+        return exp, {rid: "diverged" if "_lr50_" in rid else "ok" for rid in exp.runs}
+    exp = expand_grid(_grid(wiki_jsonl))
+    return exp, {}  # empty: no run of the grid has outputs to aggregate
+
+
+@pytest.mark.parametrize("kind", ["all_diverged", "single_run", "single_shape", "empty"])
+def test_every_table_stage_finishes_on_degenerate_grids(wiki_jsonl, tmp_path, kind):
+    from depthbench.data.shards import META_VERSION
+
+    exp, statuses = _degenerate(wiki_jsonl, kind)
+    res = tmp_path / "results"
+    data = res / "data" / "meta.json"
+    data.parent.mkdir(parents=True)
+    data.write_text(json.dumps({"version": META_VERSION, "unigram_val_loss": 6.0}))
+    specs = [exp.runs[rid] for rid in statuses]
+    summaries = [str(_fake_summary(res, s, statuses[s.run_id])) for s in specs]
+    metrics = [str(Path(p).with_name("metrics.jsonl")) for p in summaries]
+    probes, nll = [], []
+    for s in specs:
+        trained = statuses[s.run_id] == "ok"
+        p = res / "probes" / f"{s.run_id}.parquet"
+        p.parent.mkdir(exist_ok=True)
+        pd.DataFrame({"run_id": s.run_id, "probe": ["causal_score"] * (1 + trained), "stage": ["init", "trained"][:1 + trained],
+                      "i": 0, "j": 0, "value": 0.5, "status": statuses[s.run_id]}).to_parquet(p)
+        n = res / "nll" / f"{s.run_id}.parquet"
+        n.parent.mkdir(exist_ok=True)
+        pd.DataFrame({"run_id": s.run_id, "level": ["set", "domain"], "set": ["gsm8k", ""], "domain": ["math", "math"],
+                      "nats_per_token": 2.0 if trained else math.nan, "bits_per_byte": 1.0 if trained else math.nan,
+                      "status": statuses[s.run_id]}).to_parquet(n)
+        probes.append(str(p))
+        nll.append(str(n))
+    tables = res / "tables"
+    out = _Files(runs=str(tables / "runs.parquet"), curves=str(tables / "curves.parquet"),
+                 best_lr=str(tables / "best_lr.parquet"), dynamics=str(tables / "dynamics.parquet"))
+    hashes = {s.run_id: s.spec_hash() for s in specs}
+    log = _Files([str(tmp_path / "log.txt")])
+    _run_script("tables.py", input=_Files(summaries=summaries, metrics=metrics, data=str(data)), output=out, log=log,
+                params=SimpleNamespace(experiment="tiny", run_ids=list(statuses), spec_hashes=hashes))
+    made = {}
+    for script, extra, target in (("cost_table.py", {"summaries": summaries}, "cost"), ("probes_table.py", {"probes": probes}, "probes"),
+                                  ("nll_table.py", {"nll": nll}, "nll")):
+        path = str(tables / f"{target}.parquet")
+        _run_script(script, input=_Files(**extra, runs=out.runs, best_lr=out.best_lr), output=_Files([path]), log=log,
+                    params=SimpleNamespace(spec_hashes=hashes))
+        made[target] = pd.read_parquet(path)
+    runs, best = pd.read_parquet(out.runs), pd.read_parquet(out.best_lr)
+    assert sorted(runs.run_id) == sorted(statuses)
+    n_ok = sum(v == "ok" for v in statuses.values())
+    groups = {(s.arch, s.shape.n_layer) for s in specs if statuses[s.run_id] == "ok"}
+    assert len(best) == len(groups) and (n_ok == 0) == best.empty
+    assert sorted(made["cost"].get("run_id", pd.Series(dtype=str))) == sorted(statuses)
+    assert sorted(set(made["probes"].run_id)) == sorted(statuses) and "is_best_lr" in made["probes"]
+    assert sorted(set(made["nll"].run_id)) == sorted(statuses) and "arch" in made["nll"]
+    if n_ok:
+        assert made["probes"][made["probes"].stage == "trained"].is_best_lr.all()
+
+
+# -- 8. depthbench status -------------------------------------------------------------------------------
+def test_status_reports_each_run_and_the_next_jobs(wiki_jsonl, tmp_path, capsys):
+    from depthbench.cli import main
+    from depthbench.data.shards import META_VERSION
+
+    config = tiny_config(wiki_jsonl, architectures=["pre_ln", "post_ln", "peri_ln"], learning_rates=[3e-3, 50.0])
+    config["nll"] = {"enabled": False}
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    exp = expand_grid(load_config(cfg))
+    res = tmp_path / "results"
+    meta = res / "data" / exp.data_id / "meta.json"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(json.dumps({"version": META_VERSION}))
+    os.utime(meta, (1e9, 1e9))
+    ids = list(exp.runs)
+    trained, diverged, partial, stale_time, copied, missing = ids
+    for rid in ids[:5]:
+        _fake_summary(res, exp.runs[rid], "diverged" if rid == diverged else "ok")
+    (res / "probes").mkdir()
+    (res / "probes" / f"{trained}.parquet").write_bytes(b"x")
+    (res / "runs" / partial / "summary.json").unlink()
+    save_checkpoint(res / "work" / partial / "checkpoints", 4, _state(4, partial))
+    os.utime(res / "runs" / stale_time / "summary.json", (1e8, 1e8))  # older than the shards
+    (res / "runs" / copied / "summary.json").write_text((res / "runs" / trained / "summary.json").read_text())
+    assert main(["status", str(cfg), "--results", str(res)]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.split() and line.split()[0] in ids}
+    assert rows[trained] == ["trained", "yes", "-", "-"]
+    assert rows[diverged] == ["diverged", "no", "-", "probe"]
+    assert rows[partial] == ["partial", "no", "-", "train", "(resume),", "probe"]
+    assert rows[stale_time][:2] == ["stale", "no"] and rows[missing][0] == "missing"
+    assert rows[copied][:4] == ["invalid", "no", "-", "none:"]  # snakemake would not retrain it
+    assert "belongs to run" in out and "older than its input" in out and "checkpoint at step 4" in out
+    assert "train: 2 runs" in out and "train (resume): 1 run" in out and "probe: 5 runs" in out
+    assert "tables: fail on 1 invalid summary" in out
