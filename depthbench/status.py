@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from depthbench.config import Experiment, short_hash
-
-RESULTS = "results"  # the workflow's output folder (the Snakefile's RESULTS), relative to the working directory
 from depthbench.errors import DataError
 from depthbench.train.checkpoint import list_checkpoints, verify_checkpoint
+
+RESULTS = "results"  # the workflow's output folder (the Snakefile's RESULTS), relative to the working directory
 
 
 @dataclass
