@@ -76,6 +76,13 @@ def cmd_regenerate(args) -> None:
     print(f"tables in results/tables, figures in results/figures, report in {args.report}", file=sys.stderr)
 
 
+def cmd_export(args) -> None:
+    from depthbench.hf.export import export_run
+
+    info = export_run(args.run_dir, args.out_dir, results_dir=args.results, overwrite=args.overwrite)
+    print(f"{info['run_id']} ({info['arch']}) -> {info['out_dir']} as {info['class']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="depthbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -92,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cores", type=int, default=2)
     p.add_argument("--report", default="results/report.html")
     p.set_defaults(fn=cmd_regenerate)
+    p = sub.add_parser("export", help="write a finished run as a transformers model directory (LlamaForCausalLM for pre_ln)")
+    p.add_argument("run_dir", help="the run's folder, results/runs/<run_id>")
+    p.add_argument("out_dir", help="the model directory to write")
+    p.add_argument("--results", default=None, help="the results folder with tokenizers/ and data/ (default: RUN_DIR/../..)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    p.set_defaults(fn=cmd_export)
     args = parser.parse_args(argv)
     try:
         args.fn(args)
