@@ -31,6 +31,13 @@ TEXT = [
 VOCAB = 320
 
 
+@pytest.fixture(autouse=True)
+def eager_models(monkeypatch):
+    """The eager path of hc/mhc (their C++ kernels are checked in test_cpu_kernels.py): an export
+    wraps whatever DecoderLM computes, and these tests need not wait for a kernel build."""
+    monkeypatch.setenv("DEPTHBENCH_CPU_KERNELS", "0")
+
+
 @pytest.fixture(scope="module")
 def tokenizer_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"

@@ -7,7 +7,7 @@ quantity from the transformers export. `write_task` turns an NLL set table (the 
 a local lm-eval task: the documents as JSON lines, read by `datasets`' json builder, and a YAML
 task of output type `loglikelihood` whose request is exactly (context, continuation):
 doc_to_text and doc_to_target are the two columns, zero-shot, no description, no delimiter.
-`lmeval_loglikelihoods` runs it through `lm_eval.simple_evaluate` and returns the per-document
+`lmeval_loglikelihoods` runs it through lm-eval's `evaluate` and returns the per-document
 log-likelihoods (lm-eval's logged samples), in nats.
 
 Comparable only where lm-eval and the stage score the same tokens: a continuation that fits in
@@ -65,7 +65,7 @@ def lmeval_loglikelihoods(model_dir: str | os.PathLike, task_dir: str | os.PathL
                           batch_size: int = 8, name: str = TASK) -> pd.DataFrame:
     """Per-document log-likelihood (nats) of the task's continuations under the exported model,
     computed by lm-eval's HF backend on CPU in float32; rows in the task's document order."""
-    import lm_eval
+    from lm_eval.evaluator import evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
@@ -73,8 +73,12 @@ def lmeval_loglikelihoods(model_dir: str | os.PathLike, task_dir: str | os.PathL
     remote = (model_dir / "modeling_depthbench.py").exists()
     lm = HFLM(pretrained=str(model_dir), backend="causal", dtype="float32", device="cpu", batch_size=batch_size,
               max_length=max_length, trust_remote_code=remote)
-    results = lm_eval.simple_evaluate(model=lm, tasks=[name], task_manager=TaskManager(include_path=str(task_dir)),
-                                      num_fewshot=0, log_samples=True, bootstrap_iters=0)
+    # lm-eval's evaluate() on the loaded task (what simple_evaluate calls, without its environment
+    # report: torch's collect_env runs pip and other subprocesses for a minute on 2 cores).
+    # include_defaults=False: only our task is indexed, not lm-eval's ~14,000 built-in YAMLs (2 min).
+    tasks = TaskManager(include_path=str(task_dir), include_defaults=False).load([name])
+    tasks["tasks"][name].set_fewshot_seed(seed=0)
+    results = evaluate(lm=lm, task_dict=tasks, log_samples=True, bootstrap_iters=0)
     samples = results["samples"][name]
     out = pd.DataFrame({
         "row": [s["doc"]["row"] for s in samples],
