@@ -62,16 +62,16 @@ def write_task(docs: pd.DataFrame, task_dir: str | os.PathLike, name: str = TASK
 
 
 def lmeval_loglikelihoods(model_dir: str | os.PathLike, task_dir: str | os.PathLike, max_length: int,
-                          batch_size: int = 8, name: str = TASK) -> pd.DataFrame:
+                          batch_size: int = 8, name: str = TASK, device: str = "cpu") -> pd.DataFrame:
     """Per-document log-likelihood (nats) of the task's continuations under the exported model,
-    computed by lm-eval's HF backend on CPU in float32; rows in the task's document order."""
+    computed by lm-eval's HF backend in float32 on `device`; rows in the task's document order."""
     from lm_eval.evaluator import evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     model_dir = Path(model_dir)
     remote = (model_dir / "modeling_depthbench.py").exists()
-    lm = HFLM(pretrained=str(model_dir), backend="causal", dtype="float32", device="cpu", batch_size=batch_size,
+    lm = HFLM(pretrained=str(model_dir), backend="causal", dtype="float32", device=device, batch_size=batch_size,
               max_length=max_length, trust_remote_code=remote)
     # lm-eval's evaluate() on the loaded task (what simple_evaluate calls, without its environment
     # report: torch's collect_env runs pip and other subprocesses for a minute on 2 cores).
