@@ -85,6 +85,13 @@ def cmd_status(args) -> None:
     print(format_status(_experiment(args.config), args.results))
 
 
+def cmd_export(args) -> None:
+    from depthbench.hf.export import export_run
+
+    info = export_run(args.run_dir, args.out_dir, results_dir=args.results, overwrite=args.overwrite)
+    print(f"{info['run_id']} ({info['arch']}) -> {info['out_dir']} as {info['class']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="depthbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -105,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", nargs="?", default="config/config.yaml")
     p.add_argument("--results", default="results", help="the results folder (default: results)")
     p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("export", help="write a finished run as a transformers model directory (LlamaForCausalLM for pre_ln)")
+    p.add_argument("run_dir", help="the run's folder, results/runs/<run_id>")
+    p.add_argument("out_dir", help="the model directory to write")
+    p.add_argument("--results", default=None, help="the results folder with tokenizers/ and data/ (default: RUN_DIR/../..)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    p.set_defaults(fn=cmd_export)
     args = parser.parse_args(argv)
     try:
         args.fn(args)

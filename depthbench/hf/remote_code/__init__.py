@@ -1,0 +1,1 @@
+"""Files copied into non-Llama exports (loaded by transformers with trust_remote_code=True)."""

@@ -1,0 +1,172 @@
+"""`depthbench export`: every architecture loads in transformers (offline) with DepthBench's logits;
+pre_ln as a plain LlamaForCausalLM; the tokenizer, special tokens, card and CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: nothing here may go online
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+from depthbench.cli import main
+from depthbench.data.tokenizer import BPE_EOS, train_bpe
+from depthbench.errors import ConfigError, DataError
+from depthbench.hf.export import export_run
+from depthbench.models import ModelConfig, build_model
+from depthbench.train.config import TrainConfig
+
+ARCHS = ["pre_ln", "post_ln", "peri_ln", "lns", "deepnorm", "keel", "hc", "mhc", "attnres_full", "attnres_block", "moda"]
+OPTIONS = {"attnres_block": {"n_blocks": 2}, "hc": {"n_streams": 2}, "mhc": {"n_streams": 2}}
+TEXT = [
+    "Depth in a transformer is a stack of residual layers; some of them do little.",
+    "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun.",
+    "Numbers 0123456789 and punctuation: commas, periods; colons! question marks?",
+    "def f(x):\n    return x * 2  # code has indentation and symbols like {} [] ()",
+] * 20
+VOCAB = 320
+
+
+@pytest.fixture(autouse=True)
+def eager_models(monkeypatch):
+    """The eager path of hc/mhc (their C++ kernels are checked in test_cpu_kernels.py): an export
+    wraps whatever DecoderLM computes, and these tests need not wait for a kernel build."""
+    monkeypatch.setenv("DEPTHBENCH_CPU_KERNELS", "0")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    train_bpe(TEXT, VOCAB).save(str(path))
+    return path
+
+
+def tiny_config(arch: str) -> ModelConfig:
+    return ModelConfig(arch=arch, vocab_size=VOCAB, d_model=32, n_layer=4, n_head=4, n_kv_head=2, max_seq_len=64,
+                       norm_eps=1e-5, rope_theta=500.0, arch_options=OPTIONS.get(arch, {}))
+
+
+def random_model(arch: str, seed: int = 0):
+    """Random weights far from the init (norm gains and static mixing weights included), so that
+    every parameter moves the logits and a wrong mapping shows."""
+    torch.manual_seed(seed)
+    model = build_model(tiny_config(arch))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def fake_run(root, model, tokenizer_file, status: str = "ok"):
+    """results/{runs/<id>, tokenizers/<tid>, data/<did>} as training and the Snakefile leave them."""
+    cfg = model.cfg
+    run_id = f"{cfg.arch}-test"
+    train = TrainConfig(seq_len=32, total_steps=10)
+    spec = {"run_id": run_id, "arch": cfg.arch, "lr": 3e-3, "seed": 0, "knobs": {},
+            "shape": {"n_layer": cfg.n_layer, "d_model": cfg.d_model, "d_ff": cfg.d_ff, "n_head": cfg.n_head,
+                      "n_kv_head": cfg.n_kv_head, "n_params": model.num_parameters()},
+            "model": cfg.to_dict(), "train": train.to_dict(), "data_id": "tiny-abc", "tokenizer_id": "bpe-xyz"}
+    run_dir = root / "results" / "runs" / run_id
+    run_dir.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(run_dir / "model.safetensors"))
+    summary = {"run_id": run_id, "status": status, "steps": 10, "tokens_seen": 2560, "final_val_loss": 4.25,
+               "n_params": model.num_parameters(), "spec": spec}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 10, "train_loss": 4.5}) + "\n")
+    tok_dir = root / "results" / "tokenizers" / "bpe-xyz"
+    tok_dir.mkdir(parents=True)
+    (tok_dir / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+    data_dir = root / "results" / "data" / "tiny-abc"
+    data_dir.mkdir(parents=True)
+    eos = json.loads(tokenizer_file.read_text())["added_tokens"][0]["id"]
+    (data_dir / "meta.json").write_text(json.dumps({"eos_id": eos, "corpus": {"name": "tiny", "source": "local"},
+                                                    "train": {"n_tokens": 1000}, "val": {"n_tokens": 100}, "licence": "CC0"}))
+    return run_dir
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_export_loads_in_transformers_with_depthbench_logits(arch, tmp_path, tokenizer_file):
+    model = random_model(arch)
+    run_dir = fake_run(tmp_path, model, tokenizer_file)
+    out = tmp_path / "export"
+    info = export_run(run_dir, out)
+    loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=arch != "pre_ln", local_files_only=True,
+                                                  dtype=torch.float32).eval()
+    if arch == "pre_ln":  # no remote code: transformers' own Llama
+        assert type(loaded) is LlamaForCausalLM and info["class"] == "LlamaForCausalLM"
+        assert not list(out.glob("*.py")) and "auto_map" not in json.loads((out / "config.json").read_text())
+    else:
+        assert type(loaded).__name__ == "DepthBenchForCausalLM"
+        assert sorted(p.name for p in out.glob("*.py")) == ["configuration_depthbench.py", "modeling_depthbench.py"]
+    idx = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(idx).logits
+        theirs = loaded(input_ids=idx).logits
+    assert ours.std() > 0.25  # logits that differ per token: a wrong mapping could not hide
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+
+
+def test_exported_tokenizer_and_special_tokens(tmp_path, tokenizer_file):
+    from tokenizers import Tokenizer
+
+    run_dir = fake_run(tmp_path, random_model("pre_ln"), tokenizer_file)
+    out = tmp_path / "export"
+    export_run(run_dir, out)
+    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    raw = Tokenizer.from_file(str(tokenizer_file))
+    eos = raw.token_to_id(BPE_EOS)
+    for text in TEXT[:4] + ["  leading spaces and unseen wörds ✓"]:
+        assert tok.encode(text, add_special_tokens=False) == raw.encode(text).ids
+        assert tok.decode(raw.encode(text).ids) == text
+    assert (tok.eos_token, tok.eos_token_id, tok.bos_token_id, tok.pad_token_id) == (BPE_EOS, eos, eos, eos)
+    config = json.loads((out / "config.json").read_text())
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert config["eos_token_id"] == generation["eos_token_id"] == eos
+    card = (out / "README.md").read_text()
+    for fact in ("pre_ln", "LlamaForCausalLM", "validation: 4.2500", "training loss: 4.5000", "corpus: tiny", "lr 0.003",
+                 f"{random_model('pre_ln').num_parameters():,}"):
+        assert fact in card, fact
+
+
+def test_remote_code_model_generates_greedily_like_depthbench(tmp_path, tokenizer_file):
+    model = random_model("hc")
+    out = tmp_path / "export"
+    export_run(fake_run(tmp_path, model, tokenizer_file), out)
+    loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, local_files_only=True)
+    prompt = torch.tensor([[5, 17, 42, 99]])
+    generated = loaded.generate(prompt, max_new_tokens=6, do_sample=False)
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(6):  # DepthBench's greedy continuation, one full pass per token
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert generated.tolist() == ids.tolist()
+    with pytest.raises(ValueError, match="right padding"):
+        loaded(input_ids=prompt, attention_mask=torch.tensor([[0, 1, 1, 1]]))
+
+
+def test_export_errors_name_the_problem(tmp_path, tokenizer_file):
+    run_dir = fake_run(tmp_path, random_model("post_ln"), tokenizer_file, status="diverged")
+    with pytest.raises(DataError, match="status 'diverged'"):
+        export_run(run_dir, tmp_path / "out")
+    with pytest.raises(DataError, match="summary.json: no such file"):
+        export_run(tmp_path / "nowhere", tmp_path / "out")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "file").write_text("x")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").write_text(json.dumps({**summary, "status": "ok"}))
+    with pytest.raises(ConfigError, match="OUT_DIR"):
+        export_run(run_dir, tmp_path / "busy")
+    assert not list(tmp_path.glob(".out*")) and not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_cli_export(tmp_path, tokenizer_file, capsys):
+    run_dir = fake_run(tmp_path, random_model("keel"), tokenizer_file)
+    assert main(["export", str(run_dir), str(tmp_path / "out")]) == 0
+    assert "DepthBenchForCausalLM" in capsys.readouterr().out
+    assert main(["export", str(run_dir), str(tmp_path / "out")]) == 2  # exists: refused, naming OUT_DIR
+    assert "OUT_DIR" in capsys.readouterr().err
+    assert main(["export", str(run_dir), str(tmp_path / "out"), "--overwrite"]) == 0
