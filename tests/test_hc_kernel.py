@@ -7,7 +7,7 @@ import torch
 
 from depthbench import kernels
 from depthbench.models import ModelConfig, build_model
-from depthbench.models.archs import hc as hc_module
+from depthbench.kernels import hc_ops, stream_ops
 
 from kernel_checks import assert_compiled_calls_kernels_and_matches_eager, results_per_thread_count
 
@@ -81,9 +81,9 @@ def test_hc_read_kernel_is_independent_of_thread_count():
 def test_hc_read_custom_op_registration_and_gradcheck():
     H, weight, static = _case(3, 12, 9, torch.float64)
     inputs = [t.requires_grad_() for t in (H, weight, static)]
-    torch.library.opcheck(hc_module.fused_read, (*inputs, 1e-6, 0.5))
-    assert torch.autograd.gradcheck(lambda *a: hc_module.fused_read(*a, 1e-6, 0.5), inputs)
-    assert torch.autograd.gradcheck(lambda *a: hc_module.read(*a, 1e-6, 0.5), inputs)  # eager: the Function
+    torch.library.opcheck(hc_ops.fused_read, (*inputs, 1e-6, 0.5))
+    assert torch.autograd.gradcheck(lambda *a: hc_ops.fused_read(*a, 1e-6, 0.5), inputs)
+    assert torch.autograd.gradcheck(lambda *a: hc_ops.read(*a, 1e-6, 0.5), inputs)  # eager: the Function
 
 
 def test_hc_read_kernel_rejects_bad_shapes():
@@ -144,7 +144,7 @@ def test_stream_write_backward_equals_autograd_through_addcmul(n, d, tokens, dty
     H = torch.addcmul(mixed, w.unsqueeze(-1), out.unsqueeze(-2))
     grad = torch.randn_like(H)
     expected = torch.autograd.grad(H, (mixed, w, out), grad)
-    fused = hc_module.fused_write(mixed, w, out)
+    fused = stream_ops.fused_write(mixed, w, out)
     torch.testing.assert_close(fused, H)
     got = torch.autograd.grad(fused, (mixed, w, out), grad)
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
@@ -155,7 +155,7 @@ def test_stream_write_backward_equals_autograd_through_addcmul(n, d, tokens, dty
 def test_stream_write_custom_op_registration():
     g = torch.Generator().manual_seed(2)
     args = [torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True) for shape in ((5, 3, 4), (5, 3), (5, 4))]
-    torch.library.opcheck(hc_module.fused_write, args)
-    assert torch.autograd.gradcheck(hc_module.fused_write, args)
+    torch.library.opcheck(stream_ops.fused_write, args)
+    assert torch.autograd.gradcheck(stream_ops.fused_write, args)
     # eager: the in-place Function (on a copy of mixed, as the read's fresh output would be)
-    assert torch.autograd.gradcheck(lambda m, w, o: hc_module._EagerWrite.apply(m.clone(), w, o), args)
+    assert torch.autograd.gradcheck(lambda m, w, o: stream_ops._EagerWrite.apply(m.clone(), w, o), args)

@@ -9,8 +9,8 @@ import torch
 from depthbench.models import ModelConfig, build_model, count_parameters
 from depthbench.models.archs.attnres_block import block_ends
 from depthbench.models.archs.attnres_full import DepthAttention, rms_unit
-from depthbench.models.archs.hc import mix_matrix
-from depthbench.models.archs.mhc import sinkhorn_knopp
+from depthbench.models.streams import mix_matrix
+from depthbench.kernels.mhc_ops import sinkhorn_knopp
 from depthbench.models.archs.moda import joint_depth_attention
 from depthbench.models.moe import MoESwiGLU
 from depthbench.shapes import solve_width
