@@ -3,22 +3,24 @@
 The residual stream is widened to n streams H (n x d), all initialised to copies of the
 embedding. For sublayer s (0-based over the 2L sublayers), with Hn = N(H) per stream:
 
-    a_m = onehot(s mod n) + 0.01 tanh(Hn w_m)        read weights       (n)
-    A_r = I_n             + 0.01 tanh(Hn W_r)        stream mixing      (n x n)
-    b   = 1_n             + 0.01 tanh(Hn w_b)        write weights      (n)
+    a_m = onehot(s mod n) + s_alpha tanh(Hn w_m)     read weights       (n)
+    A_r = I_n             + s_alpha tanh(Hn W_r)     stream mixing      (n x n)
+    b   = 1_n             + s_beta  tanh(Hn w_b)     write weights      (n)
     H  <- A_r^T H + b^T F(N(a_m^T H))
 
 The static parts (one-hot, identity, ones) are learnable parameters initialised to those
-values; the dynamic projections w_m, W_r, w_b are zero-initialised, and the 0.01 scale is a
-fixed constant (documented choice). The model output is the sum of streams, then the final norm
-and LM head; h_l for probes is the sum of streams. With n = 1 and zero dynamic weights this is
-exactly Pre-LN. `internals["stream_mixing"]` records, for every sublayer, the matrix acting on the
-streams, A_r^T (B, T, n, n), as mhc records H_res: both read H <- M H + ...
+values; the dynamic projections w_m, W_r, w_b are zero-initialised; s_alpha (read and mixing)
+and s_beta (write) are learnable scalars per sublayer initialised at `DYNAMIC_SCALE_INIT` = 0.01,
+as in the HC paper and lucidrains/hyper-connections (not weight-decayed: only Linear weights
+are). The model output is the sum of streams, then the final norm and LM head; h_l for probes
+is the sum of streams. With n = 1 and zero dynamic weights this is exactly Pre-LN.
+`internals["stream_mixing"]` records, for every sublayer, the matrix acting on the streams,
+A_r^T (B, T, n, n), as mhc records H_res: both read H <- M H + ...
 
 On the CPU (float32/float64, up to 16 streams) the whole read, from H to the sublayer input, the
 mixed streams and the coefficients, runs in one C++ kernel per direction (`read`,
-depthbench/kernels/hc.cpp and hc_ops.py), also under torch.compile; elsewhere, or where the kernels cannot be
-built, the PyTorch code below computes the same numbers.
+depthbench/kernels/hc.cpp and hc_ops.py), also under torch.compile; elsewhere, or where the
+kernels cannot be built, the PyTorch code below computes the same numbers.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from depthbench.models.base import Block, Rope, register
 from depthbench.models.layers import RMSNorm, normed_linear
 from depthbench.models.streams import MultiStreamLM, mix_matrix, n_streams, write_after_read, write_streams
 
-DYNAMIC_SCALE = 0.01
+DYNAMIC_SCALE_INIT = 0.01  # s_alpha and s_beta at init (HC paper; lucidrains/hyper-connections)
 KERNEL_MAX_STREAMS = 16  # hc.cpp's limit
 
 
@@ -50,6 +52,9 @@ class HyperConnection(nn.Module):
         self.static_write = nn.Parameter(torch.ones(n))
         # one projection for [w_m | W_r | w_b]: d -> 1 + n + 1 per stream
         self.dynamic = nn.Linear(d_model, n + 2, bias=False)
+        # shape (1,), not a 0-dim scalar: FSDP2 shards every parameter along dim 0
+        self.s_alpha = nn.Parameter(torch.full((1,), DYNAMIC_SCALE_INIT))  # scales tanh(.) of w_m and W_r
+        self.s_beta = nn.Parameter(torch.full((1,), DYNAMIC_SCALE_INIT))  # scales tanh(.) of w_b
         self.n = n
 
     def reset_static(self, sublayer: int) -> None:
@@ -59,22 +64,30 @@ class HyperConnection(nn.Module):
             self.static_mix.copy_(torch.eye(self.n))
             self.static_write.fill_(1.0)
             self.dynamic.weight.zero_()
+            self.s_alpha.fill_(DYNAMIC_SCALE_INIT)
+            self.s_beta.fill_(DYNAMIC_SCALE_INIT)
+
+    def scales(self) -> torch.Tensor:
+        """The dynamic scale of each coefficient column [a_m | A_r | b], (n + 2,): s_alpha n + 1
+        times, then s_beta (autograd sums the columns' gradients back into the two scalars)."""
+        return torch.cat([self.s_alpha.expand(self.n + 1), self.s_beta])
 
     def forward(self, H: torch.Tensor, sublayer_fn: Callable[[torch.Tensor], torch.Tensor]):
         n = self.n
         # row i = stream i's [a_m,i | A_r[i, :] | b_i]: static part + the bounded dynamic part
         static = torch.cat([self.static_read[:, None], self.static_mix, self.static_write[:, None]], dim=1)
+        scales = self.scales()
         if n <= KERNEL_MAX_STREAMS and kernels.apply_to(H):
             B, T, _, d = H.shape
             weight = self.dynamic.weight * self.norm.weight  # N(H_i) W^T = (H_i (g * W)^T) / rms(H_i)
             x, mixed, coeff = read(H.reshape(B * T, n, d), weight.to(H.dtype), static.to(H.dtype),
-                                   self.norm.eps, DYNAMIC_SCALE)
+                                   scales.to(H.dtype), self.norm.eps)
             out = sublayer_fn(x.view(B, T, d))
             H = write_after_read(mixed, coeff[..., n + 1], out.reshape(B * T, d))  # + b^T F(...)
             coeff = coeff.view(B, T, n, n + 2)
             return H.view(B, T, n, d), coeff[..., 1 : n + 1].mT
         proj = normed_linear(H, self.norm, self.dynamic)  # N(H_i) W per stream: (B, T, n, n + 2)
-        coeff = (static + DYNAMIC_SCALE * torch.tanh(proj)).to(H.dtype)  # the streams keep their dtype
+        coeff = (static + scales * torch.tanh(proj)).to(H.dtype)  # the streams keep their dtype
         # read (a_m^T H) and mix (A_r^T H) in one batched matmul: row 0 reads, rows 1..n mix
         x, mixed = mix_matrix(coeff[..., : n + 1].mT, H).split([1, n], dim=-2)
         out = sublayer_fn(x.squeeze(-2))
