@@ -8,11 +8,31 @@ n*d values):
     H_res  = SinkhornKnopp(exp(g_res * mat(x Phi_res) + b_res))       (n x n, doubly stochastic)
     H     <- H_res H + H_post^T F(N(H_pre H))
 
-g_* are learnable scalars initialised to 0.01, Phi_* zero-initialised, and the biases start at
-HC's static values (b_pre one-hot at s mod n, b_res identity, b_post ones): a documented choice,
-the paper's exact init was not found. Sinkhorn-Knopp runs 20 alternating row and column
-normalisations (stabilised, see `sinkhorn_knopp`), so the result's columns sum to 1 exactly and
-its rows to within a tolerance that shrinks with the iterations.
+g_* are learnable scalars initialised to 0.01 and Phi_* zero-initialised, so at init the
+coefficients are those of the biases. b_pre is one-hot at s mod n and b_post ones in both
+starts; `arch_options.res_init` picks b_res:
+
+- `identity` (default): logit 0 on the diagonal, `IDENTITY_OFF_DIAGONAL_LOGIT` = -8 off it, so
+  H_res starts within 1.1e-3 of I (n = 4: diagonal 0.99899, off-diagonal 3.4e-4) and the
+  residual product over depth has effective rank n at init (3.99996 at 2L = 8 sublayers, 3.992
+  at 104).
+- `hc_static`: b_res = I as logits (HC's static values): H_res starts at 0.475 on the diagonal
+  and 0.175 off it (n = 4), and the residual product over depth is near rank 1 before training.
+
+Why `identity` is the default: the paper does not state the bias init (as far as we found);
+its argument is that mHC restores the identity mapping of the residual stream, which the
+identity start gives from step 0 (tokenbender/mHC-manifold-constrained-hyper-connections also
+starts there: diagonal logits 0, off-diagonal -8 before its temperature), while the `hc_static`
+start (lucidrains/hyper-connections' identity logits) mixes the streams to rank 1 before any
+training, so the paper's rank finding could not be told from the init. -8 rather than lower:
+the gradient reaching H_res's logits scales with the off-diagonal mass e^-8 = 3.4e-4 (50x more
+than at -12, where it measured below Adam's epsilon on a tiny model at init). The cost: near the
+identity, 20 Sinkhorn iterations leave row-sum errors of the order of the off-diagonal mass
+times the logit noise (7e-4 at noise 0.1, 6e-3 at 0.45; exact at init; docs/choices.md).
+
+Sinkhorn-Knopp runs 20 alternating row and column normalisations (stabilised, see
+`sinkhorn_knopp`), so the result's columns sum to 1 exactly and its rows to within a tolerance
+that shrinks with the iterations.
 `internals["stream_mixing"]` records H_res of every sublayer, (B, T, n, n).
 
 On the CPU (float32/float64) the whole read, from H to the sublayer input, the mixed streams and
@@ -31,20 +51,35 @@ import torch
 from torch import nn
 
 from depthbench import kernels
+from depthbench.errors import ConfigError
 from depthbench.kernels.mhc_ops import fused_coefficients, read, sinkhorn_knopp
 from depthbench.models.base import Block, Rope, register
 from depthbench.models.layers import RMSNorm, at_least_fp32, normed_linear
 from depthbench.models.streams import MultiStreamLM, mix_matrix, n_streams, write_after_read, write_streams
 
+RES_INITS = ("identity", "hc_static")  # arch_options.res_init; the first is the default
+IDENTITY_OFF_DIAGONAL_LOGIT = -8.0  # b_res off the diagonal under res_init = identity
+GAIN_INIT = 0.01  # g_pre, g_post, g_res
+SINKHORN_ITERATIONS = 20  # default of arch_options.sinkhorn_iterations
+
+
+def res_init(cfg) -> str:
+    """arch_options.res_init, validated; default RES_INITS[0]."""
+    value = cfg.arch_options.get("res_init", RES_INITS[0])
+    if value not in RES_INITS:
+        raise ConfigError("model.arch_options.res_init", f"{value!r}; valid for mhc: {list(RES_INITS)}")
+    return value
+
 
 class ManifoldHyperConnection(nn.Module):
-    def __init__(self, d_model: int, n_streams: int, sublayer: int, eps: float, iterations: int):
+    def __init__(self, d_model: int, n_streams: int, sublayer: int, eps: float, iterations: int,
+                 start: str = RES_INITS[0]):
         super().__init__()
         n = n_streams
-        self.n, self.sublayer, self.iterations = n, sublayer, iterations
+        self.n, self.sublayer, self.iterations, self.start = n, sublayer, iterations, start
         self.norm = RMSNorm(n * d_model, eps)
         self.phi = nn.Linear(n * d_model, 2 * n + n * n, bias=False)  # [Phi_pre | Phi_post | Phi_res]
-        self.gains = nn.Parameter(torch.full((3,), 0.01))  # g_pre, g_post, g_res
+        self.gains = nn.Parameter(torch.full((3,), GAIN_INIT))  # g_pre, g_post, g_res
         self.b_pre = nn.Parameter(torch.zeros(n))
         self.b_post = nn.Parameter(torch.zeros(n))
         self.b_res = nn.Parameter(torch.zeros(n, n))  # set by reset(), from init_architecture
@@ -53,11 +88,14 @@ class ManifoldHyperConnection(nn.Module):
         n = self.n
         with torch.no_grad():
             self.phi.weight.zero_()
-            self.gains.fill_(0.01)
+            self.gains.fill_(GAIN_INIT)
             self.b_pre.zero_()
             self.b_pre[self.sublayer % n] = 1.0
             self.b_post.fill_(1.0)
-            self.b_res.copy_(torch.eye(n))
+            if self.start == "identity":  # exp(b_res) = I + e^-8 (1 - I): Sinkhorn keeps it ~ I
+                self.b_res.fill_(IDENTITY_OFF_DIAGONAL_LOGIT).fill_diagonal_(0.0)
+            else:  # hc_static
+                self.b_res.copy_(torch.eye(n))
 
     def gains_and_biases(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-column gain and bias of u = g * (x Phi) + b, each (2n + n^2,) in the layout
@@ -110,12 +148,12 @@ class MHCBlock(Block):
     def __init__(self, cfg, layer_index):
         super().__init__(cfg, layer_index)
         n = n_streams(cfg)
-        iters = int(cfg.arch_options.get("sinkhorn_iterations", 20))
-        first = 2 * (layer_index - 1)
+        iters = int(cfg.arch_options.get("sinkhorn_iterations", SINKHORN_ITERATIONS))
+        first, start = 2 * (layer_index - 1), res_init(cfg)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn_mhc = ManifoldHyperConnection(cfg.d_model, n, first, cfg.norm_eps, iters)
-        self.ffn_mhc = ManifoldHyperConnection(cfg.d_model, n, first + 1, cfg.norm_eps, iters)
+        self.attn_mhc = ManifoldHyperConnection(cfg.d_model, n, first, cfg.norm_eps, iters, start)
+        self.ffn_mhc = ManifoldHyperConnection(cfg.d_model, n, first + 1, cfg.norm_eps, iters, start)
 
     def forward(self, H: torch.Tensor, rope: Rope, internals: dict | None = None) -> torch.Tensor:
         H, res_attn = self.attn_mhc(H, lambda x: self.attn(self.attn_norm(x), rope))
