@@ -245,3 +245,17 @@ def test_invalid_heads_name_the_field():
     with pytest.raises(Exception, match="model.n_kv_head"):
         ModelConfig(d_model=64, n_head=4, n_kv_head=3)
 
+
+@pytest.mark.parametrize("option, good, bad", [("res_init", "hc_static", "eye"), ("init", "torchscale", "xavier")])
+def test_schema_takes_the_architecture_init_options(option, good, bad):
+    """mhc's res_init and deepnorm's init are settable from a config; a bad value is a
+    ConfigError naming model.arch_options.<option> and listing the valid values."""
+    from pathlib import Path
+
+    from depthbench.config import load_config
+
+    default_config = Path(__file__).resolve().parents[1] / "config" / "config.yaml"
+    config = load_config(default_config, {"model": {"arch_options": {option: good}}})
+    assert config["model"]["arch_options"][option] == good
+    with pytest.raises(ConfigError, match=rf"model\.arch_options\.{option}.*{good}"):
+        load_config(default_config, {"model": {"arch_options": {option: bad}}})
