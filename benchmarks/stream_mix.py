@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from depthbench.models.archs.hc import mix_matrix
+from depthbench.models.streams import mix_matrix
 
 
 def multiply_adds(M: torch.Tensor, H: torch.Tensor) -> torch.Tensor:

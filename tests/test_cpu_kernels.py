@@ -7,7 +7,7 @@ import torch
 
 from depthbench import kernels
 from depthbench.models import ModelConfig, build_model
-from depthbench.models.archs import mhc as mhc_module
+from depthbench.kernels import mhc_ops
 
 from kernel_checks import assert_compiled_calls_kernels_and_matches_eager, results_per_thread_count
 
@@ -79,7 +79,7 @@ def test_mhc_coefficient_kernel_equals_the_definition(n, tokens, dtype):
 def test_mhc_coefficient_kernel_gradient_matches_finite_differences():
     torch.manual_seed(0)
     u = torch.randn(6, 24, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: mhc_module.fused_coefficients(t, 4, 20), (u,))
+    assert torch.autograd.gradcheck(lambda t: mhc_ops.fused_coefficients(t, 4, 20), (u,))
 
 
 def test_mhc_coefficient_kernel_rejects_a_wrong_width():
@@ -118,7 +118,7 @@ def test_mhc_coefficient_custom_op_registration():
     """Fake (shape) implementation, autograd registration and schema agree with the kernel."""
     torch.manual_seed(0)
     u = torch.randn(40, 24, requires_grad=True)
-    torch.library.opcheck(mhc_module.fused_coefficients, (u, 4, 20))
+    torch.library.opcheck(mhc_ops.fused_coefficients, (u, 4, 20))
 
 
 def test_compiled_mhc_keeps_the_kernel_and_matches_eager(monkeypatch):
@@ -195,9 +195,9 @@ def test_mhc_read_kernel_is_independent_of_thread_count():
 
 def test_mhc_read_custom_op_registration_and_gradcheck():
     inputs = [t.requires_grad_() for t in _read_case(3, 4, 7, torch.float64)]
-    torch.library.opcheck(mhc_module.fused_read, (*inputs, 1e-6, 20))
-    assert torch.autograd.gradcheck(lambda *a: mhc_module.fused_read(*a, 1e-6, 20)[:4], inputs)
-    assert torch.autograd.gradcheck(lambda *a: mhc_module.read(*a, 1e-6, 20)[:4], inputs)  # eager: the Function
+    torch.library.opcheck(mhc_ops.fused_read, (*inputs, 1e-6, 20))
+    assert torch.autograd.gradcheck(lambda *a: mhc_ops.fused_read(*a, 1e-6, 20)[:4], inputs)
+    assert torch.autograd.gradcheck(lambda *a: mhc_ops.read(*a, 1e-6, 20)[:4], inputs)  # eager: the Function
 
 
 def test_mhc_read_kernel_rejects_bad_shapes():

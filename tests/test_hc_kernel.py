@@ -7,7 +7,7 @@ import torch
 
 from depthbench import kernels
 from depthbench.models import ModelConfig, build_model
-from depthbench.models.archs import hc as hc_module
+from depthbench.kernels import hc_ops, stream_ops
 
 from kernel_checks import assert_compiled_calls_kernels_and_matches_eager, results_per_thread_count
 
@@ -15,8 +15,9 @@ reason = kernels.unavailable_reason()
 pytestmark = pytest.mark.skipif(reason is not None, reason=f"CPU kernels cannot be built here: {reason}")
 
 
-def _read_reference(H, weight, static, eps, scale):
-    """The definition in PyTorch: per-stream RMS, projection, static + scale * tanh, read, mix."""
+def _read_reference(H, weight, static, scale, eps):
+    """The definition in PyTorch: per-stream RMS, projection, static + scale_j * tanh (one scale
+    per coefficient column j), read, mix."""
     n = H.shape[1]
     inv_rms = torch.rsqrt((H * H).mean(-1, keepdim=True) + eps)
     coeff = static + scale * torch.tanh((H @ weight.T) * inv_rms)
@@ -29,22 +30,25 @@ def _case(n, d, tokens, dtype, weight_scale=0.5, seed=0):
     H = torch.randn(tokens, n, d, dtype=dtype, generator=g)
     weight = torch.randn(n + 2, d, dtype=dtype, generator=g) * weight_scale
     static = torch.randn(n, n + 2, dtype=dtype, generator=g)
-    return H, weight, static
+    scale = torch.rand(n + 2, dtype=dtype, generator=g) + 0.25  # a different scale per column
+    return H, weight, static, scale
 
 
 @pytest.mark.parametrize("n,d,tokens", [(4, 64, 70), (4, 64, 1), (3, 20, 5), (5, 37, 130), (1, 8, 3), (2, 16, 257)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_hc_read_kernel_equals_the_definition(n, d, tokens, dtype):
-    """Outputs and the gradients of H, the weight and the static weights; n = 1..5 (5: the
-    runtime-n path), d with and without a partial vector, token counts across a weight chunk."""
-    H, weight, static = _case(n, d, tokens, dtype)
-    inputs = [t.clone().requires_grad_() for t in (H, weight, static)]
-    expected = _read_reference(*inputs, 1e-6, 0.5)
+    """Outputs and the gradients of H, the weight, the static weights and the per-column scales;
+    n = 1..5 (5: the runtime-n path), d with and without a partial vector, token counts across a
+    weight chunk."""
+    H, weight, static, scale = _case(n, d, tokens, dtype)
+    inputs = [t.clone().requires_grad_() for t in (H, weight, static, scale)]
+    expected = _read_reference(*inputs, 1e-6)
     grads_out = [torch.randn_like(t) for t in expected]
     expected_grads = torch.autograd.grad(expected, inputs, grads_out)
     k = kernels.cpu_kernels()
-    got = k.hc_read_forward(H, weight, static, 1e-6, 0.5)
-    got_grads = k.hc_read_backward(H, weight, static, 1e-6, 0.5, *grads_out)
+    got = k.hc_read_forward(H, weight, static, scale, 1e-6)
+    got_grads = k.hc_read_backward(H, weight, static, scale, 1e-6, *grads_out)
+    assert len(got_grads) == 4
     tol = dict(rtol=1e-11, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b.detach(), **tol)
@@ -57,41 +61,43 @@ def test_hc_read_kernel_equals_the_definition(n, d, tokens, dtype):
 def test_the_kernels_tanh_is_accurate_over_its_whole_range(dtype):
     """The vectorised tanh of hc.cpp against torch.tanh, for |p| from 1e-9 to beyond its clamp
     at 20, both signs. One stream with d = 2 and H_t = (cos a_t, sin a_t): RMS normalisation
-    gives p_t = sqrt(2) s cos(a_t) for a weight row (s, 0), static 0 and scale 1, so the first
+    gives p_t = sqrt(2) s cos(a_t) for a weight row (s, 0), static 0 and scales 1, so the first
     coefficient is tanh(p_t)."""
     angles = torch.linspace(0, torch.pi, 2001, dtype=torch.float64)
     H = torch.stack([angles.cos(), angles.sin()], dim=-1).view(-1, 1, 2).to(dtype)
     for s in (1e-9, 1e-4, 0.1, 1.0, 5.0, 30.0):
         weight = torch.tensor([[s, 0.0], [0.0, 0.0], [0.0, 0.0]], dtype=dtype)
-        _, _, coeff = kernels.cpu_kernels().hc_read_forward(H, weight, torch.zeros(1, 3, dtype=dtype), 0.0, 1.0)
+        _, _, coeff = kernels.cpu_kernels().hc_read_forward(H, weight, torch.zeros(1, 3, dtype=dtype),
+                                                          torch.ones(3, dtype=dtype), 0.0)
         p = (H[:, 0, 0] * s) * torch.rsqrt((H * H).mean(-1)[:, 0])  # as the kernel rounds it
         tol = dict(rtol=1e-14, atol=1e-300) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-30)
         torch.testing.assert_close(coeff[:, 0, 0], torch.tanh(p), **tol)
 
 
 def test_hc_read_kernel_is_independent_of_thread_count():
-    H, weight, static = _case(4, 64, 1000, torch.float32)
+    H, weight, static, scale = _case(4, 64, 1000, torch.float32)
     grads = [torch.randn(1000, 64), torch.randn(1000, 4, 64), torch.randn(1000, 4, 6)]
     k = kernels.cpu_kernels()
-    results = results_per_thread_count(lambda: (*k.hc_read_forward(H, weight, static, 1e-6, 0.01),
-                                                *k.hc_read_backward(H, weight, static, 1e-6, 0.01, *grads)))
+    results = results_per_thread_count(lambda: (*k.hc_read_forward(H, weight, static, scale, 1e-6),
+                                                *k.hc_read_backward(H, weight, static, scale, 1e-6, *grads)))
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_hc_read_custom_op_registration_and_gradcheck():
-    H, weight, static = _case(3, 12, 9, torch.float64)
-    inputs = [t.requires_grad_() for t in (H, weight, static)]
-    torch.library.opcheck(hc_module.fused_read, (*inputs, 1e-6, 0.5))
-    assert torch.autograd.gradcheck(lambda *a: hc_module.fused_read(*a, 1e-6, 0.5), inputs)
-    assert torch.autograd.gradcheck(lambda *a: hc_module.read(*a, 1e-6, 0.5), inputs)  # eager: the Function
+    inputs = [t.requires_grad_() for t in _case(3, 12, 9, torch.float64)]
+    torch.library.opcheck(hc_ops.fused_read, (*inputs, 1e-6))
+    assert torch.autograd.gradcheck(lambda *a: hc_ops.fused_read(*a, 1e-6), inputs)
+    assert torch.autograd.gradcheck(lambda *a: hc_ops.read(*a, 1e-6), inputs)  # eager: the Function
 
 
 def test_hc_read_kernel_rejects_bad_shapes():
-    H, weight, static = _case(4, 16, 3, torch.float32)
+    H, weight, static, scale = _case(4, 16, 3, torch.float32)
     with pytest.raises(RuntimeError, match=r"weight \(n \+ 2, d\)"):
-        kernels.cpu_kernels().hc_read_forward(H, weight[:5], static, 1e-6, 0.01)
+        kernels.cpu_kernels().hc_read_forward(H, weight[:5], static, scale, 1e-6)
+    with pytest.raises(RuntimeError, match=r"scales \(n \+ 2\)"):
+        kernels.cpu_kernels().hc_read_forward(H, weight, static, scale[:1], 1e-6)
     with pytest.raises(RuntimeError, match="float32 or float64"):
-        kernels.cpu_kernels().hc_read_forward(H.half(), weight.half(), static.half(), 1e-6, 0.01)
+        kernels.cpu_kernels().hc_read_forward(H.half(), weight.half(), static.half(), scale.half(), 1e-6)
 
 
 def _perturbed_hc(n_layer=2, d_model=32, arch="hc", **options):
@@ -144,7 +150,7 @@ def test_stream_write_backward_equals_autograd_through_addcmul(n, d, tokens, dty
     H = torch.addcmul(mixed, w.unsqueeze(-1), out.unsqueeze(-2))
     grad = torch.randn_like(H)
     expected = torch.autograd.grad(H, (mixed, w, out), grad)
-    fused = hc_module.fused_write(mixed, w, out)
+    fused = stream_ops.fused_write(mixed, w, out)
     torch.testing.assert_close(fused, H)
     got = torch.autograd.grad(fused, (mixed, w, out), grad)
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
@@ -155,7 +161,7 @@ def test_stream_write_backward_equals_autograd_through_addcmul(n, d, tokens, dty
 def test_stream_write_custom_op_registration():
     g = torch.Generator().manual_seed(2)
     args = [torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True) for shape in ((5, 3, 4), (5, 3), (5, 4))]
-    torch.library.opcheck(hc_module.fused_write, args)
-    assert torch.autograd.gradcheck(hc_module.fused_write, args)
+    torch.library.opcheck(stream_ops.fused_write, args)
+    assert torch.autograd.gradcheck(stream_ops.fused_write, args)
     # eager: the in-place Function (on a copy of mixed, as the read's fresh output would be)
-    assert torch.autograd.gradcheck(lambda m, w, o: hc_module._EagerWrite.apply(m.clone(), w, o), args)
+    assert torch.autograd.gradcheck(lambda m, w, o: stream_ops._EagerWrite.apply(m.clone(), w, o), args)

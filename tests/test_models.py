@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from depthbench.errors import ConfigError
 from depthbench.models import ARCHITECTURES, ModelConfig, build_model, count_parameters
 from depthbench.models.base import canonical_arch
 from depthbench.models.config import evaluate_init_std, swiglu_hidden
@@ -141,6 +142,47 @@ def test_deepnorm_init_gains():
     assert model.embed.weight.std().item() == pytest.approx(0.02, rel=0.05)
 
 
+@pytest.mark.parametrize("n_kv_head", [4, 2])
+def test_deepnorm_torchscale_init_statistics(n_kv_head):
+    """arch_options.init = torchscale: q, k, v Xavier-uniform gain 2^-1/2 (each projection's own
+    fans), o Xavier-uniform gain 1, W1, W3, W2 PyTorch's default U(-1/sqrt(fan_in), 1/sqrt(fan_in));
+    then v, o, W1, W3, W2 divided by (8L)^(1/4). A uniform U(-a, a) has std a / sqrt(3), and no
+    entry beyond a."""
+    torch.manual_seed(0)
+    d, L = 256, 6
+    model = build_model(ModelConfig(arch="deepnorm", vocab_size=50, d_model=d, n_layer=L, n_head=4,
+                                    n_kv_head=n_kv_head, max_seq_len=8, arch_options={"init": "torchscale"}))
+    scale = (8 * L) ** 0.25
+    kv = d * n_kv_head // 4
+
+    def check(w, bound):
+        assert w.abs().max().item() <= bound
+        assert w.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.03)
+
+    for block in model.blocks:
+        w = block.attn.wqkv.weight
+        check(w[:d], 2 ** -0.5 * math.sqrt(6 / (d + d)))
+        check(w[d : d + kv], 2 ** -0.5 * math.sqrt(6 / (d + kv)))
+        check(w[d + kv :], 2 ** -0.5 * math.sqrt(6 / (d + kv)) / scale)
+        check(block.attn.wo.weight, math.sqrt(6 / (d + d)) / scale)
+        d_ff = block.ffn.d_ff
+        check(block.ffn.w13.weight[:d_ff], 1 / math.sqrt(d) / scale)
+        check(block.ffn.w13.weight[d_ff:], 1 / math.sqrt(d) / scale)
+        check(block.ffn.w2.weight, 1 / math.sqrt(d_ff) / scale)
+    assert model.embed.weight.std().item() == pytest.approx(0.02, rel=0.05)  # default init elsewhere
+
+
+def test_deepnorm_init_option_default_and_bad_value():
+    """deepnet is the default (the same weights as naming it); an unknown value names the field."""
+    torch.manual_seed(0)
+    default = build_model(small("deepnorm"))
+    torch.manual_seed(0)
+    named = build_model(small("deepnorm", arch_options={"init": "deepnet"}))
+    assert all(torch.equal(a, b) for a, b in zip(default.state_dict().values(), named.state_dict().values()))
+    with pytest.raises(ConfigError, match=r"model\.arch_options\.init.*deepnet.*torchscale"):
+        build_model(small("deepnorm", arch_options={"init": "xavier"}))
+
+
 def test_default_init_std_and_rules():
     torch.manual_seed(0)
     model = build_model(ModelConfig(vocab_size=500, d_model=256, n_layer=2, n_head=4, init_std="1/sqrt(d_model)", max_seq_len=8))
@@ -226,3 +268,18 @@ def test_invalid_architecture_options_name_the_field(arch, options, field):
 
     with pytest.raises(ConfigError, match=f"model.arch_options.{field}"):
         build_model(small(arch, arch_options=options))
+
+
+@pytest.mark.parametrize("option, good, bad", [("res_init", "hc_static", "eye"), ("init", "torchscale", "xavier")])
+def test_schema_takes_the_architecture_init_options(option, good, bad):
+    """mhc's res_init and deepnorm's init are settable from a config; a bad value is a
+    ConfigError naming model.arch_options.<option> and listing the valid values."""
+    from pathlib import Path
+
+    from depthbench.config import load_config
+
+    default_config = Path(__file__).resolve().parents[1] / "config" / "config.yaml"
+    config = load_config(default_config, {"model": {"arch_options": {option: good}}})
+    assert config["model"]["arch_options"][option] == good
+    with pytest.raises(ConfigError, match=rf"model\.arch_options\.{option}.*{good}"):
+        load_config(default_config, {"model": {"arch_options": {option: bad}}})

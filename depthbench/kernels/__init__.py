@@ -12,16 +12,17 @@ DEPTHBENCH_CPU_KERNELS=0 asks, it returns None once with a warning and callers k
 PyTorch code: the kernels change speed, never definitions (tests compare them with the PyTorch
 code they replace).
 
-Kernels:
-- mhc.cpp: `mhc_read_forward(H, W, scale, bias, eps, iterations)` and `mhc_read_backward(...)`,
-  used by `depthbench.models.archs.mhc.fused_read`: mHC's whole read (flattened RMS, projection,
-  coefficients with the Sinkhorn-Knopp iterations, read and mix) from the streams; and
-  `mhc_coefficients_forward(u, n, iterations)` / `_backward(...)`, the coefficients alone from
-  their pre-activations (`fused_coefficients`: bf16 streams on the CPU).
-- hc.cpp: `hc_read_forward(H, W, S, eps, scale)` and `hc_read_backward(...)`, used by
-  `depthbench.models.archs.hc.fused_read`: Hyper-Connections' whole read (per-stream RMS, dynamic
-  projection, tanh, read and mix); and `stream_write_backward(grad, w, out)`, the backward of
-  both architectures' write H = mixed + w^T out (`hc.fused_write`).
+Kernels (the C++), each wrapped as torch custom ops and eager autograd Functions in a Python
+module beside it, which the architecture modules call:
+- mhc.cpp (`mhc_ops.py`): `mhc_read_forward(H, W, scale, bias, eps, iterations)` and
+  `mhc_read_backward(...)`, mHC's whole read (flattened RMS, projection, coefficients with the
+  Sinkhorn-Knopp iterations, read and mix) from the streams; and `mhc_coefficients_forward(u, n,
+  iterations)` / `_backward(...)`, the coefficients alone from their pre-activations
+  (`fused_coefficients`: bf16 streams on the CPU).
+- hc.cpp (`hc_ops.py`, `stream_ops.py`): `hc_read_forward(H, W, S, eps, scale)` and
+  `hc_read_backward(...)`, Hyper-Connections' whole read (per-stream RMS, dynamic projection,
+  tanh, read and mix); and `stream_write_backward(grad, w, out)`, the backward of both
+  architectures' write H = mixed + w^T out (`stream_ops.write_after_read`).
 - common.h: the CPU dispatch (an x86-64-v3 clone beside the baseline one), vector helpers, and
   the vectorised exp and tanh.
 """

@@ -4,9 +4,11 @@
 // For token t with streams H (n x d) (depthbench/models/archs/hc.py):
 //   r_i  = 1 / sqrt(mean_k H_ik^2 + eps)                       per-stream RMS of N(H_i)
 //   p_ij = r_i sum_k H_ik W_jk                                  N(H_i) W^T, W = dynamic * gain (P x d)
-//   c_ij = S_ij + scale tanh(p_ij)                              row i = [a_i | A_i,: | b_i], P = n + 2
+//   c_ij = S_ij + s_j tanh(p_ij)                                row i = [a_i | A_i,: | b_i], P = n + 2
 //   x_k  = sum_i c_i0 H_ik                                      read   a^T H
 //   m_jk = sum_i c_i,1+j H_ik                                   mix    A^T H
+// s (P) holds the learnable dynamic scales per coefficient column: s_alpha for the read and mix
+// columns 0..n, s_beta for the write column n + 1.
 // Outputs x (N, d), mixed (N, n, d) and coeff (N, n, P) (its last column is the write weights b,
 // the rest is what the probes record). The write H <- mixed + b^T F(x) stays in PyTorch.
 //
@@ -15,9 +17,9 @@
 // recomputing r, p and tanh instead of saving them. The dot products over the features keep L
 // partial sums, one per lane (acc[j][l] below), so that they vectorise without reassociating
 // floating-point sums (GCC does not vectorise a plain `s += a[k] * b[k]` without -ffast-math).
-// The weight and static gradients are sums over tokens: each chunk of CHUNK tokens sums into its
-// own buffer, and the buffers are added in chunk order, so results do not depend on the number
-// of threads.
+// The weight, static and scale gradients are sums over tokens: each chunk of CHUNK tokens sums
+// into its own buffer, and the buffers are added in chunk order, so results do not depend on the
+// number of threads.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -93,8 +95,8 @@ DB_INLINE void stream_dots(const T* __restrict__ h, const T* __restrict__ W, int
 
 // The forward pass over tokens [begin, end).
 template <typename T, int NC>
-DB_CLONES void read_forward_range(const T* H, const T* W, const T* S, T eps, T scale, T* x, T* mixed, T* coeff,
-                                  int64_t n_, int64_t d, int64_t begin, int64_t end) {
+DB_CLONES void read_forward_range(const T* H, const T* W, const T* S, const T* scale, T eps, T* x, T* mixed,
+                                  T* coeff, int64_t n_, int64_t d, int64_t begin, int64_t end) {
   const int64_t n = NC > 0 ? NC : n_, P = n + 2;
   T ss[MAX_STREAMS], q[MAX_STREAMS * MAX_P], c[MAX_STREAMS * MAX_P] = {};  // c: whole vectors
   for (int64_t t = begin; t < end; ++t) {
@@ -105,7 +107,8 @@ DB_CLONES void read_forward_range(const T* H, const T* W, const T* S, T eps, T s
       for (int64_t j = 0; j < P; ++j) c[i * P + j] = r * q[i * P + j];
     }
     tanh_inplace(c, n * P);
-    for (int64_t e = 0; e < n * P; ++e) c[e] = S[e] + scale * c[e];
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < P; ++j) c[i * P + j] = S[i * P + j] + scale[j] * c[i * P + j];
     std::memcpy(coeff + t * n * P, c, n * P * sizeof(T));
     // output row 0 reads (weights c_i0), rows 1..n mix (weights c_i,1+j); i is the inner sum
     combine_rows<T, NC>(h, c, P, x + t * d, n, d);
@@ -114,10 +117,10 @@ DB_CLONES void read_forward_range(const T* H, const T* W, const T* S, T eps, T s
 }
 
 // The backward pass over tokens [begin, end): dH for each token, and this range's sums of the
-// gradients of W (gW, P x d) and S (gS, n x P), which the caller zeroed.
+// gradients of W (gW, P x d), S (gS, n x P) and the scales (gs, P), which the caller zeroed.
 template <typename T, int NC>
-DB_CLONES void read_backward_range(const T* H, const T* W, const T* S, T eps, T scale, const T* gx,
-                                   const T* gmixed, const T* gcoeff, T* gH, T* gW, T* gS, int64_t n_,
+DB_CLONES void read_backward_range(const T* H, const T* W, const T* S, const T* scale, T eps, const T* gx,
+                                   const T* gmixed, const T* gcoeff, T* gH, T* gW, T* gS, T* gs, int64_t n_,
                                    int64_t d, int64_t begin, int64_t end) {
   constexpr int64_t V = LANES<T>;
   const int64_t n = NC > 0 ? NC : n_, P = n + 2;
@@ -140,11 +143,12 @@ DB_CLONES void read_backward_range(const T* H, const T* W, const T* S, T eps, T 
       T gr = 0;
       for (int64_t j = 0; j < P; ++j) {
         const T th = tanh_p[i * P + j];
-        c[i * P + j] = S[i * P + j] + scale * th;
+        c[i * P + j] = S[i * P + j] + scale[j] * th;
         // dL/dc: from the outputs that used c (read, mix; the write column only from outside)
         const T gc = gct[i * P + j] + (j <= n ? gdots[i * (n + 1) + j] : T(0));
         gS[i * P + j] += gc;
-        const T gp = gc * scale * (T(1) - th * th);  // d tanh(p) / dp
+        gs[j] += gc * th;                               // dc / ds_j = tanh(p)
+        const T gp = gc * scale[j] * (T(1) - th * th);  // d tanh(p) / dp
         gq[i * P + j] = gp * r;                      // p = r q
         gr += gp * q[i * P + j];
       }
@@ -191,9 +195,10 @@ DB_CLONES void write_backward_range(const T* gH, const T* w, const T* out, T* gw
   }
 }
 
-void check_read(const at::Tensor& H, const at::Tensor& W, const at::Tensor& S) {
-  TORCH_CHECK(H.device().is_cpu() && W.device().is_cpu() && S.device().is_cpu(),
-              "hc read kernel: expected CPU tensors, got ", H.device(), ", ", W.device(), ", ", S.device());
+void check_read(const at::Tensor& H, const at::Tensor& W, const at::Tensor& S, const at::Tensor& scale) {
+  TORCH_CHECK(H.device().is_cpu() && W.device().is_cpu() && S.device().is_cpu() && scale.device().is_cpu(),
+              "hc read kernel: expected CPU tensors, got ", H.device(), ", ", W.device(), ", ", S.device(), ", ",
+              scale.device());
   TORCH_CHECK(H.dim() == 3, "hc read kernel: expected streams of shape (tokens, n, d), got ", H.sizes());
   const int64_t n = H.size(1), d = H.size(2);
   TORCH_CHECK(n >= 1 && n <= MAX_STREAMS, "hc read kernel: 1 to ", MAX_STREAMS, " streams, got ", n);
@@ -201,42 +206,47 @@ void check_read(const at::Tensor& H, const at::Tensor& W, const at::Tensor& S) {
               n + 2, ", ", d, "), got ", W.sizes());
   TORCH_CHECK(S.dim() == 2 && S.size(0) == n && S.size(1) == n + 2,
               "hc read kernel: expected static weights (n, n + 2) = (", n, ", ", n + 2, "), got ", S.sizes());
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n + 2, "hc read kernel: expected scales (n + 2) = (", n + 2,
+              "), got ", scale.sizes());
   TORCH_CHECK(H.scalar_type() == at::kFloat || H.scalar_type() == at::kDouble,
               "hc read kernel: float32 or float64 only, got ", H.scalar_type());
-  TORCH_CHECK(W.scalar_type() == H.scalar_type() && S.scalar_type() == H.scalar_type(),
+  TORCH_CHECK(W.scalar_type() == H.scalar_type() && S.scalar_type() == H.scalar_type() &&
+                  scale.scalar_type() == H.scalar_type(),
               "hc read kernel: weights must have the streams' dtype ", H.scalar_type());
 }
 
 }  // namespace
 
 // x (N, d), mixed (N, n, d), coeff (N, n, n + 2) from the streams H (N, n, d), the folded
-// dynamic weight W (n + 2, d) and the static weights S (n, n + 2).
-std::vector<at::Tensor> hc_read_forward(at::Tensor H, at::Tensor W, at::Tensor S, double eps, double scale) {
-  check_read(H, W, S);
+// dynamic weight W (n + 2, d), the static weights S (n, n + 2) and the scales (n + 2).
+std::vector<at::Tensor> hc_read_forward(at::Tensor H, at::Tensor W, at::Tensor S, at::Tensor scale, double eps) {
+  check_read(H, W, S, scale);
   H = H.contiguous();
   W = W.contiguous();
   S = S.contiguous();
+  scale = scale.contiguous();
   const int64_t N = H.size(0), n = H.size(1), d = H.size(2);
   auto x = at::empty({N, d}, H.options());
   auto mixed = at::empty({N, n, d}, H.options());
   auto coeff = at::empty({N, n, n + 2}, H.options());
   AT_DISPATCH_FLOATING_TYPES(H.scalar_type(), "hc_read_forward", [&] {
-    const scalar_t *hp = H.data_ptr<scalar_t>(), *wp = W.data_ptr<scalar_t>(), *sp = S.data_ptr<scalar_t>();
+    const scalar_t *hp = H.data_ptr<scalar_t>(), *wp = W.data_ptr<scalar_t>(), *sp = S.data_ptr<scalar_t>(),
+                   *scp = scale.data_ptr<scalar_t>();
     scalar_t *xp = x.data_ptr<scalar_t>(), *mp = mixed.data_ptr<scalar_t>(), *cp = coeff.data_ptr<scalar_t>();
     at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
       dispatch_n(n, [&](auto nc) {
-        read_forward_range<scalar_t, decltype(nc)::value>(hp, wp, sp, scalar_t(eps), scalar_t(scale), xp, mp, cp, n,
-                                                          d, begin, end);
+        read_forward_range<scalar_t, decltype(nc)::value>(hp, wp, sp, scp, scalar_t(eps), xp, mp, cp, n, d, begin,
+                                                          end);
       });
     });
   });
   return {x, mixed, coeff};
 }
 
-// dH (N, n, d), dW (n + 2, d), dS (n, n + 2) from the gradients of the three outputs.
-std::vector<at::Tensor> hc_read_backward(at::Tensor H, at::Tensor W, at::Tensor S, double eps, double scale,
+// dH (N, n, d), dW (n + 2, d), dS (n, n + 2), dscale (n + 2) from the gradients of the three outputs.
+std::vector<at::Tensor> hc_read_backward(at::Tensor H, at::Tensor W, at::Tensor S, at::Tensor scale, double eps,
                                          at::Tensor gx, at::Tensor gmixed, at::Tensor gcoeff) {
-  check_read(H, W, S);
+  check_read(H, W, S, scale);
   const int64_t N = H.size(0), n = H.size(1), d = H.size(2), P = n + 2;
   TORCH_CHECK(gx.sizes() == at::IntArrayRef({N, d}) && gmixed.sizes() == at::IntArrayRef({N, n, d}) &&
                   gcoeff.sizes() == at::IntArrayRef({N, n, P}),
@@ -248,6 +258,7 @@ std::vector<at::Tensor> hc_read_backward(at::Tensor H, at::Tensor W, at::Tensor 
   H = H.contiguous();
   W = W.contiguous();
   S = S.contiguous();
+  scale = scale.contiguous();
   gx = gx.contiguous();
   gmixed = gmixed.contiguous();
   gcoeff = gcoeff.contiguous();
@@ -255,19 +266,21 @@ std::vector<at::Tensor> hc_read_backward(at::Tensor H, at::Tensor W, at::Tensor 
   auto gH = at::empty_like(H);
   auto partial_W = at::zeros({chunks, P, d}, H.options());
   auto partial_S = at::zeros({chunks, n, P}, H.options());
+  auto partial_scale = at::zeros({chunks, P}, H.options());
   AT_DISPATCH_FLOATING_TYPES(H.scalar_type(), "hc_read_backward", [&] {
-    const scalar_t *hp = H.data_ptr<scalar_t>(), *wp = W.data_ptr<scalar_t>(), *sp = S.data_ptr<scalar_t>();
+    const scalar_t *hp = H.data_ptr<scalar_t>(), *wp = W.data_ptr<scalar_t>(), *sp = S.data_ptr<scalar_t>(),
+                   *scp = scale.data_ptr<scalar_t>();
     const scalar_t *gxp = gx.data_ptr<scalar_t>(), *gmp = gmixed.data_ptr<scalar_t>(),
                    *gcp = gcoeff.data_ptr<scalar_t>();
     scalar_t *ghp = gH.data_ptr<scalar_t>(), *pwp = partial_W.data_ptr<scalar_t>(),
-             *psp = partial_S.data_ptr<scalar_t>();
+             *psp = partial_S.data_ptr<scalar_t>(), *pcp = partial_scale.data_ptr<scalar_t>();
     at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t chunk = begin; chunk < end; ++chunk) {
         const int64_t t0 = chunk * CHUNK, t1 = std::min(N, t0 + CHUNK);
         dispatch_n(n, [&](auto nc) {
-          read_backward_range<scalar_t, decltype(nc)::value>(hp, wp, sp, scalar_t(eps), scalar_t(scale), gxp, gmp,
-                                                             gcp, ghp, pwp + chunk * P * d, psp + chunk * n * P, n, d,
-                                                             t0, t1);
+          read_backward_range<scalar_t, decltype(nc)::value>(hp, wp, sp, scp, scalar_t(eps), gxp, gmp, gcp, ghp,
+                                                             pwp + chunk * P * d, psp + chunk * n * P, pcp + chunk * P,
+                                                             n, d, t0, t1);
         });
       }
     });
@@ -275,15 +288,18 @@ std::vector<at::Tensor> hc_read_backward(at::Tensor H, at::Tensor W, at::Tensor 
   // the chunks' sums added in chunk order: the same result for any number of threads
   auto gW = at::zeros({P, d}, H.options());
   auto gS = at::zeros({n, P}, H.options());
+  auto gscale = at::zeros({P}, H.options());
   AT_DISPATCH_FLOATING_TYPES(H.scalar_type(), "hc_read_backward_sum", [&] {
-    scalar_t *gwp = gW.data_ptr<scalar_t>(), *gsp = gS.data_ptr<scalar_t>();
-    const scalar_t *pwp = partial_W.data_ptr<scalar_t>(), *psp = partial_S.data_ptr<scalar_t>();
+    scalar_t *gwp = gW.data_ptr<scalar_t>(), *gsp = gS.data_ptr<scalar_t>(), *gcp = gscale.data_ptr<scalar_t>();
+    const scalar_t *pwp = partial_W.data_ptr<scalar_t>(), *psp = partial_S.data_ptr<scalar_t>(),
+                   *pcp = partial_scale.data_ptr<scalar_t>();
     for (int64_t chunk = 0; chunk < chunks; ++chunk) {
       for (int64_t e = 0; e < P * d; ++e) gwp[e] += pwp[chunk * P * d + e];
       for (int64_t e = 0; e < n * P; ++e) gsp[e] += psp[chunk * n * P + e];
+      for (int64_t e = 0; e < P; ++e) gcp[e] += pcp[chunk * P + e];
     }
   });
-  return {gH, gW, gS};
+  return {gH, gW, gS, gscale};
 }
 
 // (dw (N, n), dout (N, d)) from dH (N, n, d), the write weights w (N, n) and the sublayer output

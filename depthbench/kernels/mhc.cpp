@@ -516,8 +516,8 @@ std::vector<torch::Tensor> mhc_read_backward(torch::Tensor H, torch::Tensor W, t
 }
 
 // Hyper-Connections' read (hc.cpp).
-std::vector<at::Tensor> hc_read_forward(at::Tensor H, at::Tensor W, at::Tensor S, double eps, double scale);
-std::vector<at::Tensor> hc_read_backward(at::Tensor H, at::Tensor W, at::Tensor S, double eps, double scale,
+std::vector<at::Tensor> hc_read_forward(at::Tensor H, at::Tensor W, at::Tensor S, at::Tensor scale, double eps);
+std::vector<at::Tensor> hc_read_backward(at::Tensor H, at::Tensor W, at::Tensor S, at::Tensor scale, double eps,
                                          at::Tensor gx, at::Tensor gmixed, at::Tensor gcoeff);
 std::vector<at::Tensor> stream_write_backward(at::Tensor gH, at::Tensor w, at::Tensor out);
 
@@ -529,5 +529,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("mhc_read_backward", &mhc_read_backward, "its gradients w.r.t. the streams, weight, scale and bias");
   module.def("stream_write_backward", &stream_write_backward, "HC's and mHC's write H = mixed + w^T out, backward");
   module.def("hc_read_forward", &hc_read_forward, "HC's read: x, mixed streams and coefficients from the streams");
-  module.def("hc_read_backward", &hc_read_backward, "its gradients w.r.t. the streams, weight and static weights");
+  module.def("hc_read_backward", &hc_read_backward, "its gradients w.r.t. the streams, weight, static weights and scales");
 }

@@ -1,0 +1,103 @@
+"""Autograd and custom-op wrappers for the multi-stream write and mix (hc and mhc).
+
+- `write_after_read(mixed, weights, out)`: H = mixed + weights^T out after a fused read, in place
+  in eager mode (`_EagerWrite`), the custom op `depthbench::stream_write` under torch.compile;
+  its backward is one C++ pass (`stream_write_backward`, depthbench/kernels/hc.cpp).
+- `BatchedMix`: M @ H over per-token matrices with contiguous operands, the Function behind
+  `depthbench.models.streams.mix_matrix`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from depthbench import kernels
+
+
+@torch.library.custom_op("depthbench::stream_write", mutates_args=(), device_types="cpu")
+def fused_write(mixed: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """H = mixed + weights^T out on (N, n, d), (N, n), (N, d): addcmul forward, and a backward in
+    one C++ pass (depthbench/kernels/hc.cpp) where autograd through addcmul makes four."""
+    return torch.addcmul(mixed, weights.unsqueeze(-1), out.unsqueeze(-2))
+
+
+@fused_write.register_fake
+def _(mixed, weights, out):
+    return torch.empty_like(mixed)
+
+
+@torch.library.custom_op("depthbench::stream_write_backward", mutates_args=(), device_types="cpu")
+def fused_write_backward(grad: torch.Tensor, weights: torch.Tensor,
+                         out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_weights, grad_out = kernels.cpu_kernels().stream_write_backward(grad.contiguous(), weights, out)
+    return grad_weights, grad_out
+
+
+@fused_write_backward.register_fake
+def _(grad, weights, out):
+    return torch.empty_like(weights), torch.empty_like(out)
+
+
+def _save_for_write_backward(ctx, inputs, output):
+    _, weights, out = inputs
+    ctx.save_for_backward(weights, out)
+
+
+def _write_backward(ctx, grad):
+    weights, out = ctx.saved_tensors
+    return grad, *fused_write_backward(grad, weights, out)
+
+
+fused_write.register_autograd(_write_backward, setup_context=_save_for_write_backward)
+
+
+class _EagerWrite(torch.autograd.Function):
+    """`fused_write` for eager mode, in place: `mixed` is the fused read's fresh output, which no
+    backward saves, so H takes its memory instead of a new (N, n, d) tensor per sublayer."""
+
+    @staticmethod
+    def forward(ctx, mixed, weights, out):
+        ctx.save_for_backward(weights, out)
+        ctx.mark_dirty(mixed)
+        return mixed.addcmul_(weights.unsqueeze(-1), out.unsqueeze(-2))
+
+    @staticmethod
+    def backward(ctx, grad):
+        weights, out = ctx.saved_tensors
+        return grad, *kernels.cpu_kernels().stream_write_backward(grad.contiguous(), weights, out)
+
+
+def write_after_read(mixed: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The write H = mixed + weights^T out after a fused read: mixed (N, n, d) straight from the
+    read kernel (not a view), weights (N, n), out (N, d), cast to the streams' dtype (under
+    autocast the sublayer returns bf16; addcmul would promote it the same way). In place in eager
+    mode, the custom op under torch.compile."""
+    weights, out = weights.to(mixed.dtype), out.to(mixed.dtype)
+    if torch.compiler.is_compiling():
+        return fused_write(mixed, weights, out)
+    return _EagerWrite.apply(mixed, weights, out)
+
+
+class BatchedMix(torch.autograd.Function):
+    """M @ H over per-token matrices, with every operand of the three batched matmuls made
+    contiguous (forward and backward): on CPU a strided batch, such as a permuted view or the
+    stride-0 gradient that a sum over streams sends back, runs as a per-matrix loop, 10x slower.
+
+    Computed in the promoted dtype with autocast off, as the element-wise mixing it replaces:
+    under bf16 autocast the residual streams stay in fp32 (a bf16 matmul would round them)."""
+
+    @staticmethod
+    def forward(ctx, M: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(M.dtype, H.dtype)
+        M, H = M.to(dtype).contiguous(), H.to(dtype).contiguous()
+        ctx.save_for_backward(M, H)
+        with torch.autocast(H.device.type, enabled=False):
+            return M @ H
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        M, H = ctx.saved_tensors
+        grad = grad.to(M.dtype).contiguous()
+        grad_M = grad @ H.mT if ctx.needs_input_grad[0] else None
+        grad_H = M.mT @ grad if ctx.needs_input_grad[1] else None
+        return grad_M, grad_H
