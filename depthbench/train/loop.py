@@ -72,8 +72,7 @@ def train(spec: RunSpec, data_dir: str | os.PathLike, paths: RunPaths, progress:
     n_params = model.num_parameters()
     flops_per_token = train_flops_per_token(model, tc.seq_len)
     trainer = Trainer(spec, paths, model, batches, ctx, device, autocast)
-    if not trainer.restore() and ctx.is_main:
-        paths.metrics.unlink(missing_ok=True)
+    trainer.restore()  # metrics.jsonl is truncated to the checkpoint, or started anew, by its hook
     distributed.barrier(ctx)
 
     peak, measured = device_peak_flops(device, dtype), measured_peak_flops(device, dtype)
