@@ -25,7 +25,7 @@ import torch
 
 from depthbench.models import ModelConfig, build_model, registered_architectures
 from depthbench.shapes import solve_width
-from depthbench.train.flops import device_peak_flops, train_flops_per_token
+from depthbench.train.flops import device_peak_flops, mfu, train_flops_per_token
 
 ARCHS = ["pre_ln"] + [a for a in registered_architectures() if a != "pre_ln"]  # the reference first
 
@@ -70,7 +70,7 @@ def measure(cfg: ModelConfig, args, device: torch.device) -> dict:
     flops = train_flops_per_token(model, args.seq)
     peak = device_peak_flops(device, dtype)
     result = {"n_layer": cfg.n_layer, "d_model": cfg.d_model, "params": model.num_parameters(), "step_seconds": sec,
-              "tokens_per_s": tokens / sec, "seconds_per_token": sec / tokens, "mfu": tokens / sec * flops / peak,
+              "tokens_per_s": tokens / sec, "seconds_per_token": sec / tokens, "mfu": mfu(tokens / sec, flops, peak, 1),
               "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     del model, opt, fn
     if device.type == "cuda":

@@ -350,17 +350,9 @@ def expand_grid(config: dict) -> Experiment:
     check_corpus(config["corpus"])
     vocab_size = check_tokenizer(config["tokenizer"], config["corpus"])
     check_nll(config.get("nll", {}))
-    train = config.get("train", {})
-    if train.get("parallel") == "fsdp" and train.get("dynamics_every", 0):
-        raise ConfigError("train.dynamics_every", "training dynamics are measured with DDP or on one rank; set 0 with train.parallel: fsdp")
     tok_id = tokenizer_id(config)
     d_id = data_id(config)
     train_section = config.get("train", {})
-    if train_section.get("global_batch_size", 512) % train_section.get("micro_batch_size", 8):
-        raise ConfigError(
-            "train.micro_batch_size",
-            f"{train_section['micro_batch_size']} does not divide global_batch_size {train_section['global_batch_size']}",
-        )
     exp = Experiment(config=config, vocab_size=vocab_size, tokenizer_id=tok_id, data_id=d_id)
     for knobs in _sweep_points(config.get("sweep", {})):
         model_section = copy.deepcopy(config.get("model", {}))
@@ -381,6 +373,7 @@ def expand_grid(config: dict) -> Experiment:
                 for lr in config["learning_rates"]:
                     for seed in config.get("seeds", [0]):
                         train = TrainConfig.from_dict({**train_dict, "lr": float(lr), "seed": int(seed)})
+                        train.check()  # one rank here; the trainer checks again with the run's ranks
                         steps = max(1, round(train.tokens_per_param * shape.n_params / train.tokens_per_step))
                         if train.max_steps is not None:
                             steps = min(steps, train.max_steps)

@@ -6,8 +6,10 @@ from depthbench.spec import RunSpec
 from depthbench.launch import dispatch
 
 sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821 (injected by Snakemake)
-# threads, checkpoint/log intervals, device, compile: from the config, not params (no retraining)
-spec = RunSpec.from_dict(snakemake.params.spec).with_operational(snakemake.config["train"])  # noqa: F821
+# threads, checkpoint/log intervals, device, compile, loggers: from the config, not params (no
+# retraining); the experiment name groups the run in the trackers
+operational = {**snakemake.config["train"], "experiment": snakemake.config["name"]}  # noqa: F821
+spec = RunSpec.from_dict(snakemake.params.spec).with_operational(operational)  # noqa: F821
 summary = dispatch(
     spec,
     data_dir=snakemake.params.data_dir,  # noqa: F821

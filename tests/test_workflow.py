@@ -204,7 +204,7 @@ def test_figure_setting_reruns_only_figures(workflow, wiki_jsonl):
 def test_operational_settings_do_not_retrain(workflow, wiki_jsonl):
     root, _ = workflow
     config = grid(wiki_jsonl)
-    config["train"].update(checkpoint_every=1000, log_every=5, threads=2)
+    config["train"].update(checkpoint_every=1000, log_every=5, threads=2, loggers=["tensorboard"])
     config["launcher"] = {"backend": "local"}
     write_config(root, config)
     plan = snakemake(root, "-n")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from depthbench.errors import ConfigError
 
 
 @dataclass
@@ -34,10 +36,12 @@ class TrainConfig:
     compile: bool = False
     dynamics_every: int = 0  # measure norm and gradient dynamics every k steps; 0 = off
     parallel: str = "ddp"  # data parallelism when the launcher starts several ranks: ddp or fsdp
+    loggers: list[str] = field(default_factory=list)  # experiment trackers (depthbench.train.tracking)
+    experiment: str = ""  # the config's `name`, set with the operational settings; trackers group by it
 
     # Settings that do not change the trained weights or the logged curves, so they are left
     # out of the run id's hash: changing them must not start new runs.
-    NOT_HASHED = ("checkpoint_every", "log_every", "threads", "device", "compile", "parallel")
+    NOT_HASHED = ("checkpoint_every", "log_every", "threads", "device", "compile", "parallel", "loggers", "experiment")
 
     @property
     def grad_accum_steps(self) -> int:
@@ -50,6 +54,17 @@ class TrainConfig:
     @property
     def warmup_steps(self) -> int:
         return int(round(self.warmup_fraction * self.total_steps))
+
+    def check(self, world_size: int = 1) -> None:
+        """The checks of the training settings that the schema cannot express, in one place:
+        depthbench.config.expand_grid runs them for every run of the grid with one rank (before
+        anything starts), the trainer again with the run's actual rank count (known only then)."""
+        if self.parallel == "fsdp" and self.dynamics_every:
+            raise ConfigError("train.dynamics_every", "training dynamics are measured with DDP or on one rank; set 0 with train.parallel: fsdp")
+        if self.global_batch_size % (self.micro_batch_size * world_size):
+            ranks = f" x {world_size} ranks" if world_size > 1 else ""
+            raise ConfigError("train.micro_batch_size", f"global batch {self.global_batch_size} must be a multiple of micro batch "
+                              f"{self.micro_batch_size}{ranks}; choose a micro batch that divides {self.global_batch_size // world_size}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

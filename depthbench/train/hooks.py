@@ -1,0 +1,183 @@
+"""The hooks of a training run (see depthbench.train.trainer for when each method runs).
+
+`default_hooks` lists them in the order that reproduces the original loop's records: dynamics
+(before the update), train metrics and throughput, evaluation, divergence (reads the validation
+loss the evaluation hook put in the record), checkpointing, progress bar, metrics.jsonl. Each
+works alone on any object with the Trainer attributes it reads, so it can be tested alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from depthbench.train.dynamics import measure as measure_dynamics
+from depthbench.train.flops import mfu
+from depthbench.train.recipe import evaluate, truncate_metrics
+from depthbench.train.trainer import STATUS_DIVERGED, STATUS_OK, Hook, StepStats, is_bad
+
+
+def _due(step: int, every: int, total: int) -> bool:
+    """Steps at which a periodic hook acts: every `every` steps and at the last step."""
+    return step % every == 0 or step == total
+
+
+class DynamicsHook(Hook):
+    """Norm and gradient dynamics (depthbench.train.dynamics) on the first micro-batch of every
+    `every`-th step, measured on the weights before that step's update."""
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def on_step_start(self, trainer, step, record):
+        if self.every and step % self.every == 0:
+            x, y = trainer.batches.get(step, 0)
+            x, y = x.to(trainer.device), y.to(trainer.device)
+            record["dynamics"] = {"after_updates": step, **measure_dynamics(trainer.model, x, y, trainer.autocast)}
+
+
+class TrainMetricsHook(Hook):
+    """Every `log_every` steps (and the last): train loss, learning rate and gradient norm of the
+    step, global tokens per second since the previous log line, and MFU per rank against the
+    spec-sheet peak (`mfu`, NaN when unknown) and the matmul peak measured at start
+    (`mfu_measured`); see depthbench.train.flops."""
+
+    def __init__(self, log_every: int, total: int, tokens_per_step: int, flops_per_token: float,
+                 peak: float | None, measured_peak: float | None, world_size: int):
+        self.log_every, self.total, self.tokens_per_step = log_every, total, tokens_per_step
+        self.flops_per_token, self.peak, self.measured_peak, self.world_size = flops_per_token, peak, measured_peak, world_size
+        self.t_window, self.tokens_window = time.time(), 0
+
+    def on_fit_start(self, trainer):
+        self.t_window, self.tokens_window = time.time(), 0
+
+    def on_step_end(self, trainer, step, record):
+        self.tokens_window += self.tokens_per_step
+        if not _due(step, self.log_every, self.total):
+            return
+        elapsed = time.time() - self.t_window
+        tps = self.tokens_window / elapsed if elapsed > 0 else float("nan")
+        s: StepStats = trainer.stats
+        record.update(train_loss=s.train_loss, lr=s.lr, grad_norm=s.grad_norm, tokens_per_s=tps,
+                      mfu=mfu(tps, self.flops_per_token, self.peak, self.world_size),
+                      mfu_measured=mfu(tps, self.flops_per_token, self.measured_peak, self.world_size))
+        self.t_window, self.tokens_window = time.time(), 0
+
+
+class EvalHook(Hook):
+    """The validation loss every `every` steps (and at the last); kept as `trainer.last_val`."""
+
+    def __init__(self, windows, every: int, total: int, n_batches: int, micro_batch: int):
+        self.windows, self.every, self.total = windows, every, total
+        self.n_batches, self.micro_batch = n_batches, micro_batch
+
+    def on_step_end(self, trainer, step, record):
+        if _due(step, self.every, self.total):
+            trainer.last_val = evaluate(trainer.model, self.windows, self.n_batches, self.micro_batch,
+                                        trainer.device, trainer.autocast)
+            record["val_loss"] = trainer.last_val
+
+
+class DivergenceHook(Hook):
+    """Stops the run as `diverged` when the train loss or gradient norm is NaN/inf or the train
+    loss exceeds `limit` (= divergence_factor x ln(vocab)), before the update, logging an
+    `event: diverged` line; or when the step's validation loss (from EvalHook) is."""
+
+    def __init__(self, limit: float):
+        self.limit = limit
+
+    def on_gradients(self, trainer, step, stats):
+        if is_bad(stats.train_loss, self.limit) or not math.isfinite(stats.grad_norm):
+            trainer.status = STATUS_DIVERGED
+            trainer.log({"step": step + 1, "train_loss": stats.train_loss, "grad_norm": stats.grad_norm,
+                         "lr": stats.lr, "event": "diverged"})
+
+    def on_step_end(self, trainer, step, record):
+        if "val_loss" in record and is_bad(record["val_loss"], self.limit):
+            trainer.status = STATUS_DIVERGED
+
+
+class CheckpointHook(Hook):
+    """A checkpoint every `every` steps (not at the last: the run's outputs are written then),
+    and one where the process stops early on purpose (stop_after)."""
+
+    def __init__(self, every: int, total: int):
+        self.every, self.total = every, total
+
+    def on_step_logged(self, trainer, step):
+        if step % self.every == 0 and step < self.total:
+            trainer.snapshot()
+
+    def on_fit_end(self, trainer):
+        if trainer.status == STATUS_OK and trainer.step < self.total:
+            trainer.snapshot()
+
+
+class ProgressHook(Hook):
+    """A tqdm bar on stderr with the latest train loss and tokens per second."""
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.bar = total, desc, None
+
+    def on_fit_start(self, trainer):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=self.total, initial=trainer.step, desc=self.desc, file=sys.stderr, mininterval=2.0)
+
+    def on_step_end(self, trainer, step, record):
+        self.bar.update(1)
+
+    def on_log(self, trainer, record):
+        if "tokens_per_s" in record and self.bar is not None:
+            self.bar.set_postfix(loss=f"{record['train_loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+
+    def close(self, trainer):
+        if self.bar is not None:
+            self.bar.close()
+
+
+class JsonlLogger(Hook):
+    """metrics.jsonl in the work dir, the source of truth for curves: one JSON object per line.
+    A resumed run first drops the lines after its checkpoint (that part is redone); a fresh run
+    starts the file anew."""
+
+    def __init__(self, path: str | Path):
+        self.path, self.file = Path(path), None
+
+    def on_fit_start(self, trainer):
+        if trainer.start_step:
+            truncate_metrics(self.path, trainer.start_step)
+        else:
+            self.path.unlink(missing_ok=True)
+        self.file = open(self.path, "a")
+
+    def on_log(self, trainer, record):
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self, trainer):
+        if self.file is not None:
+            self.file.close()
+
+
+def default_hooks(trainer, val_windows, flops_per_token: float, peak: float | None, measured_peak: float | None,
+                  progress: bool, loggers: list[Hook]) -> list[Hook]:
+    """The hooks of a run, in their order (see the module docstring). Output hooks (progress,
+    metrics.jsonl, trackers) only on rank 0."""
+    tc, spec, ctx = trainer.tc, trainer.spec, trainer.ctx
+    hooks: list[Hook] = [
+        DynamicsHook(tc.dynamics_every),
+        TrainMetricsHook(tc.log_every, tc.total_steps, tc.tokens_per_step, flops_per_token, peak, measured_peak, ctx.world_size),
+        EvalHook(val_windows, tc.eval_every, tc.total_steps, tc.eval_batches, tc.micro_batch_size),
+        DivergenceHook(tc.divergence_factor * math.log(spec.model.vocab_size)),
+        CheckpointHook(tc.checkpoint_every, tc.total_steps),
+    ]
+    if ctx.is_main:
+        if progress:
+            hooks.append(ProgressHook(tc.total_steps, spec.run_id))
+        hooks += [JsonlLogger(trainer.paths.metrics), *loggers]
+    return hooks
+
