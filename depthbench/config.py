@@ -22,13 +22,13 @@ from typing import Any, Iterable
 import yaml
 
 from depthbench.errors import ConfigError
+from depthbench.schema import SCHEMA_PATH, load_schema, schema_defaults  # noqa: F401  (re-exported)
 from depthbench.models import ModelConfig, canonical_arch
 from depthbench.shapes import Shape, shape_of, solve_ratio, solve_width
 from depthbench.spec import RunSpec, short_hash  # noqa: F401  (RunSpec: re-exported for callers of the grid)
 from depthbench.train.config import TrainConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 
 
 # -- schema validation -------------------------------------------------------------------------
@@ -79,20 +79,12 @@ def _coerce_numbers(value: Any, schema: dict) -> Any:
     return value
 
 
-def schema_defaults(section: str) -> dict:
-    """The defaults the schema gives the fields of one top-level section (`probes`, `nll`, ...):
-    the one place defaults live, for callers that get a partial section."""
-    schema = yaml.safe_load(SCHEMA_PATH.read_text())
-    props = schema["properties"][section]["properties"]
-    return {name: copy.deepcopy(sub["default"]) for name, sub in props.items() if "default" in sub}
-
-
 def validate_schema(config: dict) -> dict:
     """Validate against workflow/schemas/config.schema.yaml and fill in defaults (in place).
 
     The first error raises ConfigError naming the field and what would be valid.
     """
-    schema = yaml.safe_load(SCHEMA_PATH.read_text())
+    schema = load_schema()
     _coerce_numbers(config, schema)
     _check_finite(config, "")
     validator = _validator_with_defaults()(schema)

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from depthbench.config import schema_defaults
+from depthbench.schema import schema_defaults
 from depthbench.evals.nll import aggregate, score_documents, tokenize_docs
 from depthbench.evals.sets import load_builtin, load_jsonl
 from depthbench.io import atomic_write

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from depthbench.config import schema_defaults
+from depthbench.schema import schema_defaults
 from depthbench.data.shards import read_meta, split_files
 from depthbench.io import atomic_write
 from depthbench.models import build_model
