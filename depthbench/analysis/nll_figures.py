@@ -28,8 +28,8 @@ def nll_vs_ratio(tables: dict, ctx: S.Context):
         n_docs = f" ({int(part['n_docs'].iloc[0])} docs)" if "n_docs" in part else ""
         ax.set_title(f"{domain}{n_docs}")
         ax.set_xlabel("d_model / n_layer (log)")
+        ax.set_ylabel("teacher-forced NLL (bits per byte)")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("teacher-forced NLL (bits per byte)")
     S.legend(axes[-1])
     S.title(fig, ctx, "teacher-forced NLL by domain at the best LR")
     return fig
