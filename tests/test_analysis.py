@@ -95,6 +95,15 @@ def test_coinciding_architectures_are_named():
     plt.close("all")
 
 
+def test_score_matrices_at_the_requested_depth(full):
+    ctx = registry.context({"figures": {"matrix_n_layer": 4}})
+    fig = registry.FIGURES["causal_matrix"].draw(full, ctx)
+    assert "l=4, d=80" in texts(fig) and fig.axes[0].images[0].get_array().shape == (4, 4)
+    said = texts(registry.FIGURES["permutation_matrix"].draw(full, registry.context({"figures": {"matrix_n_layer": 6}})))
+    assert "matrix_n_layer = 6" in said and "[2, 4, 8]" in said
+    plt.close("all")
+
+
 def test_gpu_only_measurements_are_left_out_on_cpu(full):
     said = texts(registry.FIGURES["cost_vs_ratio"].draw(full, CTX))
     assert "cpu runs only: measured peak memory not drawn" in said

@@ -81,9 +81,15 @@ def angular_adjacent(tables: dict, ctx: S.Context):
 
 
 def _score_matrices(tables: dict, ctx: S.Context, probe: str, key: str, what: str, axes_names: tuple[str, str]):
-    """One score matrix per architecture at the deepest shape (or ctx.shape), the last-3/4
-    block outlined, and cells above the threshold dotted."""
-    data = R.deepest(R.probe(tables.get("probes", pd.DataFrame()), probe))
+    """One score matrix per architecture at the deepest shape (or figures.matrix_n_layer), the
+    last-3/4 block outlined, and cells above the threshold dotted."""
+    data = R.probe(tables.get("probes", pd.DataFrame()), probe)
+    if ctx.matrix_n_layer and not data.empty:
+        if not (data["n_layer"] == ctx.matrix_n_layer).any():
+            return S.message_figure(ctx, what, f"no trained run at figures.matrix_n_layer = {ctx.matrix_n_layer} "
+                                    f"(depths with rows: {sorted(data['n_layer'].unique().tolist())})")
+        data = data[data["n_layer"] == ctx.matrix_n_layer]
+    data = R.deepest(data)
     if data.empty:
         return S.message_figure(ctx, what, NO_PROBES)
     threshold = ctx.thresholds[key]
@@ -106,7 +112,7 @@ def _score_matrices(tables: dict, ctx: S.Context, probe: str, key: str, what: st
         ax.set_xticks(ticks)
         ax.set_yticks(ticks)
     fig.colorbar(im, ax=axes, shrink=0.8, label=f"{what.split(' ')[0]} score (cyan dots: > {threshold})")
-    S.title(fig, ctx, f"{what}; green dashed: last 3/4 of depth", f"L={L}, d={d} (deepest shape)")
+    S.title(fig, ctx, f"{what}; green dashed: last 3/4 of depth", f"L={L}, d={d}" + ("" if ctx.matrix_n_layer else " (deepest shape)"))
     return fig
 
 

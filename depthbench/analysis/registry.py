@@ -157,7 +157,7 @@ def context(config: dict) -> S.Context:
     fig_cfg, probes = config.get("figures", {}), config.get("probes", {})
     ctx = S.Context(width=fig_cfg.get("width_in", 6.0), height=fig_cfg.get("height_in", 4.0), dpi=fig_cfg.get("dpi", 150),
                     experiment=config.get("name", "experiment"), grid_line=grid_line(config),
-                    budget=config.get("budget", {}).get("params"))
+                    budget=config.get("budget", {}).get("params"), matrix_n_layer=fig_cfg.get("matrix_n_layer"))
     ctx.thresholds.update({k: probes[k] for k in ctx.thresholds if k in probes})
     return ctx
 

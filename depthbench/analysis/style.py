@@ -44,6 +44,7 @@ class Context:
     experiment: str = "experiment"
     grid_line: str = ""
     budget: float | None = None
+    matrix_n_layer: int | None = None  # depth of the score matrices (None: the deepest)
     thresholds: dict = field(default_factory=lambda: {
         "causal_threshold": 0.45, "permutation_threshold": 0.15, "usefulness_threshold": 1.1,
         "dead_zone_threshold": 0.05})
