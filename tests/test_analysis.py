@@ -4,6 +4,8 @@ the claims' verdicts on synthetic tables whose answer is known; the report's fir
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
@@ -16,6 +18,7 @@ from depthbench.models import ARCHITECTURES
 from depthbench.models.base import GENERIC_PROBES, DecoderLM
 from tests.analysis_tables import synthetic_tables
 
+CLAIMS_FILE = Path(__file__).resolve().parents[1] / "config" / "claims.yaml"
 CTX = registry.context({"name": "syn", "budget": {"params": 8e5}, "shapes": [{"n_layer": 2}], "learning_rates": [2e-3], "seeds": [0]})
 
 
@@ -143,7 +146,7 @@ def _verdict(claim, tables, settings=None):
 
 
 def test_claim_file_and_functions_match():
-    rows = C.load_claims(registry.Path(__file__).parents[1] / "config/claims.yaml")
+    rows = C.load_claims(CLAIMS_FILE)
     assert [r["id"] for r in rows] == list(C.CLAIMS)
     assert len(rows) >= 12
 
@@ -223,7 +226,7 @@ def test_claims_i_j_k_l():
 
 
 def test_claims_table_on_empty_tables_is_complete():
-    table = C.claims_table(C.load_claims(registry.Path(__file__).parents[1] / "config/claims.yaml"), EMPTY, {})
+    table = C.claims_table(C.load_claims(CLAIMS_FILE), EMPTY, {})
     assert len(table) == len(C.CLAIMS) and table["verdict"].str.startswith("not testable").all()
 
 
@@ -231,7 +234,7 @@ def test_report_opens_on_headline_claims_and_best_lr(tmp_path, full):
     names = ["headline", "usefulness"]
     for n in names:
         registry.render(n, full, CTX, tmp_path / f"{n}.png", tmp_path / f"{n}.pdf")
-    full = {**full, "claims": C.claims_table(C.load_claims(registry.Path(__file__).parents[1] / "config/claims.yaml"), full, {})}
+    full = {**full, "claims": C.claims_table(C.load_claims(CLAIMS_FILE), full, {})}
     page = build_report(names + ["dead_zone"], tmp_path, full, {"name": "syn", "budget": {"params": 8e5}})
     first = page.split('<h2 id="s0">')[0]
     assert first.count("data:image/png;base64,iVBORw0KGgo") == 1  # the headline, embedded
