@@ -60,6 +60,8 @@ def best_lr_html(best: pd.DataFrame, budget: float | None) -> str:
     """The best-LR table: loss (+- seed std), budget deviation, LR at the edge, seeds."""
     if best.empty:
         return "<p>No best-LR table: every run diverged or none was trained.</p>"
+    order = R.archs(best)
+    best = best.sort_values(["arch", "n_layer"], key=lambda c: c.map(order.index) if c.name == "arch" else c)
     head = ["arch", "L", "d", "ratio", "params", "vs budget", "best LR", "val loss", "seeds", "LR at edge", "diverged / LRs"]
     rows = []
     for r in best.to_dict("records"):
