@@ -119,6 +119,7 @@ def loss_curves(tables: dict, ctx: S.Context):
         S.floor_line(ax, R.unigram_floor(runs))
         ax.set_title(arch)
         ax.set_xlabel("training tokens")
+        S.count_axis(ax)
         ax.grid(alpha=0.3)
         S.legend(ax)
     axes[0].set_ylabel("loss (nats/token)\nthin: train, dots: validation")

@@ -110,6 +110,15 @@ def log_ticks(ax, values, axis: str = "x") -> None:
     ax.minorticks_off()
 
 
+def count_axis(ax, axis: str = "x") -> None:
+    """Large counts (tokens, steps) as 100k, 1.5M with at most 5 ticks, so labels never touch."""
+    from matplotlib.ticker import EngFormatter, MaxNLocator
+
+    target = ax.xaxis if axis == "x" else ax.yaxis
+    target.set_major_locator(MaxNLocator(5))
+    target.set_major_formatter(EngFormatter(sep=""))
+
+
 def floor_line(ax, floor: float | None) -> None:
     """The unigram loss floor: a run near it has collapsed."""
     if floor is None or floor != floor:
