@@ -10,7 +10,9 @@ import pandas as pd
 from depthbench.analysis import readers as R
 from depthbench.analysis import style as S
 
-CPU_NOTE = "CPU runs only: measured {what} not drawn\n(on CPU it measures the Python process, not the model)"
+CPU_NOTE = "CPU runs only: measured {what} not drawn\n({why})"
+WHY = {"peak memory": "on CPU it measures the Python process, not the model",
+       "device-hours": "CPU timings of tiny models are noise, not the model's cost"}
 
 
 def _best(cost: pd.DataFrame) -> pd.DataFrame:
@@ -25,7 +27,8 @@ def _gpu(df: pd.DataFrame) -> pd.DataFrame:
 
 def _lines(ax, data: pd.DataFrame, x: str, y: str, label_points: bool = False) -> dict:
     curves = {}
-    for (arch, knobs), g in data.groupby(["arch", "knobs"]):
+    order = R.archs(data)
+    for (arch, knobs), g in sorted(data.groupby(["arch", "knobs"]), key=lambda kv: order.index(kv[0][0])):
         g = g.groupby(x, as_index=False).agg(**{y: (y, "mean"), "n_layer": ("n_layer", "first")}).sort_values(x)
         name = S.label(arch, knobs)
         ax.plot(g[x], g[y], label=name, **S.arch_style(arch))
@@ -53,7 +56,7 @@ def cost_vs_ratio(tables: dict, ctx: S.Context):
         ax.set_ylabel(ylabel)
     gpu = _gpu(_best(cost)).dropna(subset=["measured_peak_memory_bytes"]) if "measured_peak_memory_bytes" in cost else pd.DataFrame()
     if gpu.empty:
-        S.note(axes[2], CPU_NOTE.format(what="peak memory"))
+        S.note(axes[2], CPU_NOTE.format(what="peak memory", why=WHY["peak memory"]))
         axes[2].set_xticks([])
         axes[2].set_yticks([])
     else:
@@ -84,7 +87,7 @@ def loss_vs_cost(tables: dict, ctx: S.Context):
     axes[0].set_xscale("log")
     gpu = _gpu(data)
     if gpu.empty:
-        S.note(axes[1], CPU_NOTE.format(what="device-hours"))
+        S.note(axes[1], CPU_NOTE.format(what="device-hours", why=WHY["device-hours"]))
         axes[1].set_xticks([])
     else:
         _lines(axes[1], gpu, "device_hours", "final_val_loss", label_points=True)

@@ -21,7 +21,7 @@ def nll_vs_ratio(tables: dict, ctx: S.Context):
     fig, axes = S.panels(len(domains), ctx, cols=3)
     for ax, domain in zip(axes, domains):
         part = data[data["domain"] == domain]
-        for (arch, knobs), g in part.groupby(["arch", "knobs"]):
+        for (arch, knobs), g in sorted(part.groupby(["arch", "knobs"]), key=lambda kv: R.archs(part).index(kv[0][0])):
             g = g.groupby("ratio", as_index=False)["bits_per_byte"].mean().sort_values("ratio")
             ax.plot(g["ratio"], g["bits_per_byte"], label=S.label(arch, knobs), **S.arch_style(arch))
         S.log_ticks(ax, part["ratio"].round(1))
