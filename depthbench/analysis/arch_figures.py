@@ -26,7 +26,8 @@ def residual_product_rank(tables: dict, ctx: S.Context):
         st = S.arch_style(arch)
         for data, ls, lab in ((trained, "-", "trained"), (init, "--", "at init")):
             g = data[data["arch"] == arch].groupby("n_layer")["value"].mean()
-            ax.plot(g.index, g.values, linestyle=ls, label=f"{arch} {lab}", **st)
+            if not g.empty:  # no legend entry for a stage without rows
+                ax.plot(g.index, g.values, linestyle=ls, label=f"{arch} {lab}", **st)
         if arch in PAPER_RANK:
             lo, hi = PAPER_RANK[arch]
             ax.axhspan(lo, hi, color=st["color"], alpha=0.12, label=f"{arch} paper range {lo}-{hi}")
