@@ -50,10 +50,9 @@ rule all:
     default_target: True
     input:
         rules.tables.output,
-        rules.figures.output,
         rules.probes_table.output if config["probes"]["enabled"] else [],
-        rules.probe_figures.output if config["probes"]["enabled"] else [],
-        rules.dynamics_figure.output if config["train"]["dynamics_every"] > 0 else [],
         rules.cost_table.output,
         rules.nll_table.output if config["nll"]["enabled"] else [],
-        rules.cost_figures.output,
+        [f"{RESULTS}/figures/{name}.{ext}" for name in GRID_FIGURES for ext in ("png", "pdf")],
+        rules.claims.output,
+        rules.report.output,

@@ -47,17 +47,19 @@ def cmd_validate(args) -> None:
 
 
 # The rules that only read results/: everything else (tokenize, train, probe, nll) is not allowed.
-REGENERATE_RULES = ["tables", "cost_table", "probes_table", "nll_table", "figures", "probe_figures", "dynamics_figure", "cost_figures", "all"]
+REGENERATE_RULES = ["tables", "cost_table", "probes_table", "nll_table", "figures", "probe_figures", "dynamics_figure",
+                    "nll_figures", "cost_figures", "claims", "report", "all"]
 
 
-def regenerate_commands(config: str | None, cores: int, report: str) -> list[list[str]]:
-    """The two Snakemake calls: rebuild tables and figures from run outputs, then the report."""
+def regenerate_commands(config: str | None, cores: int, provenance: str) -> list[list[str]]:
+    """The two Snakemake calls: rebuild tables, figures, claims and results/report.html from run
+    outputs, then Snakemake's own provenance report (rules, code, logs) at `provenance`."""
     base = [sys.executable, "-m", "snakemake", "--cores", str(cores)]
     if config:
         base += ["--configfile", config]
     rebuild = base + ["--allowed-rules", *REGENERATE_RULES, "--forcerun", *[r for r in REGENERATE_RULES if r != "all"],
                       "--rerun-triggers", "mtime"]
-    return [rebuild, base + ["--report", report]]
+    return [rebuild, base + ["--report", provenance]]
 
 
 def cmd_regenerate(args) -> None:
@@ -65,7 +67,7 @@ def cmd_regenerate(args) -> None:
 
     if args.config:
         _experiment(args.config)  # a bad config fails here, naming the field
-    for command in regenerate_commands(args.config, args.cores, args.report):
+    for command in regenerate_commands(args.config, args.cores, args.provenance):
         print("+", " ".join(command), file=sys.stderr)
         done = subprocess.run(command)
         if done.returncode:
@@ -74,7 +76,7 @@ def cmd_regenerate(args) -> None:
                 "file under results/runs, results/probes or results/nll, that run's outputs were not "
                 "copied: regenerate never trains, probes or scores."
             )
-    print(f"tables in results/tables, figures in results/figures, report in {args.report}", file=sys.stderr)
+    print(f"tables in results/tables, figures in results/figures, report in results/report.html, provenance in {args.provenance}", file=sys.stderr)
 
 
 def cmd_status(args) -> None:
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("regenerate", help="rebuild tables, figures and the HTML report from results/ without training")
     p.add_argument("config", nargs="?", default=None, help="the config of the results (default: the embedded one)")
     p.add_argument("--cores", type=int, default=2)
-    p.add_argument("--report", default="results/report.html")
+    p.add_argument("--provenance", default="results/provenance.html", help="where Snakemake's provenance report goes")
     p.set_defaults(fn=cmd_regenerate)
     p = sub.add_parser("status", help="per run: trained, diverged, probed, scored, missing or stale, and what snakemake would do next")
     p.add_argument("config", nargs="?", default="config/config.yaml")

@@ -110,13 +110,15 @@ def test_probes_stage_writes_a_tidy_table_with_config_columns_and_figures(workfl
                   "token_similarity", "effective_rank", "causal_share", "permutation_share"):
         assert probe in set(trained.probe), probe
     assert {"init", "init_no_prefix_avg"} <= set(probes.stage)
-    for name in ("angular_distance", "probe_shares", "token_similarity_init", "effective_rank", "usefulness"):
+    for name in ("angular_distance", "angular_distance_all", "angular_adjacent", "causal_matrix", "permutation_matrix",
+                 "probe_shares", "token_similarity", "effective_rank", "usefulness"):
         assert (root / f"results/figures/{name}.png").stat().st_size > 10_000
     assert not (root / "results/figures/residual_product_rank.png").exists()  # no hc/mhc in this grid
 
 
-FIGURES = ["headline", "loss_vs_lr", "loss_curves", "dynamics", "angular_distance", "probe_shares", "token_similarity_init",
-           "effective_rank", "usefulness", "nll_vs_ratio", "cost_vs_ratio", "loss_vs_cost"]
+FIGURES = ["headline", "loss_vs_lr", "loss_curves", "dynamics", "angular_distance", "angular_distance_all", "angular_adjacent",
+           "causal_matrix", "permutation_matrix", "probe_shares", "token_similarity", "effective_rank", "usefulness",
+           "nll_vs_ratio", "cost_vs_ratio", "loss_vs_cost"]
 
 
 def test_nll_and_cost_tables(workflow):
@@ -142,14 +144,20 @@ def test_nll_and_cost_tables(workflow):
         assert (root / f"results/figures/{stem}.pdf").read_bytes()[:5] == b"%PDF-"
 
 
-def test_report_holds_every_figure_with_its_caption(workflow):
+def test_report_and_claims_hold_every_figure_with_its_caption(workflow):
     root, _ = workflow
-    snakemake(root, "--report", "results/report.html")
     html = (root / "results/report.html").read_text()
-    for name in FIGURES:  # every figure embedded as a PNG data URI: self-contained, shown in a browser
-        assert f"data:image/png;charset=utf8;filename={name}.png;base64,iVBORw0KGgo" in html, name
-    # captions say which config produced the figures
-    assert html.count('Config <tt class=\\"docutils literal\\">tiny</tt>') >= len(FIGURES)
+    for name in FIGURES:  # every figure embedded as a PNG data URI with its caption: one offline file
+        assert f'<figure id="{name}"><img alt="{name}" src="data:image/png;base64,iVBORw0KGgo' in html, name
+    assert html.count("<figcaption>") == len(FIGURES) and "Config <tt>tiny</tt>" in html
+    first = html.split('<h2 id="s0">')[0]  # what opens first: headline, best-LR and claims tables
+    assert first.count("data:image/png") == 1 and "Best learning rate per shape" in first and "<b>(a)</b>" in first
+    claims = pd.read_parquet(root / "results/tables/claims.parquet")
+    assert len(claims) >= 12 and claims["verdict"].str.match(r"holds|does not hold at this scale|not testable in this grid: .+").all()
+    by_id = claims.set_index("claim_id")
+    assert by_id.loc["g_cost_grows_with_depth", "verdict"] == "holds"  # analytic: deeper at a fixed budget costs more
+    assert by_id.loc["f_mhc_rank_below_hc", "verdict"].startswith("not testable")  # no hc/mhc in this grid
+    snakemake(root, "--report", "results/provenance.html")  # Snakemake's provenance view still works
 
 
 def test_regenerate_rebuilds_figures_without_training(workflow, tmp_path):
@@ -181,7 +189,8 @@ def test_probe_setting_reruns_probes_only(workflow, wiki_jsonl):
     root, _ = workflow
     write_config(root, grid(wiki_jsonl, probes={"n_sequences": 4}))
     plan = snakemake(root, "-n")
-    assert job_counts(plan.stdout + plan.stderr) == {"all": 1, "probe": 8, "probes_table": 1, "probe_figures": 1, "total": 11}
+    assert job_counts(plan.stdout + plan.stderr) == {"all": 1, "probe": 8, "probes_table": 1, "probe_figures": 1, "claims": 1,
+                                                     "report": 1, "total": 13}
     write_config(root, grid(wiki_jsonl))
 
 
@@ -195,7 +204,8 @@ def test_figure_setting_reruns_only_figures(workflow, wiki_jsonl):
     root, _ = workflow
     write_config(root, grid(wiki_jsonl, figures={"dpi": 80}))
     plan = snakemake(root, "-n")
-    assert job_counts(plan.stdout + plan.stderr) == {"all": 1, "figures": 1, "probe_figures": 1, "dynamics_figure": 1, "cost_figures": 1, "total": 5}
+    assert job_counts(plan.stdout + plan.stderr) == {"all": 1, "figures": 1, "probe_figures": 1, "dynamics_figure": 1, "cost_figures": 1,
+                                                     "nll_figures": 1, "claims": 1, "report": 1, "total": 8}
     snakemake(root)
     write_config(root, grid(wiki_jsonl))
     snakemake(root)
@@ -218,7 +228,8 @@ def test_adding_a_learning_rate_trains_only_the_new_runs(workflow, wiki_jsonl):
     plan = snakemake(root, "-n")
     assert job_counts(plan.stdout + plan.stderr) == {
         "all": 1, "figures": 1, "tables": 1, "train": 4, "probe": 4, "probes_table": 1, "probe_figures": 1,
-        "dynamics_figure": 1, "nll": 4, "nll_table": 1, "cost_table": 1, "cost_figures": 1, "total": 21}
+        "dynamics_figure": 1, "nll": 4, "nll_table": 1, "cost_table": 1, "cost_figures": 1, "nll_figures": 1, "claims": 1,
+        "report": 1, "total": 24}
     write_config(root, grid(wiki_jsonl))
 
 

@@ -24,31 +24,34 @@ def slurm_request(key):
     return launcher["slurm"][key] if launcher["backend"] == "slurm" else 0
 
 
-def probe_figures(architectures):
-    """The probe figures this grid can draw (a figure needs its architectures in the grid)."""
-    names = ["angular_distance", "probe_shares", "token_similarity_init", "effective_rank"]
-    if any(not a.startswith("attnres") for a in architectures):
-        names.append("usefulness")
-    if {"hc", "mhc"} & set(architectures):
-        names.append("residual_product_rank")
-    if {"attnres_full", "attnres_block"} & set(architectures):
-        names.append("depth_mixing")
-    return names
+from depthbench.analysis.registry import grid_figures, of_rule, tables_of
+
+# The figures this grid gets, from its architectures' declared probes and figures (registry).
+GRID_FIGURES = grid_figures([spec.arch for spec in RUNS.values()], config)
 
 
-PROBE_FIGURES = probe_figures([spec.arch for spec in RUNS.values()])
-
-
-def figure_outputs(names, category):
-    """PNG (shown in the HTML report, with the caption workflow/report/<name>.rst) and PDF
-    outputs of figure rules, as {name_png: ..., name_pdf: ...}."""
+def figure_outputs(rule):
+    """PNG and PDF outputs of the grid's figures drawn by one rule, as {name_png: ..., name_pdf: ...}."""
     out = {}
-    for name in names:
-        out[f"{name}_png"] = report(
-            f"{RESULTS}/figures/{name}.png",
-            caption=f"../report/{name}.rst",
-            category=category,
-            labels={"figure": name, "config": config["name"]},
-        )
+    for name in of_rule(GRID_FIGURES, rule):
+        out[f"{name}_png"] = f"{RESULTS}/figures/{name}.png"
         out[f"{name}_pdf"] = f"{RESULTS}/figures/{name}.pdf"
     return out
+
+
+def figure_inputs(rule):
+    """The tables the rule's figures read, as {table: path}."""
+    return {t: f"{RESULTS}/tables/{t}.parquet" for t in tables_of(of_rule(GRID_FIGURES, rule))}
+
+
+# What figures and claims state about the grid; figure rules rerun when it changes, nothing else.
+FIGURE_SETTINGS = {
+    "name": config["name"],
+    "figures": config["figures"],
+    "budget": config.get("budget", {}),
+    "shapes": config["shapes"],
+    "learning_rates": config["learning_rates"],
+    "seeds": config["seeds"],
+    "arch_options": config["model"]["arch_options"],
+    "probes": {k: config["probes"][k] for k in ("causal_threshold", "permutation_threshold", "usefulness_threshold", "dead_zone_threshold")},
+}

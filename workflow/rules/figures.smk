@@ -1,16 +1,16 @@
-# Figures read only the tables: changing a figure setting re-runs these rules, nothing else.
-
+# Figures, claims and the report read only the tables: changing a figure setting re-runs these
+# rules, nothing else. Which figures a grid gets, and which tables each reads, comes from the
+# figure registry (depthbench/analysis/registry.py), which also drops the figures of a stage the
+# config turns off; the figure rules share one script.
 
 rule figures:
     input:
-        runs=rules.tables.output.runs,
-        curves=rules.tables.output.curves,
-        best_lr=rules.tables.output.best_lr,
+        **figure_inputs("figures"),
     output:
-        **figure_outputs(["headline", "loss_vs_lr", "loss_curves"], "1. Loss"),
+        **figure_outputs("figures"),
     params:
-        figures=config["figures"],
-        experiment=EXPERIMENT,
+        names=of_rule(GRID_FIGURES, "figures"),
+        settings=FIGURE_SETTINGS,
     log:
         f"{RESULTS}/logs/figures.log",
     benchmark:
@@ -19,41 +19,99 @@ rule figures:
         "../../scripts/figures.py"
 
 
-# Training dynamics (only when the config logs them: train.dynamics_every > 0).
-rule dynamics_figure:
+use rule figures as probe_figures with:
     input:
-        dynamics=rules.tables.output.dynamics,
-        runs=rules.tables.output.runs,
-        best_lr=rules.tables.output.best_lr,
+        **figure_inputs("probe_figures"),
     output:
-        **figure_outputs(["dynamics"], "3. Training dynamics"),
+        **figure_outputs("probe_figures"),
     params:
-        figures=config["figures"],
-        experiment=EXPERIMENT,
+        names=of_rule(GRID_FIGURES, "probe_figures"),
+        settings=FIGURE_SETTINGS,
+    log:
+        f"{RESULTS}/logs/probe_figures.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/probe_figures.tsv"
+
+
+# Training dynamics (only when the config logs them: train.dynamics_every > 0).
+use rule figures as dynamics_figure with:
+    input:
+        **figure_inputs("dynamics_figure"),
+    output:
+        **figure_outputs("dynamics_figure"),
+    params:
+        names=of_rule(GRID_FIGURES, "dynamics_figure"),
+        settings=FIGURE_SETTINGS,
     log:
         f"{RESULTS}/logs/dynamics_figure.log",
     benchmark:
         f"{RESULTS}/benchmarks/dynamics_figure.tsv"
-    script:
-        "../../scripts/dynamics_figure.py"
 
 
-# NLL on coding, STEM and math, and the cost of each shape (cost figures need no NLL).
-COST_FIGURES = ["cost_vs_ratio", "loss_vs_cost"] + (["nll_vs_ratio"] if config["nll"]["enabled"] else [])
-
-
-rule cost_figures:
+use rule figures as nll_figures with:
     input:
-        cost=rules.cost_table.output[0],
-        nll=rules.nll_table.output[0] if config["nll"]["enabled"] else [],
+        **figure_inputs("nll_figures"),
     output:
-        **figure_outputs(COST_FIGURES, "4. NLL and cost"),
+        **figure_outputs("nll_figures"),
     params:
-        figures=config["figures"],
-        experiment=EXPERIMENT,
+        names=of_rule(GRID_FIGURES, "nll_figures"),
+        settings=FIGURE_SETTINGS,
+    log:
+        f"{RESULTS}/logs/nll_figures.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/nll_figures.tsv"
+
+
+use rule figures as cost_figures with:
+    input:
+        **figure_inputs("cost_figures"),
+    output:
+        **figure_outputs("cost_figures"),
+    params:
+        names=of_rule(GRID_FIGURES, "cost_figures"),
+        settings=FIGURE_SETTINGS,
     log:
         f"{RESULTS}/logs/cost_figures.log",
     benchmark:
         f"{RESULTS}/benchmarks/cost_figures.tsv"
+
+
+# The claims of the source papers, each with our number and a verdict (config/claims.yaml).
+CLAIM_TABLES = ["runs", "best_lr", "curves", "cost"] + (["dynamics"] if config["train"]["dynamics_every"] > 0 else []) + (
+    ["probes"] if config["probes"]["enabled"] else []) + (["nll"] if config["nll"]["enabled"] else [])
+
+
+rule claims:
+    input:
+        claims="config/claims.yaml",
+        **{t: f"{RESULTS}/tables/{t}.parquet" for t in CLAIM_TABLES},
+    output:
+        f"{RESULTS}/tables/claims.parquet",
+    params:
+        settings=FIGURE_SETTINGS,
+    log:
+        f"{RESULTS}/logs/claims.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/claims.tsv"
     script:
-        "../../scripts/cost_figures.py"
+        "../../scripts/claims.py"
+
+
+# The report: one offline HTML file that opens on the headline, the claims and the best LRs.
+rule report:
+    input:
+        claims=rules.claims.output[0],
+        runs=rules.tables.output.runs,
+        best_lr=rules.tables.output.best_lr,
+        figures=[f"{RESULTS}/figures/{name}.png" for name in GRID_FIGURES],
+    output:
+        f"{RESULTS}/report.html",
+    params:
+        names=GRID_FIGURES,
+        settings=FIGURE_SETTINGS,
+    log:
+        f"{RESULTS}/logs/report.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/report.tsv"
+    script:
+        "../../scripts/report.py"

@@ -40,21 +40,3 @@ rule probes_table:
         f"{RESULTS}/benchmarks/probes_table.tsv"
     script:
         "../../scripts/probes_table.py"
-
-
-rule probe_figures:
-    input:
-        probes=rules.probes_table.output[0],
-    output:
-        **figure_outputs(PROBE_FIGURES, "2. Layer utilization probes"),
-    params:
-        figures=config["figures"],
-        experiment=EXPERIMENT,
-        names=PROBE_FIGURES,
-        thresholds={k: config["probes"][k] for k in ("causal_threshold", "permutation_threshold", "usefulness_threshold")},
-    log:
-        f"{RESULTS}/logs/probe_figures.log",
-    benchmark:
-        f"{RESULTS}/benchmarks/probe_figures.tsv"
-    script:
-        "../../scripts/probe_figures.py"

@@ -1,0 +1,112 @@
+"""Architecture-specific figures (drawn when an architecture in the grid declares them in
+`ARCHITECTURES[name].figures`): the residual-product rank of HC and mHC against depth, the
+depth-mixing weights of Attention Residuals, and Block AttnRes's dead zone."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from depthbench.analysis import readers as R
+from depthbench.analysis import style as S
+
+# The papers' numbers, drawn as references (design reference, probe table; issue 18 item 1).
+PAPER_RANK = {"mhc": (1.44, 1.65), "hc": (2.53, 2.81)}
+PAPER_DEAD_ZONE = {16: 2, 24: 5, 32: 8}
+
+
+def residual_product_rank(tables: dict, ctx: S.Context):
+    """erank of the product of the stream-mixing matrices against depth: trained (solid) and at
+    init (dashed); the papers' ranges as shaded bands."""
+    probes = tables.get("probes", pd.DataFrame())
+    trained, init = (R.probe(probes, "residual_product_rank", s) for s in ("trained", "init"))
+    if trained.empty and init.empty:
+        return S.message_figure(ctx, "residual-product rank (hc, mhc)", "no residual_product_rank rows")
+    fig, (ax,) = S.panels(1, ctx)
+    for arch in R.archs(pd.concat([trained, init])):
+        st = S.arch_style(arch)
+        for data, ls, lab in ((trained, "-", "trained"), (init, "--", "at init")):
+            g = data[data["arch"] == arch].groupby("n_layer")["value"].mean()
+            if not g.empty:  # no legend entry for a stage without rows
+                ax.plot(g.index, g.values, linestyle=ls, label=f"{arch} {lab}", **st)
+        if arch in PAPER_RANK:
+            lo, hi = PAPER_RANK[arch]
+            ax.axhspan(lo, hi, color=st["color"], alpha=0.12, label=f"{arch} paper range {lo}-{hi}")
+    if init.empty:
+        S.note(ax, "no init rows for this probe yet", y=0.1)
+    if trained.empty:
+        S.note(ax, "no trained rows (every hc/mhc run diverged)", y=0.9)
+    depths = sorted(pd.concat([trained, init])["n_layer"].unique())
+    ax.set_xticks(depths)
+    ax.set_xlabel("n_layer")
+    ax.set_ylabel("effective rank of the stream-mixing product\n(1 = one stream, n = full)")
+    ax.grid(alpha=0.3)
+    S.legend(ax, loc="best")
+    S.title(fig, ctx, "residual-product rank, mHC vs HC")
+    return fig
+
+
+def depth_mixing(tables: dict, ctx: S.Context):
+    """Mean depth-softmax weight of each reading sublayer (rows) on each source (columns), one
+    panel per (AttnRes architecture, shape), one colour scale."""
+    data = R.probe(tables.get("probes", pd.DataFrame()), "depth_weight")
+    if data.empty:
+        return S.message_figure(ctx, "depth-mixing weights (attnres)", "no depth_weight rows")
+    archs, shapes = R.archs(data), R.shapes(data)
+    fig, axes = S.panels(len(archs) * len(shapes), ctx, cols=len(shapes), scale=0.9)
+    im = None
+    for r, arch in enumerate(archs):
+        for c, (L, d) in enumerate(shapes):
+            ax = axes[r * len(shapes) + c]
+            rows = data[(data["arch"] == arch) & (data["n_layer"] == L)]
+            if rows.empty:
+                S.note(ax, f"{arch} L={L}: no run")
+                ax.set_axis_off()
+                continue
+            M = R.matrix(rows, (int(rows["i"].max()) + 1, int(rows["j"].max()) + 1))[1:]
+            im = ax.imshow(M, origin="lower", aspect="auto", vmin=0, vmax=1, cmap="magma",
+                           extent=(-0.5, M.shape[1] - 0.5, 0.5, M.shape[0] + 0.5))
+            ax.set_title(f"{arch}, L={L}, d={d}")
+            ax.set_xlabel("source (0 = embedding)")
+            ax.set_ylabel("reading sublayer s\n(top row: final)")
+    fig.colorbar(im, ax=axes, shrink=0.8, label="mean softmax weight on the source")
+    S.title(fig, ctx, "depth-mixing weights of Attention Residuals")
+    return fig
+
+
+def dead_zone(tables: dict, ctx: S.Context):
+    """Block AttnRes: weight on the current partial sum per layer, one line per depth, the
+    dead-zone threshold dashed and each depth's dead-zone length marked by a shaded span."""
+    probes = tables.get("probes", pd.DataFrame())
+    weights = R.probe(probes, "partial_sum_weight")
+    lengths = R.probe(probes, "dead_zone_layers")
+    if weights.empty:
+        return S.message_figure(ctx, "Block AttnRes dead zone", "no partial_sum_weight rows (attnres_block not trained)")
+    threshold = ctx.thresholds.get("dead_zone_threshold", 0.05)
+    fig, (ax, bx) = S.panels(2, ctx, cols=2)
+    cmap = S.plt.get_cmap("viridis")
+    depths = sorted(weights["n_layer"].unique())
+    for n, L in enumerate(depths):
+        color = cmap(n / max(1, len(depths) - 1) * 0.85)
+        g = weights[weights["n_layer"] == L].sort_values("i")
+        ax.plot(g["i"] / L, g["value"], marker="o", markersize=4, color=color, label=f"L={L}")
+        k = lengths.loc[lengths["n_layer"] == L, "value"]
+        if not k.empty and k.iloc[0] > 0:
+            ax.axvspan(0.5 / L, (k.iloc[0] + 0.5) / L, color=color, alpha=0.12)
+    ax.axhline(threshold, color="firebrick", linestyle="--", linewidth=1, label=f"threshold {threshold}")
+    ax.set_xlabel("layer l / L")
+    ax.set_ylabel("weight on the current partial sum")
+    ax.set_title("shaded: the dead zone of each depth")
+    ax.grid(alpha=0.3)
+    S.legend(ax)
+    g = lengths.groupby("n_layer")["value"].mean()
+    bx.plot(g.index, g.values, marker="o", color="C9", label="ours")
+    bx.plot(list(PAPER_DEAD_ZONE), list(PAPER_DEAD_ZONE.values()), marker="s", linestyle=":", color="0.4", label="paper")
+    bx.set_xlabel("n_layer")
+    bx.set_ylabel("dead-zone length (layers)")
+    bx.set_title("dead-zone length vs depth")
+    bx.grid(alpha=0.3)
+    S.legend(bx)
+    if lengths.empty:
+        S.note(bx, "no dead_zone_layers rows")
+    S.title(fig, ctx, "Block AttnRes dead zone")
+    return fig

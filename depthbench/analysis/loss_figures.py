@@ -1,0 +1,127 @@
+"""Loss figures: the headline (validation loss at the best LR against shape), loss against
+learning rate, and training and validation loss curves. Drawn from runs, best_lr and curves."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from depthbench.analysis import readers as R
+from depthbench.analysis import style as S
+
+WHAT_HEADLINE = "validation loss at the best LR vs shape (fixed budget)"
+
+
+def _budget_deviation(best: pd.DataFrame, runs: pd.DataFrame, budget: float | None) -> pd.Series | None:
+    """Relative parameter deviation from the budget per best_lr row: the table's column
+    `params_vs_budget` when present, else params / budget - 1 (the config's budget)."""
+    if "params_vs_budget" in best.columns:
+        return best["params_vs_budget"].astype(float)
+    if budget:
+        return best["params"].astype(float) / budget - 1.0
+    return None
+
+
+def headline(tables: dict, ctx: S.Context):
+    """Top: loss at the best LR (seed spread as +-1 std bars, open markers where the best LR is
+    at the edge of the swept range) against d_model / n_layer; bottom: budget deviation."""
+    best, runs = tables.get("best_lr", pd.DataFrame()), tables.get("runs", pd.DataFrame())
+    if not R.has(best, "arch", "ratio", "final_val_loss"):
+        why = "no run finished without diverging" if R.has(runs, "status") else "no runs in the tables"
+        return S.message_figure(ctx, WHAT_HEADLINE, why)
+    fig, (ax, dev_ax) = S.panels(2, ctx, cols=1, scale=1.0, gridspec_kw={"height_ratios": [3, 1]}, sharex=True)
+    deviation = _budget_deviation(best, runs, ctx.budget)
+    curves = {}
+    for arch, knobs in best[["arch", "knobs"]].drop_duplicates().sort_values("arch", key=lambda a: a.map(R.archs(best).index)).itertuples(index=False):
+        g = best[(best["arch"] == arch) & (best["knobs"] == knobs)].sort_values("ratio")
+        st, name = S.arch_style(arch), S.label(arch, knobs)
+        std = g["final_val_loss_std"].fillna(0.0) if "final_val_loss_std" in g.columns else None
+        ax.errorbar(g["ratio"], g["final_val_loss"], yerr=std, label=name, capsize=3, **st)
+        if "lr_at_edge" in g.columns:
+            edge = g[g["lr_at_edge"].fillna(False).astype(bool)]
+            ax.scatter(edge["ratio"], edge["final_val_loss"], s=120, facecolors="none", edgecolors=st["color"], linewidths=1.5)
+        curves[name] = g.set_index("ratio")["final_val_loss"]
+        if deviation is not None:
+            dev_ax.plot(g["ratio"], 100 * deviation[g.index], linestyle=":", **st)
+    S.floor_line(ax, R.unigram_floor(runs))
+    ax.set_ylabel("validation loss at best LR\n(nats/token)")
+    ax.grid(alpha=0.3)
+    extra = "open circle: best LR at the edge of the swept LRs" if "lr_at_edge" in best.columns else "LR-at-edge not in best_lr table"
+    seeds = f"bars: +-1 std over {int(best['n_seeds'].max())} seeds" if "n_seeds" in best.columns else ""
+    ax.set_title("; ".join(p for p in (extra, seeds) if p), fontsize=S.FONT["label"])
+    S.legend(ax, ncol=2 if len(curves) > 5 else 1)
+    if deviation is None:
+        S.note(dev_ax, "budget deviation unknown (no params_vs_budget, no budget)")
+    dev_ax.axhline(0, color="0.5", linewidth=0.8)
+    dev_ax.set_ylabel("params vs\nbudget (%)")
+    dev_ax.grid(alpha=0.3)
+    S.log_ticks(dev_ax, best["ratio"].round(1))
+    dev_ax.set_xlabel("d_model / n_layer (log scale; deeper and narrower to the left)")
+    groups = S.coinciding(curves)
+    if groups:
+        S.fig_note(fig, S.coincide_text(groups))
+    S.title(fig, ctx, WHAT_HEADLINE)
+    return fig
+
+
+def loss_vs_lr(tables: dict, ctx: S.Context):
+    """Final validation loss against learning rate, one panel per shape; diverged runs as x at
+    the top of the panel."""
+    runs = tables.get("runs", pd.DataFrame())
+    shapes = R.shapes(runs)
+    if not shapes:
+        return S.message_figure(ctx, "loss vs learning rate", "no runs in the tables")
+    fig, axes = S.panels(len(shapes), ctx, cols=3, sharey=True)
+    finite = runs.loc[runs["status"] == "ok", "final_val_loss"].dropna()
+    floor = R.unigram_floor(runs)
+    top = float(finite.max()) if not finite.empty else (floor or 1.0)
+    for ax, (n_layer, d_model) in zip(axes, shapes):
+        sub = runs[(runs["n_layer"] == n_layer) & (runs["d_model"] == d_model)]
+        for (arch, knobs), g in sub.groupby(["arch", "knobs"]):
+            st = S.arch_style(arch)
+            ok = g[g["status"] == "ok"].groupby("lr", as_index=False)["final_val_loss"].mean()
+            ax.plot(ok["lr"], ok["final_val_loss"], label=S.label(arch, knobs), **st)
+            bad = g[g["status"] != "ok"]
+            ax.scatter(bad["lr"], [top * 1.02] * len(bad), marker="x", color=st["color"])
+        if (sub["status"] != "ok").all():
+            S.note(ax, "every run at this shape diverged")
+        S.floor_line(ax, floor)
+        S.log_ticks(ax, runs["lr"])
+        ax.set_title(f"L={n_layer}, d={d_model} (ratio {d_model / n_layer:.1f})")
+        ax.set_xlabel("peak learning rate")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("final validation loss (nats/token)\nx: diverged")
+    S.legend(axes[-1])
+    S.title(fig, ctx, "final validation loss vs learning rate")
+    return fig
+
+
+def loss_curves(tables: dict, ctx: S.Context):
+    """Training loss (every logged step, thin) and validation loss (markers) against training
+    tokens, one panel per architecture, one colour per shape, at each shape's best LR."""
+    runs, best, curves = (tables.get(k, pd.DataFrame()) for k in ("runs", "best_lr", "curves"))
+    chosen = R.first_seed(R.best_runs(runs, best))
+    if chosen.empty or not R.has(curves, "run_id", "tokens"):
+        why = "no run finished without diverging" if R.has(runs, "status") else "no runs or curves in the tables"
+        return S.message_figure(ctx, "training and validation loss", why)
+    archs = R.archs(chosen)
+    fig, axes = S.panels(len(archs), ctx, cols=3, sharey=True)
+    depths = sorted(chosen["n_layer"].unique())
+    cmap = S.plt.get_cmap("viridis")
+    for ax, arch in zip(axes, archs):
+        for row in chosen[chosen["arch"] == arch].sort_values("n_layer").itertuples():
+            c = curves[curves["run_id"] == row.run_id].sort_values("tokens")
+            color = cmap(depths.index(row.n_layer) / max(1, len(depths) - 1) * 0.85)
+            tr = c.dropna(subset=["train_loss"]) if "train_loss" in c else c.iloc[0:0]
+            ax.plot(tr["tokens"], tr["train_loss"], color=color, linewidth=0.8, alpha=0.6)
+            va = c.dropna(subset=["val_loss"]) if "val_loss" in c else c.iloc[0:0]
+            ax.plot(va["tokens"], va["val_loss"], color=color, marker="o", markersize=4, linewidth=1.5,
+                    label=f"L={row.n_layer}, d={row.d_model}, LR {row.lr:g}")
+        S.floor_line(ax, R.unigram_floor(runs))
+        ax.set_title(arch)
+        ax.set_xlabel("training tokens")
+        S.count_axis(ax)
+        ax.grid(alpha=0.3)
+        S.legend(ax)
+    axes[0].set_ylabel("loss (nats/token)\nthin: train, dots: validation")
+    S.title(fig, ctx, "training (thin) and validation (dots) loss at the best LR")
+    return fig

@@ -1,0 +1,35 @@
+"""Teacher-forced NLL figures from results/tables/nll.parquet: bits per byte per domain
+(code, STEM, math) against d_model / n_layer, at each architecture's best LR."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from depthbench.analysis import readers as R
+from depthbench.analysis import style as S
+
+
+def nll_vs_ratio(tables: dict, ctx: S.Context):
+    """One panel per domain, one line per architecture (seeds averaged)."""
+    nll = tables.get("nll", pd.DataFrame())
+    if not R.has(nll, "level", "domain", "bits_per_byte", "is_best_lr"):
+        return S.message_figure(ctx, "teacher-forced NLL by domain", "no NLL rows (nll disabled or no runs)")
+    data = nll[(nll["level"] == "domain") & nll["is_best_lr"].fillna(False).astype(bool) & (nll["status"] == "ok")]
+    if data.empty:
+        return S.message_figure(ctx, "teacher-forced NLL by domain", "no NLL rows of a run that did not diverge")
+    domains = sorted(data["domain"].unique())
+    fig, axes = S.panels(len(domains), ctx, cols=3)
+    for ax, domain in zip(axes, domains):
+        part = data[data["domain"] == domain]
+        for (arch, knobs), g in sorted(part.groupby(["arch", "knobs"]), key=lambda kv: R.archs(part).index(kv[0][0])):
+            g = g.groupby("ratio", as_index=False)["bits_per_byte"].mean().sort_values("ratio")
+            ax.plot(g["ratio"], g["bits_per_byte"], label=S.label(arch, knobs), **S.arch_style(arch))
+        S.log_ticks(ax, part["ratio"].round(1))
+        n_docs = f" ({int(part['n_docs'].iloc[0])} docs)" if "n_docs" in part else ""
+        ax.set_title(f"{domain}{n_docs}")
+        ax.set_xlabel("d_model / n_layer (log)")
+        ax.set_ylabel("teacher-forced NLL (bits per byte)")
+        ax.grid(alpha=0.3)
+    S.legend(axes[-1])
+    S.title(fig, ctx, "teacher-forced NLL by domain at the best LR")
+    return fig

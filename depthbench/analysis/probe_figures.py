@@ -1,0 +1,156 @@
+"""Probe figures over layer pairs: angular distance d(l, l+k) heatmaps and the adjacent curve
+d(l, l+1); causal score C(s, l) and permutation score P(a, b) matrices with the last-3/4 region
+and the thresholds marked; the shares against depth. Drawn from results/tables/probes.parquet
+(best-LR run of each architecture and shape, its first seed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from depthbench.analysis import readers as R
+from depthbench.analysis import style as S
+
+NO_PROBES = "no trained probe rows (probes disabled, or every run diverged)"
+
+
+def _angular(tables: dict, ctx: S.Context, probe: str, what: str):
+    """Heatmaps of d(l, l+k) laid out architecture (rows) x shape (columns), one colour scale
+    shared by every panel; each panel's axes cover exactly its own l = 0..L-1 and k = 1..L."""
+    data = R.probe(tables.get("probes", pd.DataFrame()), probe)
+    if data.empty:
+        return S.message_figure(ctx, what, NO_PROBES)
+    archs, shapes = R.archs(data), R.shapes(data)
+    vmax = float(np.ceil(data.loc[data["j"] > 0, "value"].max() * 10) / 10) or 0.5
+    fig, axes = S.panels(len(archs) * len(shapes), ctx, cols=len(shapes), scale=0.9)
+    im = None
+    for r, arch in enumerate(archs):
+        for c, (L, d) in enumerate(shapes):
+            ax = axes[r * len(shapes) + c]
+            rows = data[(data["arch"] == arch) & (data["n_layer"] == L) & (data["d_model"] == d)]
+            if rows.empty:
+                S.note(ax, f"{arch} L={L}: no trained run")
+                ax.set_axis_off()
+                continue
+            M = R.matrix(rows, (L + 1, L + 1))[:L, 1:]  # l = 0..L-1, k = 1..L
+            im = ax.imshow(M.T, origin="lower", aspect="auto", vmin=0, vmax=vmax, cmap="viridis",
+                           extent=(-0.5, L - 0.5, 0.5, L + 0.5))
+            ax.set_title(f"{arch}, L={L}, d={d}")
+            step = max(1, L // 4)
+            ax.set_xticks(range(0, L, step))
+            ax.set_yticks(range(1, L + 1, step))
+            ax.set_xlabel("layer l (h_l)")
+            ax.set_ylabel("offset k")
+    if im is not None:
+        fig.colorbar(im, ax=axes, shrink=0.8, label="d(l, l+k) = arccos(cos(h_l, h_l+k)) / pi")
+    S.title(fig, ctx, what, "lower-left triangle: l + k <= L")
+    return fig
+
+
+def angular_distance(tables: dict, ctx: S.Context):
+    return _angular(tables, ctx, "angular_distance_last", "angular distance d(l, l+k), last token")
+
+
+def angular_distance_all(tables: dict, ctx: S.Context):
+    return _angular(tables, ctx, "angular_distance_all", "angular distance d(l, l+k), all tokens")
+
+
+def angular_adjacent(tables: dict, ctx: S.Context):
+    """d(l, l+1) against l / L for each architecture, one panel per depth (last token; dashed:
+    all tokens)."""
+    probes = tables.get("probes", pd.DataFrame())
+    last, allt = R.probe(probes, "angular_distance_last"), R.probe(probes, "angular_distance_all")
+    if last.empty:
+        return S.message_figure(ctx, "adjacent-layer angular distance", NO_PROBES)
+    shapes = R.shapes(last)
+    fig, axes = S.panels(len(shapes), ctx, cols=3, sharey=True)
+    for ax, (L, d) in zip(axes, shapes):
+        for arch in R.archs(last):
+            st = S.arch_style(arch)
+            for data, ls, lab in ((last, "-", arch), (allt, "--", None)):
+                g = data[(data["arch"] == arch) & (data["n_layer"] == L) & (data["j"] == 1)].sort_values("i")
+                ax.plot(g["i"], g["value"], linestyle=ls, label=lab, **st)
+        ax.set_title(f"L={L}, d={d}")
+        ax.set_xlabel("layer l (pair h_l, h_l+1)")
+        ax.set_xticks(range(0, L, max(1, L // 4)))
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("d(l, l+1)\nsolid: last token, dashed: all tokens")
+    S.legend(axes[-1])
+    S.title(fig, ctx, "adjacent-layer angular distance d(l, l+1)")
+    return fig
+
+
+def _score_matrices(tables: dict, ctx: S.Context, probe: str, key: str, what: str, axes_names: tuple[str, str]):
+    """One score matrix per architecture at the deepest shape (or figures.matrix_n_layer), the
+    last-3/4 block outlined, and cells above the threshold dotted."""
+    data = R.probe(tables.get("probes", pd.DataFrame()), probe)
+    if ctx.matrix_n_layer and not data.empty:
+        if not (data["n_layer"] == ctx.matrix_n_layer).any():
+            return S.message_figure(ctx, what, f"no trained run at figures.matrix_n_layer = {ctx.matrix_n_layer} "
+                                    f"(depths with rows: {sorted(data['n_layer'].unique().tolist())})")
+        data = data[data["n_layer"] == ctx.matrix_n_layer]
+    data = R.deepest(data)
+    if data.empty:
+        return S.message_figure(ctx, what, NO_PROBES)
+    threshold = ctx.thresholds[key]
+    L, d = R.shapes(data)[-1]
+    archs = R.archs(data)
+    fig, axes = S.panels(len(archs), ctx, cols=3, scale=0.9)
+    vmax = max(2 * threshold, float(np.nanpercentile(data["value"], 95)))
+    im = None
+    for ax, arch in zip(axes, archs):
+        M = R.matrix(data[data["arch"] == arch], (L + 1, L + 1))[1:, 1:]
+        im = ax.imshow(M, origin="lower", cmap="magma", vmin=0, vmax=vmax, extent=(0.5, L + 0.5, 0.5, L + 0.5))
+        ys, xs = np.nonzero(np.nan_to_num(M) > threshold)
+        ax.scatter(xs + 1, ys + 1, s=6, c="cyan", marker=".")
+        q = L // 4 + 0.5  # the last 3/4 of depth: layers l > L/4
+        ax.add_patch(S.plt.Rectangle((q, q), L + 0.5 - q, L + 0.5 - q, fill=False, ec="lime", lw=1.2, ls="--"))
+        ax.set_title(arch)
+        ax.set_xlabel(axes_names[1])
+        ax.set_ylabel(axes_names[0])
+        ticks = range(1, L + 1, max(1, L // 4))
+        ax.set_xticks(ticks)
+        ax.set_yticks(ticks)
+    fig.colorbar(im, ax=axes, shrink=0.8, label=f"{what.split(' ')[0]} score (cyan dots: > {threshold})")
+    S.title(fig, ctx, f"{what}; green dashed: last 3/4 of depth", f"L={L}, d={d}" + ("" if ctx.matrix_n_layer else " (deepest shape)"))
+    return fig
+
+
+def causal_matrix(tables: dict, ctx: S.Context):
+    return _score_matrices(tables, ctx, "causal_score", "causal_threshold", "causal score C(s, l)",
+                           ("skipped layer s", "layer l (l > s)"))
+
+
+def permutation_matrix(tables: dict, ctx: S.Context):
+    return _score_matrices(tables, ctx, "permutation_score", "permutation_threshold",
+                           "permutation score P(a, b)", ("layer a", "layer b (b > a)"))
+
+
+def probe_shares(tables: dict, ctx: S.Context):
+    """Share of layer pairs in the last 3/4 of depth above threshold, against depth."""
+    probes = tables.get("probes", pd.DataFrame())
+    parts = [(R.probe(probes, p), k, lab) for p, k, lab in (
+        ("causal_share", "causal_threshold", "causal score"), ("permutation_share", "permutation_threshold", "permutation score"))]
+    if all(p[0].empty for p in parts):
+        return S.message_figure(ctx, "causal and permutation shares vs depth", NO_PROBES)
+    fig, axes = S.panels(2, ctx, cols=2)
+    for ax, (data, key, lab) in zip(axes, parts):
+        curves = {}
+        for arch in R.archs(data):
+            g = data[data["arch"] == arch].groupby("n_layer")["value"].mean()
+            ax.plot(g.index, g.values, label=arch, **S.arch_style(arch))
+            curves[arch] = g
+        if data.empty:
+            S.note(ax, f"no {lab} rows")
+        else:
+            ax.set_xticks(sorted(data["n_layer"].unique()))
+        ax.set_xlabel("n_layer")
+        ax.set_ylabel(f"share of pairs with {lab} > {ctx.thresholds[key]}")
+        ax.set_title(f"{lab} (pairs in the last 3/4 of depth)")
+        ax.grid(alpha=0.3)
+        groups = S.coinciding(curves)
+        if groups:
+            S.note(ax, S.coincide_text(groups), y=0.9)
+    S.legend(axes[1])
+    S.title(fig, ctx, "causal and permutation shares vs depth")
+    return fig

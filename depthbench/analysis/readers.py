@@ -1,0 +1,112 @@
+"""Readers of the result tables (results/tables/*.parquet) for figures, claims and the report.
+
+Figures read these tables only. Every reader tolerates a table that is missing, empty, or
+lacks an optional column (an older run, or one written before a column was added): figures
+then say what is missing instead of failing (issue 20 item 5).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+TABLES = ("runs", "curves", "best_lr", "dynamics", "probes", "nll", "cost")
+SHAPE_KEYS = ["arch", "n_layer", "d_model", "knobs"]
+
+
+def read_tables(paths: dict[str, str | Path]) -> dict[str, pd.DataFrame]:
+    """{name: DataFrame} for the given table files; a file that does not exist reads as empty."""
+    out = {}
+    for name, path in paths.items():
+        p = Path(path)
+        out[name] = pd.read_parquet(p) if p.exists() and p.stat().st_size else pd.DataFrame()
+    return out
+
+
+def has(df: pd.DataFrame | None, *columns: str) -> bool:
+    """True when df is a non-empty table with every named column."""
+    return df is not None and not df.empty and all(c in df.columns for c in columns)
+
+
+def unigram_floor(runs: pd.DataFrame) -> float | None:
+    if not has(runs, "unigram_floor"):
+        return None
+    floors = runs["unigram_floor"].dropna()
+    return float(floors.iloc[0]) if not floors.empty else None
+
+
+def best_runs(runs: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
+    """The runs at their group's best learning rate (every seed), from runs and best_lr."""
+    if not has(runs, "run_id", *SHAPE_KEYS, "lr") or not has(best, *SHAPE_KEYS, "best_lr"):
+        return pd.DataFrame(columns=list(runs.columns) if runs is not None else [])
+    chosen = runs.merge(best[SHAPE_KEYS + ["best_lr"]], on=SHAPE_KEYS)
+    return chosen[np.isclose(chosen["lr"], chosen["best_lr"])].drop(columns=["best_lr"])
+
+
+def first_seed(df: pd.DataFrame) -> pd.DataFrame:
+    """One run per (arch, shape, knobs): the lowest seed (probe figures show one run each)."""
+    if df.empty or "seed" not in df.columns:
+        return df
+    lowest = df.groupby(SHAPE_KEYS)["seed"].transform("min")
+    return df[df["seed"] == lowest]
+
+
+def probe(probes: pd.DataFrame, name: str, stage: str = "trained", best_only: bool = True) -> pd.DataFrame:
+    """Rows of one probe at one stage, one run per (arch, shape, knobs): the best-LR run (first
+    seed) of trained rows. At init the learning rate plays no part, and diverged runs have init
+    rows too, so init stages (and best_only=False) take the lowest-LR run, first seed."""
+    if not has(probes, "probe", "stage", "value", *SHAPE_KEYS):
+        return pd.DataFrame(columns=["run_id", "probe", "stage", "i", "j", "value", *SHAPE_KEYS, "seed", "lr"])
+    sub = probes[(probes["probe"] == name) & (probes["stage"] == stage)]
+    if best_only and stage == "trained" and "is_best_lr" in sub.columns:
+        return first_seed(sub[sub["is_best_lr"].fillna(False).astype(bool)])
+    if "lr" in sub.columns and not sub.empty:
+        sub = sub[sub["lr"] == sub.groupby(SHAPE_KEYS)["lr"].transform("min")]
+    return first_seed(sub)
+
+
+def deepest(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows of the deepest shape present."""
+    if df.empty:
+        return df
+    return df[df["n_layer"] == df["n_layer"].max()]
+
+
+def matrix(rows: pd.DataFrame, size: tuple[int, int]) -> np.ndarray:
+    """The rows' values placed at (i, j) of a NaN matrix (indices outside are dropped)."""
+    M = np.full(size, np.nan)
+    i, j = rows["i"].to_numpy(int), rows["j"].to_numpy(int)
+    keep = (i >= 0) & (j >= 0) & (i < size[0]) & (j < size[1])
+    M[i[keep], j[keep]] = rows["value"].to_numpy(float)[keep]
+    return M
+
+
+def shapes(df: pd.DataFrame) -> list[tuple[int, int]]:
+    """(n_layer, d_model) pairs present, shallow to deep."""
+    if not has(df, "n_layer", "d_model"):
+        return []
+    pairs = df[["n_layer", "d_model"]].drop_duplicates().sort_values("n_layer")
+    return [(int(a), int(b)) for a, b in pairs.itertuples(index=False)]
+
+
+def archs(df: pd.DataFrame) -> list[str]:
+    """Architectures present, in the style's fixed order."""
+    from depthbench.analysis.style import ARCH_ORDER
+
+    if not has(df, "arch"):
+        return []
+    present = set(df["arch"].dropna().unique())
+    return [a for a in ARCH_ORDER if a in present] + sorted(present - set(ARCH_ORDER))
+
+
+def grid_line(config: dict) -> str:
+    """The config stated in every figure: budget, architectures' count, depths, LRs, seeds."""
+    budget = config.get("budget", {}).get("params")
+    depths = ",".join(str(s.get("n_layer")) for s in config.get("shapes", []))
+    lrs = ",".join(f"{v:g}" for v in config.get("learning_rates", []))
+    seeds = ",".join(str(s) for s in config.get("seeds", [0]))
+    parts = [f"budget {budget:.3g} params" if budget else "", f"L = {depths}" if depths else "",
+             f"LR {lrs}" if lrs else "", f"seeds {seeds}"]
+    return "; ".join(p for p in parts if p)

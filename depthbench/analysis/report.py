@@ -1,0 +1,117 @@
+"""The report: one self-contained, offline HTML file (results/report.html, images embedded as
+base64) that opens on the answer: the headline figure, the claims table and the best-LR table
+(budget deviation, LR at the edge, seeds) on the first screen, then one section per registry
+section with each figure's caption visible under it, and the tables in the page.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+from pathlib import Path
+
+import pandas as pd
+
+from depthbench.analysis import readers as R
+from depthbench.analysis.registry import FIGURES
+
+CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:0 18px;color:#222;font-size:13px}
+h1{font-size:19px;margin:10px 0 2px} h2{font-size:16px;border-bottom:1px solid #ccc;margin-top:26px}
+.sub{color:#555;margin:0 0 8px}
+.top{display:grid;grid-template-columns:minmax(380px,38%) 1fr;gap:12px;align-items:start}
+.top img{max-width:100%;max-height:470px;border:1px solid #ddd}
+.top h3{font-size:13px;margin:4px 0}
+table{border-collapse:collapse;font-size:11px;width:100%}
+th,td{border:1px solid #ddd;padding:1px 4px;text-align:left;vertical-align:top;line-height:1.25}
+th{background:#f3f3f3} td.num{text-align:right;font-variant-numeric:tabular-nums}
+.holds{background:#dff3df} .fails{background:#f8dede} .untestable{background:#f1f1f1;color:#555}
+figure{margin:12px 0 22px} figure img{max-width:100%;max-height:900px;border:1px solid #ddd}
+figcaption{max-width:1100px;margin-top:4px;color:#333}
+nav a{margin-right:12px} .small{color:#666;font-size:11px}
+"""
+
+
+def _img(path: Path, alt: str) -> str:
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+def _verdict_class(v: str) -> str:
+    return "holds" if v == "holds" else "fails" if v.startswith("does not") else "untestable"
+
+
+def claims_html(claims: pd.DataFrame, full: bool = False) -> str:
+    if claims.empty:
+        return "<p>No claims table.</p>"
+    head = ["claim", "paper", "ours", "verdict"] + (["how ours is computed", "source", "note"] if full else [])
+    rows = []
+    for r in claims.itertuples():
+        cells = [f"<b>({r.claim_id[0]})</b> {html.escape(r.claim)}",
+                 html.escape(r.paper), html.escape(r.ours or "-"),
+                 html.escape(r.verdict) + (f'<div class="small">{html.escape(r.note)}</div>' if r.note and not full else "")]
+        if full:
+            cells += [html.escape(r.method), html.escape(r.source), html.escape(r.note or "")]
+        rows.append(f'<tr class="{_verdict_class(r.verdict)}">' + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    return "<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>" + "".join(rows) + "</table>"
+
+
+def best_lr_html(best: pd.DataFrame, budget: float | None) -> str:
+    """The best-LR table: loss (+- seed std), budget deviation, LR at the edge, seeds."""
+    if best.empty:
+        return "<p>No best-LR table: every run diverged or none was trained.</p>"
+    order = R.archs(best)
+    best = best.sort_values(["arch", "n_layer"], key=lambda c: c.map(order.index) if c.name == "arch" else c)
+    head = ["arch", "L", "d", "ratio", "params", "vs budget", "best LR", "val loss", "seeds", "LR at edge", "diverged / LRs"]
+    rows = []
+    for r in best.to_dict("records"):
+        dev = r.get("params_vs_budget", r["params"] / budget - 1 if budget else float("nan"))
+        std = r.get("final_val_loss_std", float("nan"))
+        loss = f"{r['final_val_loss']:.4f}" + (f" &plusmn; {std:.4f}" if std == std else "")
+        edge = r.get("lr_at_edge")
+        cells = [html.escape(r["arch"] if r["knobs"] == "{}" else f"{r['arch']} {r['knobs']}"), r["n_layer"], r["d_model"],
+                 f"{r['ratio']:.1f}", f"{int(r['params']):,}", f"{100 * dev:+.2f}%" if dev == dev else "-", f"{r['best_lr']:g}", loss,
+                 r.get("n_seeds", "-"), "yes" if edge is True else "no" if edge is False else "-",
+                 f"{r.get('n_diverged', '-')} / {r.get('n_lrs_tried', '-')}"]
+        rows.append("<tr>" + "".join(f'<td class="num">{c}</td>' if i else f"<td>{c}</td>" for i, c in enumerate(cells)) + "</tr>")
+    return "<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>" + "".join(rows) + "</table>"
+
+
+def runs_html(runs: pd.DataFrame) -> str:
+    cols = [c for c in ("run_id", "arch", "n_layer", "d_model", "params", "lr", "seed", "status", "final_val_loss", "tokens_seen", "device") if c in runs]
+    if runs.empty:
+        return "<p>No runs.</p>"
+    return runs[cols].to_html(index=False, float_format=lambda v: f"{v:.4g}", border=0)
+
+
+def build_report(names: list[str], figure_dir: str | Path, tables: dict, settings: dict) -> str:
+    """The report's HTML text; figures that were not drawn are listed as missing."""
+    figure_dir = Path(figure_dir)
+    claims, best, runs = (tables.get(k, pd.DataFrame()) for k in ("claims", "best_lr", "runs"))
+    budget = settings.get("budget", {}).get("params")
+    grid = R.grid_line(settings)
+    archs = ", ".join(R.archs(runs)) or "none"
+    headline = figure_dir / "headline.png"
+    top_img = _img(headline, "headline") if headline.exists() else "<p>headline figure missing</p>"
+    sections: dict[str, list[str]] = {}
+    for name in names:
+        fig, png = FIGURES[name], figure_dir / f"{name}.png"
+        body = _img(png, name) if png.exists() else f"<p>{name}.png was not drawn.</p>"
+        sections.setdefault(fig.section, []).append(
+            f'<figure id="{name}">{body}<figcaption><b>{name}.</b> {html.escape(fig.caption)}</figcaption></figure>')
+    nav = "".join(f'<a href="#s{i}">{html.escape(s)}</a>' for i, s in enumerate(sections))
+    parts = [
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>DepthBench {html.escape(settings.get('name', ''))}</title><style>{CSS}</style></head><body>",
+        f"<h1>DepthBench: does depth at a fixed budget turn into computation? Config <tt>{html.escape(settings.get('name', ''))}</tt></h1>",
+        f'<p class="sub">{html.escape(archs)}; {html.escape(grid)}. Claims measured at: {html.escape(claims["scale"].iloc[0] if not claims.empty else "-")}.</p>',
+        f'<div class="top"><div>{top_img}<h3>Best learning rate per shape</h3>{best_lr_html(best, budget)}</div>',
+        f"<div><h3>Claims of the source papers (sources and methods: <a href='#claims'>Claims in full</a>)</h3>{claims_html(claims)}</div></div>",
+        f'<p class="small">{html.escape(FIGURES["headline"].caption)}</p>',
+        f"<nav>{nav}</nav>",
+    ]
+    for i, (section, figs) in enumerate(sections.items()):
+        parts.append(f'<h2 id="s{i}">{html.escape(section)}</h2>' + "".join(figs))
+    parts += [f"<h2 id='claims'>Claims in full</h2>{claims_html(claims, full=True)}", f"<h2>Runs</h2>{runs_html(runs)}",
+              '<p class="small">Tables: results/tables/*.parquet. Provenance (rules, code, logs): results/provenance.html via snakemake --report.</p>',
+              "</body></html>"]
+    return "\n".join(parts)

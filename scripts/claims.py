@@ -1,0 +1,13 @@
+"""Snakemake entry: the claims table (results/tables/claims.parquet) from the other tables."""
+
+import sys
+
+from depthbench.analysis.claims import claims_table, load_claims
+from depthbench.analysis.readers import read_tables
+from depthbench.tables import write_parquet
+
+sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+tables = read_tables({k: v for k, v in snakemake.input.items() if k != "claims"})  # noqa: F821
+table = claims_table(load_claims(snakemake.input.claims), tables, snakemake.params.settings)  # noqa: F821
+write_parquet(table, snakemake.output[0])  # noqa: F821
+print(table[["claim_id", "verdict", "ours"]].to_string(), file=sys.stderr)

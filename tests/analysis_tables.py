@@ -1,0 +1,95 @@
+"""Synthetic result tables with the columns the workflow writes, for the analysis tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+BUDGET = 8.0e5
+
+
+def _run_id(arch: str, L: int, lr: float, seed: int = 0) -> str:
+    return f"{arch}_L{L}_lr{lr:g}_s{seed}"
+
+
+def synthetic_tables(archs=("pre_ln", "hc", "attnres_block"), depths=(2, 4, 8), lrs=(2e-3, 4e-3),
+                     diverged=lambda arch, L, lr: lr > 3e-3 and arch == "hc", loss=None) -> dict[str, pd.DataFrame]:
+    """A complete set of tables: runs (status from `diverged`), best_lr, curves, dynamics,
+    probes (trained and init), nll and cost. loss(arch, L, lr) gives each run's final loss."""
+    loss = loss or (lambda arch, L, lr: 4.0 + 0.1 * abs(np.log2(lr / 2e-3)) - 0.02 * L * (arch != "pre_ln"))
+    runs = []
+    for arch in archs:
+        for L in depths:
+            d = int(64 * np.sqrt(8 / L) // 16 * 16)
+            for lr in lrs:
+                bad = diverged(arch, L, lr)
+                runs.append({"run_id": _run_id(arch, L, lr), "experiment": "syn", "arch": arch, "n_layer": L, "d_model": d,
+                             "ratio": d / L, "params": int(BUDGET * (1 + 0.01 * (L - 4))), "lr": lr, "seed": 0, "knobs": "{}",
+                             "status": "diverged" if bad else "ok", "final_val_loss": np.nan if bad else loss(arch, L, lr),
+                             "unigram_floor": 5.5, "device": "cpu"})
+    runs = pd.DataFrame(runs)
+    from depthbench.tables import best_learning_rates
+
+    best = best_learning_rates(runs)
+    tables = {"runs": runs, "best_lr": best}
+    curves, dyn, probes = [], [], []
+    for r in runs.itertuples():
+        for step in range(0, 101, 10):
+            curves.append({"run_id": r.run_id, "step": step, "tokens": step * 2048, "train_loss": 7 - step / 30,
+                           "val_loss": 7 - step / 30 if step % 50 == 0 else np.nan})
+        for step in (50, 100):
+            for l in range(r.n_layer + 1):
+                dyn.append({"run_id": r.run_id, "step": step, "quantity": "residual_rms", "index": l, "name": "", "value": 1 + l * step / 100})
+                dyn.append({"run_id": r.run_id, "step": step, "quantity": "grad_norm_h", "index": l, "name": "", "value": 0.1 / (1 + l)})
+            for l in range(r.n_layer):
+                dyn.append({"run_id": r.run_id, "step": step, "quantity": "norm_factor", "index": -1, "name": f"blocks.{l}.attn_norm", "value": 1 / (1 + l)})
+        probes += _probe_rows(r)
+    tables["curves"] = pd.DataFrame(curves)
+    tables["dynamics"] = pd.DataFrame(dyn)
+    probes = pd.DataFrame(probes)
+    from depthbench.tables import _with_run_columns  # the join the workflow applies
+
+    tables["probes"] = _with_run_columns(probes, runs, best)
+    nll = pd.DataFrame([{"run_id": r.run_id, "level": "domain", "set": "", "domain": dom, "n_docs": 16,
+                         "nats_per_token": 3.0, "bits_per_byte": 1.5 - 0.01 * r.n_layer} for r in runs.itertuples() for dom in ("code", "stem", "math")])
+    tables["nll"] = _with_run_columns(nll, runs, best)
+    cost = pd.DataFrame([{"run_id": r.run_id, "prefill_flops_4096": 1e9 * r.n_layer, "kv_cache_bytes_4096": 2**20 * r.n_layer,
+                          "measured_peak_memory_bytes": 5e8, "peak_memory_kind": "process_max_rss", "device_hours": 0.01,
+                          "device": "cpu"} for r in runs.itertuples()])
+    tables["cost"] = _with_run_columns(cost, runs, best).merge(runs[["run_id", "device"]].rename(columns={"device": "d2"}), on="run_id").drop(columns="d2")
+    return tables
+
+
+def _probe_rows(r) -> list[dict]:
+    L, rows = r.n_layer, []
+    stages = ("init", "init_no_prefix_avg") + (("trained",) if r.status == "ok" else ())
+    for stage in stages:
+        add = lambda probe, i, j, v: rows.append({"run_id": r.run_id, "probe": probe, "stage": stage, "i": i, "j": j, "value": v})  # noqa: E731
+        for l in range(L + 1):
+            add("token_similarity", l, -1, 0.1 * l)
+            add("effective_rank", l, -1, 20 - l)
+            for k in range(L + 1 - l):
+                add("angular_distance_last", l, k, 0.05 * k)
+                add("angular_distance_all", l, k, 0.04 * k)
+        if stage == "init_no_prefix_avg":
+            continue
+        for s in range(1, L + 1):
+            for l in range(s + 1, L + 1):
+                add("causal_score", s, l, 0.6 if l == s + 1 else 0.1)
+                add("permutation_score", s, l, 0.2 if r.arch == "hc" else 0.05)
+        add("causal_share", -1, -1, 0.3 if r.arch != "pre_ln" else 0.05)
+        add("permutation_share", -1, -1, 0.4 if r.arch == "hc" else 0.1)
+        if not r.arch.startswith("attnres"):
+            for l in range(1, L + 1):
+                add("usefulness_ratio", l, -1, 1.0 + 0.05 * l)
+        if r.arch in ("hc", "mhc"):
+            add("residual_product_rank", -1, -1, 2.6 if r.arch == "hc" else 1.5)
+        if r.arch.startswith("attnres"):
+            for s in range(1, 2 * L + 2):
+                for j in range(min(s, 4)):
+                    add("depth_weight", s, j, 1 / min(s, 4))
+            if r.arch == "attnres_block":
+                for l in range(1, L + 1):
+                    add("partial_sum_weight", l, -1, 0.01 if l <= L // 4 else 0.3)
+                add("dead_zone_layers", -1, -1, float(L // 4))
+    return rows
