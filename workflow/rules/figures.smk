@@ -15,6 +15,8 @@ rule figures:
         f"{RESULTS}/logs/figures.log",
     benchmark:
         f"{RESULTS}/benchmarks/figures.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/figures.py"
 
@@ -34,6 +36,8 @@ rule dynamics_figure:
         f"{RESULTS}/logs/dynamics_figure.log",
     benchmark:
         f"{RESULTS}/benchmarks/dynamics_figure.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/dynamics_figure.py"
 
@@ -55,5 +59,7 @@ rule cost_figures:
         f"{RESULTS}/logs/cost_figures.log",
     benchmark:
         f"{RESULTS}/benchmarks/cost_figures.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/cost_figures.py"

@@ -23,6 +23,8 @@ rule probe:
         f"{RESULTS}/logs/probe/{{run_id}}.log",
     benchmark:
         f"{RESULTS}/benchmarks/probe/{{run_id}}.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/probe.py"
 
@@ -38,6 +40,8 @@ rule probes_table:
         f"{RESULTS}/logs/probes_table.log",
     benchmark:
         f"{RESULTS}/benchmarks/probes_table.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/probes_table.py"
 
@@ -56,5 +60,7 @@ rule probe_figures:
         f"{RESULTS}/logs/probe_figures.log",
     benchmark:
         f"{RESULTS}/benchmarks/probe_figures.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/probe_figures.py"

@@ -10,6 +10,8 @@ rule tokenizer:
         f"{RESULTS}/logs/tokenizer/{EXP.tokenizer_id}.log",
     benchmark:
         f"{RESULTS}/benchmarks/tokenizer/{EXP.tokenizer_id}.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/tokenizer.py"
 
@@ -30,5 +32,7 @@ rule tokenize:
         f"{RESULTS}/logs/tokenize/{EXP.data_id}.log",
     benchmark:
         f"{RESULTS}/benchmarks/tokenize/{EXP.data_id}.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/tokenize_corpus.py"
