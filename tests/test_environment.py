@@ -33,18 +33,19 @@ def test_installed_versions_are_the_pinned_ones():
 
 
 def _rule_blocks(text: str):
-    """(rule name, body) of every rule in a Snakefile's text (a block ends at the next top-level line)."""
-    blocks, name, body = [], None, []
-    for line in text.splitlines():
-        if line and not line[0].isspace() and not line.startswith("#"):
-            if name:
-                blocks.append((name, "\n".join(body)))
-            m = re.match(r"(?:rule|checkpoint)\s+(\w+)\s*:", line)
-            name, body = (m.group(1) if m else None), []
-        elif name:
-            body.append(line)
-    if name:
-        blocks.append((name, "\n".join(body)))
+    """(rule name, body) of every rule in a Snakefile's text, also rules defined under an `if`:
+    a rule's body is the lines indented deeper than its `rule` line."""
+    lines, blocks = text.splitlines(), []
+    for n, line in enumerate(lines):
+        m = re.match(r"(\s*)(?:rule|checkpoint)\s+(\w+)\s*:", line)
+        if not m:
+            continue
+        indent, body = len(m.group(1)), []
+        for nxt in lines[n + 1:]:
+            if nxt.strip() and len(nxt) - len(nxt.lstrip()) <= indent:
+                break
+            body.append(nxt)
+        blocks.append((m.group(2), "\n".join(body)))
     return blocks
 
 
@@ -60,7 +61,7 @@ def test_every_rule_with_a_job_uses_the_conda_env():
             assert m, f"rule {name} in {path.name} has no conda: directive"
             assert (path.parent / m.group(1)).resolve() == (REPO / "envs" / "depthbench.yaml").resolve(), name
             seen.append(name)
-    assert {"tokenize", "train", "probe", "tables", "nll"} <= set(seen)
+    assert {"tokenize", "tokenize_index", "tokenize_piece", "train", "probe", "tables", "nll"} <= set(seen)
 
 
 def test_post_deploy_installs_the_nodeps_packages_and_depthbench():
