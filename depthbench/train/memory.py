@@ -27,7 +27,7 @@ modelled: `HEADROOM` (10 %) is added before the fit test against the GPU's memor
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from unittest import mock
 
 import torch
@@ -70,11 +70,9 @@ class _MetaAutocast(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.bf16:
-            pass
-        elif func in _LOW:
+        if self.bf16 and func in _LOW:
             args, kwargs = _cast(args, torch.bfloat16), {k: _cast(v, torch.bfloat16) for k, v in kwargs.items()}
-        elif func in _HIGH:
+        elif self.bf16 and func in _HIGH:
             args = _cast(args, torch.float32)
             kwargs.pop("dtype", None)
         if func is F.scaled_dot_product_attention and kwargs.get("attn_mask") is None and len(args) < 4:
@@ -156,7 +154,7 @@ def trace_activations(model: torch.nn.Module, idx: torch.Tensor, bf16: bool) -> 
                 current[0] = -1
         for module in block.modules():
             hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    mode = _MetaAutocast(bf16) if idx.device.type == "meta" else contextlib_null()
+    mode = _MetaAutocast(bf16) if idx.device.type == "meta" else nullcontext()
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode, _eager_kernels(idx, mode):
             out = model(idx, targets=idx)
@@ -165,11 +163,6 @@ def trace_activations(model: torch.nn.Module, idx: torch.Tensor, bf16: bool) -> 
         for h in hooks:
             h.remove()
     return ActivationTrace(counts["total"], per_block, inputs)
-
-
-@contextmanager
-def contextlib_null():
-    yield
 
 
 @contextmanager
