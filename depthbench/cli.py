@@ -46,6 +46,14 @@ def cmd_validate(args) -> None:
     print(f"{args.config}: valid; {len(exp.runs)} runs, data {exp.data_id}, tokenizer {exp.tokenizer_id}")
 
 
+def cmd_plan(args) -> None:
+    from depthbench.plan import format_plan, plan_experiment
+
+    exp = _experiment(args.config)
+    plans = plan_experiment(exp, mfu=args.mfu, peak=args.peak, gpu_memory=args.gpu_memory_gb * 1e9)
+    print(format_plan(plans, args.gpu, args.mfu, args.gpu_memory_gb * 1e9))
+
+
 # The rules that only read results/: everything else (tokenize, train, probe, nll) is not allowed.
 REGENERATE_RULES = ["tables", "cost_table", "probes_table", "nll_table", "figures", "probe_figures", "dynamics_figure",
                     "nll_figures", "cost_figures", "claims", "report", "all"]
@@ -105,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("config", nargs="?", default="config/config.yaml")
         p.set_defaults(fn=fn)
+    p = sub.add_parser("plan", help="per run and in total: FLOPs, tokens, GPU-hours, per-GPU memory, disk")
+    p.add_argument("config", nargs="?", default="config/config.yaml")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOP utilisation assumed (default 0.4)")
+    p.add_argument("--gpu", default="H100 SXM", help="GPU name shown (default H100 SXM)")
+    p.add_argument("--peak", type=float, default=989e12, help="the GPU's dense bf16 FLOP/s (default 989e12, H100 SXM)")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU in GB (default 80)")
+    p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("regenerate", help="rebuild tables, figures and the HTML report from results/ without training")
     p.add_argument("config", nargs="?", default=None, help="the config of the results (default: the embedded one)")
     p.add_argument("--cores", type=int, default=2)

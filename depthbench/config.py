@@ -259,7 +259,7 @@ def tokenizer_id(config: dict) -> str:
     tok = config["tokenizer"]
     ident: dict[str, Any] = {"tokenizer": tok}
     if tok["kind"] == "bpe":  # trained on the corpus, so the corpus is part of its identity
-        ident["corpus"] = config["corpus"]
+        ident["corpus"] = {k: v for k, v in config["corpus"].items() if k != "pieces"}  # pieces do not change its text
     if tok["kind"] in ("file", "olmo_eval"):
         from depthbench.data.tokenizer import resolve_tokenizer_file
 
@@ -271,7 +271,10 @@ def tokenizer_id(config: dict) -> str:
 
 
 def data_id(config: dict) -> str:
-    return f"{config['corpus']['name']}-{short_hash({'corpus': config['corpus'], 'tok': tokenizer_id(config)})}"
+    # corpus.pieces: 1 (the default) is left out, so data ids from before pieces existed stay;
+    # more pieces change the training windows (none crosses a piece file), hence the data id.
+    corpus = {k: v for k, v in config["corpus"].items() if not (k == "pieces" and v == 1)}
+    return f"{config['corpus']['name']}-{short_hash({'corpus': corpus, 'tok': tokenizer_id(config)})}"
 
 
 @dataclass

@@ -136,7 +136,7 @@ def test_schema_architecture_enum_matches_the_registry():
 
 
 def test_settings_added_later_enter_the_hash_only_when_changed():
-    from depthbench.config import _hashed
+    from depthbench.spec import _hashed
     from depthbench.train.config import TrainConfig
 
     values = TrainConfig().hashed_dict()

@@ -40,7 +40,7 @@ def job_counts(output: str) -> dict[str, int]:
 
 
 def copy_workflow(dest: Path) -> Path:
-    for name in ("Snakefile", "workflow", "scripts", "config", "slurm"):
+    for name in ("Snakefile", "workflow", "scripts", "config", "slurm", "envs"):  # envs: the rules' conda: files
         src = REPO / name
         (shutil.copytree if src.is_dir() else shutil.copy)(src, dest / name)
     return dest

@@ -11,12 +11,15 @@ from tokenizers import Tokenizer
 from depthbench.data.corpus import (
     WIKI_OFFLINE_LICENCE,
     check_local_corpus,
+    document_index,
     is_validation,
     iter_documents,
     local_files,
+    piece_documents,
+    piece_plan,
     split_documents,
 )
-from depthbench.data.shards import describe_external_shards, write_token_shards
+from depthbench.data.shards import describe_external_shards, merge_pieces, write_piece, write_token_shards
 from depthbench.data.tokenizer import (
     eos_id,
     load_hub_tokenizer,
@@ -25,7 +28,7 @@ from depthbench.data.tokenizer import (
     train_bpe,
 )
 from depthbench.errors import DataError
-from depthbench.io import atomic_write
+from depthbench.io import atomic_write, atomic_write_json
 
 
 def _check_corpus_contents(corpus: dict) -> None:
@@ -55,6 +58,18 @@ def build_tokenizer(config: dict, out_path: str) -> None:
         atomic_write(out_path, lambda tmp: tok.save(tmp))
 
 
+def _meta_extra(config: dict, tokenizer_path: str, data_id: str, tokenizer_id: str) -> dict:
+    corpus = config["corpus"]
+    return {
+        "data_id": data_id,
+        "tokenizer_id": tokenizer_id,
+        "tokenizer_sha256": tokenizer_sha256(tokenizer_path),
+        "tokenizer_kind": config["tokenizer"]["kind"],
+        "corpus": corpus,
+        "licence": corpus.get("licence") or (WIKI_OFFLINE_LICENCE if corpus["source"] == "wiki_offline" else "see the corpus source"),
+    }
+
+
 def build_shards(config: dict, tokenizer_path: str, out_dir: str, data_id: str, tokenizer_id: str) -> dict:
     spec, corpus = config["tokenizer"], config["corpus"]
     tok = Tokenizer.from_file(tokenizer_path)
@@ -63,14 +78,7 @@ def build_shards(config: dict, tokenizer_path: str, out_dir: str, data_id: str, 
     if corpus["source"] == "shards":
         if corpus["eos_id"] != eos:
             raise DataError(f"corpus.eos_id {corpus['eos_id']} differs from the tokenizer's EOS id {eos}")
-    extra = {
-        "data_id": data_id,
-        "tokenizer_id": tokenizer_id,
-        "tokenizer_sha256": tokenizer_sha256(tokenizer_path),
-        "tokenizer_kind": spec["kind"],
-        "corpus": corpus,
-        "licence": corpus.get("licence") or (WIKI_OFFLINE_LICENCE if corpus["source"] == "wiki_offline" else "see the corpus source"),
-    }
+    extra = _meta_extra(config, tokenizer_path, data_id, tokenizer_id)
     start = time.time()
     if corpus["source"] == "shards":
         meta = describe_external_shards(corpus["train_paths"], corpus["val_paths"], corpus["dtype"], eos, vocab_size, out_dir, extra)
@@ -87,3 +95,45 @@ def build_shards(config: dict, tokenizer_path: str, out_dir: str, data_id: str, 
     meta["seconds"] = round(time.time() - start, 2)
     return meta
 
+
+
+# --- corpus.pieces > 1: index -> N piece jobs -> merge (workflow/rules/tokenize.smk) ---------
+
+
+def build_index(config: dict, out_path: str) -> dict:
+    """Per-file document counts of the corpus, so that each piece reads only its own files."""
+    index = document_index(config["corpus"])
+    piece_plan(config["corpus"], index)  # a bad corpus.pieces fails here, before any piece starts
+    atomic_write_json(out_path, index)
+    return index
+
+
+def build_piece(config: dict, tokenizer_path: str, index_path: str, piece: int, piece_dir: str) -> dict:
+    """Tokenize piece `piece`: the split is by the GLOBAL document index (is_validation)."""
+    import json
+
+    corpus = config["corpus"]
+    plan = piece_plan(corpus, json.loads(open(index_path).read()))[piece]
+    tok = Tokenizer.from_file(tokenizer_path)
+    eos = eos_id(tok, config["tokenizer"].get("eos_token"))
+    frac, seed = corpus.get("val_fraction", 0.05), corpus.get("split_seed", 1234)
+    documents = ((is_validation(i, frac, seed), doc) for i, doc in piece_documents(corpus, plan))
+
+    def encode_batch(texts: list[str]) -> list[list[int]]:
+        return [enc.ids for enc in tok.encode_batch(texts, add_special_tokens=False)]
+
+    start = time.time()
+    info = write_piece(documents, encode_batch, eos, tok.get_vocab_size(), piece_dir,
+                       {"piece": piece, "first_document": plan["start"], "tokenizer_sha256": tokenizer_sha256(tokenizer_path)})
+    info["seconds"] = round(time.time() - start, 2)
+    return info
+
+
+def merge_shards(config: dict, tokenizer_path: str, piece_dirs: list[str], out_dir: str, data_id: str, tokenizer_id: str) -> dict:
+    import json
+
+    sha = tokenizer_sha256(tokenizer_path)
+    for d in piece_dirs:
+        if json.loads(open(f"{d}/piece.json").read())["tokenizer_sha256"] != sha:
+            raise DataError(f"{d}: tokenized with another tokenizer than {tokenizer_path}; delete it and rerun")
+    return merge_pieces(piece_dirs, out_dir, _meta_extra(config, tokenizer_path, data_id, tokenizer_id))

@@ -46,12 +46,12 @@ class _ShardWriter:
         self.counts += np.bincount(arr, minlength=len(self.counts))[: len(self.counts)]
         self.file.write(arr.tobytes())
 
-    def finish(self) -> dict:
+    def finish(self, allow_empty: bool = False) -> dict:
         self.file.close()
-        if self.n_tokens == 0:
+        if self.n_tokens == 0 and not allow_empty:
             self.tmp.unlink()
             raise DataError(f"{self.path}: the split has no documents; adjust corpus.val_fraction or the corpus")
-        offsets = np.stack([np.asarray(self.starts), np.append(self.starts[1:], self.n_tokens)], axis=1).astype(np.int64)
+        offsets = np.stack([np.asarray(self.starts, dtype=np.int64), np.append(self.starts[1:], self.n_tokens).astype(np.int64)], axis=1)
         offsets_path = self.path.with_suffix(".docs.npy")
         tmp_offsets = offsets_path.with_name(offsets_path.name + ".tmp.npy")
         np.save(tmp_offsets, offsets)
@@ -70,6 +70,29 @@ def unigram_loss(train_counts: np.ndarray, val_counts: np.ndarray) -> float:
     return float(-(val_counts * np.log(p)).sum() / val_counts.sum())
 
 
+def _write_splits(documents, encode_batch, eos: int, vocab_size: int, out: Path, batch_size: int, allow_empty: bool = False):
+    """Stream (is_validation, text) pairs into out/train.bin and out/val.bin (memory: one batch)."""
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = shard_dtype(vocab_size)
+    writers = {False: _ShardWriter(out / "train.bin", dtype, vocab_size), True: _ShardWriter(out / "val.bin", dtype, vocab_size)}
+    for batch in batched(documents, batch_size):
+        encoded = encode_batch([text for _, text in batch])
+        for (is_val, _), ids in zip(batch, encoded):
+            if ids and max(ids) >= vocab_size:
+                raise DataError(f"token id {max(ids)} >= vocab_size {vocab_size}: the tokenizer and vocab_size disagree")
+            writers[is_val].add(list(ids) + [eos])
+    infos = {"train": writers[False].finish(allow_empty), "val": writers[True].finish(allow_empty)}
+    return dtype, infos, writers[False].counts, writers[True].counts
+
+
+def _meta(dtype, vocab_size: int, eos: int, train: dict, val: dict, train_counts, val_counts, extra: dict) -> dict:
+    return {
+        "version": META_VERSION, "dtype": dtype.name, "byte_order": "little", "vocab_size": vocab_size, "eos_id": eos,
+        "train": train, "val": val,
+        "unigram_val_loss": unigram_loss(train_counts, val_counts), "unigram_smoothing": "add-one", **extra,
+    }
+
+
 def write_token_shards(
     documents: Iterable[tuple[bool, str]],
     encode_batch,
@@ -81,28 +104,46 @@ def write_token_shards(
 ) -> dict:
     """Tokenize (is_validation, text) pairs into train.bin / val.bin and write meta.json last."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    dtype = shard_dtype(vocab_size)
-    writers = {False: _ShardWriter(out / "train.bin", dtype, vocab_size), True: _ShardWriter(out / "val.bin", dtype, vocab_size)}
-    for batch in batched(documents, batch_size):
-        encoded = encode_batch([text for _, text in batch])
-        for (is_val, _), ids in zip(batch, encoded):
-            if ids and max(ids) >= vocab_size:
-                raise DataError(f"token id {max(ids)} >= vocab_size {vocab_size}: the tokenizer and vocab_size disagree")
-            writers[is_val].add(list(ids) + [eos])
-    train_counts, val_counts = writers[False].counts, writers[True].counts
-    meta = {
-        "version": META_VERSION,
-        "dtype": dtype.name,
-        "byte_order": "little",
-        "vocab_size": vocab_size,
-        "eos_id": eos,
-        "train": writers[False].finish(),
-        "val": writers[True].finish(),
-        "unigram_val_loss": unigram_loss(train_counts, val_counts),
-        "unigram_smoothing": "add-one",
-        **meta_extra,
-    }
+    dtype, infos, train_counts, val_counts = _write_splits(documents, encode_batch, eos, vocab_size, out, batch_size)
+    meta = _meta(dtype, vocab_size, eos, infos["train"], infos["val"], train_counts, val_counts, meta_extra)
+    atomic_write_json(out / "meta.json", meta)
+    return meta
+
+
+def write_piece(documents, encode_batch, eos: int, vocab_size: int, piece_dir, piece_extra: dict, batch_size: int = 1000) -> dict:
+    """One piece of a sharded tokenization: its train/val files, offsets, unigram counts, and
+    piece.json last (atomic), whose presence means the piece is complete. A split may be empty."""
+    out = Path(piece_dir)
+    dtype, infos, train_counts, val_counts = _write_splits(documents, encode_batch, eos, vocab_size, out, batch_size, allow_empty=True)
+    tmp = out / "counts.tmp.npy"
+    np.save(tmp, np.stack([train_counts, val_counts]))
+    os.replace(tmp, out / "counts.npy")
+    info = {"dtype": dtype.name, "vocab_size": vocab_size, "eos_id": eos, **infos, **piece_extra}
+    atomic_write_json(out / "piece.json", info)
+    return info
+
+
+def merge_pieces(piece_dirs: list, out_dir, meta_extra: dict) -> dict:
+    """meta.json over the pieces, in piece order: file lists (relative to out_dir), summed token
+    and document counts, and the unigram floor from the summed counts."""
+    out = Path(out_dir)
+    pieces = [json.loads((Path(d) / "piece.json").read_text()) for d in piece_dirs]
+    first = pieces[0]
+    if any((p["dtype"], p["vocab_size"], p["eos_id"]) != (first["dtype"], first["vocab_size"], first["eos_id"]) for p in pieces):
+        raise DataError(f"{out}: the pieces were tokenized with different tokenizers; delete {out}/pieces and rerun")
+    counts = sum(np.load(Path(d) / "counts.npy") for d in piece_dirs)
+    splits = {}
+    for split in ("train", "val"):
+        kept = [(Path(d), p[split]) for d, p in zip(piece_dirs, pieces) if p[split]["n_tokens"] > 0]  # empty files cannot be mapped
+        if not kept:
+            raise DataError(f"{out}: the {split} split has no documents in any piece; adjust corpus.val_fraction or the corpus")
+        splits[split] = {
+            "files": [os.path.relpath(d / i["file"], out) for d, i in kept],
+            "doc_offsets": [os.path.relpath(d / i["doc_offsets"], out) for d, i in kept],
+            "n_tokens": sum(i["n_tokens"] for _, i in kept), "n_documents": sum(i["n_documents"] for _, i in kept),
+        }
+    meta = _meta(np.dtype(first["dtype"]), first["vocab_size"], first["eos_id"], splits["train"], splits["val"], counts[0], counts[1],
+                 {"pieces": len(pieces), **meta_extra})
     atomic_write_json(out / "meta.json", meta)
     return meta
 
@@ -150,8 +191,8 @@ def read_meta(data_dir: str | os.PathLike) -> dict:
 
 def split_files(data_dir: str | os.PathLike, meta: dict, split: str) -> list[str]:
     info = meta[split]
-    if "files" in info:
-        return info["files"]
+    if "files" in info:  # external shards (absolute) or pieces (relative to the data directory)
+        return [str(Path(data_dir) / f) for f in info["files"]]
     return [str(Path(data_dir) / info["file"])]
 
 

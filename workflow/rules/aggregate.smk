@@ -23,6 +23,8 @@ rule tables:
         f"{RESULTS}/logs/tables.log",
     benchmark:
         f"{RESULTS}/benchmarks/tables.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/tables.py"
 
@@ -41,5 +43,7 @@ rule cost_table:
         f"{RESULTS}/logs/cost_table.log",
     benchmark:
         f"{RESULTS}/benchmarks/cost_table.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/cost_table.py"

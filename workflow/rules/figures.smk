@@ -15,6 +15,8 @@ rule figures:
         f"{RESULTS}/logs/figures.log",
     benchmark:
         f"{RESULTS}/benchmarks/figures.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/figures.py"
 
@@ -93,6 +95,8 @@ rule claims:
         f"{RESULTS}/logs/claims.log",
     benchmark:
         f"{RESULTS}/benchmarks/claims.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/claims.py"
 
@@ -113,5 +117,7 @@ rule report:
         f"{RESULTS}/logs/report.log",
     benchmark:
         f"{RESULTS}/benchmarks/report.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/report.py"

@@ -17,6 +17,8 @@ rule nll_sets:
         f"{RESULTS}/logs/nll_sets/{EXP.tokenizer_id}.log",
     benchmark:
         f"{RESULTS}/benchmarks/nll_sets/{EXP.tokenizer_id}.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/nll_sets.py"
 
@@ -40,6 +42,8 @@ rule nll:
         f"{RESULTS}/logs/nll/{{run_id}}.log",
     benchmark:
         f"{RESULTS}/benchmarks/nll/{{run_id}}.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/nll.py"
 
@@ -55,5 +59,7 @@ rule nll_table:
         f"{RESULTS}/logs/nll_table.log",
     benchmark:
         f"{RESULTS}/benchmarks/nll_table.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/nll_table.py"

@@ -23,6 +23,8 @@ rule probe:
         f"{RESULTS}/logs/probe/{{run_id}}.log",
     benchmark:
         f"{RESULTS}/benchmarks/probe/{{run_id}}.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/probe.py"
 
@@ -38,5 +40,7 @@ rule probes_table:
         f"{RESULTS}/logs/probes_table.log",
     benchmark:
         f"{RESULTS}/benchmarks/probes_table.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/probes_table.py"

@@ -28,5 +28,7 @@ rule train:
         f"{RESULTS}/logs/train/{{run_id}}.log",
     benchmark:
         f"{RESULTS}/benchmarks/train/{{run_id}}.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/train.py"

@@ -1,0 +1,83 @@
+"""`depthbench plan CONFIG`: what a sweep costs before it is launched.
+
+Per run: training FLOPs (depthbench.cost's analytic count, 3 x forward per token, times the
+run's tokens), GPU-hours at a stated MFU on a stated GPU (peak dense bf16 FLOP/s), per-GPU memory
+at the configured micro-batch without and with full activation checkpointing
+(depthbench.train.memory), whether checkpointing is needed and whether the run then fits, and
+disk. Disk per run = one training checkpoint (fp32 weights + AdamW's two fp32 moments: 12 bytes
+per parameter; the step counter, RNG states and the loop state are negligible) + the final fp32
+safetensors weights (4 bytes per parameter); logs and probe outputs are small and not counted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from depthbench.cost import analytic_cost
+from depthbench.launch import ranks_per_run
+from depthbench.train.memory import HEADROOM, estimate_memory
+
+DEFAULT_GPU = "H100 SXM"
+DEFAULT_PEAK = 989e12  # H100 SXM dense bf16 FLOP/s
+DEFAULT_GPU_MEMORY = 80e9
+CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + two fp32 AdamW moments
+WEIGHTS_BYTES_PER_PARAM = 4
+
+
+@dataclass
+class RunPlan:
+    run_id: str
+    tokens: int
+    flops: float
+    gpu_hours: float
+    memory: float  # bytes per GPU, no activation checkpointing (headroom included)
+    memory_checkpointed: float
+    needs_checkpointing: bool
+    fits: bool
+    disk: float
+
+
+def plan_experiment(exp, mfu: float = 0.4, peak: float = DEFAULT_PEAK, gpu_memory: float = DEFAULT_GPU_MEMORY) -> list[RunPlan]:
+    """One RunPlan per run; memory traces are shared by runs of the same model and batch."""
+    if not 0 < mfu <= 1:
+        raise ValueError(f"--mfu {mfu}: must be in (0, 1]")
+    world = ranks_per_run(exp.config["launcher"])
+    cache: dict = {}
+    plans = []
+    for run_id, spec in exp.runs.items():
+        tc = spec.train
+        tokens = tc.total_steps * tc.tokens_per_step
+        key = json.dumps([spec.model.to_dict(), tc.micro_batch_size, tc.seq_len], sort_keys=True, default=str)
+        if key not in cache:
+            cost = analytic_cost(spec.model, tc.seq_len)
+            est = estimate_memory(spec.model, tc.micro_batch_size, tc.seq_len, bf16=True, world=world, fsdp=tc.parallel == "fsdp")
+            cache[key] = (cost, est)
+        cost, est = cache[key]
+        flops = cost["train_flops_per_token"] * tokens
+        params = cost["params_total"]
+        plans.append(RunPlan(
+            run_id=run_id, tokens=tokens, flops=flops,
+            gpu_hours=flops / (mfu * peak) / 3600.0,  # GPU-hours: total work / per-GPU rate
+            memory=est.total(False) * (1 + HEADROOM), memory_checkpointed=est.total(True) * (1 + HEADROOM),
+            needs_checkpointing=est.needs_checkpointing(gpu_memory), fits=est.fits(gpu_memory),
+            disk=params * (CHECKPOINT_BYTES_PER_PARAM + WEIGHTS_BYTES_PER_PARAM),
+        ))
+    return plans
+
+
+def format_plan(plans: list[RunPlan], gpu: str, mfu: float, gpu_memory: float) -> str:
+    gib = 2**30
+    lines = [f"{'run':<44} {'tokens':>15} {'FLOPs':>10} {'GPU-h':>8} {'mem GiB':>8} {'ckpt GiB':>8} {'AC':>3} {'fits':>4} {'disk GiB':>8}"]
+    for p in plans:
+        lines.append(f"{p.run_id:<44} {p.tokens:>15,} {p.flops:>10.3e} {p.gpu_hours:>8.1f} {p.memory / gib:>8.1f} "
+                     f"{p.memory_checkpointed / gib:>8.1f} {'yes' if p.needs_checkpointing else 'no':>3} "
+                     f"{'yes' if p.fits else 'NO':>4} {p.disk / gib:>8.2f}")
+    total_h = sum(p.gpu_hours for p in plans)
+    lines.append(
+        f"total: {len(plans)} runs, {sum(p.tokens for p in plans):,} tokens, {sum(p.flops for p in plans):.3e} FLOPs, "
+        f"{total_h:,.0f} GPU-hours on {gpu} at MFU {mfu:g}, disk {sum(p.disk for p in plans) / 1e12:.2f} TB; "
+        f"{sum(p.needs_checkpointing for p in plans)} runs need activation checkpointing on a {gpu_memory / 1e9:g} GB GPU, "
+        f"{sum(not p.fits for p in plans)} do not fit even with it "
+        f"(memory includes {HEADROOM:.0%} headroom; AC = activation checkpointing needed)")
+    return "\n".join(lines)
