@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install DepthBench with pinned dependencies (CPU torch). Idempotent.
-# Extras: `scripts/setup.sh bench` adds transformers (benchmarks), `slurm` the executor plugin.
+# Extras: `scripts/setup.sh test` adds what the test suite exercises (requirements-test.txt: hf,
+# tracking, pretrained), `bench` transformers for the benchmarks, `slurm` the executor plugin.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
