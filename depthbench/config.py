@@ -360,6 +360,9 @@ def expand_grid(config: dict) -> Experiment:
     check_corpus(config["corpus"])
     vocab_size = check_tokenizer(config["tokenizer"], config["corpus"])
     check_nll(config.get("nll", {}))
+    from depthbench.pretrained.loading import pretrained_specs
+
+    pretrained_specs(config)  # every `pretrained` entry names a loadable checkpoint
     train = config.get("train", {})
     if train.get("parallel") == "fsdp" and train.get("dynamics_every", 0):
         raise ConfigError("train.dynamics_every", "training dynamics are measured with DDP or on one rank; set 0 with train.parallel: fsdp")

@@ -14,6 +14,7 @@ dequantizing a GGUF takes tens of seconds, the workflow converts it once into an
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import re
@@ -113,11 +114,26 @@ def load_tokenizer(source: str, **kwargs):
     return AutoTokenizer.from_pretrained(source, **kwargs)
 
 
+def plain(model: torch.nn.Module) -> torch.nn.Module:
+    """The same weights in a model without a quantizer: transformers dequantizes a GGUF on load
+    but keeps its quantizer on the model, and save_pretrained refuses to save such a model."""
+    if getattr(model, "hf_quantizer", None) is None:
+        return model
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(model.state_dict())
+    return fresh.eval()
+
+
 def convert(spec: PretrainedSpec, out_dir: str) -> str:
     """Load the checkpoint once (dequantizing a GGUF) and save model and tokenizer as an hf
     folder at `out_dir`, atomically (written next to it, then renamed). Returns out_dir."""
     source = spec.source()
-    model = load_model(source, **spec.load_kwargs())
+    model = plain(load_model(source, **spec.load_kwargs()))
     tokenizer = load_tokenizer(source, **spec.load_kwargs())
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
