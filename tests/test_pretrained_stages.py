@@ -146,7 +146,7 @@ def _probe_model_takes_an_adapter() -> bool:
 @pytest.mark.skipif(not _probe_model_takes_an_adapter(), reason="the probe stage takes a model adapter from the probes rewrite on")
 def test_probe_stage_writes_rows_through_the_adapter(hf_folder, tmp_path):
     sample = tmp_path / "sample.npy"
-    np.save(sample, np.random.default_rng(0).integers(0, 300, size=(2, 13)))
+    np.save(sample, np.random.default_rng(0).integers(0, 256, size=(2, 13)))
     out = tmp_path / "probes.parquet"
     settings = {"n_sequences": 2, "seed": 0, "causal_threshold": 0.45, "permutation_threshold": 0.15,
                 "usefulness_threshold": 1.1, "dead_zone_threshold": 0.05, "threads": 1}
