@@ -35,6 +35,7 @@ TOKENIZER = f"{RESULTS}/tokenizers/{EXP.tokenizer_id}/tokenizer.json"
 EXPERIMENT = config["name"]
 
 include: "workflow/rules/common.smk"
+include: "workflow/rules/pretrained.smk"
 include: "workflow/rules/tokenize.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/aggregate.smk"

@@ -345,6 +345,9 @@ def expand_grid(config: dict) -> Experiment:
     check_corpus(config["corpus"])
     vocab_size = check_tokenizer(config["tokenizer"], config["corpus"])
     check_nll(config.get("nll", {}))
+    from depthbench.pretrained.loading import pretrained_specs
+
+    pretrained_specs(config)  # every `pretrained` entry names a loadable checkpoint
     tok_id = tokenizer_id(config)
     d_id = data_id(config)
     train_section = config.get("train", {})

@@ -153,7 +153,8 @@ def _with_run_columns(rows: pd.DataFrame, runs: pd.DataFrame, best: pd.DataFrame
     out = rows.drop(columns=["status"], errors="ignore").merge(runs[RUN_CONFIG_COLUMNS], on="run_id", how="left")
     keys = best[["arch", "n_layer", "d_model", "knobs", "best_lr"]]
     out = out.merge(keys, on=["arch", "n_layer", "d_model", "knobs"], how="left")
-    out["is_best_lr"] = out["lr"] == out["best_lr"]
+    # a pretrained run is its model's only recipe: it stands for its model as the best LR does
+    out["is_best_lr"] = (out["lr"] == out["best_lr"]) | (out["status"] == "pretrained")
     return out.drop(columns=["best_lr"])
 
 

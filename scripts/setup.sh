@@ -12,5 +12,7 @@ pip install --no-deps -r requirements-nodeps.txt
 pip install --no-deps --no-build-isolation -e . 2>/dev/null || pip install --no-deps -e .
 for extra in "$@"; do
   pip install -r "requirements-$extra.txt"
+  # an extra's packages whose declared dependencies DepthBench does not need
+  [ ! -f "requirements-$extra-nodeps.txt" ] || pip install --no-deps -r "requirements-$extra-nodeps.txt"
 done
 .venv/bin/python -c "import torch, snakemake, depthbench; print(f'depthbench ready: torch {torch.__version__}, python {__import__(\"sys\").version.split()[0]}')"

@@ -10,6 +10,7 @@ rule tables:
         summaries=run_outputs("summary.json"),
         metrics=run_outputs("metrics.jsonl"),
         data=f"{DATA_DIR}/meta.json",
+        pretrained=pretrained_outputs("summary.json"),
     output:
         runs=f"{RESULTS}/tables/runs.parquet",
         curves=f"{RESULTS}/tables/curves.parquet",

@@ -50,7 +50,7 @@ rule nll:
 
 rule nll_table:
     input:
-        nll=[f"{RESULTS}/nll/{run_id}.parquet" for run_id in RUNS],
+        nll=[f"{RESULTS}/nll/{run_id}.parquet" for run_id in RUNS] + pretrained_outputs("nll.parquet"),
         runs=rules.tables.output.runs,
         best_lr=rules.tables.output.best_lr,
     output:

@@ -31,7 +31,7 @@ rule probe:
 
 rule probes_table:
     input:
-        probes=[f"{RESULTS}/probes/{run_id}.parquet" for run_id in RUNS],
+        probes=[f"{RESULTS}/probes/{run_id}.parquet" for run_id in RUNS] + pretrained_outputs("probes.parquet"),
         runs=rules.tables.output.runs,
         best_lr=rules.tables.output.best_lr,
     output:

@@ -1,0 +1,1 @@
+"""Pretrained Hugging Face models as runs: their adapter, loading, and the workflow stages."""
