@@ -12,17 +12,20 @@ import copy
 import glob
 import itertools
 import json
-import math
 import os
-import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
-import yaml
-
 from depthbench.errors import ConfigError
-from depthbench.schema import SCHEMA_PATH, load_schema, schema_defaults  # noqa: F401  (re-exported)
+from depthbench.schema import (  # noqa: F401  (re-exported: the grid's callers load configs from here)
+    SCHEMA_PATH,
+    load_config,
+    load_schema,
+    read_yaml_config,
+    schema_defaults,
+    validate_schema,
+)
 from depthbench.models import ModelConfig, canonical_arch
 from depthbench.shapes import Shape, shape_of, solve_ratio, solve_width
 from depthbench.spec import RunSpec, short_hash  # noqa: F401  (RunSpec: re-exported for callers of the grid)
@@ -32,145 +35,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 # -- schema validation -------------------------------------------------------------------------
-def _validator_with_defaults():
-    import jsonschema
-
-    base = jsonschema.Draft7Validator
-
-    def set_defaults(validator, properties, instance, schema):
-        if isinstance(instance, dict):
-            for name, sub in properties.items():
-                if "default" in sub and name not in instance:
-                    instance[name] = copy.deepcopy(sub["default"])
-        yield from base.VALIDATORS["properties"](validator, properties, instance, schema)
-
-    return jsonschema.validators.extend(base, {"properties": set_defaults})
-
-
-def _field_path(error) -> str:
-    parts = []
-    for p in error.absolute_path:
-        if isinstance(p, int):
-            parts[-1:] = [f"{parts[-1]}[{p}]"] if parts else [f"[{p}]"]
-        else:
-            parts.append(str(p))
-    return ".".join(parts) or "<top level>"
-
-
-_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)$")
-
-
-def _coerce_numbers(value: Any, schema: dict) -> Any:
-    """YAML 1.1 reads '8.0e5' (no exponent sign) as a string; where the schema wants a number
-    and the string is a number in scientific notation, take the number."""
-    types = schema.get("type", [])
-    types = [types] if isinstance(types, str) else types
-    if isinstance(value, str) and ("number" in types) and _FLOAT.match(value):
-        return float(value)
-    if isinstance(value, dict):
-        props = schema.get("properties", {})
-        extra = schema.get("additionalProperties")
-        for key in list(value):
-            sub = props.get(key, extra if isinstance(extra, dict) else None)
-            if sub:
-                value[key] = _coerce_numbers(value[key], sub)
-    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
-        value[:] = [_coerce_numbers(v, schema["items"]) for v in value]
-    return value
-
-
-def validate_schema(config: dict) -> dict:
-    """Validate against workflow/schemas/config.schema.yaml and fill in defaults (in place).
-
-    The first error raises ConfigError naming the field and what would be valid.
-    """
-    schema = load_schema()
-    _coerce_numbers(config, schema)
-    _check_finite(config, "")
-    validator = _validator_with_defaults()(schema)
-    # Two passes: defaults are filled during the first, the second reports on the filled config.
-    list(validator.iter_errors(config))
-    errors = sorted(validator.iter_errors(config), key=lambda e: (len(e.absolute_path), str(e.absolute_path)))
-    if errors:
-        err = errors[0]
-        message = err.message
-        if err.validator == "additionalProperties":
-            allowed = sorted(err.schema.get("properties", {}))
-            message += f"; valid keys: {allowed}"
-        elif err.validator in ("exclusiveMinimum", "minimum"):
-            message += f" (must be {'>' if err.validator == 'exclusiveMinimum' else '>='} {err.validator_value})"
-        raise ConfigError(_field_path(err), message)
-    _check_sweep_values(config.get("sweep", {}), schema)
-    return config
-
-
-def _check_finite(value: Any, where: str) -> None:
-    """Reject NaN and infinities anywhere (JSON Schema's bounds let them through: NaN compares
-    false with every bound and .inf passes any minimum), naming the field."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(where or "<top level>", f"must be a finite number, got {value}")
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, sub in items:
-        _check_finite(sub, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else str(key))
-
-
-def _check_sweep_values(sweep: dict, schema: dict) -> None:
-    """Each value of a sweep axis obeys the schema of the setting it replaces (a sweep is not a
-    way around the ranges), e.g. sweep.train.weight_decay[1] = -1 fails like train.weight_decay."""
-    import jsonschema
-
-    for key, values in sweep.items():
-        section, _, name = key.partition(".")
-        sub = schema["properties"].get(section, {}).get("properties", {}).get(name)
-        if sub is None:  # not a setting: _apply_knobs names the valid keys
-            continue
-        for i, value in enumerate(values):
-            err = jsonschema.exceptions.best_match(jsonschema.Draft7Validator(sub).iter_errors(copy.deepcopy(value)))
-            if err is not None:
-                inner = _field_path(err)
-                field = f"sweep.{key}[{i}]" + ("" if inner == "<top level>" else f".{inner}")
-                raise ConfigError(field, err.message)
-
-
-def load_config(source: str | os.PathLike | dict, overrides: dict | None = None) -> dict:
-    """Read a YAML config (or take a dict), deep-merge overrides, validate and fill defaults."""
-    if isinstance(source, dict):
-        config = copy.deepcopy(source)
-    else:
-        path = Path(source)
-        if not path.exists():
-            raise ConfigError("<configfile>", f"{path} does not exist")
-        config = read_yaml_config(path)
-    if overrides:
-        _deep_merge(config, overrides)
-    return validate_schema(config)
-
-
-def read_yaml_config(path: str | os.PathLike) -> dict:
-    """The YAML mapping in `path`; a syntax error names the file, line and column."""
-    path = Path(path)
-    try:
-        config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except UnicodeDecodeError as exc:
-        raise ConfigError("<configfile>", f"{path}: not UTF-8 text (byte offset {exc.start})") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError("<configfile>", f"{path}: {where}YAML syntax error: {problem}") from None
-    if not isinstance(config, dict):
-        raise ConfigError("<configfile>", f"{path}: the top level must be a mapping of settings, got a {type(config).__name__}")
-    return config
-
-
-def _deep_merge(base: dict, extra: dict) -> None:
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            _deep_merge(base[key], value)
-        else:
-            base[key] = copy.deepcopy(value)
-
-
 # -- data and tokenizer identities ---------------------------------------------------------------
 def resolve_files(pattern: str | list[str], field: str, base_dir: Path | None = None) -> list[str]:
     """Expand a path, a glob or a list of them into existing files, or fail naming the field."""

@@ -4,7 +4,6 @@ the summary and runs-table rows, and the probe stage through the adapter."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 
@@ -137,13 +136,6 @@ def test_summary_rows_join_the_runs_table(hf_folder, tmp_path):
     assert rows.set_index("run_id").loc["pretrained_tiny", "arch"] == "llama"
 
 
-def _probe_model_takes_an_adapter() -> bool:
-    from depthbench.probes.run import probe_model
-
-    return next(iter(inspect.signature(probe_model).parameters)) == "adapter"
-
-
-@pytest.mark.skipif(not _probe_model_takes_an_adapter(), reason="the probe stage takes a model adapter from the probes rewrite on")
 def test_probe_stage_writes_rows_through_the_adapter(hf_folder, tmp_path):
     sample = tmp_path / "sample.npy"
     np.save(sample, np.random.default_rng(0).integers(0, 256, size=(2, 13)))

@@ -11,7 +11,6 @@ token of lm-evaluation-harness's HFLM).
 
 from __future__ import annotations
 
-import inspect
 import json
 import time
 from pathlib import Path
@@ -115,11 +114,9 @@ def write_summary(run_id: str, name: str, model_dir: str, source: str, out_path:
 def run_pretrained_probes(run_id: str, model_dir: str, sample_path: str, out_path: str, settings: dict) -> dict:
     """Every probe that applies (adapter.probes) on the sample, stage 'trained', as tidy rows in
     the probe stage's format (depthbench.probes.run), status 'pretrained'."""
-    from depthbench.probes.run import probe_model
+    from depthbench.probes.run import probe_model, probe_settings
 
-    if next(iter(inspect.signature(probe_model).parameters)) != "adapter":
-        raise RuntimeError("depthbench.probes.run.probe_model does not take a model adapter yet")
-    settings = {"threads": 1, **settings}
+    settings = probe_settings(settings)
     torch.set_num_threads(int(settings["threads"]))
     idx = torch.from_numpy(np.load(sample_path)).long().to(device())
     start = time.time()
