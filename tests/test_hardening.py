@@ -436,7 +436,7 @@ def test_every_table_stage_finishes_on_degenerate_grids(wiki_jsonl, tmp_path, ki
                  best_lr=str(tables / "best_lr.parquet"), dynamics=str(tables / "dynamics.parquet"))
     hashes = {s.run_id: s.spec_hash() for s in specs}
     log = _Files([str(tmp_path / "log.txt")])
-    _run_script("tables.py", input=_Files(summaries=summaries, metrics=metrics, data=str(data)), output=out, log=log,
+    _run_script("tables.py", input=_Files(summaries=summaries, metrics=metrics, data=str(data), pretrained=[]), output=out, log=log,
                 params=SimpleNamespace(experiment="tiny", run_ids=list(statuses), spec_hashes=hashes))
     made = {}
     for script, extra, target in (("cost_table.py", {"summaries": summaries}, "cost"), ("probes_table.py", {"probes": probes}, "probes"),
