@@ -360,6 +360,10 @@ def expand_grid(config: dict) -> Experiment:
     check_corpus(config["corpus"])
     vocab_size = check_tokenizer(config["tokenizer"], config["corpus"])
     check_nll(config.get("nll", {}))
+    if config.get("launcher", {}).get("backend") == "slurm":  # before the tokenizer and shards are built
+        from depthbench.slurm import check_launcher
+
+        check_launcher(config["launcher"])
     train = config.get("train", {})
     if train.get("parallel") == "fsdp" and train.get("dynamics_every", 0):
         raise ConfigError("train.dynamics_every", "training dynamics are measured with DDP or on one rank; set 0 with train.parallel: fsdp")
