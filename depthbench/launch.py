@@ -4,6 +4,9 @@ The dispatching Snakemake job runs on the submitting host: it submits one submit
 waits for it, and cancels it if Snakemake is interrupted. The submitted function is
 `Checkpointable`: on SLURM a preemption or time-out requeues it, and the requeued job resumes
 from the run's latest checkpoint (the function is idempotent: it always starts by loading one).
+A SLURM job's live state comes from `squeue` (depthbench.slurm), so that re-attachment and a job
+lost without a result are seen on clusters without an accounting database (`sacct`). A failed
+job's stderr tail goes into the dispatcher's log (Snakemake's rule log) and its job record.
 """
 
 from __future__ import annotations
@@ -127,7 +130,10 @@ def _live_slurm_job(folder: Path, record: Path):
     return None
 
 
-def _wait(job, poll_s: float = 2.0, grace_s: float = 60.0) -> None:
+LOST_JOB_GRACE_S = 60.0  # a job in a final state this long without a result file has none
+
+
+def _wait(job, poll_s: float = 2.0) -> None:
     """Wait until `job` has a result. submitit alone would wait forever for a SLURM job that
     ended without writing one (killed for memory, cancelled, timed out for the last time) when
     the cluster has no accounting: such a job is seen here leaving the live states in `squeue`."""
@@ -136,7 +142,7 @@ def _wait(job, poll_s: float = 2.0, grace_s: float = 60.0) -> None:
         state = queue_state(job.job_id)
         if state is not None and state not in LIVE_STATES:
             ended_at = ended_at or time.time()
-            if time.time() - ended_at > grace_s:  # the result file may lag on a shared file system
+            if time.time() - ended_at > LOST_JOB_GRACE_S:  # the result file may lag on a shared file system
                 raise RuntimeError(f"SLURM job {job.job_id} ended {state} without a result")
         time.sleep(poll_s)
 

@@ -54,7 +54,7 @@ AccountingStorageHost=localhost"
   cat >"$CONF.tmp" <<EOF
 $MARK
 ClusterName=depthbench
-SlurmctldHost=$NODE
+SlurmctldHost=$NODE(127.0.0.1)
 SlurmUser=root
 AuthType=auth/munge
 CredType=cred/munge

@@ -26,7 +26,6 @@ import torch
 from safetensors.torch import load_file
 
 from depthbench.config import expand_grid, load_config
-from depthbench.errors import ConfigError
 from depthbench.launch import dispatch, submit_and_wait
 from depthbench.train.loop import RunPaths, train
 from tests.conftest import REPO, tiny_config
@@ -429,17 +428,20 @@ def test_launcher_slurm_fields_reach_sbatch(tmp_path):
     assert info["MinMemoryNode"] == "2G" and info["NumCPUs"] == "1"
 
 
-@pytest.mark.parametrize("slurm, field", [
-    ({"partition": "debug\n#SBATCH --exclusive"}, "launcher.slurm.partition"),
-    ({"account": "me\nrm -rf /"}, "launcher.slurm.account"),
-    ({"extra": {"qos": "high\n#SBATCH --exclusive"}}, "launcher.slurm.extra.qos"),
-    ({"extra": {"qos high": "x"}}, "launcher.slurm.extra"),
-])
-def test_launcher_slurm_fields_with_newlines_are_refused(wiki_jsonl, slurm, field):
-    config = tiny_config(wiki_jsonl, launcher={"backend": "slurm", "slurm": slurm})
-    with pytest.raises(ConfigError) as err:
-        expand_grid(load_config(config))
-    assert err.value.field == field
+def test_a_job_killed_without_a_result_is_reported_not_waited_for(tmp_path, monkeypatch):
+    """Without accounting submitit sees no job state and would wait forever; squeue shows it."""
+    from depthbench import launch
+
+    def killed():  # what the kernel's OOM killer does to a job
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    monkeypatch.setattr(launch, "LOST_JOB_GRACE_S", 1.0)
+    with pytest.raises(RuntimeError, match=r"ended (FAILED|COMPLETED) without a result"):
+        submit_and_wait(killed, (), "killed", str(tmp_path), {"backend": "slurm", "slurm": SLURM})
+    assert json.loads((tmp_path / "job.json").read_text())["state"] == "failed"
 
 
 def test_an_unknown_partition_is_refused_before_any_work(wiki_jsonl, tmp_path):
