@@ -58,11 +58,14 @@ def partitions() -> set[str] | None:
 
 
 def queue_state(job_id: str) -> str | None:
-    """The job's state as the controller has it now (`squeue`), or None once it left the queue
-    (finished and purged, or unknown) or when SLURM cannot be asked."""
+    """The job's state as the controller has it now (`squeue`, ended jobs included while it keeps
+    them, MinJobAge): `GONE` once it has forgotten the job, None when SLURM cannot be asked."""
     try:
-        out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(["squeue", "-h", "-t", "all", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True,
+                             timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    states = out.stdout.split() if out.returncode == 0 else []
-    return states[0] if states else None
+    if out.returncode != 0:
+        return "GONE" if "Invalid job id" in out.stderr else None
+    states = out.stdout.split()
+    return states[0] if states else "GONE"
