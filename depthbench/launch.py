@@ -174,7 +174,8 @@ class NLLJob:
         return run_nll(spec, run_dir, sets_path, out_path, settings)
 
 
-def submit_and_wait(fn, args: tuple, label: str, work_dir: str, launcher: dict, record_name: str = "job.json") -> Any:
+def submit_and_wait(fn, args: tuple, label: str, work_dir: str, launcher: dict, record_name: str = "job.json",
+                    reattach: bool = True) -> Any:
     """Submit `fn(*args)` with the configured backend, wait for it and return its result.
 
     On SLURM, a job recorded by an earlier dispatch that is still queued or running is
@@ -202,7 +203,7 @@ def submit_and_wait(fn, args: tuple, label: str, work_dir: str, launcher: dict, 
     # never see, leaving the training running.
     previous = {s: signal.signal(s, cancel) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        job = _live_slurm_job(folder, record) if backend == "slurm" else None
+        job = _live_slurm_job(folder, record) if backend == "slurm" and reattach else None
         if job is None:
             executor = make_executor(launcher, folder, threads=1)
             # Submitting from inside a SLURM allocation would inherit its SLURM_* variables.
@@ -237,7 +238,14 @@ def dispatch(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, launcher
     if backend != "slurm":  # on this machine, share the cores Snakemake gave the job among the ranks
         spec_dict["train"]["threads"] = max(1, threads // ranks_per_run(launcher))
     args = (spec_dict, str(data_dir), str(run_dir), str(work_dir), backend != "slurm")
-    return submit_and_wait(TrainingJob(), args, spec.run_id, work_dir, launcher)
+    summary = submit_and_wait(TrainingJob(), args, spec.run_id, work_dir, launcher)
+    if backend == "slurm" and not (Path(run_dir) / "summary.json").exists():
+        # A restarted Snakemake removes an incomplete job's outputs before its dispatcher
+        # re-attaches: a job that wrote them in between lost them. Train again (from the last
+        # checkpoint, to the same weights) to write them.
+        print(f"[{spec.run_id}] the job's outputs were removed after it wrote them; training again", file=sys.stderr)
+        summary = submit_and_wait(TrainingJob(), args, spec.run_id, work_dir, launcher, reattach=False)
+    return summary
 
 
 def dispatch_probes(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, out_path: str, settings: dict, launcher: dict, threads: int = 1) -> dict:

@@ -329,7 +329,7 @@ def restart_snakemake(root: Path, out: Path, log: Path, job_id: str) -> subproce
 
 def test_snakemake_killed_and_restarted_reattaches_to_the_queued_then_running_job(wiki_jsonl, tokenized, tmp_path):
     config = slurm_grid(wiki_jsonl, architectures=["pre_ln"])
-    config["train"].update(tokens_per_param=50.0, max_steps=60)
+    config["train"].update(tokens_per_param=50.0, max_steps=300)  # still training when it is held
     root = workflow_root(tmp_path / "wf", config, tokenized)
     (run_id,) = list(expand_grid(load_config(config)).runs)
     work, log = root / "results" / "work" / run_id, root / "results" / "logs" / "train" / f"{run_id}.log"
