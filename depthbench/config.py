@@ -212,6 +212,10 @@ def expand_grid(config: dict) -> Experiment:
     from depthbench.pretrained.loading import pretrained_specs
 
     pretrained_specs(config)  # every `pretrained` entry names a loadable checkpoint
+    if config.get("launcher", {}).get("backend") == "slurm":  # before the tokenizer and shards are built
+        from depthbench.slurm import check_launcher
+
+        check_launcher(config["launcher"])
     tok_id = tokenizer_id(config)
     d_id = data_id(config)
     train_section = config.get("train", {})

@@ -4,6 +4,9 @@ The dispatching Snakemake job runs on the submitting host: it submits one submit
 waits for it, and cancels it if Snakemake is interrupted. The submitted function is
 `Checkpointable`: on SLURM a preemption or time-out requeues it, and the requeued job resumes
 from the run's latest checkpoint (the function is idempotent: it always starts by loading one).
+A SLURM job's live state comes from `squeue` (depthbench.slurm), so that re-attachment and a job
+lost without a result are seen on clusters without an accounting database (`sacct`). A failed
+job's stderr tail goes into the dispatcher's log (Snakemake's rule log) and its job record.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,7 @@ import submitit
 
 from depthbench.spec import RunSpec
 from depthbench.io import atomic_write_json
+from depthbench.slurm import LIVE_STATES, queue_state
 
 BACKENDS = ("inline", "local", "slurm")
 
@@ -57,8 +62,16 @@ def ranks_per_run(launcher: dict) -> int:
         return int(launcher.get("local_ranks", 1))
     if backend == "slurm":
         s = launcher.get("slurm", {})
-        return int(s.get("nodes", 1)) * max(1, int(s.get("gpus_per_node", 1)))
+        return int(s.get("nodes", 1)) * tasks_per_node(s)
     return 1
+
+
+def tasks_per_node(slurm: dict) -> int:
+    """SLURM tasks (torch.distributed ranks) per node: launcher.slurm.tasks_per_node, or one
+    per GPU, or one on a node without GPUs."""
+    if slurm.get("tasks_per_node") is not None:
+        return int(slurm["tasks_per_node"])
+    return max(1, int(slurm.get("gpus_per_node", 1)))
 
 
 def make_executor(launcher: dict, folder: Path, threads: int):
@@ -85,8 +98,8 @@ def slurm_parameters(launcher: dict) -> dict[str, Any]:
         "time": int(s.get("time_min", 1440)),
         "nodes": int(s.get("nodes", 1)),
         "gpus_per_node": int(s.get("gpus_per_node", 1)),
-        # one task per GPU, each a torch.distributed rank (see depthbench.train.distributed)
-        "ntasks_per_node": max(1, int(s.get("gpus_per_node", 1))),
+        # one task per GPU by default, each a torch.distributed rank (depthbench.train.distributed)
+        "ntasks_per_node": tasks_per_node(s),
         "cpus_per_task": int(s.get("cpus_per_task", 8)),
         "mem": f"{int(s.get('mem_gb', 64))}GB",
         # SIGUSR2 this long before the time limit: submitit then calls checkpoint() and requeues.
@@ -102,17 +115,44 @@ def slurm_parameters(launcher: dict) -> dict[str, Any]:
 
 
 def _live_slurm_job(folder: Path, record: Path):
-    """A SLURM job submitted by an earlier dispatch of this run that is still queued or running."""
+    """A SLURM job submitted by an earlier dispatch of this run that is still queued or running,
+    from `squeue` (submitit's state comes from `sacct`, which needs an accounting database). A
+    job that has ended is not re-attached: a new one resumes from the run's last checkpoint."""
     if not record.exists():
         return None
     try:
-        job_id = json.loads(record.read_text())["job_id"]
-        job = submitit.SlurmJob(folder=folder, job_id=job_id)
-        if job.state in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING"):
-            return job
-    except Exception:
+        saved = json.loads(record.read_text())
+        job_id = str(saved["job_id"])
+    except (OSError, ValueError, KeyError):
         return None
+    if saved.get("backend") == "slurm" and queue_state(job_id) in LIVE_STATES:
+        return submitit.SlurmJob(folder=folder, job_id=job_id)
     return None
+
+
+LOST_JOB_GRACE_S = 60.0  # a job in a final state this long without a result file has none
+
+
+def _wait(job, poll_s: float = 2.0) -> None:
+    """Wait until `job` has a result. submitit alone would wait forever for a SLURM job that
+    ended without writing one (killed for memory, cancelled, timed out for the last time) when
+    the cluster has no accounting: such a job is seen here leaving the live states in `squeue`."""
+    ended_at = None
+    while not job.done():
+        state = queue_state(job.job_id)
+        if state is not None and state not in LIVE_STATES:
+            ended_at = ended_at or time.time()
+            if time.time() - ended_at > LOST_JOB_GRACE_S:  # the result file may lag on a shared file system
+                raise RuntimeError(f"SLURM job {job.job_id} ended {state} without a result")
+        time.sleep(poll_s)
+
+
+def _stderr_tail(job, lines: int = 40) -> str:
+    try:
+        text = job.stderr() or ""
+    except Exception as exc:  # a log that cannot be read must not hide the job's own error
+        text = f"(stderr unreadable: {exc})"
+    return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
 class ProbeJob:
@@ -134,7 +174,8 @@ class NLLJob:
         return run_nll(spec, run_dir, sets_path, out_path, settings)
 
 
-def submit_and_wait(fn, args: tuple, label: str, work_dir: str, launcher: dict, record_name: str = "job.json") -> Any:
+def submit_and_wait(fn, args: tuple, label: str, work_dir: str, launcher: dict, record_name: str = "job.json",
+                    reattach: bool = True) -> Any:
     """Submit `fn(*args)` with the configured backend, wait for it and return its result.
 
     On SLURM, a job recorded by an earlier dispatch that is still queued or running is
@@ -162,7 +203,7 @@ def submit_and_wait(fn, args: tuple, label: str, work_dir: str, launcher: dict, 
     # never see, leaving the training running.
     previous = {s: signal.signal(s, cancel) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        job = _live_slurm_job(folder, record) if backend == "slurm" else None
+        job = _live_slurm_job(folder, record) if backend == "slurm" and reattach else None
         if job is None:
             executor = make_executor(launcher, folder, threads=1)
             # Submitting from inside a SLURM allocation would inherit its SLURM_* variables.
@@ -172,7 +213,19 @@ def submit_and_wait(fn, args: tuple, label: str, work_dir: str, launcher: dict, 
             print(f"[{label}] submitted {backend} job {job.job_id}; logs in {folder}", file=sys.stderr)
         else:
             print(f"[{label}] re-attached to running SLURM job {job.job_id}", file=sys.stderr)
-        return job.results()[0]  # rank 0's result when a job has several tasks
+        try:
+            if backend == "slurm":
+                _wait(job)
+            return job.results()[0]  # rank 0's result when a job has several tasks
+        except Exception as exc:
+            # the job's own stderr into this dispatcher's log (Snakemake's rule log): the run
+            # failed, which is not a divergence (that ends with a summary, status diverged)
+            tail = _stderr_tail(job)
+            atomic_write_json(record, {"job_id": str(job.job_id), "backend": backend, "folder": str(folder),
+                                       "state": "failed", "error": str(exc)[-4000:]})
+            print(f"[{label}] {backend} job {job.job_id} failed: {type(exc).__name__}\n"
+                  f"--- end of the job's stderr ---\n{tail}\n---", file=sys.stderr)
+            raise
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -185,7 +238,14 @@ def dispatch(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, launcher
     if backend != "slurm":  # on this machine, share the cores Snakemake gave the job among the ranks
         spec_dict["train"]["threads"] = max(1, threads // ranks_per_run(launcher))
     args = (spec_dict, str(data_dir), str(run_dir), str(work_dir), backend != "slurm")
-    return submit_and_wait(TrainingJob(), args, spec.run_id, work_dir, launcher)
+    summary = submit_and_wait(TrainingJob(), args, spec.run_id, work_dir, launcher)
+    if backend == "slurm" and not (Path(run_dir) / "summary.json").exists():
+        # A restarted Snakemake removes an incomplete job's outputs before its dispatcher
+        # re-attaches: a job that wrote them in between lost them. Train again (from the last
+        # checkpoint, to the same weights) to write them.
+        print(f"[{spec.run_id}] the job's outputs were removed after it wrote them; training again", file=sys.stderr)
+        summary = submit_and_wait(TrainingJob(), args, spec.run_id, work_dir, launcher, reattach=False)
+    return summary
 
 
 def dispatch_probes(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, out_path: str, settings: dict, launcher: dict, threads: int = 1) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,8 +14,10 @@ import time
 
 import pytest
 
+from depthbench.config import expand_grid, load_config
+from depthbench.errors import ConfigError
 from depthbench.launch import dispatch, make_executor, slurm_parameters
-from tests.conftest import REPO, wait_until_gone
+from tests.conftest import REPO, tiny_config, wait_until_gone
 
 pytestmark = pytest.mark.slow
 
@@ -48,9 +51,11 @@ def test_slurm_jobs_ask_for_the_configured_allocation(tmp_path):
     for line in ("--partition=gpu", "--account=proj", "--nodes=2", "--gpus-per-node=4", "--cpus-per-task=6",
                  "--mem=100GB", "--time=90", "--qos=high", "--signal=USR2@120"):
         assert f"#SBATCH {line}" in sbatch, line
-    # without SLURM on this machine the executor refuses clearly instead of pretending
-    with pytest.raises(RuntimeError, match="srun"):
-        make_executor(launcher, tmp_path, threads=1)
+    # without SLURM on this machine the executor refuses clearly instead of pretending (with
+    # SLURM, tests/test_slurm.py submits for real)
+    if shutil.which("srun") is None:
+        with pytest.raises(RuntimeError, match="srun"):
+            make_executor(launcher, tmp_path, threads=1)
 
 
 def test_interrupting_the_dispatcher_cancels_the_submitted_job(tiny_data, tmp_path):
@@ -75,3 +80,18 @@ def test_interrupting_the_dispatcher_cancels_the_submitted_job(tiny_data, tmp_pa
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     assert wait_until_gone(job_pid), f"submitted job {job_pid} still running after the dispatcher was interrupted"
+
+
+@pytest.mark.parametrize("slurm, field", [
+    ({"partition": "debug\n#SBATCH --exclusive"}, "launcher.slurm.partition"),
+    ({"account": "me\nrm -rf /"}, "launcher.slurm.account"),
+    ({"extra": {"qos": "high\n#SBATCH --exclusive"}}, "launcher.slurm.extra.qos"),
+    ({"extra": {"qos high": "x"}}, "launcher.slurm.extra"),
+])
+def test_launcher_slurm_fields_with_newlines_are_refused(wiki_jsonl, slurm, field):
+    """Each field becomes an #SBATCH line: a newline would start a shell command. Refused
+    before any work, whether or not SLURM is installed here."""
+    config = tiny_config(wiki_jsonl, launcher={"backend": "slurm", "slurm": slurm})
+    with pytest.raises(ConfigError) as err:
+        expand_grid(load_config(config))
+    assert err.value.field == field
