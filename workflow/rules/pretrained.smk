@@ -37,6 +37,8 @@ rule pretrained_convert:
         f"{RESULTS}/logs/pretrained/{{run_id}}/convert.log",
     benchmark:
         f"{RESULTS}/benchmarks/pretrained/{{run_id}}/convert.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/pretrained.py"
 
@@ -51,6 +53,8 @@ rule pretrained_summary:
         model_dir=pretrained_model_dir,
     log:
         f"{RESULTS}/logs/pretrained/{{run_id}}/summary.log",
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/pretrained.py"
 
@@ -68,6 +72,8 @@ rule pretrained_sample:
         seq_len=PRETRAINED_PROBE_LEN,
     log:
         f"{RESULTS}/logs/pretrained/{{run_id}}/sample.log",
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/pretrained.py"
 
@@ -87,6 +93,8 @@ rule pretrained_probe:
         f"{RESULTS}/logs/pretrained/{{run_id}}/probe.log",
     benchmark:
         f"{RESULTS}/benchmarks/pretrained/{{run_id}}/probe.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/pretrained.py"
 
@@ -106,5 +114,7 @@ rule pretrained_nll:
         f"{RESULTS}/logs/pretrained/{{run_id}}/nll.log",
     benchmark:
         f"{RESULTS}/benchmarks/pretrained/{{run_id}}/nll.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
     script:
         "../../scripts/pretrained.py"
