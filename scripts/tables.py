@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
 floor = read_meta(Path(snakemake.input.data).parent)["unigram_val_loss"]  # noqa: F821
-runs = run_rows(snakemake.input.summaries, floor, snakemake.params.experiment)  # noqa: F821
+runs = run_rows(snakemake.input.summaries, floor, snakemake.params.experiment, snakemake.params.budget_params)  # noqa: F821
 write_parquet(runs, snakemake.output.runs)  # noqa: F821
 write_parquet(curve_rows(snakemake.params.run_ids, snakemake.input.metrics), snakemake.output.curves)  # noqa: F821
 write_parquet(best_learning_rates(runs), snakemake.output.best_lr)  # noqa: F821

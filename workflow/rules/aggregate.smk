@@ -14,6 +14,7 @@ rule tables:
     params:
         experiment=EXPERIMENT,
         run_ids=list(RUNS),
+        budget_params=config.get("budget", {}).get("params"),
     log:
         f"{RESULTS}/logs/tables.log",
     benchmark:
