@@ -177,26 +177,25 @@ def solve_width(
         )
     if tolerance is None:
         return shape_of(base, n_layer, candidates[i], d_ff, ff_multiple)
-    def fit(d_model: int) -> tuple[int, int] | None:  # (d_ff, parameters) at this width
-        if d_ff is not None:
-            return d_ff, _params(base, n_layer, d_model, d_ff, ff_multiple)
-        return _close_gap(base, n_layer, d_model, budget, ff_step)
+
+    def widths():  # step 1's pick, then its neighbours by their 8/3 distance (counted lazily)
+        yield candidates[i]
+        window = [j for j in range(i - 3, i + 4) if 0 <= j < len(candidates) and j != i]
+        yield from sorted(
+            (candidates[j] for j in window), key=lambda d: abs(_params(base, n_layer, d, d_ff, ff_multiple) - budget)
+        )
 
     reached: list[tuple[int, int, int]] = []  # (parameters, d_model, d_ff) missing the tolerance
-    first = fit(candidates[i])
-    if first is not None and abs(first[1] - budget) <= tolerance * budget:
-        return shape_of(base, n_layer, candidates[i], first[0], ff_multiple)
-    if first is not None:
-        reached.append((first[1], candidates[i], first[0]))
-    window = [j for j in range(i - 3, i + 4) if 0 <= j < len(candidates) and j != i]
-    window.sort(key=lambda j: abs(_params(base, n_layer, candidates[j], d_ff, ff_multiple) - budget))
-    for j in window:
-        got = fit(candidates[j])
+    for d_model in widths():
+        if d_ff is not None:  # pinned: only d_model moves
+            got = (d_ff, _params(base, n_layer, d_model, d_ff, ff_multiple))
+        else:
+            got = _close_gap(base, n_layer, d_model, budget, ff_step)
         if got is None:
             continue
         if abs(got[1] - budget) <= tolerance * budget:
-            return shape_of(base, n_layer, candidates[j], got[0], ff_multiple)
-        reached.append((got[1], candidates[j], got[0]))
+            return shape_of(base, n_layer, d_model, got[0], ff_multiple)
+        reached.append((got[1], d_model, got[0]))
     raise ConfigError(field, _unreachable(n_layer, budget, tolerance, reached, d_ff is not None))
 
 
