@@ -32,7 +32,7 @@ ARCHS = ["pre_ln"] + [a for a in registered_architectures() if a != "pre_ln"]  #
 
 def shape_config(arch: str, n_layer: int, args) -> ModelConfig:
     base = ModelConfig(arch=arch, vocab_size=args.vocab, n_head=args.n_head, max_seq_len=args.seq)
-    s = solve_width(base, n_layer, args.budget, multiple=args.multiple, ff_multiple=args.multiple)
+    s = solve_width(base, n_layer, args.budget, multiple=args.multiple, ff_multiple=args.multiple, tolerance=None)  # d_ff at 8/3: the shapes of the recorded timings
     return ModelConfig(arch=arch, vocab_size=args.vocab, n_head=args.n_head, max_seq_len=args.seq,
                        n_layer=s.n_layer, d_model=s.d_model, d_ff=s.d_ff)
 

@@ -23,14 +23,14 @@ def cmd_shapes(args) -> None:
     rows = shape_table(exp)
     budget = exp.config.get("budget", {}).get("params")
     header = f"{'arch':<12} {'L':>4} {'d_model':>8} {'ratio':>7} {'d_ff':>6} {'heads':>6} {'kv':>4} {'params':>15}"
-    if budget:
-        header += f" {'vs budget':>10}"
+    if budget:  # relative, as in runs.parquet: -0.0031 is 0.31% under budget.params
+        header += f" {'params_vs_budget':>17}"
     print(header)
     for r in rows:
         line = (f"{r['arch']:<12} {r['n_layer']:>4} {r['d_model']:>8} {r['ratio']:>7.1f} {r['d_ff']:>6} "
                 f"{r['n_head']:>6} {r['n_kv_head']:>4} {r['params']:>15,}")
         if budget:
-            line += f" {100 * (r['params'] / budget - 1):>+9.2f}%"
+            line += f" {r['params_vs_budget']:>+17.4f}"
         extra = {k: v for k, v in r.items() if k.startswith("knob:")}
         print(line + (f"  {extra}" if extra else ""))
 

@@ -182,6 +182,7 @@ def resolve_shapes(config: dict, base: ModelConfig, field_prefix: str = "shapes"
     params = budget.get("params")
     multiple = budget.get("d_model_multiple", 64)
     ff_multiple = budget.get("d_ff_multiple", 64)
+    fit = {"tolerance": budget.get("tolerance", 0.01), "ff_step": budget.get("d_ff_step", 8)}
     shapes = []
     for i, entry in enumerate(config["shapes"]):
         field = f"{field_prefix}[{i}]"
@@ -198,9 +199,9 @@ def resolve_shapes(config: dict, base: ModelConfig, field_prefix: str = "shapes"
         if ("n_layer" in entry) == ("ratio" in entry):
             raise ConfigError(field, "give exactly one of n_layer or ratio (or n_layer with d_model)")
         if "n_layer" in entry:
-            shapes.append(solve_width(base, entry["n_layer"], params, multiple, ff_multiple, entry.get("d_ff"), field=field))
+            shapes.append(solve_width(base, entry["n_layer"], params, multiple, ff_multiple, entry.get("d_ff"), field=field, **fit))
         else:
-            shapes.append(solve_ratio(base, entry["ratio"], params, multiple, ff_multiple, field=field))
+            shapes.append(solve_ratio(base, entry["ratio"], params, multiple, ff_multiple, field=field, **fit))
     return shapes
 
 
@@ -260,8 +261,15 @@ def _first_valid_width(n_head: int) -> int:
     return 2 * n_head
 
 
+def params_vs_budget(n_params: int, budget_params: float | None) -> float:
+    """Relative deviation of a built model from the budget (-0.0031 = 0.31% under); NaN without one."""
+    return n_params / budget_params - 1 if budget_params else float("nan")
+
+
 def shape_table(exp: Experiment) -> list[dict[str, Any]]:
-    """One row per (architecture, shape): L, d_model, ratio, d_ff, heads, exact parameters."""
+    """One row per (architecture, shape): L, d_model, ratio, d_ff, heads, exact parameters and
+    their deviation from `budget.params` (`params_vs_budget`, relative; NaN without a budget)."""
+    budget_params = exp.config.get("budget", {}).get("params")
     seen: dict[tuple, dict[str, Any]] = {}
     for spec in exp.runs.values():
         key = (spec.arch, spec.shape, json.dumps(spec.knobs, sort_keys=True))
@@ -275,6 +283,7 @@ def shape_table(exp: Experiment) -> list[dict[str, Any]]:
                 "n_head": spec.shape.n_head,
                 "n_kv_head": spec.shape.n_kv_head,
                 "params": spec.shape.n_params,
+                "params_vs_budget": params_vs_budget(spec.shape.n_params, budget_params),
                 **{f"knob:{k}": v for k, v in spec.knobs.items()},
             }
     return list(seen.values())

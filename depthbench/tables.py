@@ -64,8 +64,10 @@ def read_summary(path: str | Path, expected: dict[str, str] | None = None) -> di
 
 
 def run_rows(summary_paths: Iterable[str], unigram_floor: float, experiment: str,
-             expected: dict[str, str] | None = None) -> pd.DataFrame:
-    """One row per run. `expected`: the grid's spec hash per run id (see read_summary)."""
+             budget_params: float | None = None, expected: dict[str, str] | None = None) -> pd.DataFrame:
+    """One row per run. `budget_params` is the config's budget.params (None: no budget, so
+    `params_vs_budget`, the relative deviation of the built model from it, is NaN); `expected`:
+    the grid's spec hash per run id (see read_summary)."""
     rows = []
     for path in summary_paths:
         s = read_summary(path, expected)
@@ -82,6 +84,8 @@ def run_rows(summary_paths: Iterable[str], unigram_floor: float, experiment: str
             "n_head": shape["n_head"],
             "n_kv_head": shape["n_kv_head"],
             "params": s["n_params"],
+            "budget_params": float(budget_params) if budget_params else math.nan,
+            "params_vs_budget": s["n_params"] / budget_params - 1 if budget_params else math.nan,
             "lr": spec["lr"],
             "seed": spec["seed"],
             "knobs": json.dumps(spec["knobs"], sort_keys=True),
@@ -126,20 +130,39 @@ def curve_rows(run_ids: Iterable[str], metric_paths: Iterable[str]) -> pd.DataFr
     return out
 
 
+BEST_LR_COLUMNS = GROUP_COLUMNS + [
+    "ratio", "params", "params_vs_budget", "best_lr", "final_val_loss", "final_val_loss_std", "n_seeds",
+    "n_lrs_tried", "n_diverged", "lr_at_edge",
+]
+
+
 def best_learning_rates(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per (architecture, shape, knobs): the run with the lowest final validation loss among runs
-    that did not diverge (seeds are averaged first, so a lucky seed does not pick the LR)."""
+    """Per (architecture, shape, knobs): the LR with the lowest final validation loss among runs
+    that did not diverge (seeds are averaged first, so a lucky seed does not pick the LR).
+
+    `final_val_loss` is that LR's mean over seeds, `final_val_loss_std` the sample standard
+    deviation (ddof 1; NaN for one seed) and `n_seeds` their count. `lr_at_edge` is true when
+    the best LR is the smallest or the largest LR tried for the cell (diverged runs count as
+    tried: an LR that diverged bounds the grid from above), so the optimum may lie outside it.
+    """
     ok = runs[(runs["status"] == "ok") & runs["final_val_loss"].notna()]
     if ok.empty:
-        return pd.DataFrame(columns=GROUP_COLUMNS + ["ratio", "params", "best_lr", "final_val_loss", "n_seeds", "n_lrs_tried", "n_diverged"])
+        return pd.DataFrame(columns=BEST_LR_COLUMNS)
+    if "params_vs_budget" not in ok:  # a runs table written before the budget columns
+        ok = ok.assign(params_vs_budget=math.nan)
     per_lr = ok.groupby(GROUP_COLUMNS + ["lr"], as_index=False).agg(
-        final_val_loss=("final_val_loss", "mean"), n_seeds=("seed", "nunique"), ratio=("ratio", "first"), params=("params", "first")
+        final_val_loss=("final_val_loss", "mean"), final_val_loss_std=("final_val_loss", "std"),
+        n_seeds=("seed", "nunique"), ratio=("ratio", "first"), params=("params", "first"),
+        params_vs_budget=("params_vs_budget", "first"),
     )
     best = per_lr.loc[per_lr.groupby(GROUP_COLUMNS)["final_val_loss"].idxmin()].rename(columns={"lr": "best_lr"})
     tried = runs.groupby(GROUP_COLUMNS).agg(
-        n_lrs_tried=("lr", "nunique"), n_diverged=("status", lambda s: int((s == "diverged").sum()))
+        n_lrs_tried=("lr", "nunique"), n_diverged=("status", lambda s: int((s == "diverged").sum())),
+        lr_min=("lr", "min"), lr_max=("lr", "max"),
     ).reset_index()
-    return best.merge(tried, on=GROUP_COLUMNS).sort_values(["arch", "ratio"], ignore_index=True)
+    out = best.merge(tried, on=GROUP_COLUMNS)
+    out["lr_at_edge"] = (out["best_lr"] == out["lr_min"]) | (out["best_lr"] == out["lr_max"])
+    return out[BEST_LR_COLUMNS].sort_values(["arch", "ratio"], ignore_index=True)
 
 
 def write_parquet(df: pd.DataFrame, path: str | Path) -> None:

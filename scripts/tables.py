@@ -9,7 +9,8 @@ from pathlib import Path
 
 sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
 floor = unigram_floor(Path(snakemake.input.data).parent)  # noqa: F821
-runs = run_rows(snakemake.input.summaries, floor, snakemake.params.experiment, expected=snakemake.params.spec_hashes)  # noqa: F821
+runs = run_rows(snakemake.input.summaries, floor, snakemake.params.experiment, snakemake.params.budget_params,  # noqa: F821
+                expected=snakemake.params.spec_hashes)  # noqa: F821
 runs = with_pretrained(runs, pretrained_run_rows(snakemake.input.pretrained, snakemake.params.experiment))  # noqa: F821
 write_parquet(runs, snakemake.output.runs)  # noqa: F821
 write_parquet(curve_rows(snakemake.params.run_ids, snakemake.input.metrics), snakemake.output.curves)  # noqa: F821

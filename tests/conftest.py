@@ -31,7 +31,9 @@ def tiny_config(corpus_path: Path, **overrides) -> dict:
         "name": "tiny",
         "corpus": {"name": "tiny", "source": "local", "path": str(corpus_path), "val_fraction": 0.1},
         "tokenizer": {"kind": "bpe", "vocab_size": 512},
-        "budget": {"params": 1.0e5, "d_model_multiple": 16, "d_ff_multiple": 16},
+        # A loose tolerance: at 1e5 parameters a 16-multiple of d_model cannot meet 1% at every
+        # depth these smoke tests use; the budget itself is tested in test_budget.py.
+        "budget": {"params": 1.0e5, "d_model_multiple": 16, "d_ff_multiple": 16, "tolerance": 0.5},
         "shapes": [{"n_layer": 2}],
         "architectures": ["pre_ln"],
         "learning_rates": [3e-3],

@@ -437,7 +437,7 @@ def test_every_table_stage_finishes_on_degenerate_grids(wiki_jsonl, tmp_path, ki
     hashes = {s.run_id: s.spec_hash() for s in specs}
     log = _Files([str(tmp_path / "log.txt")])
     _run_script("tables.py", input=_Files(summaries=summaries, metrics=metrics, data=str(data), pretrained=[]), output=out, log=log,
-                params=SimpleNamespace(experiment="tiny", run_ids=list(statuses), spec_hashes=hashes))
+                params=SimpleNamespace(experiment="tiny", run_ids=list(statuses), spec_hashes=hashes, budget_params=None))
     made = {}
     for script, extra, target in (("cost_table.py", {"summaries": summaries}, "cost"), ("probes_table.py", {"probes": probes}, "probes"),
                                   ("nll_table.py", {"nll": nll}, "nll")):

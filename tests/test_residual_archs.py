@@ -503,6 +503,6 @@ def test_moe_parameters_total_and_active():
 @pytest.mark.parametrize("arch", NEW)
 def test_shape_solver_charges_extra_parameters(arch):
     base = ModelConfig(arch=arch, vocab_size=2048, n_head=4)
-    shape = solve_width(base, 4, 8e5, multiple=16, ff_multiple=32)
+    shape = solve_width(base, 4, 8e5, multiple=8, ff_multiple=32, ff_step=4)  # the CPU configs' steps
     built = build_model(ModelConfig(arch=arch, vocab_size=2048, n_head=4, n_layer=4, d_model=shape.d_model, d_ff=shape.d_ff))
     assert shape.n_params == built.num_parameters()

@@ -20,6 +20,7 @@ rule tables:
         experiment=EXPERIMENT,
         run_ids=list(RUNS),
         spec_hashes=SPEC_HASHES,  # each summary.json must match its run's identity
+        budget_params=config.get("budget", {}).get("params"),
     log:
         f"{RESULTS}/logs/tables.log",
     benchmark:

@@ -1,0 +1,148 @@
+"""The fixed parameter budget (every solved shape within budget.tolerance, or a config error
+naming it) and the best-LR table a reader can trust (edge flag, seed statistics)."""
+
+import json
+import math
+import re
+import statistics
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from depthbench.config import expand_grid, load_config, shape_table
+from depthbench.errors import ConfigError
+from depthbench.models import ModelConfig, build_model, count_parameters
+from depthbench.shapes import FF_BAND, solve_width
+from depthbench.tables import GROUP_COLUMNS, best_learning_rates, run_rows
+from tests.conftest import tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
+ALL_ARCHS = ["pre_ln", "post_ln", "peri_ln", "lns", "deepnorm", "keel", "hc", "mhc", "attnres_full", "attnres_block", "moda"]
+BUDGETED = ["config/config.yaml", "config/presets/cpu_all.yaml", "config/presets/400m.yaml", "config/presets/1p6b.yaml"]
+
+
+@pytest.mark.parametrize("path", BUDGETED)
+def test_every_preset_shape_is_within_tolerance_for_every_architecture(path):
+    config = load_config(REPO / path, {"architectures": ALL_ARCHS})
+    budget = config["budget"]
+    rows = shape_table(expand_grid(config))
+    assert len(rows) == len(ALL_ARCHS) * len(config["shapes"])
+    for r in rows:
+        # n_params is the count of the model as built (the solver checks it against a full build)
+        assert abs(r["params"] / budget["params"] - 1) <= budget["tolerance"], r
+        assert r["params_vs_budget"] == pytest.approx(r["params"] / budget["params"] - 1, abs=1e-12)
+        assert r["d_model"] % budget["d_model_multiple"] == 0, r
+        assert abs(r["d_ff"] / r["d_model"] / (8 / 3) - 1) <= FF_BAND + 1e-12, r
+    if path.endswith("400m.yaml"):  # the paper's widths are kept
+        assert {r["d_model"] for r in rows} == {1216, 1088, 1024, 896, 832, 704, 640}
+
+
+def test_solved_counts_are_the_built_models_counts():
+    """The solver's count (extrapolated in depth) against a plain sum over the built model."""
+    for arch in ("pre_ln", "hc", "mhc", "attnres_block"):
+        base = ModelConfig(arch=arch, vocab_size=2048, n_head=4)
+        shape = solve_width(base, 8, 8e5, multiple=8, ff_multiple=32, ff_step=4)
+        cfg = ModelConfig(arch=arch, vocab_size=2048, n_head=4, n_layer=8, d_model=shape.d_model, d_ff=shape.d_ff)
+        with torch.device("meta"):
+            model = build_model(cfg, initialize=False)
+        built = sum(p.numel() for p in model.parameters())
+        assert shape.n_params == built
+        assert abs(built / 8e5 - 1) <= 0.01
+
+
+def test_a_shape_out_of_tolerance_names_the_shape_and_the_nearest_counts(wiki_jsonl):
+    budget = {"params": 1.0e5, "d_model_multiple": 16, "d_ff_multiple": 16, "d_ff_step": 64, "tolerance": 0.001}
+    config = load_config(tiny_config(wiki_jsonl, budget=budget, shapes=[{"n_layer": 1}, {"n_layer": 2}]))
+    with pytest.raises(ConfigError) as info:
+        expand_grid(config)
+    err = info.value
+    assert err.field in ("shapes[0]", "shapes[1]"), str(err)
+    n_layer = int(err.field[-2]) + 1
+    found = re.findall(r"([\d,]+) \(([+-]\d+\.\d+)%, d_model=(\d+), d_ff=(\d+)\)", str(err))
+    assert len(found) == 2, str(err)
+    (below, _, d_lo, f_lo), (above, _, d_hi, f_hi) = found
+    below, above = int(below.replace(",", "")), int(above.replace(",", ""))
+    assert below < 1.0e5 < above  # they bracket the budget, both outside the tolerance
+    assert min(1.0e5 - below, above - 1.0e5) > 0.001 * 1.0e5
+    for count, d_model, d_ff in ((below, d_lo, f_lo), (above, d_hi, f_hi)):  # and they are real
+        cfg = ModelConfig(vocab_size=512, n_head=2, n_layer=n_layer, d_model=int(d_model), d_ff=int(d_ff), max_seq_len=32)
+        assert count_parameters(cfg) == count
+    assert "budget.tolerance" in str(err) and "budget.d_ff_step" in str(err)
+
+
+def test_explicit_shapes_stay_as_given_and_report_their_deviation(wiki_jsonl):
+    exp = expand_grid(load_config(tiny_config(wiki_jsonl, shapes=[{"n_layer": 2, "d_model": 64, "d_ff": 96}])))
+    (row,) = shape_table(exp)
+    cfg = ModelConfig(vocab_size=512, n_head=2, n_layer=2, d_model=64, d_ff=96, max_seq_len=32)
+    assert (row["d_model"], row["d_ff"], row["params"]) == (64, 96, count_parameters(cfg))
+    assert row["params_vs_budget"] == pytest.approx(count_parameters(cfg) / 1.0e5 - 1)
+    assert abs(row["params_vs_budget"]) > 0.01  # far off the budget, and no error
+
+
+def test_cli_shapes_prints_params_vs_budget(capsys):
+    from depthbench.cli import main
+
+    assert main(["shapes", str(REPO / "config/config.yaml")]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split()[-1] == "params_vs_budget"
+    for line in lines[1:]:
+        fields = line.split()
+        params = int(fields[-2].replace(",", ""))
+        assert float(fields[-1]) == pytest.approx(params / 8.0e5 - 1, abs=5e-5)
+
+
+def _summary(tmp_path: Path, spec: dict, lr: float, seed: int, loss: float, status: str = "ok") -> str:
+    spec = {**spec, "lr": lr, "seed": seed, "run_id": f"r_L{spec['shape']['n_layer']}_{lr}_{seed}"}
+    path = tmp_path / f"{spec['run_id']}.json"
+    path.write_text(json.dumps({
+        "run_id": spec["run_id"], "spec": spec, "n_params": spec["shape"]["n_params"], "status": status,
+        "final_val_loss": loss if status == "ok" else math.nan, "steps": 10, "total_steps": 10,
+        "tokens_seen": 1000, "wall_seconds": 1.0, "tokens_per_s": 1000.0,
+    }))
+    return str(path)
+
+
+def test_runs_and_best_lr_with_two_seeds(wiki_jsonl, tmp_path):
+    exp = expand_grid(load_config(tiny_config(wiki_jsonl, shapes=[{"n_layer": 2}, {"n_layer": 3}])))  # tolerance 0.5
+    specs = {s.shape.n_layer: s.to_dict() for s in exp.runs.values()}
+    # L=2: 2e-3 is best (interior); L=3: 4e-3, the largest LR tried, is best (at the edge).
+    losses = {
+        (2, 1e-3): [3.10, 3.20], (2, 2e-3): [3.00, 3.06], (2, 4e-3): [3.30, 3.10],
+        (3, 1e-3): [3.50, 3.40], (3, 2e-3): [3.20, 3.30], (3, 4e-3): [3.05, 2.99],
+    }
+    paths = [_summary(tmp_path, specs[L], lr, seed, v) for (L, lr), vs in losses.items() for seed, v in enumerate(vs)]
+    runs = run_rows(paths, unigram_floor=5.0, experiment="t", budget_params=1.0e5)
+    for L, spec in specs.items():
+        got = runs[runs["n_layer"] == L]
+        assert (got["budget_params"] == 1.0e5).all()
+        assert got["params_vs_budget"].iloc[0] == pytest.approx(spec["shape"]["n_params"] / 1.0e5 - 1)
+    assert run_rows(paths[:1], 5.0, "t")["params_vs_budget"].isna().all()  # no budget: NaN
+
+    best = best_learning_rates(runs).set_index("n_layer")
+    assert best.loc[2, "best_lr"] == 2e-3 and not best.loc[2, "lr_at_edge"]
+    assert best.loc[3, "best_lr"] == 4e-3 and best.loc[3, "lr_at_edge"]
+    for L, lr in ((2, 2e-3), (3, 4e-3)):
+        assert best.loc[L, "final_val_loss"] == pytest.approx(statistics.mean(losses[(L, lr)]))
+        assert best.loc[L, "final_val_loss_std"] == pytest.approx(statistics.stdev(losses[(L, lr)]))
+        assert best.loc[L, "n_seeds"] == 2
+        assert best.loc[L, "params_vs_budget"] == pytest.approx(specs[L]["shape"]["n_params"] / 1.0e5 - 1)
+
+    # A diverged larger LR is still tried: 4e-3 becomes interior at L=3.
+    paths.append(_summary(tmp_path, specs[3], 8e-3, 0, math.nan, status="diverged"))
+    best = best_learning_rates(run_rows(paths, 5.0, "t", 1.0e5)).set_index("n_layer")
+    assert best.loc[3, "best_lr"] == 4e-3 and not best.loc[3, "lr_at_edge"]
+    assert best.loc[3, "n_diverged"] == 1 and best.loc[3, "n_lrs_tried"] == 4
+
+
+def test_best_lr_with_one_seed_has_nan_spread():
+    runs = pd.DataFrame({
+        "experiment": "t", "arch": "pre_ln", "n_layer": 2, "d_model": 32, "knobs": "{}", "ratio": 16.0,
+        "params": 1000, "params_vs_budget": 0.001, "lr": [1e-3, 2e-3], "seed": 0, "status": "ok",
+        "final_val_loss": [3.0, 3.1],
+    })
+    (row,) = best_learning_rates(runs).to_dict("records")
+    assert row["best_lr"] == 1e-3 and row["lr_at_edge"] and row["n_seeds"] == 1
+    assert math.isnan(row["final_val_loss_std"])
+    assert set(GROUP_COLUMNS) <= set(row)
