@@ -64,6 +64,14 @@ def _scalar(probe: str, stage: str, value: float) -> dict:
     return {"probe": probe, "stage": stage, "i": -1, "j": -1, "value": float(value)}
 
 
+def _per_layer_rows(stage: str, hidden: list[torch.Tensor]) -> list[dict]:
+    """Token similarity (with and without position 0) and effective rank at every layer: the
+    per-layer curves drawn at init, at init without the prefix-average part, and trained."""
+    return (_rows("token_similarity", stage, torch.tensor(core.token_similarity_by_layer(hidden)))
+            + _rows("token_similarity_no_pos0", stage, torch.tensor(core.token_similarity_by_layer(hidden, skip_first=True)))
+            + _rows("effective_rank", stage, torch.tensor(core.effective_rank_by_layer(hidden))))
+
+
 def _matrix_probe(rows: list[dict], name: str, stage: str, matrix: torch.Tensor, threshold: float) -> None:
     rows += _rows(f"{name}_score", stage, matrix)
     rows.append(_scalar(f"{name}_share", stage, core.share_above(matrix, threshold)))
@@ -77,19 +85,15 @@ def probe_model(adapter, idx: torch.Tensor, stage: str, settings: dict, full: bo
     applies = adapter.probes
     inputs = idx[:, :-1]
     hidden = core.residual_stream(adapter, inputs)
-    rows += _rows("token_similarity", stage, torch.tensor(core.token_similarity_by_layer(hidden)))
-    rows += _rows("token_similarity_no_pos0", stage, torch.tensor(core.token_similarity_by_layer(hidden, skip_first=True)))
+    rows += _per_layer_rows(stage, hidden)
     if stage == "init" and "prefix_average" in applies:
         with interventions.without_prefix_average(adapter):
-            h2 = core.residual_stream(adapter, inputs)
-        rows += _rows("token_similarity", "init_no_prefix_avg", torch.tensor(core.token_similarity_by_layer(h2)))
-        rows += _rows("token_similarity_no_pos0", "init_no_prefix_avg", torch.tensor(core.token_similarity_by_layer(h2, skip_first=True)))
+            rows += _per_layer_rows("init_no_prefix_avg", core.residual_stream(adapter, inputs))
     records = adapter.records(inputs) if applies & {"residual_product_rank", "depth_weight"} else {}
     if "residual_product_rank" in applies:  # at init too: the trained rank means little without it
         rows.append(_scalar("residual_product_rank", stage, core.residual_product_rank(records["stream_mixing"])))
     if not full:
         return rows
-    rows += _rows("effective_rank", stage, torch.tensor(core.effective_rank_by_layer(hidden)))
     rows += _rows("angular_distance_last", stage, core.angular_distance(hidden, last_token_only=True))
     rows += _rows("angular_distance_all", stage, core.angular_distance(hidden, last_token_only=False))
     workers = int(settings["threads"])  # the passes of one probe are shared among that many workers
