@@ -65,7 +65,7 @@ def depth_mixing(tables: dict, ctx: S.Context):
             M = R.matrix(rows, (int(rows["i"].max()) + 1, int(rows["j"].max()) + 1))[1:]
             im = ax.imshow(M, origin="lower", aspect="auto", vmin=0, vmax=1, cmap="magma",
                            extent=(-0.5, M.shape[1] - 0.5, 0.5, M.shape[0] + 0.5))
-            ax.set_title(f"{arch}, L={L}, d={d}")
+            ax.set_title(f"{arch}, L={L}, d={int(rows['d_model'].iloc[0])}")
             ax.set_xlabel("source (0 = embedding)")
             ax.set_ylabel("reading sublayer s\n(top row: final)")
     fig.colorbar(im, ax=axes, shrink=0.8, label="mean softmax weight on the source")

@@ -75,7 +75,7 @@ def loss_vs_lr(tables: dict, ctx: S.Context):
     floor = R.unigram_floor(runs)
     top = float(finite.max()) if not finite.empty else (floor or 1.0)
     for ax, (n_layer, d_model) in zip(axes, shapes):
-        sub = runs[(runs["n_layer"] == n_layer) & (runs["d_model"] == d_model)]
+        sub = runs[runs["n_layer"] == n_layer]
         for (arch, knobs), g in sub.groupby(["arch", "knobs"]):
             st = S.arch_style(arch)
             ok = g[g["status"] == "ok"].groupby("lr", as_index=False)["final_val_loss"].mean()
@@ -86,7 +86,7 @@ def loss_vs_lr(tables: dict, ctx: S.Context):
             S.note(ax, "every run at this shape diverged")
         S.floor_line(ax, floor)
         S.log_ticks(ax, runs["lr"])
-        ax.set_title(f"L={n_layer}, d={d_model} (ratio {d_model / n_layer:.1f})")
+        ax.set_title(f"L={n_layer}, d={d_model}")
         ax.set_xlabel("peak learning rate")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("final validation loss (nats/token)\nx: diverged")

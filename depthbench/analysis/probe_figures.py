@@ -27,7 +27,7 @@ def _angular(tables: dict, ctx: S.Context, probe: str, what: str):
     for r, arch in enumerate(archs):
         for c, (L, d) in enumerate(shapes):
             ax = axes[r * len(shapes) + c]
-            rows = data[(data["arch"] == arch) & (data["n_layer"] == L) & (data["d_model"] == d)]
+            rows = data[(data["arch"] == arch) & (data["n_layer"] == L)]
             if rows.empty:
                 S.note(ax, f"{arch} L={L}: no trained run")
                 ax.set_axis_off()
@@ -35,7 +35,7 @@ def _angular(tables: dict, ctx: S.Context, probe: str, what: str):
             M = R.matrix(rows, (L + 1, L + 1))[:L, 1:]  # l = 0..L-1, k = 1..L
             im = ax.imshow(M.T, origin="lower", aspect="auto", vmin=0, vmax=vmax, cmap="viridis",
                            extent=(-0.5, L - 0.5, 0.5, L + 0.5))
-            ax.set_title(f"{arch}, L={L}, d={d}")
+            ax.set_title(f"{arch}, L={L}, d={int(rows['d_model'].iloc[0])}")
             step = max(1, L // 4)
             ax.set_xticks(range(0, L, step))
             ax.set_yticks(range(1, L + 1, step))

@@ -83,12 +83,17 @@ def matrix(rows: pd.DataFrame, size: tuple[int, int]) -> np.ndarray:
     return M
 
 
-def shapes(df: pd.DataFrame) -> list[tuple[int, int]]:
-    """(n_layer, d_model) pairs present, shallow to deep."""
+def shapes(df: pd.DataFrame) -> list[tuple[int, str]]:
+    """One (n_layer, d_model label) per depth present, shallow to deep. At a fixed budget the
+    architectures of one depth solve to different widths (their extra parameters are charged
+    to them), so a shape is its depth; the label names the widths ("112", or "104-120")."""
     if not has(df, "n_layer", "d_model"):
         return []
-    pairs = df[["n_layer", "d_model"]].drop_duplicates().sort_values("n_layer")
-    return [(int(a), int(b)) for a, b in pairs.itertuples(index=False)]
+    out = []
+    for n_layer, group in df.groupby("n_layer", sort=True):
+        widths = sorted(int(d) for d in group["d_model"].dropna().unique())
+        out.append((int(n_layer), str(widths[0]) if len(widths) == 1 else f"{widths[0]}-{widths[-1]}"))
+    return out
 
 
 def archs(df: pd.DataFrame) -> list[str]:
