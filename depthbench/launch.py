@@ -22,6 +22,7 @@ import submitit
 
 from depthbench.spec import RunSpec
 from depthbench.io import atomic_write_json
+from depthbench.schema import with_defaults
 from depthbench.slurm import LIVE_STATES, queue_state
 
 BACKENDS = ("inline", "local", "slurm")
@@ -57,34 +58,34 @@ def export_distributed_env() -> int:
 
 def ranks_per_run(launcher: dict) -> int:
     """How many training processes one run gets from the launcher settings."""
-    backend = launcher.get("backend", "inline")
+    launcher = with_defaults("launcher", launcher)
+    backend = launcher["backend"]
     if backend == "local":
-        return int(launcher.get("local_ranks", 1))
+        return int(launcher["local_ranks"])
     if backend == "slurm":
-        s = launcher.get("slurm", {})
-        return int(s.get("nodes", 1)) * tasks_per_node(s)
+        return int(launcher["slurm"]["nodes"]) * tasks_per_node(launcher["slurm"])
     return 1
 
 
 def tasks_per_node(slurm: dict) -> int:
     """SLURM tasks (torch.distributed ranks) per node: launcher.slurm.tasks_per_node, or one
     per GPU, or one on a node without GPUs."""
-    if slurm.get("tasks_per_node") is not None:
+    if slurm["tasks_per_node"] is not None:
         return int(slurm["tasks_per_node"])
-    return max(1, int(slurm.get("gpus_per_node", 1)))
+    return max(1, int(slurm["gpus_per_node"]))
 
 
 def make_executor(launcher: dict, folder: Path, threads: int):
-    backend = launcher.get("backend", "inline")
+    launcher = with_defaults("launcher", launcher)
+    backend = launcher["backend"]
     if backend == "inline":
         return submitit.AutoExecutor(folder=folder, cluster="debug")
     if backend == "local":
         executor = submitit.LocalExecutor(folder=folder)
-        executor.update_parameters(timeout_min=int(launcher.get("slurm", {}).get("time_min", 1440)),
-                                   tasks_per_node=int(launcher.get("local_ranks", 1)))
+        executor.update_parameters(timeout_min=int(launcher["slurm"]["time_min"]), tasks_per_node=int(launcher["local_ranks"]))
         return executor
     if backend == "slurm":
-        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=launcher.get("slurm", {}).get("max_num_timeout", 20))
+        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=launcher["slurm"]["max_num_timeout"])
         executor.update_parameters(**slurm_parameters(launcher))
         return executor
     raise ValueError(f"launcher.backend {backend!r}; valid: {BACKENDS}")
@@ -92,24 +93,24 @@ def make_executor(launcher: dict, folder: Path, threads: int):
 
 def slurm_parameters(launcher: dict) -> dict[str, Any]:
     """sbatch settings (submitit SlurmExecutor names) from config['launcher']['slurm']."""
-    s = launcher.get("slurm", {})
+    s = with_defaults("launcher", launcher)["slurm"]
     params: dict[str, Any] = {
         "job_name": "depthbench",
-        "time": int(s.get("time_min", 1440)),
-        "nodes": int(s.get("nodes", 1)),
-        "gpus_per_node": int(s.get("gpus_per_node", 1)),
+        "time": int(s["time_min"]),
+        "nodes": int(s["nodes"]),
+        "gpus_per_node": int(s["gpus_per_node"]),
         # one task per GPU by default, each a torch.distributed rank (depthbench.train.distributed)
         "ntasks_per_node": tasks_per_node(s),
-        "cpus_per_task": int(s.get("cpus_per_task", 8)),
-        "mem": f"{int(s.get('mem_gb', 64))}GB",
+        "cpus_per_task": int(s["cpus_per_task"]),
+        "mem": f"{int(s['mem_gb'])}GB",
         # SIGUSR2 this long before the time limit: submitit then calls checkpoint() and requeues.
         "signal_delay_s": 120,
     }
-    if s.get("partition"):
+    if s["partition"]:
         params["partition"] = s["partition"]
-    if s.get("account"):
+    if s["account"]:
         params["account"] = s["account"]
-    if s.get("extra"):
+    if s["extra"]:
         params["additional_parameters"] = dict(s["extra"])
     return params
 
@@ -185,7 +186,8 @@ def submit_and_wait(fn, args: tuple, label: str, work_dir: str, launcher: dict, 
     folder = work / "submitit"
     folder.mkdir(parents=True, exist_ok=True)
     record = work / record_name
-    backend = launcher.get("backend", "inline")
+    launcher = with_defaults("launcher", launcher)
+    backend = launcher["backend"]
     job = None
 
     def cancel(signum, frame):  # Snakemake interrupted: do not leave orphaned jobs behind
@@ -233,7 +235,8 @@ def submit_and_wait(fn, args: tuple, label: str, work_dir: str, launcher: dict, 
 
 def dispatch(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, launcher: dict, threads: int = 1) -> dict:
     """Submit the training of `spec`, wait for it and return its summary."""
-    backend = launcher.get("backend", "inline")
+    launcher = with_defaults("launcher", launcher)
+    backend = launcher["backend"]
     spec_dict = spec.to_dict()
     if backend != "slurm":  # on this machine, share the cores Snakemake gave the job among the ranks
         spec_dict["train"]["threads"] = max(1, threads // ranks_per_run(launcher))
@@ -264,6 +267,6 @@ def dispatch_nll(spec: RunSpec, run_dir: str, work_dir: str, sets_path: str, out
 
 def _local_threads(settings: dict, launcher: dict, threads: int) -> dict:
     settings = dict(settings)
-    if launcher.get("backend", "inline") != "slurm":  # on this machine: the cores Snakemake gave
+    if with_defaults("launcher", launcher)["backend"] != "slurm":  # on this machine: the cores Snakemake gave
         settings["threads"] = threads
     return settings

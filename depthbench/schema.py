@@ -38,6 +38,22 @@ def schema_defaults(section: str) -> dict:
     return {name: copy.deepcopy(sub["default"]) for name, sub in props.items() if "default" in sub}
 
 
+def with_defaults(section: str, values: dict) -> dict:
+    """`values` of one top-level section with the schema's defaults filled in (nested objects too):
+    for code that takes a section from a caller that may not have validated it."""
+
+    def fill(schema: dict, value: dict) -> dict:
+        out = dict(value)
+        for name, sub in schema.get("properties", {}).items():
+            if name not in out and "default" in sub:
+                out[name] = copy.deepcopy(sub["default"])
+            if "properties" in sub and isinstance(out.get(name), dict):
+                out[name] = fill(sub, out[name])
+        return out
+
+    return fill(_schema()["properties"][section], values)
+
+
 # -- validation ------------------------------------------------------------------------------------
 def _validator_with_defaults():
     import jsonschema
