@@ -135,6 +135,31 @@ def _close_gap(base: ModelConfig, n_layer: int, d_model: int, budget: float, ff_
     return min(((f, _params(base, n_layer, d_model, f, ff_step)) for f in options), key=lambda fp: abs(fp[1] - budget))
 
 
+def _width_pick(base: ModelConfig, n_layer: int, budget: float, multiple: int, ff_multiple: int, d_ff: int | None,
+                field: str) -> tuple[list[int], int]:
+    """The candidate widths (multiples of `multiple` valid for the heads) and the index of the
+    one whose model with d_ff at 8/3 comes closest to the budget; ConfigError when no width
+    comes within 50% of it."""
+    if n_layer < 1:
+        raise ConfigError(field, f"n_layer must be >= 1, got {n_layer}")
+    # Every architecture embeds the vocabulary (vocab_size x d_model weights), so wider models
+    # than 1.5 budget / vocab_size fail the 50% check below anyway: a shorter binary search.
+    widest = max(multiple, int(1.5 * budget / base.vocab_size))
+    candidates = [k * multiple for k in range(1, min(4096, widest // multiple) + 2) if _valid_width(k * multiple, base)]
+    if not candidates:
+        raise ConfigError(field, f"no multiple of {multiple} is divisible by n_head {base.n_head}")
+    i = _pick_width(base, n_layer, budget, candidates, d_ff, ff_multiple)
+    n_params = _params(base, n_layer, candidates[i], d_ff, ff_multiple)
+    if abs(n_params - budget) > 0.5 * budget:
+        raise ConfigError(
+            field,
+            f"impossible shape: at n_layer={n_layer} the closest width d_model={candidates[i]} gives "
+            f"{n_params:,} parameters, more than 50% away from the budget {budget:,.0f}; "
+            "use fewer layers or a larger budget",
+        )
+    return candidates, i
+
+
 def solve_width(
     base: ModelConfig,
     n_layer: int,
@@ -158,23 +183,7 @@ def solve_width(
     None reaching it is a ConfigError naming `field` and the nearest reachable counts.
     `tolerance=None` skips steps 2-3 (the width-only pick, d_ff at 8/3).
     """
-    if n_layer < 1:
-        raise ConfigError(field, f"n_layer must be >= 1, got {n_layer}")
-    # Every architecture embeds the vocabulary (vocab_size x d_model weights), so wider models
-    # than 1.5 budget / vocab_size fail the 50% check below anyway: a shorter binary search.
-    widest = max(multiple, int(1.5 * budget / base.vocab_size))
-    candidates = [k * multiple for k in range(1, min(4096, widest // multiple) + 2) if _valid_width(k * multiple, base)]
-    if not candidates:
-        raise ConfigError(field, f"no multiple of {multiple} is divisible by n_head {base.n_head}")
-    i = _pick_width(base, n_layer, budget, candidates, d_ff, ff_multiple)
-    n_params = _params(base, n_layer, candidates[i], d_ff, ff_multiple)
-    if abs(n_params - budget) > 0.5 * budget:
-        raise ConfigError(
-            field,
-            f"impossible shape: at n_layer={n_layer} the closest width d_model={candidates[i]} gives "
-            f"{n_params:,} parameters, more than 50% away from the budget {budget:,.0f}; "
-            "use fewer layers or a larger budget",
-        )
+    candidates, i = _width_pick(base, n_layer, budget, multiple, ff_multiple, d_ff, field)
     if tolerance is None:
         return shape_of(base, n_layer, candidates[i], d_ff, ff_multiple)
 
