@@ -95,7 +95,8 @@ def test_cli_shapes_prints_params_vs_budget(capsys):
 
 def _summary(tmp_path: Path, spec: dict, lr: float, seed: int, loss: float, status: str = "ok") -> str:
     spec = {**spec, "lr": lr, "seed": seed, "run_id": f"r_L{spec['shape']['n_layer']}_{lr}_{seed}"}
-    path = tmp_path / f"{spec['run_id']}.json"
+    path = tmp_path / spec["run_id"] / "summary.json"  # a summary lives in its run's folder
+    path.parent.mkdir()
     path.write_text(json.dumps({
         "run_id": spec["run_id"], "spec": spec, "n_params": spec["shape"]["n_params"], "status": status,
         "final_val_loss": loss if status == "ok" else math.nan, "steps": 10, "total_steps": 10,

@@ -133,9 +133,9 @@ def run_pretrained_nll(run_id: str, model_dir: str, out_path: str, settings: dic
     seeded subsets), tokenized with the model's tokenizer and scored in windows of `window`
     tokens at most (capped by the model's context): the rows of depthbench.evals.run.run_nll."""
     from depthbench.evals.nll import aggregate, score_documents, tokenize_docs
-    from depthbench.evals.run import DEFAULTS, load_all
+    from depthbench.evals.run import load_all, nll_settings
 
-    settings = {**DEFAULTS, **settings}
+    settings = nll_settings(settings)
     torch.set_num_threads(int(settings["threads"]))
     tokenizer, adapter = load_tokenizer(model_dir), PretrainedAdapter(load_model(model_dir)).to(device())
     window = min(window, context_length(adapter.model))
