@@ -197,14 +197,33 @@ def test_time_limit_signals_requeues_and_resumes_to_the_same_weights(tiny_data, 
     assert weights_equal(tmp_path / "run", uninterrupted)
 
 
+def hold_until_gone(pid: int, seconds: float) -> None:
+    """Stop `pid` again and again (every 20 ms) until it has exited or `seconds` have passed."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return
+        except (ProcessLookupError, FileNotFoundError):
+            return
+        time.sleep(0.02)
+
+
 def test_preemption_requeues_and_resumes_to_the_same_weights(tiny_data, uninterrupted, tmp_path):
     spec = long_spec(tiny_data, REQUEUE_STEPS)
     work = tmp_path / "work"
     proc = start_dispatch(spec, tiny_data[2], tmp_path, {"backend": "slurm", "slurm": SLURM})
     try:
         job_id = running_with_checkpoint(work)
+        # Hold the training so that it cannot finish before the preemption ends it, however fast
+        # the machine: SLURM continues the task (SIGCONT) before its SIGTERM, so it is stopped
+        # again until KillWait's SIGKILL takes it.
+        pid = task_pid(work)
+        os.kill(pid, signal.SIGSTOP)
         # what a preempting scheduler does: SIGTERM, SIGKILL after KillWait, back to the queue
         subprocess.run(["scontrol", "requeue", job_id], check=True)
+        hold_until_gone(pid, 60)
         finish_dispatch(proc)
     finally:
         proc.kill()
