@@ -51,23 +51,16 @@ def depth_mixing(tables: dict, ctx: S.Context):
     data = R.probe(tables.get("probes", pd.DataFrame()), "depth_weight")
     if data.empty:
         return S.message_figure(ctx, "depth-mixing weights (attnres)", "no depth_weight rows")
-    archs, shapes = R.archs(data), R.shapes(data)
-    fig, axes = S.panels(len(archs) * len(shapes), ctx, cols=len(shapes), scale=0.9)
+    depths = [L for L, _ in R.shapes(data)]
+    fig, axes, cells = S.arch_depth_grid(data, R.archs(data), depths, ctx, "no run")
     im = None
-    for r, arch in enumerate(archs):
-        for c, (L, d) in enumerate(shapes):
-            ax = axes[r * len(shapes) + c]
-            rows = data[(data["arch"] == arch) & (data["n_layer"] == L)]
-            if rows.empty:
-                S.note(ax, f"{arch} L={L}: no run")
-                ax.set_axis_off()
-                continue
-            M = R.matrix(rows, (int(rows["i"].max()) + 1, int(rows["j"].max()) + 1))[1:]
-            im = ax.imshow(M, origin="lower", aspect="auto", vmin=0, vmax=1, cmap="magma",
-                           extent=(-0.5, M.shape[1] - 0.5, 0.5, M.shape[0] + 0.5))
-            ax.set_title(f"{arch}, L={L}, d={int(rows['d_model'].iloc[0])}")
-            ax.set_xlabel("source (0 = embedding)")
-            ax.set_ylabel("reading sublayer s\n(top row: final)")
+    for ax, arch, L, rows in cells:
+        M = R.matrix(rows, (int(rows["i"].max()) + 1, int(rows["j"].max()) + 1))[1:]
+        im = ax.imshow(M, origin="lower", aspect="auto", vmin=0, vmax=1, cmap="magma",
+                       extent=(-0.5, M.shape[1] - 0.5, 0.5, M.shape[0] + 0.5))
+        ax.set_title(f"{arch}, L={L}, d={int(rows['d_model'].iloc[0])}")
+        ax.set_xlabel("source (0 = embedding)")
+        ax.set_ylabel("reading sublayer s\n(top row: final)")
     fig.colorbar(im, ax=axes, shrink=0.8, label="mean softmax weight on the source")
     S.title(fig, ctx, "depth-mixing weights of Attention Residuals")
     return fig

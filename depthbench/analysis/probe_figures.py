@@ -20,27 +20,20 @@ def _angular(tables: dict, ctx: S.Context, probe: str, what: str):
     data = R.probe(tables.get("probes", pd.DataFrame()), probe)
     if data.empty:
         return S.message_figure(ctx, what, NO_PROBES)
-    archs, shapes = R.archs(data), R.shapes(data)
     vmax = float(np.ceil(data.loc[data["j"] > 0, "value"].max() * 10) / 10) or 0.5
-    fig, axes = S.panels(len(archs) * len(shapes), ctx, cols=len(shapes), scale=0.9)
+    depths = [L for L, _ in R.shapes(data)]
+    fig, axes, cells = S.arch_depth_grid(data, R.archs(data), depths, ctx, "no trained run")
     im = None
-    for r, arch in enumerate(archs):
-        for c, (L, d) in enumerate(shapes):
-            ax = axes[r * len(shapes) + c]
-            rows = data[(data["arch"] == arch) & (data["n_layer"] == L)]
-            if rows.empty:
-                S.note(ax, f"{arch} L={L}: no trained run")
-                ax.set_axis_off()
-                continue
-            M = R.matrix(rows, (L + 1, L + 1))[:L, 1:]  # l = 0..L-1, k = 1..L
-            im = ax.imshow(M.T, origin="lower", aspect="auto", vmin=0, vmax=vmax, cmap="viridis",
-                           extent=(-0.5, L - 0.5, 0.5, L + 0.5))
-            ax.set_title(f"{arch}, L={L}, d={int(rows['d_model'].iloc[0])}")
-            step = max(1, L // 4)
-            ax.set_xticks(range(0, L, step))
-            ax.set_yticks(range(1, L + 1, step))
-            ax.set_xlabel("layer l (h_l)")
-            ax.set_ylabel("offset k")
+    for ax, arch, L, rows in cells:
+        M = R.matrix(rows, (L + 1, L + 1))[:L, 1:]  # l = 0..L-1, k = 1..L
+        im = ax.imshow(M.T, origin="lower", aspect="auto", vmin=0, vmax=vmax, cmap="viridis",
+                       extent=(-0.5, L - 0.5, 0.5, L + 0.5))
+        ax.set_title(f"{arch}, L={L}, d={int(rows['d_model'].iloc[0])}")
+        step = max(1, L // 4)
+        ax.set_xticks(range(0, L, step))
+        ax.set_yticks(range(1, L + 1, step))
+        ax.set_xlabel("layer l (h_l)")
+        ax.set_ylabel("offset k")
     if im is not None:
         fig.colorbar(im, ax=axes, shrink=0.8, label="d(l, l+k) = arccos(cos(h_l, h_l+k)) / pi")
     S.title(fig, ctx, what, "lower-left triangle: l + k <= L")

@@ -161,3 +161,21 @@ def save(fig, png: str | Path, pdf: str | Path, dpi: int) -> None:
     atomic_write(png, lambda tmp: fig.savefig(tmp, format="png", dpi=dpi, bbox_inches="tight"))
     atomic_write(pdf, lambda tmp: fig.savefig(tmp, format="pdf", bbox_inches="tight"))
     plt.close(fig)
+
+
+def arch_depth_grid(data, archs: list[str], depths: list[int], ctx: "Context", missing: str):
+    """A panel per (architecture, depth) of a probe's rows, architectures as rows and depths as
+    columns: the figure, its axes, and (ax, arch, L, rows) for every panel with rows; an empty
+    panel says `missing` ("no trained run") and is switched off."""
+    fig, axes = panels(len(archs) * len(depths), ctx, cols=len(depths), scale=0.9)
+    cells = []
+    for r, arch in enumerate(archs):
+        for c, L in enumerate(depths):
+            ax = axes[r * len(depths) + c]
+            rows = data[(data["arch"] == arch) & (data["n_layer"] == L)]
+            if rows.empty:
+                note(ax, f"{arch} L={L}: {missing}")
+                ax.set_axis_off()
+                continue
+            cells.append((ax, arch, L, rows))
+    return fig, axes, cells
