@@ -2,7 +2,9 @@
 run would do, computed from the files under results/ without running anything.
 
 Per run: `trained` (summary status ok), `diverged`, `probed` and `scored` (its probe / NLL
-Parquet exists and is current), `missing` (no summary; `partial` when a checkpoint exists, so
+Parquet exists and is current; with `probes.runs` / `nll.runs: best_lr` only the runs at their
+cell's best LR in results/tables are evaluated, `-` for the others and `later` while that table
+is missing or older than a summary), `missing` (no summary; `partial` when a checkpoint exists, so
 training resumes from it) and `stale`: an output exists but is older than one of its inputs, or
 its identity changed (the summary is unreadable, belongs to another run, or records another spec
 hash than the grid's: see depthbench.tables.read_summary). A summary that is unreadable, copied
@@ -32,8 +34,8 @@ RESULTS = "results"  # the workflow's output folder (the Snakefile's RESULTS), r
 class RunStatus:
     run_id: str
     state: str  # trained | diverged | missing | partial | stale | invalid
-    probed: str = "-"  # yes | no | stale | - (probes disabled)
-    scored: str = "-"  # yes | no | stale | - (nll disabled)
+    probed: str = "-"  # yes | no | stale | later | - (probes disabled, or not at its cell's best LR)
+    scored: str = "-"  # yes | no | stale | later | - (nll disabled, or not at its cell's best LR)
     reasons: list[str] = field(default_factory=list)
     jobs: list[str] = field(default_factory=list)  # what the next snakemake run does for it
 
@@ -57,7 +59,7 @@ def _newer_input(output: Path, inputs: list[Path]) -> Path | None:
 
 def _nll_sets_path(exp: Experiment, results: Path) -> Path:
     # as in workflow/rules/nll.smk: the sets file is named by the hash of the NLL settings
-    settings = {k: v for k, v in exp.config["nll"].items() if k not in ("enabled", "tokens_per_batch")}
+    settings = {k: v for k, v in exp.config["nll"].items() if k not in ("enabled", "runs", "tokens_per_batch")}
     return results / "evals" / exp.tokenizer_id / f"nll_sets_{short_hash(settings)}.parquet"
 
 
@@ -92,11 +94,27 @@ def _stage_state(output: Path, inputs: list[Path], retrain: bool) -> tuple[str, 
     return ("stale", f"{output} is older than its input {newer}") if newer is not None else ("yes", None)
 
 
+def _best_lr_runs(exp: Experiment, results: Path) -> set[str] | None:
+    """The runs at their cell's best LR per results/tables, or None while the tables are missing
+    or older than a run's summary, or a run has none yet (the workflow's tables checkpoint would choose again)."""
+    runs, best = results / "tables" / "runs.parquet", results / "tables" / "best_lr.parquet"
+    if not (runs.exists() and best.exists()):
+        return None
+    summaries = [results / "runs" / run_id / "summary.json" for run_id in exp.runs]
+    if any(not path.exists() for path in summaries) or _newer_input(best, summaries):
+        return None
+    import pandas as pd
+
+    from depthbench.tables import best_lr_run_ids
+
+    return set(best_lr_run_ids(pd.read_parquet(runs), pd.read_parquet(best), exp.runs))
+
+
 def run_statuses(exp: Experiment, results: str | os.PathLike = RESULTS) -> list[RunStatus]:
     results = Path(results)
     meta = results / "data" / exp.data_id / "meta.json"
-    probes_on, nll_on = exp.config["probes"]["enabled"], exp.config["nll"]["enabled"]
     sets = _nll_sets_path(exp, results)
+    best = _best_lr_runs(exp, results)
     out = []
     for run_id, spec in exp.runs.items():
         run = results / "runs" / run_id
@@ -108,12 +126,19 @@ def run_statuses(exp: Experiment, results: str | os.PathLike = RESULTS) -> list[
         elif state == "invalid":
             st.jobs.append(f"none: delete {run} to train it again")
         trained_inputs = [run / "summary.json", run / "model.safetensors"]
-        for enabled, attr, job, output, extra in (
-            (probes_on, "probed", "probe", results / "probes" / f"{run_id}.parquet", [meta]),
-            (nll_on, "scored", "nll", results / "nll" / f"{run_id}.parquet", [sets]),
+        for stage, attr, job, output, extra in (
+            ("probes", "probed", "probe", results / "probes" / f"{run_id}.parquet", [meta]),
+            ("nll", "scored", "nll", results / "nll" / f"{run_id}.parquet", [sets]),
         ):
-            if not enabled:
+            if not exp.config[stage]["enabled"]:
                 continue
+            if exp.config[stage]["runs"] == "best_lr":
+                if best is None:
+                    setattr(st, attr, "later")
+                    st.reasons.append(f"{job}: chosen once every run has trained (its cell's best LR)")
+                    continue
+                if run_id not in best:
+                    continue
             value, reason = _stage_state(output, trained_inputs + extra, retrain)
             setattr(st, attr, value)
             if reason:

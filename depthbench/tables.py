@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 from typing import Iterable
 
+import numpy as np
 import pandas as pd
 
 from depthbench.errors import DataError, DepthBenchError
@@ -163,6 +164,19 @@ def best_learning_rates(runs: pd.DataFrame) -> pd.DataFrame:
     out = best.merge(tried, on=GROUP_COLUMNS)
     out["lr_at_edge"] = (out["best_lr"] == out["lr_min"]) | (out["best_lr"] == out["lr_max"])
     return out[BEST_LR_COLUMNS].sort_values(["arch", "ratio"], ignore_index=True)
+
+
+def best_lr_run_ids(runs: pd.DataFrame, best: pd.DataFrame, run_ids: Iterable[str]) -> list[str]:
+    """The grid's runs that `probes.runs: best_lr` / `nll.runs: best_lr` evaluate: every seed of
+    each (arch, shape, knobs) cell at the cell's best learning rate (`best_learning_rates`), that
+    finished (status ok), in the grid's order. The figures and claims read only these runs' probe
+    and NLL rows, so the other learning rates' evaluation jobs would be work nobody reads."""
+    keys = ["arch", "n_layer", "d_model", "knobs"]
+    if runs.empty or best.empty:
+        return []
+    chosen = runs[runs["status"] == "ok"].merge(best[keys + ["best_lr"]], on=keys)
+    picked = set(chosen.loc[np.isclose(chosen["lr"], chosen["best_lr"]), "run_id"])
+    return [run_id for run_id in run_ids if run_id in picked]
 
 
 def write_parquet(df: pd.DataFrame, path: str | Path) -> None:

@@ -15,7 +15,7 @@ from depthbench.config import expand_grid, load_config, shape_table
 from depthbench.errors import ConfigError
 from depthbench.models import ModelConfig, build_model, count_parameters
 from depthbench.shapes import FF_BAND, solve_width
-from depthbench.tables import GROUP_COLUMNS, best_learning_rates, run_rows
+from depthbench.tables import GROUP_COLUMNS, best_learning_rates, best_lr_run_ids, run_rows
 from tests.conftest import tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -147,3 +147,23 @@ def test_best_lr_with_one_seed_has_nan_spread():
     assert row["best_lr"] == 1e-3 and row["lr_at_edge"] and row["n_seeds"] == 1
     assert math.isnan(row["final_val_loss_std"])
     assert set(GROUP_COLUMNS) <= set(row)
+
+
+def test_best_lr_runs_are_every_finished_seed_at_each_cells_best_lr():
+    """`probes.runs: best_lr` evaluates these runs: picked here by hand from the losses."""
+    rows = []
+    for n_layer, d_model, losses in ((2, 32, {1e-3: (3.0, 3.2), 2e-3: (2.9, 3.1)}), (4, 24, {1e-3: (3.0, 3.0), 2e-3: (3.5, 3.6)})):
+        for lr, per_seed in losses.items():
+            for seed, loss in enumerate(per_seed):
+                rows.append({"experiment": "t", "arch": "hc", "n_layer": n_layer, "d_model": d_model, "knobs": "{}",
+                             "ratio": d_model / n_layer, "params": 1000, "params_vs_budget": 0.0, "lr": lr, "seed": seed,
+                             "status": "ok", "final_val_loss": loss, "run_id": f"L{n_layer}_lr{lr}_s{seed}"})
+    rows.append({**rows[-1], "seed": 2, "status": "diverged", "final_val_loss": math.nan, "run_id": "L4_lr0.002_s2"})
+    rows.append({**rows[4], "seed": 2, "status": "diverged", "final_val_loss": math.nan, "run_id": "L4_lr0.001_s2"})
+    runs = pd.DataFrame(rows)
+    grid_order = list(reversed(runs["run_id"].tolist())) + ["not_in_table"]
+    picked = best_lr_run_ids(runs, best_learning_rates(runs), grid_order)
+    # L=2: 2e-3 has the lower seed mean (3.0 < 3.1); L=4: 1e-3 (3.0 < 3.55); the diverged seed of
+    # the best LR is not evaluated, and the grid's order is kept.
+    assert picked == ["L4_lr0.001_s1", "L4_lr0.001_s0", "L2_lr0.002_s1", "L2_lr0.002_s0"]
+    assert best_lr_run_ids(runs.iloc[0:0], best_learning_rates(runs.iloc[0:0]), grid_order) == []

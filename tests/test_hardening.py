@@ -493,3 +493,38 @@ def test_status_reports_each_run_and_the_next_jobs(wiki_jsonl, tmp_path, capsys)
     assert "belongs to run" in out and "older than its input" in out and "checkpoint at step 4" in out
     assert "train: 2 runs" in out and "train (resume): 1 run" in out and "probe: 5 runs" in out
     assert "tables: fail on 1 invalid summary" in out
+
+
+def test_status_with_best_lr_evaluation_names_only_the_best_runs(wiki_jsonl, tmp_path, capsys):
+    from depthbench.cli import main
+    from depthbench.data.shards import META_VERSION
+    from depthbench.tables import best_learning_rates
+
+    config = tiny_config(wiki_jsonl, learning_rates=[3e-3, 1e-2])
+    config["probes"] = {"runs": "best_lr"}
+    config["nll"] = {"enabled": False}
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    exp = expand_grid(load_config(cfg))
+    res = tmp_path / "results"
+    meta = res / "data" / exp.data_id / "meta.json"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(json.dumps({"version": META_VERSION}))
+    os.utime(meta, (1e9, 1e9))
+    low, high = sorted(exp.runs, key=lambda rid: exp.runs[rid].lr)
+    for rid in (low, high):
+        _fake_summary(res, exp.runs[rid])
+
+    def rows():
+        assert main(["status", str(cfg), "--results", str(res)]) == 0
+        out = capsys.readouterr().out
+        return {line.split()[0]: line.split()[1:3] for line in out.splitlines() if line.split() and line.split()[0] in (low, high)}
+
+    assert rows() == {low: ["trained", "later"], high: ["trained", "later"]}  # no best_lr table yet
+    runs = pd.DataFrame([{"run_id": rid, "experiment": "tiny", "arch": s.arch, "n_layer": s.shape.n_layer, "d_model": s.shape.d_model,
+                          "knobs": "{}", "ratio": 1.0, "params": 1, "params_vs_budget": 0.0, "lr": s.lr, "seed": s.seed,
+                          "status": "ok", "final_val_loss": 4.0 if rid == high else 4.5} for rid, s in exp.runs.items()])
+    (res / "tables").mkdir()
+    runs.to_parquet(res / "tables" / "runs.parquet")
+    best_learning_rates(runs).to_parquet(res / "tables" / "best_lr.parquet")
+    assert rows() == {low: ["trained", "-"], high: ["trained", "no"]}  # only the best LR is probed

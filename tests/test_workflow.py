@@ -233,6 +233,28 @@ def test_adding_a_learning_rate_trains_only_the_new_runs(workflow, wiki_jsonl):
     write_config(root, grid(wiki_jsonl))
 
 
+def test_best_lr_evaluation_probes_and_scores_only_the_best_runs(workflow, wiki_jsonl):
+    """probes.runs / nll.runs: best_lr: nothing retrains, and the tables then hold the runs that a
+    hand selection from runs.parquet (lowest final loss per cell among finished runs) picks."""
+    root, _ = workflow
+    config = grid(wiki_jsonl)
+    config["probes"] = {"runs": "best_lr"}
+    config["nll"] = {**config["nll"], "runs": "best_lr"}
+    write_config(root, config)
+    try:
+        proc = snakemake(root)
+        assert job_counts(proc.stdout + proc.stderr).get("train", 0) == 0
+        runs = pd.read_parquet(root / "results/tables/runs.parquet")
+        ok = runs[runs.status == "ok"]
+        best = ok.loc[ok.groupby(["arch", "n_layer"])["final_val_loss"].idxmin(), "run_id"]
+        assert len(best) == 4 and len(runs) == 8
+        for table in ("probes", "nll"):
+            assert set(pd.read_parquet(root / f"results/tables/{table}.parquet").run_id) == set(best), table
+    finally:
+        write_config(root, grid(wiki_jsonl))
+        snakemake(root)  # back to every run evaluated, for the tests after this one
+
+
 def test_invalid_config_fails_before_any_job(workflow, wiki_jsonl, tmp_path):
     root, _ = workflow
     bad = grid(wiki_jsonl, shapes=[{"n_layer": 2, "d_model": 50}])

@@ -5,7 +5,9 @@
 SPEC_HASHES = {run_id: spec.spec_hash() for run_id, spec in RUNS.items()}
 
 
-rule tables:
+# A checkpoint: with `probes.runs: best_lr` or `nll.runs: best_lr` the probe and NLL jobs are
+# chosen from its best_lr table once training is done (evaluated_runs in common.smk).
+checkpoint tables:
     input:
         summaries=run_outputs("summary.json"),
         metrics=run_outputs("metrics.jsonl"),

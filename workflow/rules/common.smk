@@ -55,3 +55,22 @@ FIGURE_SETTINGS = {
     "arch_options": config["model"]["arch_options"],
     "probes": {k: config["probes"][k] for k in ("causal_threshold", "permutation_threshold", "usefulness_threshold", "dead_zone_threshold")},
 }
+
+
+def evaluated_runs(stage):
+    """Input function: the run ids whose `stage` (probes | nll) outputs the tables merge. With
+    `{stage}.runs: all` every run of the grid; with `best_lr` the runs at their cell's best LR,
+    read from the tables checkpoint's best_lr.parquet, so Snakemake schedules those jobs only
+    after every run of the grid has trained."""
+
+    def run_ids(wildcards):
+        if config[stage]["runs"] == "all":
+            return list(RUNS)
+        import pandas as pd
+
+        from depthbench.tables import best_lr_run_ids
+
+        out = checkpoints.tables.get().output
+        return best_lr_run_ids(pd.read_parquet(out.runs), pd.read_parquet(out.best_lr), RUNS)
+
+    return run_ids

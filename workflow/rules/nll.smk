@@ -2,7 +2,7 @@
 # each run is scored by a job dispatched through submitit like training, and the per-run rows
 # are merged with the runs' config columns. NLL settings are params of these rules only.
 
-NLL_SETTINGS = {k: v for k, v in config["nll"].items() if k not in ("enabled", "tokens_per_batch")}
+NLL_SETTINGS = {k: v for k, v in config["nll"].items() if k not in ("enabled", "runs", "tokens_per_batch")}
 
 
 rule nll_sets:
@@ -50,7 +50,8 @@ rule nll:
 
 rule nll_table:
     input:
-        nll=[f"{RESULTS}/nll/{run_id}.parquet" for run_id in RUNS] + pretrained_outputs("nll.parquet"),
+        nll=lambda wc: [f"{RESULTS}/nll/{run_id}.parquet" for run_id in evaluated_runs("nll")(wc)]
+        + pretrained_outputs("nll.parquet"),
         runs=rules.tables.output.runs,
         best_lr=rules.tables.output.best_lr,
     output:

@@ -68,7 +68,7 @@ rule pretrained_sample:
         spec=lambda wc: PRETRAINED[wc.run_id],
         model_dir=pretrained_model_dir,
         corpus=config["corpus"],
-        settings={k: v for k, v in config["probes"].items() if k != "enabled"},
+        settings={k: v for k, v in config["probes"].items() if k not in ("enabled", "runs")},
         seq_len=PRETRAINED_PROBE_LEN,
     log:
         f"{RESULTS}/logs/pretrained/{{run_id}}/sample.log",
@@ -87,7 +87,7 @@ rule pretrained_probe:
     params:
         spec=lambda wc: PRETRAINED[wc.run_id],
         model_dir=pretrained_model_dir,
-        settings={k: v for k, v in config["probes"].items() if k != "enabled"},
+        settings={k: v for k, v in config["probes"].items() if k not in ("enabled", "runs")},
     threads: lambda wc: config["train"]["threads"]
     log:
         f"{RESULTS}/logs/pretrained/{{run_id}}/probe.log",
@@ -107,7 +107,7 @@ rule pretrained_nll:
     params:
         spec=lambda wc: PRETRAINED[wc.run_id],
         model_dir=pretrained_model_dir,
-        settings={k: v for k, v in config["nll"].items() if k != "enabled"},
+        settings={k: v for k, v in config["nll"].items() if k not in ("enabled", "runs")},
         window=PRETRAINED_NLL_LEN,
     threads: lambda wc: config["train"]["threads"]
     log:

@@ -12,7 +12,7 @@ rule probe:
         f"{RESULTS}/probes/{{run_id}}.parquet",
     params:
         spec=lambda wc: RUNS[wc.run_id].identity_dict(),
-        settings={k: v for k, v in config["probes"].items() if k != "enabled"},
+        settings={k: v for k, v in config["probes"].items() if k not in ("enabled", "runs")},
         data_dir=DATA_DIR,
         run_dir=lambda wc: f"{RESULTS}/runs/{wc.run_id}",
         work_dir=lambda wc: f"{RESULTS}/work/{wc.run_id}",
@@ -31,7 +31,8 @@ rule probe:
 
 rule probes_table:
     input:
-        probes=[f"{RESULTS}/probes/{run_id}.parquet" for run_id in RUNS] + pretrained_outputs("probes.parquet"),
+        probes=lambda wc: [f"{RESULTS}/probes/{run_id}.parquet" for run_id in evaluated_runs("probes")(wc)]
+        + pretrained_outputs("probes.parquet"),
         runs=rules.tables.output.runs,
         best_lr=rules.tables.output.best_lr,
     output:
