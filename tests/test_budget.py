@@ -84,13 +84,14 @@ def test_explicit_shapes_stay_as_given_and_report_their_deviation(wiki_jsonl):
 def test_cli_shapes_prints_params_vs_budget(capsys):
     from depthbench.cli import main
 
+    budget = load_config(str(REPO / "config/config.yaml"))["budget"]["params"]
     assert main(["shapes", str(REPO / "config/config.yaml")]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].split()[-1] == "params_vs_budget"
     for line in lines[1:]:
         fields = line.split()
         params = int(fields[-2].replace(",", ""))
-        assert float(fields[-1]) == pytest.approx(params / 8.0e5 - 1, abs=5e-5)
+        assert float(fields[-1]) == pytest.approx(params / budget - 1, abs=5e-5)
 
 
 def _summary(tmp_path: Path, spec: dict, lr: float, seed: int, loss: float, status: str = "ok") -> str:
