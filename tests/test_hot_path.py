@@ -166,3 +166,146 @@ def test_init_process_group_binds_the_rank_gpu(monkeypatch):
     calls.clear()
     ctx, name = distributed.setup("ddp", "cpu")  # gloo on CPU: no device to bind
     assert name == "cpu" and calls["init"] == ((), {"backend": "gloo"})
+
+
+# ---- MoE dispatch without host syncs, every expert in the graph ------------------------------------
+def _moe(d=32, d_ff=48, k=2, experts=4):
+    from depthbench.models.config import ModelConfig
+    from depthbench.models.moe import MoESwiGLU
+
+    cfg = ModelConfig(arch="pre_ln", vocab_size=64, d_model=d, n_layer=2, n_head=2, d_ff=d_ff,
+                      moe={"n_experts": experts, "top_k": k})
+    torch.manual_seed(0)
+    m = MoESwiGLU(cfg)
+    m.init_weights(0.1)
+    return m
+
+
+def _loop_moe(m, x):
+    """The per-expert loop MoESwiGLU had before (a host sync per expert), as the reference."""
+    import torch.nn.functional as F
+
+    flat = x.reshape(-1, x.shape[-1])
+    probs = F.softmax(m.router(flat).float(), dim=-1)
+    top_p, top_e = probs.topk(m.top_k, dim=-1)
+    top_p = (top_p / top_p.sum(-1, keepdim=True)).to(flat.dtype)
+    out = torch.zeros_like(flat)
+    for e in range(m.n_experts):
+        token, slot = (top_e == e).nonzero(as_tuple=True)
+        if token.numel():
+            gate, up = (flat[token] @ m.w13[e]).chunk(2, dim=-1)
+            out.index_add_(0, token, ((F.silu(gate) * up) @ m.w2[e]) * top_p[token, slot, None])
+    fraction = torch.bincount(top_e.reshape(-1), minlength=m.n_experts).float() / top_e.numel()
+    return out.view(x.shape), m.aux_loss_coef * m.n_experts * (fraction * probs.mean(0)).sum()
+
+
+def _out_and_grads(m, x, g, fn):
+    x = x.clone().requires_grad_()
+    m.zero_grad(set_to_none=True)
+    y, aux = fn(m, x)
+    ((y * g).sum() + aux).backward()
+    return [y.detach(), aux.detach(), x.grad] + [p.grad for p in m.parameters()]
+
+
+def _new_moe(m, x):
+    return m(x), m.aux_loss
+
+
+@pytest.mark.parametrize("d, d_ff, k, dense", [(32, 48, 2, False), (36, 45, 3, False), (32, 48, 1, True), (36, 45, 3, True)])
+def test_moe_without_host_syncs_equals_the_per_expert_loop(monkeypatch, d, d_ff, k, dense):
+    from depthbench.models import moe
+
+    if dense:  # the fallback where F.grouped_mm does not serve
+        monkeypatch.setattr(moe, "_grouped_mm_serves", lambda device, dtype: False)
+    m = _moe(d, d_ff, k)
+    x, g = torch.randn(3, 17, d), torch.randn(3, 17, d)
+    ref = _out_and_grads(m, x, g, _loop_moe)
+    for name in ("nonzero", "item", "tolist", "__bool__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, **kw: pytest.fail("host read in the MoE forward/backward"))
+    got = _out_and_grads(m, x, g, _new_moe)
+    monkeypatch.undo()
+    for a, b in zip(got, ref):
+        assert (a - b).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_an_expert_without_tokens_gets_a_zero_gradient(monkeypatch, dense):
+    from depthbench.models import moe
+
+    if dense:
+        monkeypatch.setattr(moe, "_grouped_mm_serves", lambda device, dtype: False)
+    m = _moe()
+    x = torch.randn(2, 9, 32) + 3.0  # every token has a large positive mean ...
+    with torch.no_grad():
+        m.router.weight[3] = -1.0  # ... so expert 3's router logit is always far below the others
+    m(x).square().sum().backward()
+    assert m.w13.grad is not None and m.w2.grad is not None
+    assert torch.all(m.w13.grad[3] == 0) and torch.all(m.w2.grad[3] == 0)
+    assert all(m.w13.grad[e].abs().sum() > 0 for e in range(3))
+
+
+DDP_MODELS = {"moe": ("pre_ln", {"moe": {"n_experts": 4, "top_k": 1}}), "moda_ffn_kv": ("moda", {"arch_options": {"variant": "ffn_kv"}})}
+
+
+def _ddp_steps(model, rank) -> str:
+    """Three DDP steps (find_unused_parameters=False): "ok", or the error of a parameter whose
+    gradient never arrived (raised at the step after, "Expected to have finished reduction")."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    net = DistributedDataParallel(model)
+    torch.manual_seed(1 + rank)
+    try:
+        for _ in range(3):
+            idx = torch.randint(0, 64, (2, 16))
+            out = net(idx, idx)
+            (out.loss + (out.aux_loss if out.aux_loss is not None else 0)).backward()
+    except RuntimeError as exc:
+        return str(exc)[:80]
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    return f"no gradient: {missing}" if missing else "ok"
+
+
+def _ddp_worker(rank, store, out_dir):
+    import torch.distributed as dist
+
+    from depthbench.models import ModelConfig, build_model
+
+    torch.set_num_threads(1)  # two ranks on a shared machine: no oversubscribed thread pools
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    results = {}
+    for name, (arch, kw) in DDP_MODELS.items():
+        torch.manual_seed(0)
+        model = build_model(ModelConfig(arch=arch, vocab_size=64, d_model=32, n_layer=3, n_head=2, max_seq_len=16, **kw))
+        results[name] = _ddp_steps(model, rank)
+    # the control: the ffn_kv projection that no layer reads, made trainable again, trips the check
+    torch.manual_seed(0)
+    arch, kw = DDP_MODELS["moda_ffn_kv"]
+    model = build_model(ModelConfig(arch=arch, vocab_size=64, d_model=32, n_layer=3, n_head=2, max_seq_len=16, **kw))
+    model.blocks[-1].ffn_kv.weight.requires_grad_(True)
+    results["control"] = _ddp_steps(model, rank)
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned ranks
+def test_ddp_trains_moe_and_moda_ffn_kv_without_find_unused_parameters(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_ddp_worker, args=(str(tmp_path / "store"), tmp_path), nprocs=2, join=True)
+    for rank in (0, 1):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert results["moe"] == "ok" and results["moda_ffn_kv"] == "ok", results
+        assert results["control"].startswith("Expected to have finished reduction"), results
+
+
+def test_the_unread_last_ffn_kv_projection_is_frozen_and_counted():
+    from depthbench.models import ModelConfig, build_model
+
+    model = build_model(ModelConfig(arch="moda", vocab_size=64, d_model=32, n_layer=3, n_head=2, max_seq_len=16,
+                                    arch_options={"variant": "ffn_kv"}))
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen == ["blocks.2.ffn_kv.weight"]
+    assert model.num_parameters() == sum(p.numel() for p in model.parameters())
+    out = model(torch.randint(0, 64, (1, 16)), torch.randint(0, 64, (1, 16)))
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
