@@ -75,6 +75,7 @@ class Trainer:
         self.spec, self.tc, self.paths, self.ctx = spec, tc, paths, ctx
         self.device, self.autocast, self.batches = device, autocast, batches
         self.model = model
+        model.loss_chunk_tokens = tc.loss_chunk_tokens  # training's loss in chunks (depthbench.models.loss)
         self.net = distributed.wrap(model, ctx, device)  # DDP wrapper, or `model` itself (sharded in place by FSDP2)
         self.optimizer = build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.adam_eps, device)
         self.step_fn = torch.compile(self.net) if tc.compile else self.net
