@@ -342,3 +342,29 @@ def test_fsdp2_shards_the_chunked_loss_moe_and_the_frozen_projection(tmp_path, a
             torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name].grad, rtol=1e-5, atol=1e-6, msg=name)
     finally:
         dist.destroy_process_group()
+
+
+def test_moe_compiles_as_one_graph_under_bf16_autocast():
+    """fullgraph=True fails on any graph break: a host read, a data-dependent shape."""
+    m = _moe()
+    x = torch.randn(2, 9, 32)
+    torch._dynamo.reset()
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, ref = compiled(x), m(x)
+    y.float().square().sum().backward()
+    assert torch.equal(y, ref) and m.w13.grad is not None
+
+
+def test_the_memory_estimate_traces_an_moe_model_on_meta():
+    """The estimate's meta trace cannot run data-dependent shapes (the former `.nonzero()`); the
+    dense fallback it takes there bounds the grouped path's saved activations from above."""
+    from depthbench.models import ModelConfig, build_model
+    from depthbench.train.memory import estimate_memory, trace_activations
+
+    cfg = ModelConfig(arch="pre_ln", vocab_size=256, n_head=2, max_seq_len=32, n_layer=2, d_model=64, d_ff=160,
+                      moe={"n_experts": 4, "top_k": 2})
+    estimate = estimate_memory(cfg, 2, 32, bf16=False)
+    torch.manual_seed(0)
+    measured = trace_activations(build_model(cfg), torch.randint(0, 256, (2, 32)), bf16=False)  # real tensors: grouped path
+    assert measured.total <= estimate.activations

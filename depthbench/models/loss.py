@@ -29,7 +29,7 @@ IGNORE_INDEX = -100
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    if torch.is_autocast_enabled(x.device.type):
+    if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):  # not on meta
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
 

@@ -108,16 +108,19 @@ class MoESwiGLU(nn.Module):
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the expert products run in: autocast's where it is on (as `@` would be cast)."""
-    if torch.is_autocast_enabled(x.device.type):
+    if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):  # not on meta
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
 
 
 def _grouped_mm_serves(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether F.grouped_mm runs this dtype on this device: CPU fp32/bf16/fp16, CUDA bf16 on
-    Hopper or newer (its documented kernels)."""
+    """Whether F.grouped_mm runs this dtype on this device: CPU fp32/bf16/fp16 (bf16 only under
+    torch.compile), CUDA bf16 on Hopper or newer (its documented kernels). The meta device (the
+    memory estimate) takes the dense fallback: an upper bound on the experts' activations."""
     if not hasattr(F, "grouped_mm"):
         return False
+    if torch.compiler.is_compiling() and dtype != torch.bfloat16:
+        return False  # its fake-tensor rule (what torch.compile traces with) accepts bf16 only
     if device.type == "cpu":
         return dtype in (torch.float32, torch.bfloat16, torch.float16)
     if device.type == "cuda":
