@@ -368,3 +368,16 @@ def test_the_memory_estimate_traces_an_moe_model_on_meta():
     torch.manual_seed(0)
     measured = trace_activations(build_model(cfg), torch.randint(0, 256, (2, 32)), bf16=False)  # real tensors: grouped path
     assert measured.total <= estimate.activations
+
+
+def test_batches_go_to_a_gpu_from_pinned_memory_without_blocking(monkeypatch):
+    """A copy from pageable memory would make the host wait for the queued backward."""
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: calls.append("pin") or t)
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: calls.append((a, k)) or t)
+    trainer_module = __import__("depthbench.train.trainer", fromlist=["to_device"])
+    trainer_module.to_device(torch.zeros(2, 3, dtype=torch.long), torch.device("cuda", 0))
+    assert calls == ["pin", ((torch.device("cuda", 0),), {"non_blocking": True})]
+    calls.clear()
+    trainer_module.to_device(torch.zeros(2), torch.device("cpu"))
+    assert calls == [((torch.device("cpu"),), {})]

@@ -14,11 +14,11 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from depthbench.train.dynamics import measure as measure_dynamics
 from depthbench.train.flops import mfu
 from depthbench.train.recipe import evaluate, truncate_metrics
-import torch
-
 from depthbench.train.trainer import STATUS_DIVERGED, STATUS_OK, Hook, StepStats, accumulator_dtype, is_bad, read_scalars
 
 
@@ -113,8 +113,9 @@ class DivergenceHook(Hook):
         dtype = accumulator_dtype(loss.device)
         loss, norm = loss.to(dtype), norm.to(device=loss.device, dtype=dtype)
         bad = ~torch.isfinite(loss) | (loss > self.limit) | ~torch.isfinite(norm)  # is_bad, on the device
-        now = torch.stack([torch.tensor(float(step), dtype=dtype, device=loss.device), loss, norm,
-                           torch.tensor(float(stats.lr), dtype=dtype, device=loss.device)])
+        # torch.full, not torch.tensor: a fill kernel, where a host-to-device copy would wait for the device
+        now = torch.stack([torch.full((), float(step), dtype=dtype, device=loss.device), loss, norm,
+                           torch.full((), float(stats.lr), dtype=dtype, device=loss.device)])
         if self.flag is None:
             self.flag, self.first = bad, now
         else:  # keep the first bad step's values once the flag is up

@@ -191,7 +191,7 @@ class Trainer:
             # gradients are averaged over ranks once per step, on the last micro-batch
             with distributed.gradient_sync(self.net, self.ctx, last_micro):
                 with self.autocast:
-                    out = self.step_fn(x.to(self.device), y.to(self.device))
+                    out = self.step_fn(to_device(x, self.device), to_device(y, self.device))
                 loss = out.loss
                 objective = loss if out.aux_loss is None else loss + out.aux_loss  # MoE load balancing
                 (objective / batches.accum_steps).backward()
@@ -200,6 +200,15 @@ class Trainer:
         max_norm = tc.grad_clip if tc.grad_clip is not None else float("inf")  # inf: measure, do not clip
         grad_norm = distributed.local_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
         return train_loss, grad_norm
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch on `device` without waiting for it: on CUDA a copy from pageable memory blocks
+    the host until the device has run everything queued (the previous micro-batch's backward);
+    from pinned memory, non_blocking, it is queued behind that work instead."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def accumulator_dtype(device: torch.device) -> torch.dtype:
@@ -216,7 +225,8 @@ def read_scalars(*values) -> list[float]:
         return [float(v) for v in values]
     dev = tensors[0].device
     dtype = accumulator_dtype(dev)
-    stacked = torch.stack([torch.as_tensor(v, dtype=dtype, device=dev).reshape(()).to(dtype) for v in values])
+    stacked = torch.stack([v.reshape(()).to(device=dev, dtype=dtype) if isinstance(v, torch.Tensor)
+                           else torch.full((), float(v), dtype=dtype, device=dev) for v in values])
     return stacked.tolist()
 
 
