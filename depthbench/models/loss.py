@@ -23,7 +23,6 @@ Targets equal to `ignore_index` (-100, F.cross_entropy's default) count neither 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 
@@ -79,7 +78,3 @@ def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.
     with torch.autocast(flat.device.type, enabled=False):  # casts made explicitly (see module docstring)
         return _ChunkedLMHeadCE.apply(flat, weight, targets.reshape(-1), chunk, dtype)
 
-
-def plain_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The unchunked loss: fp32 cross-entropy of the full logits (the reference of the chunked one)."""
-    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
