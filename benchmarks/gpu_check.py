@@ -1,33 +1,57 @@
-"""The prepared GPU check (one GPU, about 8 minutes): GPU-only tests, then throughput of pre_ln at
-the 400M preset's widest and deepest shapes and the step time of every architecture relative to
-pre_ln at the deepest shape, written to one JSON file. Printed, never asserted.
+"""The prepared GPU check (one GPU, about 8 minutes): throughput and MFU of pre_ln at the 400M
+preset's widest shape first, then the GPU-only tests, pre_ln at the deepest shape and the step
+time of every architecture relative to pre_ln there, written to one JSON file. Printed, never
+asserted.
 
     python benchmarks/gpu_check.py --out $OUT/gpu_check.json [--budget 4.1e8 --seq 2048 --batch 8]
+    python benchmarks/gpu_check.py --smoke --out /tmp/gpu_check.json   # tiny sizes, CPU, seconds
+
+Made to start and stop on time on a bare GPU machine:
+- it imports the repository it sits in (its parent folder goes first on sys.path): no install;
+- the JSON is rewritten atomically (depthbench.io) after every measurement, so whatever the
+  machine's time allows is kept;
+- a wall-clock budget (`--time-budget`, 480 s) is checked before each measurement: one that would
+  not finish in what is left (estimated from the slowest measurement so far) is recorded as
+  skipped; the GPU tests get what is left, at most `--tests-timeout`;
+- each model is measured after `torch._dynamo.reset()`, so that one process compiling twelve
+  models never hits dynamo's recompile limit (after which models silently run eager), and is
+  compiled per block (`block.compile()`: one trace serves every layer of the same code);
+- the micro-batch is the largest, up to `--batch`, that the memory estimate
+  (depthbench.train.memory, without activation checkpointing, 10 % headroom) fits on the device;
+  an out-of-memory error is caught and recorded, and the next model goes on.
 
 Targets (issue 6): pre_ln at >= 45% MFU at the widest shape on an H100/H200-class GPU; the deepest
 shape within 1.3x of the widest shape's time per token; hc, mhc, attnres_full and moda within 1.3x
-of pre_ln. Every measurement is bf16 autocast, fused AdamW, SDPA, and torch.compile when
---compile is given (the default on CUDA), timed with CUDA events after warm-up.
-`--smoke` shrinks everything so that the script itself can be tested on CPU.
+of pre_ln. Every measurement is bf16 autocast, fused AdamW, SDPA, the chunked loss of training
+(train.loss_chunk_tokens' default), and per-block torch.compile on CUDA (`--no-compile` to turn it
+off), timed with CUDA events after warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
 import os
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-import torch
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the repository's depthbench, installed or not
 
-from depthbench.models import ModelConfig, build_model, registered_architectures
-from depthbench.shapes import solve_width
-from depthbench.train.flops import device_peak_flops, mfu, train_flops_per_token
+import torch  # noqa: E402
+
+from depthbench.io import atomic_write_json  # noqa: E402
+from depthbench.models import ModelConfig, build_model, registered_architectures  # noqa: E402
+from depthbench.shapes import solve_width  # noqa: E402
+from depthbench.train.config import TrainConfig  # noqa: E402
+from depthbench.train.flops import device_peak_flops, mfu, train_flops_per_token  # noqa: E402
+from depthbench.train.memory import HEADROOM, estimate_memory  # noqa: E402
 
 ARCHS = ["pre_ln"] + [a for a in registered_architectures() if a != "pre_ln"]  # the reference first
+GIB = 2**30
 
 
 def shape_config(arch: str, n_layer: int, args) -> ModelConfig:
@@ -37,18 +61,42 @@ def shape_config(arch: str, n_layer: int, args) -> ModelConfig:
                        n_layer=s.n_layer, d_model=s.d_model, d_ff=s.d_ff)
 
 
-def measure(cfg: ModelConfig, args, device: torch.device) -> dict:
+def device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def fit_batch(cfg: ModelConfig, args, memory: int, bf16: bool) -> tuple[int, dict]:
+    """The largest micro-batch <= args.batch whose estimated peak, with 10 % headroom, fits in
+    `memory` bytes (0 when not even one sequence does), and the estimate behind it. The estimate
+    is affine in the batch (per-sequence activations, plus weights, gradients, AdamW and the bf16
+    weight copies autocast keeps): two estimates, at 1 and 2 sequences, give both terms."""
+    one, two = (estimate_memory(cfg, b, args.seq, bf16=bf16).total(False) for b in (1, 2))
+    per_sequence, fixed = two - one, 2 * one - two
+    fits = int((memory / (1 + HEADROOM) - fixed) // per_sequence) if per_sequence > 0 else args.batch
+    batch = max(0, min(args.batch, fits))
+    return batch, {"batch_requested": args.batch, "batch": batch, "device_gib": memory / GIB,
+                   "estimate_gib": (fixed + max(batch, 1) * per_sequence) / GIB}
+
+
+def measure(cfg: ModelConfig, args, device: torch.device, batch: int) -> dict:
     """Median seconds per optimizer step, tokens/s, MFU and peak memory of one model."""
+    if args.compile:
+        torch._dynamo.reset()  # a fresh cache per model: no recompile limit across models
     torch.manual_seed(0)
     model = build_model(cfg).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    fn = torch.compile(model) if args.compile else model
+    model.loss_chunk_tokens = TrainConfig().loss_chunk_tokens
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type in ("cuda", "cpu"))
+    if args.compile:
+        for block in model.blocks:
+            block.compile()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=device)
+    x = torch.randint(0, cfg.vocab_size, (batch, args.seq), device=device)
 
     def step():
         with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
-            loss = fn(x, x).loss
+            loss = model(x, x).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -66,21 +114,89 @@ def measure(cfg: ModelConfig, args, device: torch.device) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     sec = statistics.median(times)
-    tokens = args.batch * args.seq
+    tokens = batch * args.seq
     flops = train_flops_per_token(model, args.seq)
-    peak = device_peak_flops(device, dtype)
-    result = {"n_layer": cfg.n_layer, "d_model": cfg.d_model, "params": model.num_parameters(), "step_seconds": sec,
-              "tokens_per_s": tokens / sec, "seconds_per_token": sec / tokens, "mfu": mfu(tokens / sec, flops, peak, 1),
-              "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
-    del model, opt, fn
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return result
+    return {"n_layer": cfg.n_layer, "d_model": cfg.d_model, "params": model.num_parameters(), "step_seconds": sec,
+            "tokens_per_s": tokens / sec, "seconds_per_token": sec / tokens,
+            "mfu": mfu(tokens / sec, flops, device_peak_flops(device, dtype), 1),
+            "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
 
 
-def main() -> None:
+def is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def guarded(run, device: torch.device) -> dict:
+    """run() -> its result, or {"error": ...}: out of memory (and any other failure) is recorded
+    and the memory given back, so that one model cannot lose the others' numbers."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 (recorded, never raised)
+        return {"error": "out of memory" if is_out_of_memory(exc) else "failed", "detail": repr(exc)[:500]}
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+class Report(dict):
+    """The JSON report, written atomically after every entry, and the wall-clock budget."""
+
+    def __init__(self, path: str, budget_s: float, **fields):
+        super().__init__(fields)
+        self.path, self.budget_s, self.t0, self.slowest = path, budget_s, time.monotonic(), 0.0
+
+    def left(self) -> float:
+        return self.budget_s - (time.monotonic() - self.t0)
+
+    def put(self, key: str, value) -> None:
+        self[key] = value
+        self["elapsed_s"] = round(time.monotonic() - self.t0, 3)
+        atomic_write_json(self.path, self)
+
+    def timed(self, work) -> dict:
+        """work() -> dict with its wall seconds, or a skip record when the budget cannot hold it
+        (estimated as the slowest measurement so far)."""
+        if self.left() < self.slowest:
+            return {"skipped": f"wall-clock budget: {self.left():.0f} s left, about {self.slowest:.0f} s needed"}
+        t = time.monotonic()
+        result = work()
+        result["wall_s"] = round(time.monotonic() - t, 3)
+        self.slowest = max(self.slowest, result["wall_s"])
+        return result
+
+
+def run_model(report: Report, arch: str, n_layer: int, args, device: torch.device) -> dict:
+    cfg = shape_config(arch, n_layer, args)
+
+    def work() -> dict:
+        batch, memory = fit_batch(cfg, args, device_memory(device), bf16=device.type == "cuda")
+        if batch == 0:
+            return {"error": "out of memory (estimate)", "memory": memory}
+        return {**guarded(lambda: measure(cfg, args, device, batch), device), "memory": memory}
+    return report.timed(lambda: guarded(work, device))
+
+
+def gpu_tests(report: Report, args) -> dict:
+    """tests/test_gpu.py in a subprocess with what is left of the budget (at most --tests-timeout)."""
+    if importlib.util.find_spec("pytest") is None:
+        return {"skipped": "pytest is not installed"}
+    timeout = min(args.tests_timeout, report.left() - report.slowest)
+    if timeout < 10:
+        return {"skipped": f"wall-clock budget: {report.left():.0f} s left"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        return {"returncode": None, "timeout_s": timeout, "tail": (exc.stdout or b"")[-2000:].decode(errors="replace")}
+    print(done.stdout[-2000:], flush=True)
+    return {"returncode": done.returncode, "tail": done.stdout[-2000:]}
+
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--budget", type=float, default=4.1e8)
     p.add_argument("--vocab", type=int, default=50280)
     p.add_argument("--n-head", type=int, default=16)
@@ -91,44 +207,55 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--time-budget", type=float, default=480.0, help="wall-clock seconds for the whole check")
+    p.add_argument("--tests-timeout", type=float, default=150.0)
+    p.add_argument("--compile", dest="compile", action="store_true", default=None)
     p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's; 1 with --smoke)")
     p.add_argument("--skip-tests", action="store_true")
-    p.add_argument("--smoke", action="store_true", help="tiny sizes: exercise the script on CPU")
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: exercises the whole script in seconds")
+    args = p.parse_args(argv)
     if args.smoke:
         args.budget, args.vocab, args.n_head, args.multiple = 2e5, 256, 2, 16
-        args.widest, args.deepest, args.seq, args.batch, args.warmup, args.steps, args.compile = 2, 4, 32, 2, 1, 2, False
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    report: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-                    "config": vars(args)}
+        args.widest, args.deepest, args.seq, args.batch, args.warmup, args.steps = 2, 4, 32, 2, 1, 2
+        args.device = "cpu" if args.device == "auto" else args.device
+        args.threads = args.threads or 1  # tiny models: threads only contend (a shared CI machine)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.compile is None:  # compile where it pays: CUDA, full sizes
+        args.compile = args.device == "cuda" and not args.smoke
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
+    import depthbench
+
+    report = Report(args.out, args.time_budget, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    torch=torch.__version__, depthbench=str(Path(depthbench.__file__).resolve().parent), config=vars(args))
+    report.put("pre_ln_widest", run_model(report, "pre_ln", args.widest, args, device))  # MFU first
     if not args.skip_tests:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py"], capture_output=True, text=True)
-        report["gpu_tests"] = {"returncode": done.returncode, "tail": done.stdout[-2000:]}
-        print(done.stdout[-2000:], flush=True)
-
-    def save():
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
-
-    report["pre_ln_widest"] = measure(shape_config("pre_ln", args.widest, args), args, device)
-    save()
-    report["pre_ln_deepest"] = measure(shape_config("pre_ln", args.deepest, args), args, device)
-    report["deepest_vs_widest_time_per_token"] = report["pre_ln_deepest"]["seconds_per_token"] / report["pre_ln_widest"]["seconds_per_token"]
-    save()
-    print(json.dumps({k: report[k] for k in ("pre_ln_widest", "pre_ln_deepest", "deepest_vs_widest_time_per_token")}, indent=1), flush=True)
-    ratios = {}
+        report.put("gpu_tests", gpu_tests(report, args))
+    deepest = run_model(report, "pre_ln", args.deepest, args, device)
+    report.put("pre_ln_deepest", deepest)
+    widest = report["pre_ln_widest"]
+    if "seconds_per_token" in widest and "seconds_per_token" in deepest:
+        report.put("deepest_vs_widest_time_per_token", deepest["seconds_per_token"] / widest["seconds_per_token"])
+    ratios: dict = {}
     for arch in ARCHS[1:]:  # at the deepest shape, where the residual path matters most
-        try:
-            r = measure(shape_config(arch, args.deepest, args), args, device)
-            ratios[arch] = {"step_time_vs_pre_ln": r["step_seconds"] / report["pre_ln_deepest"]["step_seconds"], **r}
-        except Exception as exc:  # one architecture failing must not lose the others' numbers
-            ratios[arch] = {"error": repr(exc)}
-        print(arch, ratios[arch].get("step_time_vs_pre_ln", ratios[arch].get("error")), flush=True)
-        report["arch_ratios_deepest"] = ratios
-        save()
-    print(f"wrote {args.out}")
+        r = run_model(report, arch, args.deepest, args, device)
+        if "step_seconds" in r and "step_seconds" in deepest:
+            r = {"step_time_vs_pre_ln": r["step_seconds"] / deepest["step_seconds"], **r}
+        ratios[arch] = r
+        print(arch, r.get("step_time_vs_pre_ln", r.get("error", r.get("skipped"))), flush=True)
+        report.put("arch_ratios_deepest", ratios)
+    report.put("finished", True)
+    print(f"wrote {args.out} in {report['elapsed_s']:.1f} s")
 
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from depthbench.config import expand_grid, load_config
-from depthbench.data.corpus import iter_documents
-from depthbench.data.prepare import build_shards, build_tokenizer
+# depthbench.config, .data.corpus and .data.prepare are imported inside the fixtures: they need
+# optional packages (jsonschema, tokenizers, the corpus) that a bare GPU machine may lack, where
+# tests/test_gpu.py must still collect and skip what it cannot run.
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,6 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def wiki_jsonl(tmp_path_factory) -> Path:
     """400 real documents written as a local JSONL corpus."""
+    from depthbench.data.corpus import iter_documents
+
     path = tmp_path_factory.mktemp("corpus") / "wiki.jsonl"
     docs = itertools.islice(iter_documents({"source": "wiki_offline", "language": "en-us"}), 400)
     path.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
@@ -51,6 +53,9 @@ def tiny_config(corpus_path: Path, **overrides) -> dict:
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory, wiki_jsonl):
     """(config, experiment, data_dir) with tokenizer and shards built once for the session."""
+    from depthbench.config import expand_grid, load_config
+    from depthbench.data.prepare import build_shards, build_tokenizer
+
     root = tmp_path_factory.mktemp("data")
     config = load_config(tiny_config(wiki_jsonl))
     exp = expand_grid(config)

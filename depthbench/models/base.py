@@ -21,6 +21,7 @@ from depthbench.errors import ConfigError
 from depthbench.models.adapter import ModelAdapter, swapped_parameters
 from depthbench.models.config import ModelConfig
 from depthbench.models.layers import CausalSelfAttention, RMSNorm, RotaryEmbedding, SwiGLU
+from depthbench.models.loss import chunked_cross_entropy
 from depthbench.models.registry import (  # noqa: F401  (architecture modules register through base)
     ALIASES,
     ARCHITECTURES,
@@ -44,7 +45,7 @@ GENERIC_PROBES = frozenset({
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor
+    logits: torch.Tensor | None  # None when the loss was computed in chunks (DecoderLM.loss_chunk_tokens)
     loss: torch.Tensor | None = None  # cross-entropy only
     hidden: list[torch.Tensor] | None = None  # h_0 .. h_L when requested
     aux_loss: torch.Tensor | None = None  # weighted auxiliary losses (MoE load balancing); add to loss to train
@@ -121,6 +122,10 @@ class DecoderLM(nn.Module, ModelAdapter):
     block_class: ClassVar[type[Block]] = Block
     has_final_norm: ClassVar[bool] = True
     position_offset: int = 0  # position of idx[:, 0]; > 0 only while decoding with a KV cache
+    # forward(idx, targets) with more target tokens than this computes the loss in chunks of this
+    # many tokens and returns no logits; 0 = the plain loss with logits (set by the trainer from
+    # train.loss_chunk_tokens; probes, NLL and the adapter's `logits` never chunk)
+    loss_chunk_tokens: int = 0
 
     def __init__(self, cfg: ModelConfig, initialize: bool = True):
         super().__init__()
@@ -225,11 +230,15 @@ class DecoderLM(nn.Module, ModelAdapter):
         x = self.trunk(h0, self.rope(T, self.position_offset), hidden, internals)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        logits = self.lm_head(x)
-        loss = None
-        if targets is not None:
-            # Cross-entropy in fp32 whatever the autocast dtype.
-            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        logits, loss = None, None
+        if targets is not None and 0 < self.loss_chunk_tokens < targets.numel():
+            # head and loss a chunk of tokens at a time: no (N, V) logits (depthbench.models.loss)
+            loss = chunked_cross_entropy(x, self.lm_head.weight, targets, self.loss_chunk_tokens)
+        else:
+            logits = self.lm_head(x)
+            if targets is not None:
+                # Cross-entropy in fp32 whatever the autocast dtype.
+                loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
         aux = [b.ffn.aux_loss for b in self.blocks if getattr(b.ffn, "aux_loss", None) is not None]
         aux_loss = torch.stack(aux).sum() if aux else None
         return ModelOutput(logits=logits, loss=loss, hidden=hidden, aux_loss=aux_loss, internals=internals)

@@ -67,7 +67,10 @@ def setup(strategy: str, device_name: str) -> tuple[DistContext, str]:
         torch.cuda.set_device(index)
         device_name = f"cuda:{index}"
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        # device_id binds the NCCL communicator to this rank's GPU at once (eager init): no guess
+        # of the device at the first collective, and barrier() needs no device_ids
+        kwargs = {"device_id": torch.device(device_name)} if use_cuda else {}
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", **kwargs)
     return DistContext(rank, world, local_rank, strategy), device_name
 
 
@@ -114,6 +117,21 @@ def all_reduce_mean(value: float, ctx: DistContext, device: torch.device) -> flo
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return float(t.item()) / ctx.world_size
+
+
+def all_reduce_mean_tensor(value: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """The mean over ranks of a 0-d tensor, as a tensor on its device (no host read): the same
+    float64 sum and division by the world size as `all_reduce_mean`."""
+    if not ctx.enabled:
+        return value
+    t = value.reshape(1).clone()
+    dist.all_reduce(t)
+    return t.reshape(()) / ctx.world_size
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The full value of a tensor that may be a DTensor (FSDP2 gradient norms), kept on the device."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> tuple[dict, dict]:

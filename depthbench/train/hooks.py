@@ -14,10 +14,12 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from depthbench.train.dynamics import measure as measure_dynamics
 from depthbench.train.flops import mfu
 from depthbench.train.recipe import evaluate, truncate_metrics
-from depthbench.train.trainer import STATUS_DIVERGED, STATUS_OK, Hook, StepStats, is_bad
+from depthbench.train.trainer import STATUS_DIVERGED, STATUS_OK, Hook, StepStats, accumulator_dtype, is_bad, read_scalars
 
 
 def _due(step: int, every: int, total: int) -> bool:
@@ -61,7 +63,8 @@ class TrainMetricsHook(Hook):
         elapsed = time.time() - self.t_window
         tps = self.tokens_window / elapsed if elapsed > 0 else float("nan")
         s: StepStats = trainer.stats
-        record.update(train_loss=s.train_loss, lr=s.lr, grad_norm=s.grad_norm, tokens_per_s=tps,
+        train_loss, grad_norm = read_scalars(s.train_loss, s.grad_norm)  # the step's one host read
+        record.update(train_loss=train_loss, lr=s.lr, grad_norm=grad_norm, tokens_per_s=tps,
                       mfu=mfu(tps, self.flops_per_token, self.peak, self.world_size),
                       mfu_measured=mfu(tps, self.flops_per_token, self.measured_peak, self.world_size))
         self.t_window, self.tokens_window = time.time(), 0
@@ -83,21 +86,58 @@ class EvalHook(Hook):
 
 class DivergenceHook(Hook):
     """Stops the run as `diverged` when the train loss or gradient norm is NaN/inf or the train
-    loss exceeds `limit` (= divergence_factor x ln(vocab)), before the update, logging an
-    `event: diverged` line; or when the step's validation loss (from EvalHook) is."""
+    loss exceeds `limit` (= divergence_factor x ln(vocab)), before an update, logging an
+    `event: diverged` line; or when the step's validation loss (from EvalHook) is.
 
-    def __init__(self, limit: float):
-        self.limit = limit
+    Without a host sync each step: every step's test runs on the device and is folded into a
+    flag, with the (step, train loss, gradient norm, lr) of the first bad step kept beside it.
+    The flag is read on the host only at check steps: steps whose number (after the update) is a
+    multiple of one of `every` (log_every, eval_every and checkpoint_every: the steps that read
+    numbers or write a checkpoint anyway, so that no checkpoint holds a diverged state) and the
+    last step; with `every` = (1,) each step. A bad step stops the run at the next check step,
+    before that step's update (at once when the bad step is itself a check step, as with
+    log_every 1); the event line names the first bad step and its values. At the end of a fit
+    (a process stopped on purpose) the flag is read once more."""
+
+    def __init__(self, limit: float, every: tuple[int, ...] = (1,), total: int | None = None):
+        self.limit, self.every, self.total = limit, tuple(e for e in every if e), total
+        self.flag: torch.Tensor | None = None  # True once a step has been bad (device)
+        self.first: torch.Tensor | None = None  # (step, train loss, grad norm, lr) of the first bad step
+
+    def check_due(self, step: int) -> bool:
+        """Whether the flag is read after the gradients of the update that ends at `step`."""
+        return step == self.total or any(step % e == 0 for e in self.every)
 
     def on_gradients(self, trainer, step, stats):
-        if is_bad(stats.train_loss, self.limit) or not math.isfinite(stats.grad_norm):
+        loss, norm = (v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in (stats.train_loss, stats.grad_norm))
+        dtype = accumulator_dtype(loss.device)
+        loss, norm = loss.to(dtype), norm.to(device=loss.device, dtype=dtype)
+        bad = ~torch.isfinite(loss) | (loss > self.limit) | ~torch.isfinite(norm)  # is_bad, on the device
+        # torch.full, not torch.tensor: a fill kernel, where a host-to-device copy would wait for the device
+        now = torch.stack([torch.full((), float(step), dtype=dtype, device=loss.device), loss, norm,
+                           torch.full((), float(stats.lr), dtype=dtype, device=loss.device)])
+        if self.flag is None:
+            self.flag, self.first = bad, now
+        else:  # keep the first bad step's values once the flag is up
+            self.first = torch.where(self.flag, self.first, now)
+            self.flag = self.flag | bad
+        if self.check_due(step + 1):
+            self._check(trainer)
+
+    def _check(self, trainer) -> None:
+        flag, first_step, loss, norm, lr = torch.cat([self.flag.to(self.first.dtype).reshape(1), self.first]).tolist()
+        if flag:
             trainer.status = STATUS_DIVERGED
-            trainer.log({"step": step + 1, "train_loss": stats.train_loss, "grad_norm": stats.grad_norm,
-                         "lr": stats.lr, "event": "diverged"})
+            trainer.log({"step": int(first_step) + 1, "train_loss": loss, "grad_norm": norm, "lr": lr, "event": "diverged"})
+        self.flag = self.first = None  # checked: the next step starts a fresh flag
 
     def on_step_end(self, trainer, step, record):
         if "val_loss" in record and is_bad(record["val_loss"], self.limit):
             trainer.status = STATUS_DIVERGED
+
+    def on_fit_end(self, trainer):
+        if self.flag is not None and trainer.status == STATUS_OK:
+            self._check(trainer)
 
 
 class CheckpointHook(Hook):
@@ -172,7 +212,8 @@ def default_hooks(trainer, val_windows, flops_per_token: float, peak: float | No
         DynamicsHook(tc.dynamics_every),
         TrainMetricsHook(tc.log_every, tc.total_steps, tc.tokens_per_step, flops_per_token, peak, measured_peak, ctx.world_size),
         EvalHook(val_windows, tc.eval_every, tc.total_steps, tc.eval_batches, tc.micro_batch_size),
-        DivergenceHook(tc.divergence_factor * math.log(spec.model.vocab_size)),
+        DivergenceHook(tc.divergence_factor * math.log(spec.model.vocab_size),
+                       (tc.log_every, tc.eval_every, tc.checkpoint_every), tc.total_steps),
         CheckpointHook(tc.checkpoint_every, tc.total_steps),
     ]
     if ctx.is_main:

@@ -7,9 +7,10 @@ replaced, so weights and metrics.jsonl are bit-identical to it):
 1. set the learning rate of step s (lr_at), start an empty record;
 2. `on_step_start(trainer, s, record)`: e.g. dynamics, measured on the weights before update s;
 3. forward/backward over the micro-batches, train loss averaged over ranks, gradient norm
-   (clipped when train.grad_clip is set);
+   (clipped when train.grad_clip is set), both kept as device tensors: no host sync in steps
+   1-6 except where a hook reads a number (log, eval, checkpoint steps; see hooks);
 4. `on_gradients(trainer, s, stats)`: may set `trainer.status` to diverged, which stops the run
-   before the update;
+   before the update (the divergence hook checks at its check steps, see DivergenceHook);
 5. optimizer step; `trainer.step` becomes s + 1;
 6. `on_step_end(trainer, s + 1, record)`: hooks add their entries to the record;
 7. a non-empty record is logged as {"step", "tokens", **record} through every hook's `on_log`;
@@ -41,9 +42,11 @@ STATUS_DIVERGED = "diverged"
 
 @dataclass
 class StepStats:
-    """What one update measured, before the optimizer applies it."""
-    train_loss: float
-    grad_norm: float
+    """What one update measured, before the optimizer applies it. The loss and the norm are 0-d
+    device tensors in a run (read on the host only where a hook needs the number, see
+    `read_scalars`); plain floats are accepted too."""
+    train_loss: torch.Tensor | float
+    grad_norm: torch.Tensor | float
     lr: float
 
 
@@ -72,6 +75,7 @@ class Trainer:
         self.spec, self.tc, self.paths, self.ctx = spec, tc, paths, ctx
         self.device, self.autocast, self.batches = device, autocast, batches
         self.model = model
+        model.loss_chunk_tokens = tc.loss_chunk_tokens  # training's loss in chunks (depthbench.models.loss)
         self.net = distributed.wrap(model, ctx, device)  # DDP wrapper, or `model` itself (sharded in place by FSDP2)
         self.optimizer = build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.adam_eps, device)
         self.step_fn = torch.compile(self.net) if tc.compile else self.net
@@ -169,26 +173,61 @@ class Trainer:
         self._call("on_step_logged", self.step)
         return True
 
-    def forward_backward(self) -> tuple[float, float]:
+    def forward_backward(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Accumulate the gradient of step `self.step` over its micro-batches; return the train
-        loss (mean over micro-batches and ranks) and the gradient norm (clipped in place)."""
+        loss (mean over micro-batches and ranks) and the gradient norm (clipped in place).
+
+        Both stay 0-d tensors on the device: nothing here reads a value on the host, so the
+        host queues the next micro-batch's kernels while the device still runs this one. The
+        hooks read them only at log steps and divergence checks (depthbench.train.hooks).
+        The loss is summed in float64 in micro-batch order, the very additions of the Python
+        float sum this replaced (`loss_sum += loss.item()`), so the logged losses are
+        bit-identical to it."""
         batches, tc = self.batches, self.tc
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), dtype=accumulator_dtype(self.device), device=self.device)
         for micro in range(batches.accum_steps):
             x, y = batches.get(self.step, micro)
             last_micro = micro == batches.accum_steps - 1
             # gradients are averaged over ranks once per step, on the last micro-batch
             with distributed.gradient_sync(self.net, self.ctx, last_micro):
                 with self.autocast:
-                    out = self.step_fn(x.to(self.device), y.to(self.device))
+                    out = self.step_fn(to_device(x, self.device), to_device(y, self.device))
                 loss = out.loss
                 objective = loss if out.aux_loss is None else loss + out.aux_loss  # MoE load balancing
                 (objective / batches.accum_steps).backward()
-            loss_sum += loss.item()
-        train_loss = distributed.all_reduce_mean(loss_sum / batches.accum_steps, self.ctx, self.device)
+            loss_sum = loss_sum + loss.detach().to(loss_sum.dtype)
+        train_loss = distributed.all_reduce_mean_tensor(loss_sum / batches.accum_steps, self.ctx)
         max_norm = tc.grad_clip if tc.grad_clip is not None else float("inf")  # inf: measure, do not clip
-        grad_norm = distributed.scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        grad_norm = distributed.local_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
         return train_loss, grad_norm
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch on `device` without waiting for it: on CUDA a copy from pageable memory blocks
+    the host until the device has run everything queued (the previous micro-batch's backward);
+    from pinned memory, non_blocking, it is queued behind that work instead."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def accumulator_dtype(device: torch.device) -> torch.dtype:
+    """float64 for the loss sum (as the Python floats it replaced), float32 where the device has
+    no float64 (MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def read_scalars(*values) -> list[float]:
+    """Python floats of 0-d tensors (or floats) with one host read: the tensors are stacked on
+    their device and copied once, instead of one blocking `.item()` each."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return [float(v) for v in values]
+    dev = tensors[0].device
+    dtype = accumulator_dtype(dev)
+    stacked = torch.stack([v.reshape(()).to(device=dev, dtype=dtype) if isinstance(v, torch.Tensor)
+                           else torch.full((), float(v), dtype=dtype, device=dev) for v in values])
+    return stacked.tolist()
 
 
 def is_bad(value: float, limit: float) -> bool:

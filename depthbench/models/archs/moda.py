@@ -144,6 +144,10 @@ class MoDABlock(Block):
         variant = MoDAOptions.of(cfg).variant
         self.ffn_kv = nn.Linear(cfg.d_model, 2 * self.attn.kv_dim, bias=False) if variant == "ffn_kv" else None
         self.n_layer = cfg.n_layer
+        if self.ffn_kv is not None and layer_index == cfg.n_layer:
+            # never run (no later layer reads it, see forward) yet in the budget: frozen, so that
+            # DDP does not wait for its gradient (its unused-parameter check) and AdamW leaves it
+            self.ffn_kv.weight.requires_grad_(False)
 
     def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None, depth: DepthKeys | None = None) -> torch.Tensor:
         """`depth` holds the (k, v) pairs of earlier layers; this layer appends its own."""
