@@ -12,7 +12,7 @@ coordinator (rank 0) and calls `finish` there: by then every rank's data and lis
 manifest, rename). Under `dcp.async_save` all of this runs in DCP's background thread.
 
 Reading (`SafeReader`): DCP's own `.metadata` is a pickle, read by `pickle.load`, and DCP loads
-non-tensor entries with `torch.load(weights_only=False)`: either would run code from a crafted
+non-tensor entries by unpickling them without restriction: either would run code from a crafted
 checkpoint. The reader unpickles the metadata with an allow-list of DCP's metadata classes (plus
 torch.Size, dtypes, layouts and paths) and refuses a checkpoint with any non-tensor entry
 (DepthBench writes none: non-tensor state goes into JSON). Tensor data itself is read by DCP with
@@ -120,7 +120,7 @@ def read_metadata(folder: Path) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise ValueError(f"{METADATA} holds a {type(metadata).__name__}, not DCP metadata")
     objects = [k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
-    if objects:  # DCP would torch.load these with weights_only=False
+    if objects:  # DCP would unpickle these without restriction
         raise ValueError(f"{METADATA} lists non-tensor entries {objects[:3]}: not loadable without executing code")
     return metadata
 
