@@ -50,12 +50,9 @@ def test_two_gloo_ranks_match_one_rank(tiny_data, one_rank, tmp_path, parallel):
     assert _max_weight_diff(one_rank, tmp_path / "run") < 1e-6
 
 
-def test_checkpoint_of_two_ranks_resumes_with_one(tiny_data, one_rank, tmp_path):
-    """Train 2 ranks (FSDP2, sharded) until the first checkpoint is written and the job is
-    killed; resume with 1 rank: the loss curve continues as the uninterrupted run's."""
-    spec = _spec(tiny_data, "fsdp")
-    paths = RunPaths(tmp_path / "run", tmp_path / "work")
-    # stop after 6 steps: the checkpoint at step 4 is the last one; steps 5-6 are redone on resume
+def _interrupted_two_ranks(spec, data_dir, paths) -> None:
+    """Train `spec` on 2 gloo ranks for 6 steps (asynchronous checkpoint at step 4, blocking one
+    at 6 where the process stops)."""
     from depthbench import launch
 
     class Interrupted(launch.TrainingJob):
@@ -65,13 +62,56 @@ def test_checkpoint_of_two_ranks_resumes_with_one(tiny_data, one_rank, tmp_path)
             launch.export_distributed_env()
             return train(RunSpec.from_dict(spec), data_dir, RunPaths(run_dir, work_dir), progress=False, stop_after=6)
 
-    args = (spec.to_dict(), str(tiny_data[2]), str(paths.run_dir), str(paths.work_dir), False)
+    args = (spec.to_dict(), str(data_dir), str(paths.run_dir), str(paths.work_dir), False)
     out = launch.submit_and_wait(Interrupted(), args, "interrupted", str(paths.work_dir), {"backend": "local", "local_ranks": 2})
     assert out["status"] == "interrupted"
-    saved = torch.load(sorted((paths.checkpoints).glob("step_*.pt"))[-1], weights_only=True)
-    assert saved["world_size"] == 2 and saved["state_format"] == "full_by_name"
+
+
+def _saved_by_each_rank(checkpoint, parallel: str) -> None:
+    """The checkpoint was written in parts, one per rank, and says by whom."""
+    state = json.loads((checkpoint / "state.json").read_text())
+    assert state["world_size"] == 2 and state["meta"]["strategy"] == parallel
+    assert {"__0_0.distcp", "__1_0.distcp", "rank_0.safetensors", "rank_1.safetensors", ".metadata"} <= set(state["files"])
+    parts = [(checkpoint / f"__{r}_0.distcp").stat().st_size for r in (0, 1)]
+    assert min(parts) > 0.3 * max(parts), parts  # FSDP2 shards / DCP's split of replicated tensors: each a share
+
+
+def test_checkpoint_of_two_ranks_resumes_with_one(tiny_data, one_rank, tmp_path):
+    """Train 2 ranks (FSDP2, sharded) until a checkpoint is written and the job stops; resume
+    with 1 rank: the loss curve continues as the uninterrupted run's."""
+    from depthbench.train.checkpoint import list_checkpoints
+
+    spec = _spec(tiny_data, "fsdp")
+    paths = RunPaths(tmp_path / "run", tmp_path / "work")
+    _interrupted_two_ranks(spec, tiny_data[2], paths)
+    assert [s for s, _ in list_checkpoints(paths.checkpoints)] == [4, 6]
+    _saved_by_each_rank(list_checkpoints(paths.checkpoints)[-1][1], "fsdp")
     summary = train(dataclasses.replace(spec, train=dataclasses.replace(spec.train, parallel="ddp")), tiny_data[2], paths, progress=False)
     assert summary["status"] == "ok" and summary["world_size"] == 1
+    ref, got = _losses(one_rank), _losses(paths.run_dir)
+    assert ref.keys() == got.keys()
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=1e-5), step
+    assert _max_weight_diff(one_rank, paths.run_dir) < 1e-6
+
+
+def test_asynchronous_ddp_checkpoint_resumes_under_fsdp2(tiny_data, one_rank, tmp_path):
+    """2 DDP ranks stop at step 6; the checkpoint of step 4, written asynchronously while steps 5
+    and 6 trained, is the one kept: 2 FSDP2 ranks resume from it to the uninterrupted weights."""
+    import shutil
+
+    from depthbench.train.checkpoint import list_checkpoints
+
+    paths = RunPaths(tmp_path / "run", tmp_path / "work")
+    _interrupted_two_ranks(_spec(tiny_data, "ddp"), tiny_data[2], paths)
+    (step4, first), (_, last) = list_checkpoints(paths.checkpoints)
+    _saved_by_each_rank(first, "ddp")
+    shutil.rmtree(last)
+    spec = _spec(tiny_data, "fsdp")
+    summary = dispatch(spec, tiny_data[2], paths.run_dir, paths.work_dir, {"backend": "local", "local_ranks": 2}, threads=2)
+    assert summary["status"] == "ok" and summary["parallel"] == "fsdp"
+    log = "".join(p.read_text() for p in (paths.work_dir / "submitit").glob("*_log.err"))
+    assert f"resumed from step {step4} (saved by 2 rank(s), ddp)" in log
     ref, got = _losses(one_rank), _losses(paths.run_dir)
     assert ref.keys() == got.keys()
     for step in ref:

@@ -67,7 +67,9 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.25):
 
 
 def checkpoint_steps(work: Path) -> list[int]:
-    return sorted(int(p.stem.split("_")[1]) for p in (work / "checkpoints").glob("step_*.pt"))
+    from depthbench.train.checkpoint import list_checkpoints
+
+    return [step for step, _ in list_checkpoints(work / "checkpoints")]
 
 
 def weights_equal(a: Path, b: Path) -> bool:
