@@ -158,3 +158,61 @@ def test_every_architecture_shards_with_fsdp2(tmp_path):
                 torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name].grad, rtol=1e-5, atol=1e-6, msg=f"{arch} {name}")
     finally:
         dist.destroy_process_group()
+
+
+def _task_pid(submitit_folder, rank: int) -> int | None:
+    """The pid of the local job's task of global rank `rank` (submitit's runner process)."""
+    from pathlib import Path
+
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"submitit.core._submit" in argv and str(submitit_folder).encode() in argv \
+                and f"SUBMITIT_LOCAL_GLOBALID={rank}".encode() in env:
+            return int(entry.name)
+    return None
+
+
+def test_requeue_signal_to_one_rank_checkpoints_both_and_the_job_is_requeued(tiny_data, one_rank, tmp_path):
+    """SIGUSR2 reaches rank 1 only (SLURM signals each task at its own moment): both ranks stop
+    after the same step and write their parts, rank 0 hands the signal to submitit, which
+    requeues the job (the local executor restarts it); the restarted job resumes there."""
+    import os
+    import re
+    import signal
+    import threading
+    import time
+
+    base = _spec(tiny_data, "ddp")
+    spec = dataclasses.replace(base, train=dataclasses.replace(base.train, checkpoint_every=1000))  # only the signal's
+    paths = RunPaths(tmp_path / "run", tmp_path / "work")
+    sent = []
+
+    def signal_rank_1():
+        deadline = time.time() + 300
+        while time.time() < deadline and not sent:
+            lines = paths.metrics.read_text().splitlines() if paths.metrics.exists() else []
+            pid = _task_pid(paths.work_dir / "submitit", 1)
+            if len(lines) >= 2 and pid is not None:
+                os.kill(pid, signal.SIGUSR2)
+                sent.append(pid)
+            time.sleep(0.05)
+
+    sender = threading.Thread(target=signal_rank_1)
+    sender.start()
+    summary = dispatch(spec, tiny_data[2], paths.run_dir, paths.work_dir, {"backend": "local", "local_ranks": 2}, threads=2)
+    sender.join()
+    assert sent and summary["status"] == "ok"
+    logs = {r: "".join(p.read_text() for p in (paths.work_dir / "submitit").glob(f"*_{r}_log.err")) for r in (0, 1)}
+    (step,) = {int(s) for s in re.findall(r"SIGUSR2: checkpointed step (\d+)", logs[0])}
+    assert "Requeued job" in logs[0] + "".join(p.read_text() for p in (paths.work_dir / "submitit").glob("*_0_log.out"))
+    for r in (0, 1):
+        assert f"rank {r}/2 resumed from step {step} (saved by 2 rank(s), ddp)" in logs[r]
+    ref, got = _losses(one_rank), _losses(paths.run_dir)
+    assert ref.keys() == got.keys()
+    for s in ref:
+        assert got[s] == pytest.approx(ref[s], abs=1e-5), s
+    assert _max_weight_diff(one_rank, paths.run_dir) < 1e-6
