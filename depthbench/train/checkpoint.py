@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from depthbench.errors import CheckpointError
 from depthbench.io import atomic_write, atomic_write_json
@@ -220,9 +221,8 @@ class Checkpointer:
                 with _single_process_quiet():
                     dcp.load(template, storage_reader=dcp_io.SafeReader(path), process_group=self.group,
                              no_dist=self.world == 1)
-            except Exception as exc:
-                raise CheckpointError(f"{path}: does not fit this run's model or optimizer "
-                                      f"({type(exc).__name__}: {str(exc).splitlines()[0][:300]})") from exc
+            except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+                raise CheckpointError(f"{path}: does not fit this run's model or optimizer ({_cause(exc)})") from exc
             return Restored(path, step, manifest["world_size"], manifest["meta"], self._rank_tensors(path, manifest))
         if rejected:
             self._say(f"[{run_id}] no usable checkpoint in {self.folder} ({len(rejected)} rejected: "
@@ -262,6 +262,14 @@ def _check_identity(path: Path, manifest: dict, run_id: str, step: int) -> None:
         raise CheckpointError(f"{path} belongs to run {manifest.get('run_id')!r}, not {run_id!r}; move it away")
     if manifest.get("step") != step:
         raise CheckpointError(f"{path}: folder name says step {step}, content says {manifest.get('step')}")
+
+
+def _cause(exc: BaseException) -> str:
+    """The first rank's error inside DCP's CheckpointException (which names only the ranks)."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        exc = next(iter(failures.values()))
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
 
 
 def _refuse_legacy(folder: Path) -> None:
