@@ -22,7 +22,6 @@ exception, `close` always. A new logger is a Hook with an `on_log` method: nothi
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,8 +29,7 @@ from typing import Any
 import torch
 
 from depthbench.spec import RunSpec
-from depthbench.train import distributed
-from depthbench.train import resume
+from depthbench.train import distributed, resume
 from depthbench.train.checkpoint import Checkpointer
 from depthbench.train.recipe import RunPaths, build_optimizer, lr_at
 
