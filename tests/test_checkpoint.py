@@ -61,3 +61,9 @@ def test_an_old_single_file_checkpoint_is_refused_with_what_to_do(tmp_path):
     assert "delete the step_*.pt files" in str(err.value)
     save_checkpoint(tmp_path, 6, "r", _tensors(6.0))  # a sharded checkpoint beside it is used
     assert load_latest(tmp_path, "r", _tensors(0.0)).step == 6
+
+
+def test_meta_that_is_not_json_is_refused_at_the_call(tmp_path):
+    with pytest.raises(CheckpointError, match="must be JSON"):
+        save_checkpoint(tmp_path, 1, "r", _tensors(1.0), {"lr": torch.tensor(0.1)})
+    assert list_checkpoints(tmp_path) == []

@@ -133,6 +133,10 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
         from safetensors.torch import save_file
 
+        try:  # here, not in the background thread: the caller's error, named at the call
+            json.dumps(meta or {})
+        except TypeError as exc:
+            raise CheckpointError(f"checkpoint meta must be JSON (numbers, strings, lists, dicts): {exc}") from None
         self.wait()  # one save at a time: the previous one is complete before this one starts
         final, tmp = checkpoint_path(self.folder, step), self.folder / f"step_{step:08d}.tmp"
         if self.rank == 0:
