@@ -237,6 +237,25 @@ def test_preemption_requeues_and_resumes_to_the_same_weights(tiny_data, uninterr
     assert weights_equal(tmp_path / "run", uninterrupted)
 
 
+def test_preemption_signal_checkpoints_the_step_in_progress_and_the_job_resumes_there(tiny_data, uninterrupted, tmp_path):
+    """Not held this time: the preemption's SIGTERM reaches the training, which finishes its step,
+    checkpoints it and exits within KillWait; the requeued job resumes from that step."""
+    spec = long_spec(tiny_data, REQUEUE_STEPS)
+    work = tmp_path / "work"
+    proc = start_dispatch(spec, tiny_data[2], tmp_path, {"backend": "slurm", "slurm": SLURM})
+    try:
+        job_id = running_with_checkpoint(work)
+        subprocess.run(["scontrol", "requeue", job_id], check=True)
+        finish_dispatch(proc)
+    finally:
+        proc.kill()
+        subprocess.run(["scancel", json.loads((work / "job.json").read_text())["job_id"]], check=False)
+    log = job_log(work, job_id)
+    (step,) = {int(s) for s in re.findall(r"SIGTERM: checkpointed step (\d+)", log)}
+    assert "DUE TO JOB REQUEUE" in log and resumed_step(log) == step < REQUEUE_STEPS, log[-3000:]
+    assert weights_equal(tmp_path / "run", uninterrupted)
+
+
 def _run_seconds(text: str) -> int:
     """SLURM's [D-]HH:MM:SS as seconds."""
     days, _, hms = text.rpartition("-")
