@@ -116,3 +116,31 @@ def test_the_previous_handler_gets_the_signal_after_the_checkpoint(tiny_data, tm
     assert exited.value.code == 128 + signal.SIGUSR2
     ((signum, checkpoints, last_logged),) = calls
     assert signum == signal.SIGUSR2 and checkpoints == [last_logged] and 2 <= last_logged < STEPS
+
+
+def test_a_signal_at_the_last_step_lets_the_run_finish_and_an_ignored_signal_stays_ignored():
+    from types import SimpleNamespace
+
+    from depthbench.train.distributed import DistContext
+    from depthbench.train.requeue import RequeueHook
+
+    hook = RequeueHook(total=5)
+    trainer = SimpleNamespace(ctx=DistContext(), snapshots=[])
+    trainer.snapshot = lambda blocking=False: trainer.snapshots.append(blocking)
+    before = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # e.g. started under nohup
+    try:
+        hook.on_fit_start(trainer)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGUSR2)
+        deadline = time.time() + 10
+        while not hook.received and time.time() < deadline:  # Python runs the handler between bytecodes
+            time.sleep(0.01)
+        assert hook.received == signal.SIGUSR2
+        hook.on_step_logged(trainer, 5)  # the last step: the run writes its outputs instead
+        assert trainer.snapshots == []
+        hook.close(trainer)
+        assert signal.getsignal(signal.SIGUSR2) == before[signal.SIGUSR2]
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
