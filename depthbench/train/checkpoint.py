@@ -21,9 +21,10 @@ safetensors, DCP metadata through an allow-list unpickler, tensor data with weig
 
 Asynchronous saving (`dcp.async_save`) is used when there is a process group (several ranks):
 the state is copied to CPU memory (DCP's staging), then written by a background thread over a
-dedicated gloo group, so it never interleaves with training collectives. With one process there
-is no group and `dcp.save` writes synchronously (on CPU the copy would cost as much as the write
-of a small model). `save(blocking=True)` (the requeue signal, the end of a stopped run) waits.
+dedicated gloo group, so it never interleaves with training collectives. With one process
+`dcp.save` writes synchronously: those are the CPU runs of small models, where a save takes
+milliseconds and the staging copy plus a thread would buy nothing. `save(blocking=True)` (the
+requeue signal, the end of a stopped run) waits.
 
 Single-file checkpoints of earlier versions (`step_NNNNNNNN.pt`) are not loaded: a folder holding
 only such files is refused with a message saying so (a resume would silently restart otherwise).
