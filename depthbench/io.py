@@ -20,8 +20,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        os.chmod(tmp, 0o666 & ~current_umask())
         write(tmp)
+        os.chmod(tmp, 0o666 & ~current_umask())  # after: a writer that replaces the file (safetensors) gets it too
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -50,12 +50,9 @@ def test_two_gloo_ranks_match_one_rank(tiny_data, one_rank, tmp_path, parallel):
     assert _max_weight_diff(one_rank, tmp_path / "run") < 1e-6
 
 
-def test_checkpoint_of_two_ranks_resumes_with_one(tiny_data, one_rank, tmp_path):
-    """Train 2 ranks (FSDP2, sharded) until the first checkpoint is written and the job is
-    killed; resume with 1 rank: the loss curve continues as the uninterrupted run's."""
-    spec = _spec(tiny_data, "fsdp")
-    paths = RunPaths(tmp_path / "run", tmp_path / "work")
-    # stop after 6 steps: the checkpoint at step 4 is the last one; steps 5-6 are redone on resume
+def _interrupted_two_ranks(spec, data_dir, paths) -> None:
+    """Train `spec` on 2 gloo ranks for 6 steps (asynchronous checkpoint at step 4, blocking one
+    at 6 where the process stops)."""
     from depthbench import launch
 
     class Interrupted(launch.TrainingJob):
@@ -65,13 +62,56 @@ def test_checkpoint_of_two_ranks_resumes_with_one(tiny_data, one_rank, tmp_path)
             launch.export_distributed_env()
             return train(RunSpec.from_dict(spec), data_dir, RunPaths(run_dir, work_dir), progress=False, stop_after=6)
 
-    args = (spec.to_dict(), str(tiny_data[2]), str(paths.run_dir), str(paths.work_dir), False)
+    args = (spec.to_dict(), str(data_dir), str(paths.run_dir), str(paths.work_dir), False)
     out = launch.submit_and_wait(Interrupted(), args, "interrupted", str(paths.work_dir), {"backend": "local", "local_ranks": 2})
     assert out["status"] == "interrupted"
-    saved = torch.load(sorted((paths.checkpoints).glob("step_*.pt"))[-1], weights_only=True)
-    assert saved["world_size"] == 2 and saved["state_format"] == "full_by_name"
+
+
+def _saved_by_each_rank(checkpoint, parallel: str) -> None:
+    """The checkpoint was written in parts, one per rank, and says by whom."""
+    state = json.loads((checkpoint / "state.json").read_text())
+    assert state["world_size"] == 2 and state["meta"]["strategy"] == parallel
+    assert {"__0_0.distcp", "__1_0.distcp", "rank_0.safetensors", "rank_1.safetensors", ".metadata"} <= set(state["files"])
+    parts = [(checkpoint / f"__{r}_0.distcp").stat().st_size for r in (0, 1)]
+    assert min(parts) > 0.3 * max(parts), parts  # FSDP2 shards / DCP's split of replicated tensors: each a share
+
+
+def test_checkpoint_of_two_ranks_resumes_with_one(tiny_data, one_rank, tmp_path):
+    """Train 2 ranks (FSDP2, sharded) until a checkpoint is written and the job stops; resume
+    with 1 rank: the loss curve continues as the uninterrupted run's."""
+    from depthbench.train.checkpoint import list_checkpoints
+
+    spec = _spec(tiny_data, "fsdp")
+    paths = RunPaths(tmp_path / "run", tmp_path / "work")
+    _interrupted_two_ranks(spec, tiny_data[2], paths)
+    assert [s for s, _ in list_checkpoints(paths.checkpoints)] == [4, 6]
+    _saved_by_each_rank(list_checkpoints(paths.checkpoints)[-1][1], "fsdp")
     summary = train(dataclasses.replace(spec, train=dataclasses.replace(spec.train, parallel="ddp")), tiny_data[2], paths, progress=False)
     assert summary["status"] == "ok" and summary["world_size"] == 1
+    ref, got = _losses(one_rank), _losses(paths.run_dir)
+    assert ref.keys() == got.keys()
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=1e-5), step
+    assert _max_weight_diff(one_rank, paths.run_dir) < 1e-6
+
+
+def test_asynchronous_ddp_checkpoint_resumes_under_fsdp2(tiny_data, one_rank, tmp_path):
+    """2 DDP ranks stop at step 6; the checkpoint of step 4, written asynchronously while steps 5
+    and 6 trained, is the one kept: 2 FSDP2 ranks resume from it to the uninterrupted weights."""
+    import shutil
+
+    from depthbench.train.checkpoint import list_checkpoints
+
+    paths = RunPaths(tmp_path / "run", tmp_path / "work")
+    _interrupted_two_ranks(_spec(tiny_data, "ddp"), tiny_data[2], paths)
+    (step4, first), (_, last) = list_checkpoints(paths.checkpoints)
+    _saved_by_each_rank(first, "ddp")
+    shutil.rmtree(last)
+    spec = _spec(tiny_data, "fsdp")
+    summary = dispatch(spec, tiny_data[2], paths.run_dir, paths.work_dir, {"backend": "local", "local_ranks": 2}, threads=2)
+    assert summary["status"] == "ok" and summary["parallel"] == "fsdp"
+    log = "".join(p.read_text() for p in (paths.work_dir / "submitit").glob("*_log.err"))
+    assert f"resumed from step {step4} (saved by 2 rank(s), ddp)" in log
     ref, got = _losses(one_rank), _losses(paths.run_dir)
     assert ref.keys() == got.keys()
     for step in ref:
@@ -118,3 +158,61 @@ def test_every_architecture_shards_with_fsdp2(tmp_path):
                 torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name].grad, rtol=1e-5, atol=1e-6, msg=f"{arch} {name}")
     finally:
         dist.destroy_process_group()
+
+
+def _task_pid(submitit_folder, rank: int) -> int | None:
+    """The pid of the local job's task of global rank `rank` (submitit's runner process)."""
+    from pathlib import Path
+
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"submitit.core._submit" in argv and str(submitit_folder).encode() in argv \
+                and f"SUBMITIT_LOCAL_GLOBALID={rank}".encode() in env:
+            return int(entry.name)
+    return None
+
+
+def test_requeue_signal_to_one_rank_checkpoints_both_and_the_job_is_requeued(tiny_data, one_rank, tmp_path):
+    """SIGUSR2 reaches rank 1 only (SLURM signals each task at its own moment): both ranks stop
+    after the same step and write their parts, rank 0 hands the signal to submitit, which
+    requeues the job (the local executor restarts it); the restarted job resumes there."""
+    import os
+    import re
+    import signal
+    import threading
+    import time
+
+    base = _spec(tiny_data, "ddp")
+    spec = dataclasses.replace(base, train=dataclasses.replace(base.train, checkpoint_every=1000))  # only the signal's
+    paths = RunPaths(tmp_path / "run", tmp_path / "work")
+    sent = []
+
+    def signal_rank_1():
+        deadline = time.time() + 300
+        while time.time() < deadline and not sent:
+            lines = paths.metrics.read_text().splitlines() if paths.metrics.exists() else []
+            pid = _task_pid(paths.work_dir / "submitit", 1)
+            if len(lines) >= 2 and pid is not None:
+                os.kill(pid, signal.SIGUSR2)
+                sent.append(pid)
+            time.sleep(0.05)
+
+    sender = threading.Thread(target=signal_rank_1)
+    sender.start()
+    summary = dispatch(spec, tiny_data[2], paths.run_dir, paths.work_dir, {"backend": "local", "local_ranks": 2}, threads=2)
+    sender.join()
+    assert sent and summary["status"] == "ok"
+    logs = {r: "".join(p.read_text() for p in (paths.work_dir / "submitit").glob(f"*_{r}_log.err")) for r in (0, 1)}
+    (step,) = {int(s) for s in re.findall(r"SIGUSR2: checkpointed step (\d+)", logs[0])}
+    assert "Requeued job" in logs[0] + "".join(p.read_text() for p in (paths.work_dir / "submitit").glob("*_0_log.out"))
+    for r in (0, 1):
+        assert f"rank {r}/2 resumed from step {step} (saved by 2 rank(s), ddp)" in logs[r]
+    ref, got = _losses(one_rank), _losses(paths.run_dir)
+    assert ref.keys() == got.keys()
+    for s in ref:
+        assert got[s] == pytest.approx(ref[s], abs=1e-5), s
+    assert _max_weight_diff(one_rank, paths.run_dir) < 1e-6

@@ -4,11 +4,13 @@ or file before any training step, or is survived with nothing lost."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import os
 import re
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,112 +30,159 @@ from depthbench.train.checkpoint import checksum_path, list_checkpoints, load_la
 from tests.conftest import REPO, tiny_config
 
 
-def _state(step: int, run_id: str = "r") -> dict:
-    return {"run_id": run_id, "step": step, "model": {"w": torch.full((256,), float(step))},
-            "rng": {"torch": torch.get_rng_state()}, "last_val": float("nan")}
+def _state(step: int) -> dict:
+    return {"model": {"w": torch.full((256,), float(step))}}
+
+
+def _save(folder: Path, step: int, run_id: str = "r", keep: int = 5) -> Path:
+    return save_checkpoint(folder, step, run_id, _state(step), {"last_val": float("nan")},
+                           rank_tensors={"torch": torch.get_rng_state()}, keep=keep)
+
+
+def _load(folder: Path, run_id: str = "r", size: int = 256):
+    """(step, loaded weights) of the checkpoint load_latest picks, or None."""
+    template = {"model": {"w": torch.zeros(size)}}
+    found = load_latest(folder, run_id, template)
+    return None if found is None else (found.step, template["model"]["w"])
+
+
+def _reseal(path: Path) -> None:
+    """Rewrite the manifest's sha256 entries and its checksum to match the files as they are now:
+    what someone who crafts a checkpoint can do."""
+    manifest = json.loads((path / "state.json").read_text())
+    manifest["files"] = {name: hashlib.sha256((path / name).read_bytes()).hexdigest() for name in manifest["files"]}
+    (path / "state.json").write_text(json.dumps(manifest))
+    digest = hashlib.sha256((path / "state.json").read_bytes()).hexdigest()
+    checksum_path(path).write_text(f"{digest}  state.json\n")
 
 
 # -- 1. checkpoints: no code execution, checksums, fallback with a report --------------------------
 def _saved(folder: Path, steps=(1, 2)) -> list[Path]:
-    return [save_checkpoint(folder, s, _state(s), keep=5) for s in steps]
+    return [_save(folder, s) for s in steps]
 
 
-def test_checkpoint_that_would_execute_code_is_refused_and_the_previous_is_used(tmp_path, capsys):
+class _Payload:  # what a crafted checkpoint carries: a call run by the unpickler
+    marker = None
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the crafted save: one process, as meant
+@pytest.mark.parametrize("where", ["metadata", "object_entry"])
+def test_checkpoint_that_would_execute_code_is_refused_and_the_previous_is_used(tmp_path, capsys, where):
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
     marker = tmp_path / "executed"
-
-    class Payload:  # what a crafted checkpoint carries: a call run by the unpickler
-        def __reduce__(self):
-            return (open, (str(marker), "w"))
-
-    good, bad = _saved(tmp_path, (1, 2))
-    torch.save({**_state(2), "payload": Payload()}, bad)
-    # even a matching checksum (an attacker can write one) does not make it loadable
-    checksum = __import__("hashlib").sha256(bad.read_bytes()).hexdigest()
-    checksum_path(bad).write_text(f"{checksum}  {bad.name}\n")
-    state = load_latest(tmp_path, "r")
+    _Payload.marker = marker
+    good, bad = _saved(tmp_path / "ck", (1, 2))
+    if where == "metadata":  # DCP's .metadata is a pickle: a payload in place of the metadata
+        (bad / ".metadata").write_bytes(pickle.dumps(_Payload()))
+    else:  # a genuine DCP checkpoint whose entry is an object, which DCP loads with torch.load(weights_only=False)
+        shutil.rmtree(bad)
+        dcp.save({"model": {"w": _Payload()}}, checkpoint_id=str(bad), no_dist=True)
+        for name in ("state.json", "state.json.sha256", "rank_0.safetensors"):
+            shutil.copy(good / name, bad / name)
+        manifest = json.loads((bad / "state.json").read_text())
+        manifest["step"], manifest["files"] = 2, {n: "0" * 64 for n in os.listdir(bad) if n.endswith((".distcp", ".metadata", ".safetensors"))}
+        (bad / "state.json").write_text(json.dumps(manifest))
+    _reseal(bad)  # even matching checksums (an attacker can write them) do not make it loadable
+    step, w = _load(tmp_path / "ck")
     assert not marker.exists()
-    assert state["step"] == 1 and torch.equal(state["model"]["w"], torch.full((256,), 1.0))
+    assert step == 1 and torch.equal(w, torch.full((256,), 1.0))
     err = capsys.readouterr().err
     assert bad.name in err and "without executing code" in err
 
 
-@pytest.mark.parametrize("damage", ["inf_bytes", "one_bit", "no_checksum", "bad_checksum_file"])
+def _distcp(path: Path) -> Path:
+    (data,) = path.glob("*.distcp")
+    return data
+
+
+@pytest.mark.parametrize("damage", ["inf_bytes", "one_bit", "missing_part", "no_checksum", "bad_checksum_file",
+                                    "edited_manifest"])
 def test_corrupt_latest_checkpoint_is_reported_and_the_previous_is_used(tmp_path, capsys, damage):
     _, latest = _saved(tmp_path, (1, 2))
-    data = bytearray(latest.read_bytes())
+    data_file = _distcp(latest)
+    data = bytearray(data_file.read_bytes())
     if damage == "inf_bytes":  # 64 bytes of +inf inside the tensor data: the file still loads
         w = data.find(torch.full((16,), 2.0).numpy().tobytes())
         assert w > 0
         data[w:w + 64] = torch.full((16,), math.inf).numpy().tobytes()
-        latest.write_bytes(bytes(data))
-        assert torch.load(latest, weights_only=True)["model"]["w"][0] == math.inf
+        data_file.write_bytes(bytes(data))
     elif damage == "one_bit":
         data[len(data) // 2] ^= 0x01
-        latest.write_bytes(bytes(data))
+        data_file.write_bytes(bytes(data))
+    elif damage == "missing_part":
+        data_file.unlink()
     elif damage == "no_checksum":
         checksum_path(latest).unlink()
-    else:
+    elif damage == "bad_checksum_file":
         checksum_path(latest).write_text("not a checksum\n")
-    state = load_latest(tmp_path, "r")
-    assert state["step"] == 1
+    else:
+        (latest / "state.json").write_text((latest / "state.json").read_text().replace('"step": 2', '"step": 3'))
+    step, w = _load(tmp_path)
+    assert step == 1 and torch.equal(w, torch.full((256,), 1.0))
     err = capsys.readouterr().err
     assert latest.name in err and "trying the previous one" in err
-    reason = {"inf_bytes": "does not match", "one_bit": "does not match", "no_checksum": "no checksum file",
-              "bad_checksum_file": "malformed"}[damage]
+    reason = {"inf_bytes": "does not match", "one_bit": "does not match", "missing_part": "is missing",
+              "no_checksum": "no checksum file", "bad_checksum_file": "malformed", "edited_manifest": "does not match"}[damage]
     assert reason in err
 
 
 def test_no_good_checkpoint_is_said_before_starting_at_step_0(tmp_path, capsys):
     for path in _saved(tmp_path, (1, 2)):
-        path.write_bytes(path.read_bytes()[:100])  # truncated
-    assert load_latest(tmp_path, "r") is None
+        _distcp(path).write_bytes(_distcp(path).read_bytes()[:100])  # truncated
+    assert _load(tmp_path) is None
     err = capsys.readouterr().err
     assert "no usable checkpoint" in err and "starting at step 0" in err
-    assert "step_00000001.pt" in err and "step_00000002.pt" in err
+    assert "step_00000001" in err and "step_00000002" in err
 
 
-def test_pruning_removes_checksums_with_their_checkpoints(tmp_path):
+def test_pruning_keeps_the_newest_complete_checkpoints(tmp_path):
     for step in (1, 2, 3):
-        save_checkpoint(tmp_path, step, _state(step), keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "step_00000002.pt", "step_00000002.pt.sha256", "step_00000003.pt", "step_00000003.pt.sha256"]
+        _save(tmp_path, step, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000003"]
+    assert sorted(p.name for p in (tmp_path / "step_00000003").iterdir()) == [
+        ".metadata", "__0_0.distcp", "rank_0.safetensors", "rank_0.sha256", "state.json", "state.json.sha256"]
 
 
 _KILL_SCRIPT = """
 import os, sys, time, torch
 from depthbench.train import checkpoint as ck
 folder, where = sys.argv[1], sys.argv[2]
-state = lambda s: {"run_id": "r", "step": s, "model": {"w": torch.full((4096,), float(s))}}
-ck.save_checkpoint(folder, 1, state(1))
+state = lambda s: {"model": {"w": torch.full((4096,), float(s))}}
+ck.save_checkpoint(folder, 1, "r", state(1))
 def hang(*args):
     print("in the write", flush=True)
     time.sleep(600)
-if where == "data":  # the new file's bytes are written to its temporary file, not yet renamed
+if where == "data":  # the new checkpoint's files are being written into step_2.tmp/
     os.fsync = hang
-else:  # the new file is in place, its checksum not yet written
-    ck._write_checksum = hang
-ck.save_checkpoint(folder, 2, state(2))
+else:  # its manifest and checksum are written, the folder not yet renamed
+    ck._fsync_dir = hang
+ck.save_checkpoint(folder, 2, "r", state(2))
 """
 
 
-@pytest.mark.parametrize("where", ["data", "checksum"])
-def test_kill_9_during_a_checkpoint_write_keeps_and_uses_the_previous_one(tmp_path, capsys, where):
+@pytest.mark.parametrize("where", ["data", "complete"])
+def test_kill_9_during_a_checkpoint_write_keeps_and_uses_the_previous_one(tmp_path, where):
     proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, str(tmp_path), where], cwd=REPO,
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.stdout.readline().strip() == "in the write"
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
-    steps = [s for s, _ in list_checkpoints(tmp_path)]
-    assert steps == ([1] if where == "data" else [1, 2])
-    state = load_latest(tmp_path, "r")
-    assert state["step"] == 1 and torch.equal(state["model"]["w"], torch.full((4096,), 1.0))
-    if where == "checksum":
-        assert "step_00000002.pt" in capsys.readouterr().err
-    assert bool(list(tmp_path.glob(".step_00000002.pt.*.tmp"))) == (where == "data")
-    save_checkpoint(tmp_path, 2, {**state, "step": 2})  # the next save replaces the half-written one
-    assert load_latest(tmp_path, "r")["step"] == 2
-    assert not list(tmp_path.glob(".*.tmp"))  # and removes what the killed write left
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
+    assert (tmp_path / "step_00000002.tmp").is_dir()
+    if where == "complete":
+        assert checksum_path(tmp_path / "step_00000002.tmp").is_file()
+    step, w = _load(tmp_path, size=4096)
+    assert step == 1 and torch.equal(w, torch.full((4096,), 1.0))
+    _save(tmp_path, 2)  # the next save replaces the half-written one
+    assert _load(tmp_path)[0] == 2
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*"))  # and removes what the killed write left
 
 
 def test_run_resumes_bit_identical_past_a_corrupt_latest_checkpoint(tiny_data, tmp_path, capsys):
@@ -150,13 +199,14 @@ def test_run_resumes_bit_identical_past_a_corrupt_latest_checkpoint(tiny_data, t
     part = RunPaths(tmp_path / "part", tmp_path / "part_work")
     train(spec, shards, part, progress=False, stop_after=9)  # checkpoints at 8 and 9
     latest = list_checkpoints(part.checkpoints)[-1][1]
-    assert latest.name == "step_00000009.pt"
-    data = bytearray(latest.read_bytes())
+    assert latest.name == "step_00000009"
+    data_file = _distcp(latest)
+    data = bytearray(data_file.read_bytes())
     data[len(data) // 3] ^= 0x10
-    latest.write_bytes(bytes(data))
+    data_file.write_bytes(bytes(data))
     train(spec, shards, part, progress=False)
     err = capsys.readouterr().err
-    assert "step_00000009.pt" in err and "resumed from step 8" in err
+    assert "step_00000009" in err and "resumed from step 8" in err
     a, b = load_file(full.weights), load_file(part.weights)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -179,9 +229,12 @@ def test_no_torch_load_executes_pickled_code_anywhere():
     """Every torch.load in the package and the workflow scripts passes weights_only=True."""
     calls = [(p.name, c) for p in [*(REPO / "depthbench").rglob("*.py"), *(REPO / "scripts").glob("*.py")]
              for c in _calls(p.read_text(), "torch.load")]
-    assert any(name == "checkpoint.py" for name, _ in calls)
+    assert calls
     for name, call in calls:
         assert re.search(r"weights_only\s*=\s*True", call), (name, call)
+    # the one unpickler that reads files: DCP's metadata, through an allow-list (dcp_io.py)
+    readers = [p.name for p in (REPO / "depthbench").rglob("*.py") if re.search(r"pickle\.load\(|Unpickler\(", p.read_text())]
+    assert readers == ["dcp_io.py"] and "def find_class" in (REPO / "depthbench/train/dcp_io.py").read_text()
 
 
 # -- 2. outputs checked against their identity ------------------------------------------------------
@@ -332,13 +385,14 @@ def test_outputs_get_the_mode_the_umask_allows(tmp_path, umask):
     try:
         atomic_write_text(tmp_path / "a.txt", "x")
         write_parquet(pd.DataFrame({"a": [1]}), tmp_path / "t.parquet")
-        save_checkpoint(tmp_path / "ck", 1, _state(1))
+        _save(tmp_path / "ck", 1)
         (tmp_path / "plain.txt").write_text("x")  # what open() gives: the reference
     finally:
         os.umask(old)
     want = (tmp_path / "plain.txt").stat().st_mode & 0o777
     assert want == 0o666 & ~umask
-    for p in ("a.txt", "t.parquet", "ck/step_00000001.pt", "ck/step_00000001.pt.sha256"):
+    ck = [f"ck/step_00000001/{n}" for n in (".metadata", "__0_0.distcp", "rank_0.safetensors", "state.json", "state.json.sha256")]
+    for p in ("a.txt", "t.parquet", *ck):
         assert (tmp_path / p).stat().st_mode & 0o777 == want, p
 
 
@@ -479,7 +533,7 @@ def test_status_reports_each_run_and_the_next_jobs(wiki_jsonl, tmp_path, capsys)
     (res / "probes").mkdir()
     (res / "probes" / f"{trained}.parquet").write_bytes(b"x")
     (res / "runs" / partial / "summary.json").unlink()
-    save_checkpoint(res / "work" / partial / "checkpoints", 4, _state(4, partial))
+    _save(res / "work" / partial / "checkpoints", 4, partial)
     os.utime(res / "runs" / stale_time / "summary.json", (1e8, 1e8))  # older than the shards
     (res / "runs" / copied / "summary.json").write_text((res / "runs" / trained / "summary.json").read_text())
     assert main(["status", str(cfg), "--results", str(res)]) == 0

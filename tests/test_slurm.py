@@ -67,7 +67,9 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.25):
 
 
 def checkpoint_steps(work: Path) -> list[int]:
-    return sorted(int(p.stem.split("_")[1]) for p in (work / "checkpoints").glob("step_*.pt"))
+    from depthbench.train.checkpoint import list_checkpoints
+
+    return [step for step, _ in list_checkpoints(work / "checkpoints")]
 
 
 def weights_equal(a: Path, b: Path) -> bool:
@@ -232,6 +234,25 @@ def test_preemption_requeues_and_resumes_to_the_same_weights(tiny_data, uninterr
     log = job_log(work, job_id)
     assert "DUE TO JOB REQUEUE" in log and "SIGUSR2" not in log, log[-3000:]
     assert 0 < resumed_step(log) < REQUEUE_STEPS
+    assert weights_equal(tmp_path / "run", uninterrupted)
+
+
+def test_preemption_signal_checkpoints_the_step_in_progress_and_the_job_resumes_there(tiny_data, uninterrupted, tmp_path):
+    """Not held this time: the preemption's SIGTERM reaches the training, which finishes its step,
+    checkpoints it and exits within KillWait; the requeued job resumes from that step."""
+    spec = long_spec(tiny_data, REQUEUE_STEPS)
+    work = tmp_path / "work"
+    proc = start_dispatch(spec, tiny_data[2], tmp_path, {"backend": "slurm", "slurm": SLURM})
+    try:
+        job_id = running_with_checkpoint(work)
+        subprocess.run(["scontrol", "requeue", job_id], check=True)
+        finish_dispatch(proc)
+    finally:
+        proc.kill()
+        subprocess.run(["scancel", json.loads((work / "job.json").read_text())["job_id"]], check=False)
+    log = job_log(work, job_id)
+    (step,) = {int(s) for s in re.findall(r"SIGTERM: checkpointed step (\d+)", log)}
+    assert "DUE TO JOB REQUEUE" in log and resumed_step(log) == step < REQUEUE_STEPS, log[-3000:]
     assert weights_equal(tmp_path / "run", uninterrupted)
 
 

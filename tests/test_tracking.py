@@ -3,6 +3,7 @@ tiny run, read back with the packages' own readers, hold what metrics.jsonl hold
 package fails before training; the setting is not part of the run id."""
 
 import json
+import shutil
 import struct
 import zlib
 
@@ -125,7 +126,7 @@ def test_a_resumed_run_shows_each_step_once_in_tensorboard(tiny_data, tmp_path):
     train(spec, shards, paths, progress=False, stop_after=5)
     step, last = list_checkpoints(paths.checkpoints)[-1]
     assert step == 5
-    last.unlink()  # as if the process had been killed after step 5, before its last checkpoint
+    shutil.rmtree(last)  # as if the process had been killed after step 5, before its last checkpoint
     train(spec, shards, paths, progress=False)  # resumes from step 3, redoes 4 and 5
     _, scalars = _scalars(paths.work_dir / "tensorboard")
     want = [(r["step"], r["train_loss"]) for r in _records(paths)]

@@ -23,8 +23,9 @@ class FakeTrainer:
     def log(self, record):
         self.logged.append(record)
 
-    def snapshot(self):
+    def snapshot(self, blocking=False):
         self.snapshots.append(self.step)
+        self.blocking = blocking
 
 
 def test_train_metrics_hook_logs_on_schedule_with_throughput_and_mfu_per_rank(monkeypatch):
@@ -71,7 +72,8 @@ def test_checkpoint_hook_saves_every_k_steps_but_not_the_last_and_on_early_stop(
     t.step = 9
     hook.on_fit_end(t)  # finished: no snapshot (the outputs are the final state)
     t.step = 7
-    hook.on_fit_end(t)  # stopped early: one
+    hook.on_fit_end(t)  # stopped early: one, complete when the process goes on
+    assert t.blocking
     t.status, t.step = STATUS_DIVERGED, 8
     hook.on_fit_end(t)  # diverged: none
     assert t.snapshots == [3, 6, 7]

@@ -12,9 +12,10 @@ of a step, see depthbench.data.loader, and accumulates global / (micro x R) micr
 learning-rate schedule and the token budget. Gradients are averaged over ranks, so R ranks
 compute the same update as one rank up to floating-point summation order.
 
-Checkpoints hold full (unsharded) state dicts keyed by parameter name, gathered with
-torch.distributed.checkpoint.state_dict and written once by rank 0, so a run resumes with any
-number of ranks and either strategy.
+Training checkpoints are sharded (torch.distributed.checkpoint: each rank writes its own part,
+keyed by parameter name; depthbench.train.checkpoint), and DCP reshards them on load, so a run
+resumes with any number of ranks and either strategy. Only the final weights are gathered
+(`full_model_state`), into one safetensors file.
 """
 
 from __future__ import annotations
@@ -134,28 +135,10 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> tuple[dict, dict]:
-    """Unsharded model and optimizer state keyed by parameter name (a collective under FSDP).
-    Without a process group this is the plain state, in the same name-keyed format."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=ctx.enabled)
-    return get_state_dict(model, optimizer, options=options)
-
-
 def full_model_state(model: nn.Module, ctx: DistContext) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=ctx.enabled))
-
-
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
-    """Load a name-keyed full state into a plain, DDP-wrapped or FSDP-sharded model (every rank
-    passes the full state; each keeps its shard)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
-                   options=StateDictOptions(full_state_dict=True))
 
 
 def barrier(ctx: DistContext) -> None:

@@ -2,7 +2,8 @@
 
 `default_hooks` lists them in the order that reproduces the original loop's records: dynamics
 (before the update), train metrics and throughput, evaluation, divergence (reads the validation
-loss the evaluation hook put in the record), checkpointing, progress bar, metrics.jsonl. Each
+loss the evaluation hook put in the record), checkpointing, the requeue signal
+(depthbench.train.requeue), progress bar, metrics.jsonl. Each
 works alone on any object with the Trainer attributes it reads, so it can be tested alone.
 """
 
@@ -19,6 +20,7 @@ import torch
 from depthbench.train.dynamics import measure as measure_dynamics
 from depthbench.train.flops import mfu
 from depthbench.train.recipe import evaluate, truncate_metrics
+from depthbench.train.requeue import RequeueHook
 from depthbench.train.trainer import STATUS_DIVERGED, STATUS_OK, Hook, StepStats, accumulator_dtype, is_bad, read_scalars
 
 
@@ -141,8 +143,9 @@ class DivergenceHook(Hook):
 
 
 class CheckpointHook(Hook):
-    """A checkpoint every `every` steps (not at the last: the run's outputs are written then),
-    and one where the process stops early on purpose (stop_after)."""
+    """A checkpoint every `every` steps (not at the last: the run's outputs are written then;
+    asynchronous with several ranks, see depthbench.train.checkpoint), and one, complete on
+    return, where the process stops early on purpose (stop_after)."""
 
     def __init__(self, every: int, total: int):
         self.every, self.total = every, total
@@ -153,7 +156,10 @@ class CheckpointHook(Hook):
 
     def on_fit_end(self, trainer):
         if trainer.status == STATUS_OK and trainer.step < self.total:
-            trainer.snapshot()
+            trainer.snapshot(blocking=True)
+
+    def close(self, trainer):  # an asynchronous save still in flight completes before the run goes on
+        trainer.checkpointer.wait()
 
 
 class ProgressHook(Hook):
@@ -215,6 +221,7 @@ def default_hooks(trainer, val_windows, flops_per_token: float, peak: float | No
         DivergenceHook(tc.divergence_factor * math.log(spec.model.vocab_size),
                        (tc.log_every, tc.eval_every, tc.checkpoint_every), tc.total_steps),
         CheckpointHook(tc.checkpoint_every, tc.total_steps),
+        RequeueHook(tc.total_steps),  # after the periodic checkpoint: a step saved there is not saved twice
     ]
     if ctx.is_main:
         if progress:

@@ -32,7 +32,7 @@ from depthbench.train.recipe import (  # noqa: F401 (re-exported: other modules 
     RunPaths, build_optimizer, evaluate, lr_at, param_groups, resolve_device, resolve_dtype, truncate_metrics,
 )
 from depthbench.train.tracking import build_loggers, check_loggers
-from depthbench.train.trainer import FULL_STATE_FORMAT, STATUS_DIVERGED, STATUS_OK, Trainer  # noqa: F401
+from depthbench.train.trainer import STATUS_DIVERGED, STATUS_OK, Trainer  # noqa: F401
 
 
 def _data(spec: RunSpec, data_dir, ctx: distributed.DistContext) -> tuple[TrainBatches, TokenWindows]:

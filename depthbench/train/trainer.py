@@ -23,7 +23,6 @@ exception, `close` always. A new logger is a Hook with an `on_log` method: nothi
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +30,10 @@ from typing import Any
 import torch
 
 from depthbench.spec import RunSpec
-from depthbench.train import distributed
-from depthbench.train.checkpoint import load_latest, save_checkpoint
+from depthbench.train import distributed, resume
+from depthbench.train.checkpoint import Checkpointer
 from depthbench.train.recipe import RunPaths, build_optimizer, lr_at
 
-FULL_STATE_FORMAT = "full_by_name"  # checkpoints: unsharded state dicts keyed by parameter name
 STATUS_OK = "ok"
 STATUS_DIVERGED = "diverged"
 
@@ -84,42 +82,16 @@ class Trainer:
         self.wall_before, self.t_start = 0.0, time.time()
         self.status, self.last_val = STATUS_OK, float("nan")
         self.stats: StepStats | None = None
+        self.checkpointer = Checkpointer(paths.checkpoints, ctx)  # on every rank: creates the saves' gloo group
 
     # ---- state on disk
     def restore(self) -> bool:
         """Load the run's latest checkpoint, if any: weights, optimizer, RNG, step, clock."""
-        state = load_latest(self.paths.checkpoints, self.spec.run_id)
-        if state is None:
-            return False
-        if state.get("state_format") == FULL_STATE_FORMAT:  # any rank count, any strategy
-            distributed.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
-        else:  # checkpoints written before distributed training: one rank
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"]["torch"])
-        if self.device.type == "cuda" and state["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
-        self.step = self.start_step = state["step"]
-        self.wall_before = state["wall_seconds"]
-        self.last_val = state.get("last_val", float("nan"))
-        print(f"[{self.spec.run_id}] rank {self.ctx.rank}/{self.ctx.world_size} resumed from step {self.start_step}", file=sys.stderr)
-        return True
+        return resume.restore(self)
 
-    def snapshot(self) -> None:
-        """Checkpoint the current step (a collective under FSDP; rank 0 writes)."""
-        model_state, optim_state = distributed.full_state(self.model, self.optimizer, self.ctx)
-        if self.ctx.is_main:
-            tc, step = self.tc, self.step
-            save_checkpoint(self.paths.checkpoints, step, {
-                "run_id": self.spec.run_id, "step": step, "model": model_state,
-                "optimizer": optim_state, "state_format": FULL_STATE_FORMAT, "world_size": self.ctx.world_size,
-                "schedule": {"step": step, "total_steps": tc.total_steps, "warmup_steps": tc.warmup_steps},
-                "data_position": {"samples_consumed": step * tc.global_batch_size},
-                "rng": {"torch": torch.get_rng_state(),
-                        "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None},
-                "wall_seconds": self.wall_seconds(), "last_val": self.last_val,
-            })
-        distributed.barrier(self.ctx)
+    def snapshot(self, blocking: bool = False) -> None:
+        """Checkpoint the current step (every rank writes its part; see depthbench.train.resume)."""
+        resume.snapshot(self, blocking)
 
     def wall_seconds(self) -> float:
         """Training wall time of the run so far, earlier processes included."""
