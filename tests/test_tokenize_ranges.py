@@ -12,7 +12,7 @@ import pytest
 from depthbench.config import expand_grid, load_config
 from depthbench.data import ranges
 from depthbench.data.pieces import piece_plan
-from depthbench.data.prepare import build_index, build_shards, build_tokenizer
+from depthbench.data.prepare import build_index, build_piece, build_shards, build_tokenizer
 from depthbench.data.shards import read_meta
 from depthbench.errors import ConfigError
 from tests.conftest import tiny_config
@@ -153,3 +153,62 @@ def test_bad_piece_settings_fail_at_config_time(wiki_jsonl, tmp_path, corpus, fi
     with pytest.raises(ConfigError, match=field) as info:
         expand_grid(load_config(tiny_config(wiki_jsonl, corpus={"name": "t", "pieces": 3, **corpus})))
     assert words in str(info.value)
+
+
+def _traced_piece_peak(config, tok, out) -> int:
+    """Peak Python-heap bytes (tracemalloc) of the tokenize_piece job for piece 0, over what was
+    allocated before it started."""
+    import tracemalloc
+
+    build_index(config, str(out / "index.json"))
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        build_piece(config, str(tok), str(out / "index.json"), 0, str(out / "piece0"))
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+def test_piece_job_memory_does_not_grow_with_the_corpus(wiki_jsonl, tmp_path, monkeypatch):
+    """Each kind at two corpus sizes, 2x apart: the larger piece's peak stays within a small
+    fraction of the extra bytes it reads (a reader or writer that kept documents, lines or
+    offsets would grow by at least that much). Batches of 16 documents and a 4 kB read buffer,
+    so that both sizes span many of each; `datasets` reads each ~50 kB file in one chunk (10 MB
+    at most). The RSS at 4-48 MB corpora is measured in docs/choices.md."""
+    import functools
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from depthbench.data import prepare
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(prepare, "write_piece", functools.partial(prepare.write_piece, batch_size=16))
+    monkeypatch.setattr(ranges, "CHUNK", 4096)  # the byte-range reader's buffer, 1 MiB, would hold both sizes whole
+    docs = [json.loads(line)["text"][:300] for line in wiki_jsonl.read_text().splitlines()]
+    tok = tmp_path / "tok.json"
+    build_tokenizer(load_config(tiny_config(wiki_jsonl)), str(tok))
+    peaks = {}
+    for n_files in (8, 8, 16):  # the first run warms caches and lazy imports up and is not counted
+        root = tmp_path / f"n{n_files}-{len(peaks)}"
+        (root / "hub" / "data").mkdir(parents=True)
+        paths = []
+        for k in range(n_files):
+            part = docs[(k * 50) % 400:(k * 50) % 400 + 50] * 2  # 100 documents, about 30 kB a file
+            paths.append(root / f"f{k}.jsonl")
+            paths[-1].write_text("".join(json.dumps({"text": d}) + "\n" for d in part))
+            pq.write_table(pa.table({"text": part}), root / "hub" / "data" / f"train-{k:05d}-of-{n_files:05d}.parquet")
+        big = root / "big.jsonl"
+        big.write_bytes(b"".join(p.read_bytes() for p in paths))
+        corpora = {"bytes": {"source": "local", "path": str(big)},
+                   "files": {"source": "local", "path": [str(p) for p in paths]},
+                   "hub": {"source": "hub", "dataset": str(root / "hub")}}
+        for kind, corpus in corpora.items():
+            config = load_config(tiny_config(wiki_jsonl, corpus={"name": "m", "val_fraction": 0.1, "pieces": 2, **corpus}))
+            (root / f"out-{kind}").mkdir()
+            peaks[(kind, n_files, len(peaks) < 3)] = _traced_piece_peak(config, tok, root / f"out-{kind}")
+    extra_bytes = big.stat().st_size // 4  # piece 0 reads half of each corpus: 8 files' worth vs 4
+    for kind in ("bytes", "files", "hub"):
+        small, large = peaks[(kind, 8, False)], peaks[(kind, 16, False)]
+        assert large - small < 0.25 * extra_bytes, (kind, small, large, extra_bytes)

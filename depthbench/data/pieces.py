@@ -7,7 +7,7 @@ each unit's documents are counted once (the tokenize_index job, one streaming pa
 tokenizing), and the units are grouped into pieces:
 
 - local, piece_by "files" (the default for several files): a unit is a file; file k goes to the
-  piece its first document falls in, balanced by document count.
+  piece its middle document falls in, balanced by document count.
 - local, piece_by "bytes" (the default for one file; JSONL or text): the files' bytes, as one
   concatenation, are cut at P - 1 offsets, each moved to the next document boundary of its file
   (depthbench/data/ranges.py); a unit is a piece's list of (file, start, end) segments.
@@ -143,8 +143,10 @@ def _group_units(index: dict, pieces: int) -> list[list[int]]:
         return [[p] for p in range(pieces)]
     if len(counts) < pieces:
         raise ConfigError("corpus.pieces", f"{pieces} pieces but the corpus has {len(counts)} files (at most one piece per file): use at most {len(counts)}")
+    # file k goes to the piece its middle document falls in (by its first document, two equal
+    # files in two pieces would both go to the first)
     n, cum = sum(counts), list(itertools.accumulate([0] + counts))
-    owner = [min(pieces - 1, cum[k] * pieces // max(n, 1)) for k in range(len(counts))]
+    owner = [min(pieces - 1, (2 * cum[k] + counts[k]) * pieces // max(2 * n, 1)) for k in range(len(counts))]
     groups = [[k for k in range(len(counts)) if owner[k] == p] for p in range(pieces)]
     if not all(groups):
         raise ConfigError("corpus.pieces", f"a piece of {pieces} gets no file (files are too unequal in size); lower corpus.pieces")

@@ -102,10 +102,9 @@ class _RangeReader(io.RawIOBase):
         return True
 
     def readinto(self, buffer) -> int:
-        data = self.file.read(min(len(buffer), self.left))
-        buffer[: len(data)] = data
-        self.left -= len(data)
-        return len(data)
+        n = self.file.readinto(memoryview(buffer)[: min(len(buffer), self.left)])  # no copy
+        self.left -= n
+        return n
 
     def close(self) -> None:
         self.file.close()
