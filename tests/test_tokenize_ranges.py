@@ -212,3 +212,23 @@ def test_piece_job_memory_does_not_grow_with_the_corpus(wiki_jsonl, tmp_path, mo
     for kind in ("bytes", "files", "hub"):
         small, large = peaks[(kind, 8, False)], peaks[(kind, 16, False)]
         assert large - small < 0.25 * extra_bytes, (kind, small, large, extra_bytes)
+
+
+def test_hub_subset_from_readme_configs_in_pieces(tmp_path, monkeypatch):
+    """A dataset whose README lists configs (as many hub datasets do): corpus.subset picks one,
+    and its data files, in pieces, are the documents the single streaming job reads."""
+    from depthbench.data.corpus import iter_documents
+    from depthbench.data.pieces import document_index, piece_documents
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    front = "".join(f"- config_name: {lang}\n  data_files:\n  - split: train\n    path: {lang}/*.jsonl\n" for lang in ("en", "fr"))
+    (tmp_path / "README.md").write_text(f"---\nconfigs:\n{front}---\n")
+    for lang in ("en", "fr"):
+        (tmp_path / lang).mkdir()
+        for k in range(3):
+            (tmp_path / lang / f"p{k}.jsonl").write_text("".join(json.dumps({"text": f"{lang} {k} {j}"}) + "\n" for j in range(k + 1)))
+    corpus = {"source": "hub", "dataset": str(tmp_path), "subset": "en", "pieces": 2}
+    index = document_index(corpus)
+    assert index["counts"] == [1, 2, 3]
+    docs = [(i, d) for p in piece_plan(corpus, index) for i, d in piece_documents(corpus, p)]
+    assert docs == list(enumerate(iter_documents(corpus))) and docs[-1] == (5, "en 2 2")

@@ -58,7 +58,7 @@ def check_pieces(corpus: dict) -> None:
         return
     compressed = [f for f in files if f.endswith(".gz")]
     if fmt not in BYTE_RANGE_FORMATS or compressed:
-        what = f"{compressed[0]} is compressed" if compressed else f"corpus.format is {fmt!r}"
+        what = f"{compressed[0]} is compressed" if compressed else f"corpus.format is {fmt!r}" + (" (set format: jsonl for JSON lines)" if fmt == "json" else "")
         raise ConfigError("corpus.piece_by", f"'bytes' needs uncompressed {' or '.join(BYTE_RANGE_FORMATS)} files, but {what}; "
                           "use piece_by: files with several files (at most one piece per file), or corpus.pieces: 1")
 
@@ -84,9 +84,9 @@ def hub_data_files(corpus: dict) -> list[str]:
 
 
 def _hub_documents(corpus: dict, files: list[str]) -> Iterator[str]:
-    split = corpus.get("split", "train")
-    return _iter_datasets(text_field=corpus.get("text_field", "text"), field_name="corpus.dataset", split=split, streaming=True,
-                          data_files={split: files}, **{("builder" if k == "path" else k): v for k, v in _hub_kwargs(corpus).items()})
+    split, where = corpus.get("split", "train"), _hub_kwargs(corpus)
+    return _iter_datasets(where["path"], corpus.get("text_field", "text"), "corpus.dataset", name=where["name"],
+                          split=split, streaming=True, data_files={split: files})
 
 
 def _segments(files: list[str], fmt: str, pieces: int) -> list[list[list]]:
