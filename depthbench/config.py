@@ -77,6 +77,9 @@ def check_corpus(corpus: dict) -> None:
                 raise ConfigError(f"corpus.{key}", "required when corpus.source is 'shards'")
         resolve_files(corpus["train_paths"], "corpus.train_paths")
         resolve_files(corpus["val_paths"], "corpus.val_paths")
+    from depthbench.data.pieces import check_pieces
+
+    check_pieces(corpus)  # a bad corpus.pieces / piece_by fails here, before any job starts
 
 
 def check_nll(nll: dict) -> None:
@@ -123,7 +126,7 @@ def tokenizer_id(config: dict) -> str:
     tok = config["tokenizer"]
     ident: dict[str, Any] = {"tokenizer": tok}
     if tok["kind"] == "bpe":  # trained on the corpus, so the corpus is part of its identity
-        ident["corpus"] = {k: v for k, v in config["corpus"].items() if k != "pieces"}  # pieces do not change its text
+        ident["corpus"] = {k: v for k, v in config["corpus"].items() if k not in ("pieces", "piece_by")}  # pieces do not change its text
     if tok["kind"] in ("file", "olmo_eval"):
         from depthbench.data.tokenizer import resolve_tokenizer_file
 
@@ -137,7 +140,8 @@ def tokenizer_id(config: dict) -> str:
 def data_id(config: dict) -> str:
     # corpus.pieces: 1 (the default) is left out, so data ids from before pieces existed stay;
     # more pieces change the training windows (none crosses a piece file), hence the data id.
-    corpus = {k: v for k, v in config["corpus"].items() if not (k == "pieces" and v == 1)}
+    one = config["corpus"].get("pieces", 1) == 1  # piece_by means nothing with one piece
+    corpus = {k: v for k, v in config["corpus"].items() if not (k in ("pieces", "piece_by") and one)}
     return f"{config['corpus']['name']}-{short_hash({'corpus': corpus, 'tok': tokenizer_id(config)})}"
 
 

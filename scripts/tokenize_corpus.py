@@ -12,7 +12,7 @@ sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
 rule, params = snakemake.rule, snakemake.params  # noqa: F821
 if rule == "tokenize_index":
     index = build_index(params.config, snakemake.output[0])  # noqa: F821
-    print(json.dumps({k: v for k, v in index.items() if k != "files"}), file=sys.stderr)
+    print(json.dumps({k: v for k, v in index.items() if k != "units"}), file=sys.stderr)  # units: maybe thousands of files
 elif rule == "tokenize_piece":
     out = os.path.dirname(snakemake.output[0])  # noqa: F821
     info = build_piece(params.config, snakemake.input.tokenizer, snakemake.input.index, int(snakemake.wildcards.piece), out)  # noqa: F821

@@ -9,7 +9,6 @@ val_fraction, so the split is stable and works on streams of unknown length.
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import json
 import os
 from pathlib import Path
@@ -230,64 +229,3 @@ def check_local_corpus(corpus: dict, files: list[str], fmt: str, full: bool) -> 
             raise DataError(f"corpus.path: {path}: cannot be read ({exc})") from None
         if complete and docs == 0:
             raise DataError(f"corpus.path: {path} holds no non-empty document (text under {text_field!r})")
-
-
-# --- Pieces (corpus.pieces > 1): contiguous ranges of the global document index -------------
-# Piece p of P holds the documents i with starts[p] <= i < starts[p + 1] of the same global order
-# that iter_documents yields, and splits them with is_validation(i, ...) on that global i: the
-# pieces' outputs in piece order are exactly the single-piece output. Local corpora are cut at
-# file boundaries (a piece reads only its own files, found from per-file document counts);
-# wiki_offline, one JSON file, is cut by document range.
-
-
-def document_index(corpus: dict) -> dict:
-    """Per-file document counts (local) or the document count (wiki_offline): one streaming pass."""
-    source, limit = corpus["source"], corpus.get("max_documents")
-    if source == "wiki_offline":
-        n = sum(1 for _ in _iter_wiki_offline(corpus))
-        return {"source": source, "n_documents": n if limit is None else min(n, limit)}
-    if source != "local":
-        raise ConfigError("corpus.pieces", f"pieces > 1 needs corpus.source local or wiki_offline, not {source!r}; set corpus.pieces: 1")
-    from depthbench.config import resolve_files
-
-    files = resolve_files(corpus["path"], "corpus.path")
-    counts = [sum(1 for _ in iter_documents({**corpus, "path": f, "max_documents": None})) for f in files]
-    return {"source": source, "files": files, "counts": counts}
-
-
-def piece_plan(corpus: dict, index: dict) -> list[dict]:
-    """For each piece: its first global document index, its document count and (local) its files."""
-    pieces, limit = corpus.get("pieces", 1), corpus.get("max_documents")
-    if index["source"] == "wiki_offline":
-        n = index["n_documents"]
-        starts = [p * n // pieces for p in range(pieces + 1)]
-        plan = [{"start": starts[p], "n_documents": starts[p + 1] - starts[p]} for p in range(pieces)]
-    else:
-        files, counts = index["files"], index["counts"]
-        n = sum(counts)
-        if len(files) < pieces:
-            raise ConfigError("corpus.pieces", f"{pieces} pieces but corpus.path has {len(files)} files; local corpora are cut at file boundaries: use at most {len(files)}")
-        cum = [0]
-        for c in counts:
-            cum.append(cum[-1] + c)
-        # file k goes to the piece its first document falls in, balanced by document count
-        owner = [min(pieces - 1, cum[k] * pieces // max(n, 1)) for k in range(len(files))]
-        plan = []
-        for p in range(pieces):
-            ks = [k for k in range(len(files)) if owner[k] == p]
-            if not ks:
-                raise ConfigError("corpus.pieces", f"piece {p} of {pieces} gets no file (files are too unequal in size); lower corpus.pieces")
-            plan.append({"start": cum[ks[0]], "n_documents": cum[ks[-1] + 1] - cum[ks[0]], "files": [files[k] for k in ks]})
-    if limit is not None:
-        for p in plan:
-            p["n_documents"] = max(0, min(p["n_documents"], limit - p["start"]))
-    return plan
-
-
-def piece_documents(corpus: dict, piece: dict) -> Iterator[tuple[int, str]]:
-    """(global document index, text) of one piece."""
-    if corpus["source"] == "wiki_offline":
-        docs = itertools.islice(_iter_wiki_offline(corpus), piece["start"], piece["start"] + piece["n_documents"])
-    else:
-        docs = itertools.islice(iter_documents({**corpus, "path": piece["files"], "max_documents": None}), piece["n_documents"])
-    yield from enumerate(docs, start=piece["start"])

@@ -11,14 +11,12 @@ from tokenizers import Tokenizer
 from depthbench.data.corpus import (
     WIKI_OFFLINE_LICENCE,
     check_local_corpus,
-    document_index,
     is_validation,
     iter_documents,
     local_files,
-    piece_documents,
-    piece_plan,
     split_documents,
 )
+from depthbench.data.pieces import document_index, piece_documents, piece_plan
 from depthbench.data.shards import describe_external_shards, merge_pieces, write_piece, write_token_shards
 from depthbench.data.tokenizer import (
     eos_id,

@@ -28,36 +28,66 @@ def shard_dtype(vocab_size: int) -> np.dtype:
 
 
 class _ShardWriter:
-    """Appends documents to `<name>.bin.tmp`; `finish` renames into place (atomic per file)."""
+    """Appends documents to `<name>.bin.tmp`; `finish` renames into place (atomic per file).
+
+    Memory stays bounded whatever the corpus size: document start offsets go to a raw int64
+    side file as they come (a Python list of them would grow with the document count), and the
+    (n, 2) offsets array is written from it in blocks."""
 
     def __init__(self, path: Path, dtype: np.dtype, vocab_size: int):
         self.path = path
         self.tmp = path.with_name(path.name + ".tmp")
         self.file = open(self.tmp, "wb")
+        self.starts_tmp = path.with_name(path.name + ".starts.tmp")
+        self.starts = open(self.starts_tmp, "wb")
         self.dtype = dtype
         self.n_tokens = 0
-        self.starts: list[int] = []
+        self.n_documents = 0
         self.counts = np.zeros(vocab_size, dtype=np.int64)
 
-    def add(self, ids: list[int]) -> None:
-        arr = np.asarray(ids, dtype=self.dtype)
-        self.starts.append(self.n_tokens)
-        self.n_tokens += len(arr)
-        self.counts += np.bincount(arr, minlength=len(self.counts))[: len(self.counts)]
+    def add_batch(self, docs: list[np.ndarray]) -> None:
+        if not docs:
+            return
+        lengths = np.array([len(d) for d in docs], dtype=np.int64)
+        starts = self.n_tokens + np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        arr = np.concatenate(docs).astype(self.dtype, copy=False)
+        self.starts.write(starts.astype("<i8").tobytes())
         self.file.write(arr.tobytes())
+        # one bincount per batch: per document it would cost O(vocab_size) each time
+        self.counts += np.bincount(arr, minlength=len(self.counts))[: len(self.counts)]
+        self.n_tokens += int(lengths.sum())
+        self.n_documents += len(docs)
+
+    def _write_offsets(self, offsets_path: Path) -> None:
+        tmp_offsets = offsets_path.with_name(offsets_path.name + ".tmp.npy")
+        n, block = self.n_documents, 1 << 20
+        if n == 0:
+            np.save(tmp_offsets, np.zeros((0, 2), dtype=np.int64))
+        else:
+            starts = np.memmap(self.starts_tmp, dtype="<i8", mode="r", shape=(n,))
+            out = np.lib.format.open_memmap(tmp_offsets, mode="w+", dtype=np.int64, shape=(n, 2))
+            for a in range(0, n, block):
+                b = min(a + block, n)
+                out[a:b, 0] = starts[a:b]
+                out[a:b - 1, 1] = starts[a + 1:b]
+                out[b - 1, 1] = starts[b] if b < n else self.n_tokens
+            out.flush()
+            del out, starts
+        os.replace(tmp_offsets, offsets_path)
 
     def finish(self, allow_empty: bool = False) -> dict:
         self.file.close()
-        if self.n_tokens == 0 and not allow_empty:
-            self.tmp.unlink()
-            raise DataError(f"{self.path}: the split has no documents; adjust corpus.val_fraction or the corpus")
-        offsets = np.stack([np.asarray(self.starts, dtype=np.int64), np.append(self.starts[1:], self.n_tokens).astype(np.int64)], axis=1)
-        offsets_path = self.path.with_suffix(".docs.npy")
-        tmp_offsets = offsets_path.with_name(offsets_path.name + ".tmp.npy")
-        np.save(tmp_offsets, offsets)
-        os.replace(tmp_offsets, offsets_path)
+        self.starts.close()
+        try:
+            if self.n_tokens == 0 and not allow_empty:
+                self.tmp.unlink()
+                raise DataError(f"{self.path}: the split has no documents; adjust corpus.val_fraction or the corpus")
+            offsets_path = self.path.with_suffix(".docs.npy")
+            self._write_offsets(offsets_path)
+        finally:
+            self.starts_tmp.unlink()
         os.replace(self.tmp, self.path)
-        return {"file": self.path.name, "n_tokens": self.n_tokens, "n_documents": len(self.starts), "doc_offsets": offsets_path.name}
+        return {"file": self.path.name, "n_tokens": self.n_tokens, "n_documents": self.n_documents, "doc_offsets": offsets_path.name}
 
 
 def unigram_loss(train_counts: np.ndarray, val_counts: np.ndarray) -> float:
@@ -77,10 +107,14 @@ def _write_splits(documents, encode_batch, eos: int, vocab_size: int, out: Path,
     writers = {False: _ShardWriter(out / "train.bin", dtype, vocab_size), True: _ShardWriter(out / "val.bin", dtype, vocab_size)}
     for batch in batched(documents, batch_size):
         encoded = encode_batch([text for _, text in batch])
+        docs: dict[bool, list[np.ndarray]] = {False: [], True: []}
         for (is_val, _), ids in zip(batch, encoded):
-            if ids and max(ids) >= vocab_size:
-                raise DataError(f"token id {max(ids)} >= vocab_size {vocab_size}: the tokenizer and vocab_size disagree")
-            writers[is_val].add(list(ids) + [eos])
+            arr = np.append(np.asarray(ids, dtype=np.int64), eos)
+            if arr.max() >= vocab_size:
+                raise DataError(f"token id {arr.max()} >= vocab_size {vocab_size}: the tokenizer and vocab_size disagree")
+            docs[is_val].append(arr)
+        for is_val, arrays in docs.items():
+            writers[is_val].add_batch(arrays)
     infos = {"train": writers[False].finish(allow_empty), "val": writers[True].finish(allow_empty)}
     return dtype, infos, writers[False].counts, writers[True].counts
 
