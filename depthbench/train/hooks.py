@@ -2,7 +2,7 @@
 
 `default_hooks` lists them in the order that reproduces the original loop's records: dynamics
 (before the update), train metrics and throughput, evaluation, divergence (reads the validation
-loss the evaluation hook put in the record), checkpointing, progress bar, metrics.jsonl. Each
+loss the evaluation hook put in the record), weight snapshots (probes.at_steps), checkpointing, progress bar, metrics.jsonl. Each
 works alone on any object with the Trainer attributes it reads, so it can be tested alone.
 """
 
@@ -17,6 +17,7 @@ from pathlib import Path
 from depthbench.train.dynamics import measure as measure_dynamics
 from depthbench.train.flops import mfu
 from depthbench.train.recipe import evaluate, truncate_metrics
+from depthbench.train.snapshots import SnapshotHook
 from depthbench.train.trainer import STATUS_DIVERGED, STATUS_OK, Hook, StepStats, is_bad
 
 
@@ -173,6 +174,7 @@ def default_hooks(trainer, val_windows, flops_per_token: float, peak: float | No
         TrainMetricsHook(tc.log_every, tc.total_steps, tc.tokens_per_step, flops_per_token, peak, measured_peak, ctx.world_size),
         EvalHook(val_windows, tc.eval_every, tc.total_steps, tc.eval_batches, tc.micro_batch_size),
         DivergenceHook(tc.divergence_factor * math.log(spec.model.vocab_size)),
+        *([SnapshotHook(tc.snapshot_steps)] if tc.snapshot_steps else []),  # before the checkpoint of its step
         CheckpointHook(tc.checkpoint_every, tc.total_steps),
     ]
     if ctx.is_main:
