@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 
+import pandas as pd
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -115,3 +117,61 @@ def test_resume_from_a_checkpoint_without_the_earlier_snapshots_trains_again(tin
     assert _snapshot_bytes(part) == _snapshot_bytes(full)
     a, b = load_file(full.weights), load_file(part.weights)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- probes of the snapshots ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def probed_run(tiny_data, tmp_path_factory):
+    """A 12-step run with snapshots at steps 2 and 12, probed with at_steps on."""
+    from depthbench.probes.run import run_probes
+
+    _, exp, shards = tiny_data
+    root = tmp_path_factory.mktemp("probed")
+    spec = _spec(exp, 12, [2, 12], checkpoint_every=100)
+    paths = RunPaths(root / "run", root / "work")
+    train(spec, shards, paths, progress=False)
+    out = root / "probes.parquet"
+    settings = {"n_sequences": 4, "seq_len": 16, "at_steps": [2]}
+    run_probes(spec.to_dict(), str(shards), str(paths.run_dir), str(out), settings)
+    return spec, pd.read_parquet(out)
+
+
+def test_the_probe_of_the_final_snapshot_equals_the_final_models_probe(probed_run):
+    spec, df = probed_run
+    key = ["probe", "i", "j"]
+    trained = df[df.stage == "trained"].set_index(key)["value"].sort_index()
+    final = df[(df.stage == "snapshot") & (df.step == 12)].set_index(key)["value"].sort_index()
+    assert len(trained) > 20 and list(trained.index) == list(final.index)
+    assert {"causal_share", "permutation_share", "angular_distance_last", "token_similarity"} <= set(trained.index.get_level_values(0))
+    assert (final - trained).abs().max() < 1e-6
+    assert set(df.loc[df.stage == "trained", "step"]) == {12} and set(df.loc[df.stage == "init", "step"]) == {0}
+
+
+def test_every_snapshot_gets_the_final_models_probe_families(probed_run):
+    _, df = probed_run
+    snap = df[df.stage == "snapshot"]
+    assert sorted(snap.step.unique()) == [2, 12]
+    families = {s: set(g.probe) for s, g in snap.groupby("step")}
+    assert families[2] == families[12] == set(df.loc[df.stage == "trained", "probe"])
+    early = snap[(snap.step == 2) & (snap.probe == "angular_distance_last")].set_index(["i", "j"])["value"]
+    late = snap[(snap.step == 12) & (snap.probe == "angular_distance_last")].set_index(["i", "j"])["value"]
+    assert (early - late).abs().max() > 1e-4  # different weights, different geometry
+
+
+def test_probes_table_keeps_final_rows_and_carries_the_steps(probed_run, tmp_path):
+    from depthbench.tables import probe_rows
+
+    spec, df = probed_run
+    df.to_parquet(tmp_path / "p.parquet", index=False)
+    old = df[df.stage != "snapshot"].drop(columns=["step"])  # a probe file written before `step`
+    old.assign(run_id="older").to_parquet(tmp_path / "old.parquet", index=False)
+    runs = pd.DataFrame([{"run_id": r, "experiment": "t", "arch": spec.arch, "n_layer": 2, "d_model": 48, "ratio": 24.0,
+                          "params": 1, "lr": spec.lr, "seed": 0, "knobs": "{}", "final_val_loss": 5.0, "status": "ok"}
+                         for r in (spec.run_id, "older")])
+    best = pd.DataFrame([{"arch": spec.arch, "n_layer": 2, "d_model": 48, "knobs": "{}", "best_lr": spec.lr}])
+    table = probe_rows([tmp_path / "p.parquet", tmp_path / "old.parquet"], runs, best)
+    mine = table[table.run_id == spec.run_id]
+    assert len(mine[mine.stage == "trained"]) == len(df[df.stage == "trained"])
+    assert mine.loc[mine.stage == "trained", "step"].tolist() == [12] * len(df[df.stage == "trained"])
+    assert table.loc[table.run_id == "older", "step"].isna().all()
+    assert str(table["step"].dtype) == "Int64"
