@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pandas as pd
 
 import pytest
@@ -175,3 +176,94 @@ def test_probes_table_keeps_final_rows_and_carries_the_steps(probed_run, tmp_pat
     assert mine.loc[mine.stage == "trained", "step"].tolist() == [12] * len(df[df.stage == "trained"])
     assert table.loc[table.run_id == "older", "step"].isna().all()
     assert str(table["step"].dtype) == "Int64"
+
+
+# -- figures -------------------------------------------------------------------------------------
+STEPS = [1, 3, 8, 24, 69, 200]
+
+
+def step_table() -> pd.DataFrame:
+    """A probes table with snapshot rows of two architectures at two depths (and a worse LR, and
+    the final and init rows the figures must not mistake for snapshots)."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for arch, d, base in (("pre_ln", 64, 0.1), ("hc", 56, 0.3)):
+        for L in (2, 4):
+            for lr, best in ((1e-3, True), (1e-2, False)):
+                run = f"{arch}_L{L}_lr{lr}"
+                meta = {"run_id": run, "arch": arch, "n_layer": L, "d_model": d, "knobs": "{}", "lr": lr, "seed": 0,
+                        "is_best_lr": best, "status": "ok"}
+                for stage, steps in (("snapshot", STEPS), ("trained", [200]), ("init", [0])):
+                    for step in steps:
+                        grow = base * np.log1p(step) / np.log1p(200) + (0 if best else 5)
+                        for l in range(L + 1):
+                            rows.append({**meta, "stage": stage, "step": step, "probe": "token_similarity", "i": l, "j": -1,
+                                         "value": grow + 0.01 * l})
+                        if stage == "init":
+                            continue
+                        for l in range(L):
+                            for k in range(1, L - l + 1):
+                                rows.append({**meta, "stage": stage, "step": step, "probe": "angular_distance_last", "i": l,
+                                             "j": k, "value": grow * (1 + 0.1 * l) + 0.05 * k + rng.uniform(0, 0.01)})
+                        for probe in ("causal_share", "permutation_share"):
+                            rows.append({**meta, "stage": stage, "step": step, "probe": probe, "i": -1, "j": -1,
+                                         "value": grow / (2 if probe == "causal_share" else 3)})
+    return pd.DataFrame(rows).astype({"step": "Int64"})
+
+
+def test_probes_over_training_draws_each_quantity_per_step_on_a_log_axis():
+    from depthbench.analysis import step_figures
+    from depthbench.analysis.style import Context
+
+    table = step_table()
+    fig = step_figures.probes_over_training({"probes": table}, Context())
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(axes) == 2 * 4  # depths x quantities
+    best = table[(table.stage == "snapshot") & table.is_best_lr]
+    for ax in axes:
+        assert ax.get_xscale() == "log" and ax.get_xlabel() and ax.get_ylabel()
+        L = int(ax.get_title().split("L=")[1].split(",")[0])
+        lines = {ln.get_label(): ln for ln in ax.get_lines() if not ln.get_label().startswith("_")}
+        assert set(lines) == {"pre_ln", "hc"}
+        for arch, line in lines.items():
+            rows = best[(best.arch == arch) & (best.n_layer == L)]
+            if ax.get_title().startswith("adjacent"):
+                g = rows[(rows.probe == "angular_distance_last") & (rows.j == 1)]
+                want = [g[g.step == s].value.mean() for s in STEPS]  # mean over layers l of d(l, l+1)
+            elif ax.get_title().startswith("token"):
+                g = rows[(rows.probe == "token_similarity") & (rows.i == L)]
+                want = [g[g.step == s].value.iloc[0] for s in STEPS]
+            else:
+                probe = "causal_share" if ax.get_title().startswith("causal") else "permutation_share"
+                want = [rows[(rows.probe == probe) & (rows.step == s)].value.iloc[0] for s in STEPS]
+            np.testing.assert_allclose(line.get_xdata(), STEPS)
+            np.testing.assert_allclose(line.get_ydata(), want)
+    assert {t.get_text() for t in fig.legends[0].get_texts()} >= {"pre_ln", "hc", "token similarity at init (step 0)"}
+
+
+def test_adjacent_distance_heatmap_holds_each_layer_and_step():
+    from depthbench.analysis import step_figures
+    from depthbench.analysis.style import Context
+
+    table = step_table()
+    fig = step_figures.adjacent_distance_over_training({"probes": table}, Context())
+    meshes = [(ax, ax.collections[0]) for ax in fig.axes if ax.collections and ax.get_label() != "<colorbar>"]
+    assert len(meshes) == 4  # architectures x depths
+    assert any(ax.get_label() == "<colorbar>" and "d(l, l+1)" in ax.get_ylabel() for ax in fig.axes)
+    for ax, mesh in meshes:
+        arch, L = ax.get_title().split(",")[0], int(ax.get_title().split("L=")[1].split(",")[0])
+        g = table[(table.stage == "snapshot") & table.is_best_lr & (table.arch == arch) & (table.n_layer == L)
+                  & (table.probe == "angular_distance_last") & (table.j == 1)]
+        want = np.array([[g[(g.i == l) & (g.step == s)].value.iloc[0] for s in STEPS] for l in range(L)])
+        np.testing.assert_allclose(np.asarray(mesh.get_array()).reshape(L, len(STEPS)), want)
+        assert ax.get_xscale() == "log"
+
+
+def test_step_figures_say_what_is_missing_without_snapshot_rows():
+    from depthbench.analysis import step_figures
+    from depthbench.analysis.style import Context
+
+    final_only = step_table().query("stage != 'snapshot'")
+    for draw in (step_figures.probes_over_training, step_figures.adjacent_distance_over_training):
+        fig = draw({"probes": final_only}, Context())
+        assert any("probes.at_steps" in t.get_text() for ax in fig.axes for t in ax.texts)
