@@ -267,3 +267,36 @@ def test_step_figures_say_what_is_missing_without_snapshot_rows():
     for draw in (step_figures.probes_over_training, step_figures.adjacent_distance_over_training):
         fig = draw({"probes": final_only}, Context())
         assert any("probes.at_steps" in t.get_text() for ax in fig.axes for t in ax.texts)
+
+
+# -- the workflow ---------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_workflow_keeps_probes_and_draws_the_snapshots(tmp_path, wiki_jsonl):
+    """Snakemake on one tiny run with at_steps: the snapshots are a declared output holding exactly
+    the resolved steps, the probes table has their rows, the figures are drawn, a second run does
+    nothing, and changing at_steps retrains (the steps are a param of the train rule)."""
+    import yaml
+
+    from depthbench.config import expand_grid
+    from tests.test_workflow import copy_workflow, job_counts, snakemake, write_config
+
+    root = copy_workflow(tmp_path)
+    config = tiny_config(wiki_jsonl, probes={"at_steps": {"log_spaced": 3}, "n_sequences": 4, "seq_len": 16},
+                         nll={"enabled": False})
+    write_config(root, config)
+    snakemake(root)  # the probe rule's snapshots input exists only as the train rule's declared output
+    (run_id, spec), = expand_grid(load_config(yaml.safe_load((root / "config/config.yaml").read_text()))).runs.items()
+    total = spec.train.total_steps
+    want = resolve_steps({"log_spaced": 3}, total)
+    assert len(want) == 3 and want[-1] == total
+    assert [s for s, _ in list_snapshots(root / f"results/runs/{run_id}/snapshots")] == want
+    probes = pd.read_parquet(root / "results/tables/probes.parquet")
+    assert sorted(probes.loc[probes.stage == "snapshot", "step"].unique()) == want
+    assert set(probes.loc[probes.stage == "trained", "step"]) == {total}
+    for name in ("probes_over_training", "adjacent_distance_over_training"):
+        assert (root / f"results/figures/{name}.png").stat().st_size > 10_000
+    again = snakemake(root, "-n")
+    assert "Nothing to be done" in again.stdout + again.stderr
+    config["probes"]["at_steps"] = [2]
+    write_config(root, config)
+    assert job_counts(snakemake(root, "-n").stdout).get("train") == 1

@@ -88,6 +88,8 @@ def probes_over_training(tables: dict, ctx: S.Context):
                 S.note(ax, f"no {what} rows at L={L}")
                 continue
             S.log_ticks(ax, data["step"].astype(float).unique())
+            if c < 2:  # shares are fractions: one fixed range, so a flat line reads as its value
+                ax.set_ylim(-0.03, 1.03)
             ax.set_title(f"{what}, L={L}, d={d}")
             ax.set_xlabel("optimizer step (log)")
             ax.set_ylabel(ylabel.format(**ctx.thresholds), fontsize=S.FONT["tick"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -45,7 +46,8 @@ def snapshot_rows(spec: RunSpec, run_dir: str | Path, idx: torch.Tensor, setting
 
     rows: list[dict] = []
     for step, path in list_snapshots(Path(run_dir) / FOLDER):
+        start = time.time()
         for row in probe_model(load_snapshot(spec, path), idx, SNAPSHOT_STAGE, settings, full=True):
             rows.append({**row, "step": step})
-        print(f"[{spec.run_id}] probed the snapshot of step {step}", file=sys.stderr)
+        print(f"[{spec.run_id}] probed the snapshot of step {step} in {time.time() - start:.1f} s", file=sys.stderr)
     return rows

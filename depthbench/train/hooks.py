@@ -2,8 +2,10 @@
 
 `default_hooks` lists them in the order that reproduces the original loop's records: dynamics
 (before the update), train metrics and throughput, evaluation, divergence (reads the validation
-loss the evaluation hook put in the record), weight snapshots (probes.at_steps), checkpointing, progress bar, metrics.jsonl. Each
-works alone on any object with the Trainer attributes it reads, so it can be tested alone.
+loss the evaluation hook put in the record), weight snapshots (probes.at_steps; before the
+checkpoint of the same step, depthbench.train.snapshots), checkpointing, progress bar,
+metrics.jsonl. Each works alone on any object with the Trainer attributes it reads, so it can be
+tested alone.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ trackers), `finish` writes the outputs. The recipe (schedule, optimizer, device,
 depthbench.train.recipe; its names are importable from here too.
 
 A run resumes from its latest checkpoint and ends with exactly the weights of an uninterrupted run
-on the same device and thread count (the data position is the step; see depthbench.data.loader).
+on the same device and thread count (the data position is the step; see depthbench.data.loader),
+and with the same weight snapshots (probes.at_steps; depthbench.train.snapshots).
 A run whose loss turns NaN/inf or exceeds divergence_factor x ln(vocab) stops with status
 `diverged`; its summary is still written so that the workflow goes on.
 """
