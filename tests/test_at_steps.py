@@ -4,6 +4,8 @@ resumption, the at-step probe of the final step against the final model's, the f
 from __future__ import annotations
 
 import copy
+import os
+import stat
 
 import numpy as np
 import pandas as pd
@@ -74,6 +76,9 @@ def test_snapshots_are_written_at_exactly_the_configured_steps(tiny_data, tmp_pa
     published = list_snapshots(run_folder(paths))
     assert [s for s, _ in published] == [1, 3, 7, 12]
     assert sorted(p.name for p in run_folder(paths).iterdir()) == [p.name for _, p in published]  # nothing else
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert {stat.S_IMODE(p.stat().st_mode) for _, p in published} == {0o666 & ~umask}  # readable like any result
     final = load_file(paths.weights)
     last = load_file(published[-1][1])
     assert set(last) == set(final) and all(torch.equal(last[k], final[k]) for k in final)

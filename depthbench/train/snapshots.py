@@ -111,8 +111,6 @@ class SnapshotHook(Hook):
 
 def write_snapshot(trainer, step: int) -> Path:
     """The full model state (a collective under FSDP) written by rank 0, atomically."""
-    from safetensors.torch import save_file
-
     from depthbench.train import distributed
 
     full = distributed.full_model_state(trainer.model, trainer.ctx)
@@ -122,9 +120,16 @@ def write_snapshot(trainer, step: int) -> Path:
         # one metadata key: safetensors keeps metadata in a hash map, so two keys are written in
         # either order and two runs' identical snapshots would differ in their bytes
         meta = {META_KEY: json.dumps({"run_id": trainer.spec.run_id, "step": step}, sort_keys=True)}
-        atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+        atomic_write(path, lambda tmp: _save(tensors, tmp, meta))
     distributed.barrier(trainer.ctx)
     return path
+
+
+def _save(tensors: dict, tmp: str, meta: dict) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, tmp, metadata=meta)
+    os.chmod(tmp, 0o666 & ~current_umask())  # save_file creates the file anew, 0600
 
 
 def publish(paths, run_id: str) -> int:
