@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from depthbench.config import load_config
-from depthbench.errors import ConfigError
+from depthbench.errors import ConfigError, DataError
 from depthbench.train.checkpoint import checkpoint_path, checksum_path, list_checkpoints
 from depthbench.train.loop import RunPaths, train
-from depthbench.train.snapshots import list_snapshots, resolve_steps, run_folder, work_folder
+from depthbench.train.snapshots import list_snapshots, resolve_steps, run_folder, snapshot_path, work_folder
 from tests.conftest import tiny_config
 
 
@@ -84,6 +84,30 @@ def test_snapshots_are_written_at_exactly_the_configured_steps(tiny_data, tmp_pa
     assert set(last) == set(final) and all(torch.equal(last[k], final[k]) for k in final)
     early = load_file(published[0][1])  # one update away from init: not the final weights
     assert not all(torch.equal(early[k], final[k]) for k in final)
+
+
+@pytest.mark.parametrize("arch", ["hc", "attnres_block"])
+def test_snapshots_of_multi_stream_and_aggregating_models_load_back(tiny_data, tmp_path, arch):
+    """Architectures with extra state (HC streams' static weights, AttnRes pseudo-queries): the
+    snapshot holds every parameter, loads into a fresh model and the last equals the final one."""
+    from depthbench.config import expand_grid
+    from depthbench.probes.steps import load_snapshot
+
+    config, _, shards = tiny_data
+    (spec,) = expand_grid(load_config({**config, "architectures": [arch]})).runs.values()
+    spec = copy.deepcopy(spec)
+    spec.train.total_steps, spec.train.snapshot_steps = 4, [2, 4]
+    paths = RunPaths(tmp_path / "run", tmp_path / "work")
+    train(spec, shards, paths, progress=False)
+    final = load_file(paths.weights)
+    models = {s: load_snapshot(spec, p) for s, p in list_snapshots(run_folder(paths))}
+    assert sorted(models) == [2, 4]
+    assert all(torch.equal(models[4].state_dict()[k], final[k]) for k in final)
+    assert not all(torch.equal(models[2].state_dict()[k], final[k]) for k in final)
+    other = copy.deepcopy(spec)
+    other.run_id = "someone_else"
+    with pytest.raises(DataError, match="not 'someone_else'"):
+        load_snapshot(other, snapshot_path(run_folder(paths), 2))
 
 
 def _snapshot_bytes(paths) -> dict[int, bytes]:
