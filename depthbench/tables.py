@@ -196,9 +196,14 @@ def _with_run_columns(rows: pd.DataFrame, runs: pd.DataFrame, best: pd.DataFrame
 
 
 def probe_rows(probe_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
-    """All runs' tidy probe rows with the runs' config columns and an `is_best_lr` flag."""
+    """All runs' tidy probe rows with the runs' config columns and an `is_best_lr` flag.
+
+    `step`: updates of the weights probed (depthbench.probes.run): stage "trained" rows are the
+    final model at its last step, "snapshot" rows the probes over training (probes.at_steps);
+    <NA> for files written without it (pretrained models, older probe files)."""
     frames = [pd.read_parquet(p) for p in probe_paths]
     probes = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["run_id", "probe", "stage", "i", "j", "value"])
+    probes["step"] = (probes["step"] if "step" in probes.columns else pd.Series(pd.NA, index=probes.index)).astype("Int64")
     return _with_run_columns(probes, runs, best)
 
 

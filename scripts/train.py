@@ -9,6 +9,9 @@ sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821 (injected by
 # threads, checkpoint/log intervals, device, compile, loggers: from the config, not params (no
 # retraining); the experiment name groups the run in the trackers
 operational = {**snakemake.config["train"], "experiment": snakemake.config["name"]}  # noqa: F821
+# the steps whose weights the run keeps for the probes over training (probes.at_steps), resolved
+# for this run's length by the rule; not part of the run's identity
+operational["snapshot_steps"] = list(getattr(snakemake.params, "snapshot_steps", []))  # noqa: F821
 spec = RunSpec.from_dict(snakemake.params.spec).with_operational(operational)  # noqa: F821
 summary = dispatch(
     spec,

@@ -92,4 +92,14 @@ def _probe_rows(r) -> list[dict]:
                 for l in range(1, L + 1):
                     add("partial_sum_weight", l, -1, 0.01 if l <= L // 4 else 0.3)
                 add("dead_zone_layers", -1, -1, float(L // 4))
+    if r.status == "ok":  # probes over training (probes.at_steps); the last step is the final model
+        for step in (10, 50, 100):
+            snap = lambda probe, i, j, v: rows.append({"run_id": r.run_id, "probe": probe, "stage": "snapshot", "step": step,  # noqa: E731
+                                                       "i": i, "j": j, "value": v})
+            for l in range(L + 1):
+                snap("token_similarity", l, -1, 0.1 * l * step / 100)
+                for k in range(L + 1 - l):
+                    snap("angular_distance_last", l, k, 0.05 * k * step / 100)
+            snap("causal_share", -1, -1, (0.3 if r.arch != "pre_ln" else 0.05) * step / 100)
+            snap("permutation_share", -1, -1, (0.4 if r.arch == "hc" else 0.1) * step / 100)
     return rows

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from depthbench.analysis import (arch_figures, cost_figures, dynamics_figures, layer_figures, loss_figures,
-                                 nll_figures, probe_figures)
+                                 nll_figures, probe_figures, step_figures)
 from depthbench.analysis import style as S
 from depthbench.analysis.readers import grid_line
 
@@ -27,6 +27,10 @@ def _probes_on(config: dict) -> bool:
 
 def _dynamics_on(config: dict) -> bool:
     return int(config.get("train", {}).get("dynamics_every", 0) or 0) > 0
+
+
+def _at_steps_on(config: dict) -> bool:
+    return _probes_on(config) and bool(config.get("probes", {}).get("at_steps"))
 
 
 def _nll_on(config: dict) -> bool:
@@ -113,6 +117,17 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            "Per layer over training (colour: optimizer step), at the deepest shape and each architecture's best LR: "
            "the residual RMS, the RMSNorm backward factor sqrt(d)/||y|| (below the red line the norm shrinks the "
            "gradient) and the gradient norm of h_l.", when=_dynamics_on),
+    Figure("probes_over_training", step_figures.probes_over_training, DYN, "probe_figures", ("probes",),
+           "The probes of the weights kept at the probes.at_steps steps (best LR, first seed) against the optimizer "
+           "step, one row per depth: causal and permutation shares, the adjacent angular distance d(l, l+1) averaged "
+           "over layers, and token similarity at the last layer h_L (dotted: at init). The last point is the final "
+           "model; where a share falls to 0 while the distance shrinks, the late layers have stopped mattering.",
+           frozenset({"causal_score", "permutation_score", "angular_distance", "token_similarity"}), when=_at_steps_on),
+    Figure("adjacent_distance_over_training", step_figures.adjacent_distance_over_training, DYN, "probe_figures",
+           ("probes",), "Adjacent-layer angular distance d(l, l+1) at the last token for every layer (rows) and kept "
+           "step (columns, log scale), architecture x depth on one colour scale: dark cells late in depth are layers "
+           "that barely change the stream, and the column where they appear is when that happened.",
+           frozenset({"angular_distance"}), when=_at_steps_on),
     Figure("nll_vs_ratio", nll_figures.nll_vs_ratio, NLL, "nll_figures", ("nll",),
            "Teacher-forced NLL in bits per byte on code, STEM and math documents against d_model / n_layer, at each "
            "architecture's best learning rate.", when=_nll_on),

@@ -3,8 +3,11 @@ every probe that applies to its architecture, write tidy rows to one Parquet fil
 
 Tidy form: one row per (probe, stage, i, j) with `value`; `stage` is "trained" or "init"
 (the same architecture and seed, freshly initialised) or "init_no_prefix_avg"; i and j are
-layer (or sublayer / source) indices, -1 where unused. Summary probes (shares above threshold,
-fraction of useful layers, residual-product rank, dead zone) are rows too.
+layer (or sublayer / source) indices, -1 where unused; `step` is the number of updates of the
+weights probed (0 at init, the run's last step for "trained"). Summary probes (shares above
+threshold, fraction of useful layers, residual-product rank, dead zone) are rows too. With
+probes.at_steps the run's snapshots add rows of stage "snapshot" at their steps
+(depthbench.probes.steps).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from depthbench.data.shards import read_meta, split_files
 from depthbench.io import atomic_write
 from depthbench.models import build_model
 from depthbench.probes import core, interventions
+from depthbench.probes.steps import snapshot_rows
 from depthbench.spec import RunSpec
 from depthbench.train.checkpoint import load_final_model
 
@@ -124,10 +128,13 @@ def run_probes(spec_dict: dict, data_dir: str, run_dir: str, out_path: str, sett
     start = time.time()
     rows: list[dict] = []
     torch.manual_seed(spec.train.seed)  # the run's own initialisation
-    rows += probe_model(build_model(spec.model).eval(), idx, "init", settings, full=False)
+    rows += [{**r, "step": 0} for r in probe_model(build_model(spec.model).eval(), idx, "init", settings, full=False)]
     if summary["status"] == "ok":
-        rows += probe_model(load_final_model(spec.model, run_dir).eval(), idx, "trained", settings, full=True)
-    df = pd.DataFrame(rows, columns=["probe", "stage", "i", "j", "value"])
+        trained = probe_model(load_final_model(spec.model, run_dir).eval(), idx, "trained", settings, full=True)
+        rows += [{**r, "step": summary["steps"]} for r in trained]
+    if settings["at_steps"]:  # diverged runs too: their snapshots end before the divergence
+        rows += snapshot_rows(spec, run_dir, idx, settings)
+    df = pd.DataFrame(rows, columns=["probe", "stage", "i", "j", "value", "step"])
     df.insert(0, "run_id", spec.run_id)
     df["status"] = summary["status"]
     atomic_write(out_path, lambda tmp: df.to_parquet(tmp, index=False))

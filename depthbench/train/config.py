@@ -39,11 +39,12 @@ class TrainConfig:
     parallel: str = "ddp"  # data parallelism when the launcher starts several ranks: ddp or fsdp
     loggers: list[str] = field(default_factory=list)  # experiment trackers (depthbench.train.tracking)
     experiment: str = ""  # the config's `name`, set with the operational settings; trackers group by it
+    snapshot_steps: list[int] = field(default_factory=list)  # weights kept at these steps (probes.at_steps; depthbench.train.snapshots)
 
     # Settings that do not change the trained weights or the logged curves, so they are left
     # out of the run id's hash: changing them must not start new runs.
     NOT_HASHED = ("checkpoint_every", "log_every", "threads", "device", "compile", "parallel", "loggers", "experiment",
-                  "loss_chunk_tokens")
+                  "loss_chunk_tokens", "snapshot_steps")
 
     @property
     def grad_accum_steps(self) -> int:

@@ -2,9 +2,10 @@
 
 `default_hooks` lists them in the order that reproduces the original loop's records: dynamics
 (before the update), train metrics and throughput, evaluation, divergence (reads the validation
-loss the evaluation hook put in the record), checkpointing, the requeue signal
-(depthbench.train.requeue), progress bar, metrics.jsonl. Each
-works alone on any object with the Trainer attributes it reads, so it can be tested alone.
+loss the evaluation hook put in the record), weight snapshots (probes.at_steps; before the
+checkpoint of the same step, depthbench.train.snapshots), checkpointing, the requeue signal
+(depthbench.train.requeue), progress bar, metrics.jsonl. Each works alone on any object with the
+Trainer attributes it reads, so it can be tested alone.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from depthbench.train.dynamics import measure as measure_dynamics
 from depthbench.train.flops import mfu
 from depthbench.train.recipe import evaluate, truncate_metrics
 from depthbench.train.requeue import RequeueHook
+from depthbench.train.snapshots import SnapshotHook
 from depthbench.train.trainer import STATUS_DIVERGED, STATUS_OK, Hook, StepStats, accumulator_dtype, is_bad, read_scalars
 
 
@@ -220,6 +222,7 @@ def default_hooks(trainer, val_windows, flops_per_token: float, peak: float | No
         EvalHook(val_windows, tc.eval_every, tc.total_steps, tc.eval_batches, tc.micro_batch_size),
         DivergenceHook(tc.divergence_factor * math.log(spec.model.vocab_size),
                        (tc.log_every, tc.eval_every, tc.checkpoint_every), tc.total_steps),
+        *([SnapshotHook(tc.snapshot_steps)] if tc.snapshot_steps else []),  # before the checkpoint of its step
         CheckpointHook(tc.checkpoint_every, tc.total_steps),
         RequeueHook(tc.total_steps),  # after the periodic checkpoint: a step saved there is not saved twice
     ]

@@ -4,7 +4,8 @@ trackers), `finish` writes the outputs. The recipe (schedule, optimizer, device,
 depthbench.train.recipe; its names are importable from here too.
 
 A run resumes from its latest checkpoint and ends with exactly the weights of an uninterrupted run
-on the same device and thread count (the data position is the step; see depthbench.data.loader).
+on the same device and thread count (the data position is the step; see depthbench.data.loader),
+and with the same weight snapshots (probes.at_steps; depthbench.train.snapshots).
 A run whose loss turns NaN/inf or exceeds divergence_factor x ln(vocab) stops with status
 `diverged`; its summary is still written so that the workflow goes on.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from depthbench.data.shards import read_meta, split_files
 from depthbench.io import atomic_write, atomic_write_json
 from depthbench.models import build_model
 from depthbench.spec import RunSpec
-from depthbench.train import distributed
+from depthbench.train import distributed, snapshots
 from depthbench.train.flops import device_peak_flops, measured_peak_flops, train_flops_per_token
 from depthbench.train.hooks import default_hooks
 from depthbench.train.recipe import (  # noqa: F401 (re-exported: other modules and tests import them from here)
@@ -72,7 +74,13 @@ def train(spec: RunSpec, data_dir: str | os.PathLike, paths: RunPaths, progress:
     n_params = model.num_parameters()
     flops_per_token = train_flops_per_token(model, tc.seq_len)
     trainer = Trainer(spec, paths, model, batches, ctx, device, autocast)
-    trainer.restore()  # metrics.jsonl is truncated to the checkpoint, or started anew, by its hook
+    # metrics.jsonl is truncated to the checkpoint, or started anew, by its hook; snapshots likewise
+    if trainer.restore() and (missing := snapshots.needs_restart(paths, tc.snapshot_steps, trainer.step)):
+        print(f"[{spec.run_id}] the checkpoint at step {trainer.step} lacks the snapshots of steps {missing} "
+              "(probes.at_steps): training again from step 0", file=sys.stderr)
+        torch.manual_seed(tc.seed)  # exactly the fresh start above
+        model = build_model(spec.model).to(device)
+        trainer = Trainer(spec, paths, model, batches, ctx, device, autocast)
     distributed.barrier(ctx)
 
     peak, measured = device_peak_flops(device, dtype), measured_peak_flops(device, dtype)
@@ -83,6 +91,8 @@ def train(spec: RunSpec, data_dir: str | os.PathLike, paths: RunPaths, progress:
     if trainer.status == STATUS_OK and trainer.step < tc.total_steps:  # interrupted on purpose (stop_after)
         distributed.teardown(ctx)
         return {"run_id": spec.run_id, "status": "interrupted", "step": trainer.step}
+    if tc.snapshot_steps and ctx.is_main:  # before summary.json, whose presence means done
+        snapshots.publish(paths, spec.run_id)
     summary = finish(spec, paths, model, trainer.status, trainer.step, trainer.wall_seconds(), trainer.last_val,
                      n_params, device, ctx)
     distributed.teardown(ctx)

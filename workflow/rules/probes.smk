@@ -8,11 +8,13 @@ rule probe:
         summary=f"{RESULTS}/runs/{{run_id}}/summary.json",
         weights=f"{RESULTS}/runs/{{run_id}}/model.safetensors",
         data=f"{DATA_DIR}/meta.json",
+        **({"snapshots": SNAPSHOTS} if AT_STEPS else {}),  # probed too, rows of stage 'snapshot'
     output:
         f"{RESULTS}/probes/{{run_id}}.parquet",
     params:
         spec=lambda wc: RUNS[wc.run_id].identity_dict(),
-        settings={k: v for k, v in config["probes"].items() if k not in ("enabled", "runs")},
+        # at_steps only when on, so that probe files made before it existed are not redone
+        settings={k: v for k, v in config["probes"].items() if k not in ("enabled", "runs") and (k != "at_steps" or v)},
         data_dir=DATA_DIR,
         run_dir=lambda wc: f"{RESULTS}/runs/{wc.run_id}",
         work_dir=lambda wc: f"{RESULTS}/work/{wc.run_id}",

@@ -1,6 +1,18 @@
 # One job per run of the grid. The job dispatches training through submitit (inline, local or
 # SLURM, from config['launcher']) and waits. Checkpoints live in results/work/{run_id}, which
 # is not an output, so a failed or killed job resumes where it stopped when run again.
+# With probes.at_steps the run also keeps its weights at those steps: the folder `snapshots` is
+# then an output (depthbench.train.snapshots), and the steps a param, so changing them retrains.
+from depthbench.train.snapshots import resolve_steps
+
+AT_STEPS = config["probes"]["at_steps"] if config["probes"]["enabled"] else []
+
+
+def snapshot_steps(wildcards):
+    return resolve_steps(AT_STEPS, RUNS[wildcards.run_id].train.total_steps)
+
+
+SNAPSHOTS = f"{RESULTS}/runs/{{run_id}}/snapshots"
 
 
 rule train:
@@ -10,12 +22,14 @@ rule train:
         summary=f"{RESULTS}/runs/{{run_id}}/summary.json",
         weights=f"{RESULTS}/runs/{{run_id}}/model.safetensors",
         metrics=f"{RESULTS}/runs/{{run_id}}/metrics.jsonl",
+        **({"snapshots": directory(SNAPSHOTS)} if AT_STEPS else {}),
     params:
         # the run's identity only: operational settings are read from the config by the script
         spec=lambda wc: RUNS[wc.run_id].identity_dict(),
         data_dir=DATA_DIR,
         run_dir=lambda wc: f"{RESULTS}/runs/{wc.run_id}",
         work_dir=lambda wc: f"{RESULTS}/work/{wc.run_id}",
+        **({"snapshot_steps": snapshot_steps} if AT_STEPS else {}),  # absent when off: no rerun of old runs
     threads: train_threads
     resources:
         dispatch_slots=1,
