@@ -32,7 +32,8 @@ import torch
 from depthbench.spec import RunSpec
 from depthbench.train import distributed
 from depthbench.train.checkpoint import load_latest, save_checkpoint
-from depthbench.train.recipe import RunPaths, build_optimizer, lr_at
+from depthbench.train.parallelize import parallelize
+from depthbench.train.recipe import RunPaths, build_optimizer, lr_at, resolve_dtype
 
 FULL_STATE_FORMAT = "full_by_name"  # checkpoints: unsharded state dicts keyed by parameter name
 STATUS_OK = "ok"
@@ -64,7 +65,7 @@ class Trainer:
     """Model, optimizer, data and context of one run, and the state of its step loop.
 
     Seeding, model construction, wrapping and optimizer creation happen here in the order that
-    fixes the initial weights (seed, build, move, DDP/FSDP wrap, AdamW, compile)."""
+    fixes the initial weights (seed, build, move, checkpointing and compile, DDP/FSDP wrap, AdamW)."""
 
     def __init__(self, spec: RunSpec, paths: RunPaths, model: torch.nn.Module, batches, ctx: distributed.DistContext,
                  device: torch.device, autocast):
@@ -72,9 +73,9 @@ class Trainer:
         self.spec, self.tc, self.paths, self.ctx = spec, tc, paths, ctx
         self.device, self.autocast, self.batches = device, autocast, batches
         self.model = model
-        self.net = distributed.wrap(model, ctx, device)  # DDP wrapper, or `model` itself (sharded in place by FSDP2)
+        # checkpointing, per-block compile, then DDP wrapper / FSDP2 sharding in place (depthbench.train.parallelize)
+        self.net, self.step_fn, self.checkpointing = parallelize(model, tc, ctx, device, resolve_dtype(tc.dtype, device))
         self.optimizer = build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.adam_eps, device)
-        self.step_fn = torch.compile(self.net) if tc.compile else self.net
         self.hooks: list[Hook] = []
         self.step = self.start_step = 0
         self.wall_before, self.t_start = 0.0, time.time()
