@@ -3,8 +3,9 @@
 Per run: training FLOPs (depthbench.cost's analytic count, 3 x forward per token, times the
 run's tokens), GPU-hours at a stated MFU on a stated GPU (peak dense bf16 FLOP/s), per-GPU memory
 at the configured micro-batch without and with full activation checkpointing
-(depthbench.train.memory), whether checkpointing is needed and whether the run then fits, and
-disk. Disk per run = one training checkpoint (fp32 weights + AdamW's two fp32 moments: 12 bytes
+(depthbench.train.memory), the checkpointing mode `train.activation_checkpointing: auto` picks
+(the least of none / selective / full that fits; depthbench.train.parallelize), its memory,
+whether the run fits with it, and disk. Disk per run = one training checkpoint (fp32 weights + AdamW's two fp32 moments: 12 bytes
 per parameter; the step counter, RNG states and the loop state are negligible) + the final fp32
 safetensors weights (4 bytes per parameter); logs and probe outputs are small and not counted.
 """
@@ -36,6 +37,8 @@ class RunPlan:
     needs_checkpointing: bool
     fits: bool
     disk: float
+    checkpointing: str = "none"  # what `auto` picks: none, selective or full
+    memory_auto: float = 0.0  # bytes per GPU with that mode (headroom included)
 
 
 def plan_experiment(exp, mfu: float = 0.4, peak: float = DEFAULT_PEAK, gpu_memory: float = DEFAULT_GPU_MEMORY) -> list[RunPlan]:
@@ -62,22 +65,26 @@ def plan_experiment(exp, mfu: float = 0.4, peak: float = DEFAULT_PEAK, gpu_memor
             memory=est.total(False) * (1 + HEADROOM), memory_checkpointed=est.total(True) * (1 + HEADROOM),
             needs_checkpointing=est.needs_checkpointing(gpu_memory), fits=est.fits(gpu_memory),
             disk=params * (CHECKPOINT_BYTES_PER_PARAM + WEIGHTS_BYTES_PER_PARAM),
+            checkpointing=est.checkpointing_for(gpu_memory),
+            memory_auto=est.total(est.checkpointing_for(gpu_memory)) * (1 + HEADROOM),
         ))
     return plans
 
 
 def format_plan(plans: list[RunPlan], gpu: str, mfu: float, gpu_memory: float) -> str:
     gib = 2**30
-    lines = [f"{'run':<44} {'tokens':>15} {'FLOPs':>10} {'GPU-h':>8} {'mem GiB':>8} {'ckpt GiB':>8} {'AC':>3} {'fits':>4} {'disk GiB':>8}"]
+    lines = [f"{'run':<44} {'tokens':>15} {'FLOPs':>10} {'GPU-h':>8} {'mem GiB':>8} {'ckpt GiB':>8} {'AC':>9} "
+             f"{'AC GiB':>8} {'fits':>4} {'disk GiB':>8}"]
     for p in plans:
         lines.append(f"{p.run_id:<44} {p.tokens:>15,} {p.flops:>10.3e} {p.gpu_hours:>8.1f} {p.memory / gib:>8.1f} "
-                     f"{p.memory_checkpointed / gib:>8.1f} {'yes' if p.needs_checkpointing else 'no':>3} "
+                     f"{p.memory_checkpointed / gib:>8.1f} {p.checkpointing:>9} {p.memory_auto / gib:>8.1f} "
                      f"{'yes' if p.fits else 'NO':>4} {p.disk / gib:>8.2f}")
     total_h = sum(p.gpu_hours for p in plans)
     lines.append(
         f"total: {len(plans)} runs, {sum(p.tokens for p in plans):,} tokens, {sum(p.flops for p in plans):.3e} FLOPs, "
         f"{total_h:,.0f} GPU-hours on {gpu} at MFU {mfu:g}, disk {sum(p.disk for p in plans) / 1e12:.2f} TB; "
-        f"{sum(p.needs_checkpointing for p in plans)} runs need activation checkpointing on a {gpu_memory / 1e9:g} GB GPU, "
+        f"{sum(p.needs_checkpointing for p in plans)} runs need activation checkpointing on a {gpu_memory / 1e9:g} GB GPU "
+        f"({sum(p.checkpointing == 'selective' for p in plans)} selective, {sum(p.checkpointing == 'full' for p in plans)} full), "
         f"{sum(not p.fits for p in plans)} do not fit even with it "
-        f"(memory includes {HEADROOM:.0%} headroom; AC = activation checkpointing needed)")
+        f"(memory includes {HEADROOM:.0%} headroom; AC = the mode train.activation_checkpointing: auto picks, AC GiB its memory)")
     return "\n".join(lines)

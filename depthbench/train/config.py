@@ -33,7 +33,8 @@ class TrainConfig:
     dtype: str = "auto"
     device: str = "auto"
     threads: int = 1
-    compile: bool = False
+    compile: str | bool = "none"  # none, model or block (depthbench.train.parallelize); legacy booleans
+    activation_checkpointing: str = "auto"  # auto, none, full or selective (depthbench.train.parallelize)
     loss_chunk_tokens: int = 4096  # LM head + loss this many tokens at a time (depthbench.models.loss); 0 = off
     dynamics_every: int = 0  # measure norm and gradient dynamics every k steps; 0 = off
     parallel: str = "ddp"  # data parallelism when the launcher starts several ranks: ddp or fsdp
@@ -44,7 +45,7 @@ class TrainConfig:
     # Settings that do not change the trained weights or the logged curves, so they are left
     # out of the run id's hash: changing them must not start new runs.
     NOT_HASHED = ("checkpoint_every", "log_every", "threads", "device", "compile", "parallel", "loggers", "experiment",
-                  "loss_chunk_tokens", "snapshot_steps")
+                  "loss_chunk_tokens", "snapshot_steps", "activation_checkpointing")
 
     @property
     def grad_accum_steps(self) -> int:

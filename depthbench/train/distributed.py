@@ -86,14 +86,16 @@ def wrap(model: nn.Module, ctx: DistContext, device: torch.device) -> nn.Module:
     return shard(model)
 
 
-def shard(model: nn.Module) -> nn.Module:
+def shard(model: nn.Module, mp_policy=None) -> nn.Module:
     """FSDP2 in place: each of the architecture's units (one per layer by default, see
-    DecoderLM.fsdp_units), then the rest (embedding, head, final norm) as the root unit."""
-    from torch.distributed.fsdp import fully_shard
+    DecoderLM.fsdp_units), then the rest (embedding, head, final norm) as the root unit, all with
+    `mp_policy` (a MixedPrecisionPolicy; depthbench.train.parallelize picks it)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mp_policy = mp_policy or MixedPrecisionPolicy()
     for unit in model.fsdp_units():
-        fully_shard(unit)
-    fully_shard(model)
+        fully_shard(unit, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
     return model
 
 

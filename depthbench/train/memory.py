@@ -13,9 +13,13 @@ go to bf16 (autocast's lower-precision list), softmax, log-softmax and the loss 
 the loop runs in fp32 and nothing is cast. The CPU C++ kernels of HC/mHC never run on CUDA, so
 the trace takes the eager path (`kernels.apply_to` patched to False while tracing).
 
-Full activation checkpointing per block keeps, of each block, only its inputs (the residual
-state entering it), recomputes one block at a time in backward and keeps the rest of the graph
-(embedding, final norm, head and loss): saved = sum of block inputs + max block + outside.
+Activation checkpointing (depthbench.train.parallelize) acts on the architecture's units
+(`fsdp_units`: the blocks, or attnres's sublayers), so the trace attributes each saved storage to
+the units that save it and records the storages entering each unit (its inputs, MoDA's depth
+keys included). A checkpointed unit keeps only its inputs and recomputes one unit at a time in
+backward: saved = every storage still saved by a non-checkpointed unit or outside the units
+(embedding, final norm, head, loss, attnres's depth mixing) + the inputs of the checkpointed
+units (each storage once) + the largest checkpointed unit's own saved bytes (its recomputation).
 
 Peak per GPU = weights + gradients + AdamW (two fp32 moments) + saved activations + one block's
 activations again (the gradient buffers of the block being differentiated) ; under FSDP2 the
@@ -92,6 +96,9 @@ def _tensors(obj, out: list) -> list:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             _tensors(getattr(obj, f.name), out)
+    elif hasattr(obj, "__iter__") and not isinstance(obj, (str, bytes, torch.nn.Module)):  # MoDA's DepthKeys
+        for o in obj:
+            _tensors(o, out)
     return out
 
 
@@ -99,60 +106,93 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
 
+def _key(t: torch.Tensor):
+    """One storage: its address on real devices; meta tensors have none, a view's base stands in."""
+    if t.device.type != "meta":
+        return t.untyped_storage().data_ptr()
+    return id(t._base if t._base is not None else t)
+
+
 @dataclasses.dataclass
 class ActivationTrace:
-    total: int  # bytes saved for backward by one micro-batch, no checkpointing
-    per_block: list[int]  # saved inside each block
-    block_inputs: list[int]  # bytes of the tensors entering each block (kept under checkpointing)
+    saved: dict  # storage key -> (bytes, set of saving units; -1 outside every unit)
+    unit_saved: list[int]  # bytes saved inside each unit
+    unit_inputs: list[dict]  # per unit: storage key -> bytes of the floating tensors entering it
+
+    @property
+    def total(self) -> int:
+        """Bytes saved for backward by one micro-batch, no checkpointing."""
+        return sum(b for b, _ in self.saved.values())
+
+    @property
+    def per_block(self) -> list[int]:
+        return self.unit_saved
 
     @property
     def outside(self) -> int:
-        return self.total - sum(self.per_block)
+        return sum(b for b, owners in self.saved.values() if -1 in owners)
+
+    def retained(self, recompute: list[bool]) -> int:
+        """Bytes held after the forward when the units marked in `recompute` are checkpointed."""
+        kept = {k: b for k, (b, owners) in self.saved.items() if any(o < 0 or not recompute[o] for o in owners)}
+        for inputs, on in zip(self.unit_inputs, recompute):
+            if on:
+                for k, b in inputs.items():
+                    kept.setdefault(k, b)
+        return sum(kept.values())
+
+    def saved_with(self, recompute: list[bool]) -> int:
+        """Peak saved bytes in backward: retained + the largest recomputed unit's saved bytes."""
+        return self.retained(recompute) + max([b for b, on in zip(self.unit_saved, recompute) if on], default=0)
 
     @property
     def checkpointed(self) -> int:
-        return sum(self.block_inputs) + max(self.per_block) + self.outside
+        return self.saved_with([True] * len(self.unit_saved))
 
 
 def trace_activations(model: torch.nn.Module, idx: torch.Tensor, bf16: bool) -> ActivationTrace:
     """Saved-for-backward bytes of one forward of `model` on `idx` (any device, meta included)."""
     param_ids = {id(p) for p in model.parameters()}
     param_ptrs = {p.data_ptr() for p in model.parameters()} if idx.device.type != "meta" else set()
-    seen: set = set()
+    saved: dict = {}
     keep: list = []  # holds every saved tensor during the pass, so that ids are not reused
-    counts = {"total": 0}
     current: list[int] = [-1]
-    per_block = [0] * len(model.blocks)
-    inputs = [0] * len(model.blocks)
+    units = list(model.fsdp_units())
+    unit_saved = [0] * len(units)
+    inputs: list[dict] = [{} for _ in units]
 
     def pack(t):
         base = t._base if t._base is not None else t
-        # real tensors: one storage counted once; meta tensors have no address, a view's base stands in
-        key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(base)
-        if id(base) in param_ids or (t.device.type != "meta" and key in param_ptrs) or key in seen:
+        key = _key(t)
+        if id(base) in param_ids or (t.device.type != "meta" and key in param_ptrs):
             return t
-        seen.add(key)
-        keep.append(base)
-        counts["total"] += _nbytes(t)
-        if current[0] >= 0:
-            per_block[current[0]] += _nbytes(t)
+        if key not in saved:
+            saved[key] = (_nbytes(t), set())
+            keep.append(base)
+        if current[0] not in saved[key][1]:
+            saved[key][1].add(current[0])
+            if current[0] >= 0:
+                unit_saved[current[0]] += _nbytes(t)
         return t
 
     hooks, depth = [], [0]
-    for i, block in enumerate(model.blocks):
-        # Every submodule of block i counts towards block i: some trunks (AttnRes) run a block's
-        # sublayers without calling the block. The first tensors entering block i are its inputs.
+    for i, unit in enumerate(units):
+        # Every submodule of unit i counts towards unit i. The tensors entering the unit are its
+        # inputs (all of them: a unit may be called more than once).
         def pre(_m, args, i=i):
+            if depth[0] == 0:
+                current[0] = i
+                for t in _tensors(args, []):
+                    if t.is_floating_point() and id(t) not in param_ids:
+                        inputs[i].setdefault(_key(t), _nbytes(t))
+                        keep.append(t)
             depth[0] += 1
-            current[0] = i
-            if not inputs[i]:
-                inputs[i] = sum(_nbytes(t) for t in _tensors(args, []) if t.is_floating_point())
 
         def post(*_):
             depth[0] -= 1
             if depth[0] == 0:
                 current[0] = -1
-        for module in block.modules():
+        for module in unit.modules():
             hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     mode = _MetaAutocast(bf16) if idx.device.type == "meta" else nullcontext()
     try:
@@ -162,7 +202,7 @@ def trace_activations(model: torch.nn.Module, idx: torch.Tensor, bf16: bool) -> 
     finally:
         for h in hooks:
             h.remove()
-    return ActivationTrace(counts["total"], per_block, inputs)
+    return ActivationTrace(saved, unit_saved, inputs)
 
 
 @contextmanager
@@ -187,6 +227,14 @@ def _eager_kernels(idx: torch.Tensor, mode):
         yield
 
 
+CHECKPOINT_MODES = ("none", "selective", "full")  # least memory saved first (depthbench.train.parallelize)
+
+
+def recompute_mask(mode: str, n_units: int) -> list[bool]:
+    """The units a checkpointing mode recomputes: all (full), the 1st, 3rd, ... (selective), none."""
+    return [mode == "full" or (mode == "selective" and i % 2 == 0) for i in range(n_units)]
+
+
 @dataclasses.dataclass
 class MemoryEstimate:
     weights: float
@@ -194,19 +242,33 @@ class MemoryEstimate:
     optimizer: float
     gathered: float  # FSDP2: two units' parameters all-gathered at once
     activations: float
-    activations_checkpointed: float
-    backward_working: float  # one block's activations again, while it is differentiated
-    outside: float  # saved outside the blocks: embedding, final norm, head and loss
+    activations_checkpointed: float  # full checkpointing
+    backward_working: float  # one unit's activations again, while it is differentiated
+    outside: float  # saved outside the units: embedding, final norm, head and loss
+    activations_selective: float = 0.0  # selective checkpointing (every other unit)
 
-    def total(self, checkpointing: bool) -> float:
-        act = self.activations_checkpointed if checkpointing else self.activations
+    def activations_for(self, mode) -> float:
+        """Saved activations at the backward's peak under a checkpointing mode (True = full)."""
+        mode = {True: "full", False: "none"}.get(mode, mode)
+        return {"none": self.activations, "selective": self.activations_selective,
+                "full": self.activations_checkpointed}[mode]
+
+    def total(self, checkpointing="none") -> float:
+        act = self.activations_for(checkpointing)
         return self.weights + self.gradients + self.optimizer + self.gathered + act + self.backward_working
 
     def needs_checkpointing(self, gpu_bytes: float) -> bool:
-        return self.total(False) * (1 + HEADROOM) > gpu_bytes
+        return self.total("none") * (1 + HEADROOM) > gpu_bytes
 
     def fits(self, gpu_bytes: float) -> bool:
-        return self.total(True) * (1 + HEADROOM) <= gpu_bytes
+        return self.total("full") * (1 + HEADROOM) <= gpu_bytes
+
+    def checkpointing_for(self, gpu_bytes: float) -> str:
+        """The least checkpointing that fits `gpu_bytes` with the headroom (full when none does)."""
+        for mode in CHECKPOINT_MODES:
+            if self.total(mode) * (1 + HEADROOM) <= gpu_bytes:
+                return mode
+        return "full"
 
 
 def estimate_memory(cfg: ModelConfig, micro_batch: int, seq_len: int, bf16: bool = True, world: int = 1,
@@ -218,6 +280,7 @@ def estimate_memory(cfg: ModelConfig, micro_batch: int, seq_len: int, bf16: bool
     n_params = sum(p.numel() for p in model.parameters())
     shard = world if fsdp else 1
     unit = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
+    n_units = len(trace.unit_saved)
     return MemoryEstimate(
         weights=n_params * FP32 / shard,
         gradients=n_params * FP32 / shard,
@@ -227,4 +290,5 @@ def estimate_memory(cfg: ModelConfig, micro_batch: int, seq_len: int, bf16: bool
         activations_checkpointed=trace.checkpointed,
         backward_working=max(trace.per_block),
         outside=trace.outside,
+        activations_selective=trace.saved_with(recompute_mask("selective", n_units)),
     )

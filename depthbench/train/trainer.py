@@ -32,7 +32,8 @@ import torch
 from depthbench.spec import RunSpec
 from depthbench.train import distributed, resume
 from depthbench.train.checkpoint import Checkpointer
-from depthbench.train.recipe import RunPaths, build_optimizer, lr_at
+from depthbench.train.parallelize import parallelize
+from depthbench.train.recipe import RunPaths, build_optimizer, lr_at, resolve_dtype
 
 STATUS_OK = "ok"
 STATUS_DIVERGED = "diverged"
@@ -65,7 +66,7 @@ class Trainer:
     """Model, optimizer, data and context of one run, and the state of its step loop.
 
     Seeding, model construction, wrapping and optimizer creation happen here in the order that
-    fixes the initial weights (seed, build, move, DDP/FSDP wrap, AdamW, compile)."""
+    fixes the initial weights (seed, build, move, checkpointing and compile, DDP/FSDP wrap, AdamW)."""
 
     def __init__(self, spec: RunSpec, paths: RunPaths, model: torch.nn.Module, batches, ctx: distributed.DistContext,
                  device: torch.device, autocast):
@@ -74,9 +75,9 @@ class Trainer:
         self.device, self.autocast, self.batches = device, autocast, batches
         self.model = model
         model.loss_chunk_tokens = tc.loss_chunk_tokens  # training's loss in chunks (depthbench.models.loss)
-        self.net = distributed.wrap(model, ctx, device)  # DDP wrapper, or `model` itself (sharded in place by FSDP2)
+        # checkpointing, per-block compile, then DDP wrapper / FSDP2 sharding in place (depthbench.train.parallelize)
+        self.net, self.step_fn, self.checkpointing = parallelize(model, tc, ctx, device, resolve_dtype(tc.dtype, device))
         self.optimizer = build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.adam_eps, device)
-        self.step_fn = torch.compile(self.net) if tc.compile else self.net
         self.hooks: list[Hook] = []
         self.step = self.start_step = 0
         self.wall_before, self.t_start = 0.0, time.time()

@@ -64,7 +64,8 @@ class DeepNormBlock(Block):
         super().__init__(cfg, layer_index)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.alpha = (2 * cfg.n_layer) ** 0.25
+        # a tensor, not a Python float, so that a compiled block does not bake the depth in (LNS's scale)
+        self.register_buffer("alpha", torch.tensor((2 * cfg.n_layer) ** 0.25), persistent=False)
 
     def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None) -> torch.Tensor:
         x = self.attn_norm(self.alpha * x + self.attn(x, rope))

@@ -17,7 +17,8 @@ class KeelBlock(Block):
         self.attn_norm_out = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn_norm_in = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn_norm_out = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.alpha = float(2 * cfg.n_layer)
+        # a tensor, not a Python float, so that a compiled block does not bake the depth in (LNS's scale)
+        self.register_buffer("alpha", torch.tensor(float(2 * cfg.n_layer)), persistent=False)
 
     def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None) -> torch.Tensor:
         x = self.attn_norm_out(self.alpha * x + self.attn(self.attn_norm_in(x), rope))

@@ -5,7 +5,9 @@ norm *output* only, not the residual and not the sublayer output. Default init: 
 found that depth-scaled init cancels the benefit. (Their reference code's LNS switch compares a
 lowercased string with "LNS" and never fires; this implementation applies the scale always.)
 The scale is bound to the position l, not to the layer's weights: a permutation probe that
-swaps layers keeps each position's 1/sqrt(l).
+swaps layers keeps each position's 1/sqrt(l). It is a (non-persistent) buffer, not a Python float:
+under per-block compile (depthbench.train.parallelize) a float attribute is a constant of the
+graph and would force one recompile per layer; a tensor is an input, so one graph serves all.
 """
 
 import math
@@ -21,7 +23,8 @@ class LNSBlock(Block):
         super().__init__(cfg, layer_index)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.scale = 1.0 / math.sqrt(layer_index)
+        # a buffer (see the module docstring); the same fp32 value as the float it replaces
+        self.register_buffer("scale", torch.tensor(1.0 / math.sqrt(layer_index)), persistent=False)
 
     def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x) * self.scale, rope)
