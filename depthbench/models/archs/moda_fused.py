@@ -51,7 +51,8 @@ def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
 class _JointAttention(torch.autograd.Function):
     """Equation (1) and its gradient. Inputs: q (B, H, T, hd); k, v (B, H_kv, T, hd); the depth
     keys and values as buffer views (D, B, H_kv, T, hd), not differentiated (the buffer is written
-    in place by later layers; slots < D never change); then the tensors the slots were copied
+    in place by later layers; slots < D never change, and they are held on ctx, not saved: a save
+    would fail autograd's version check); then the tensors the slots were copied
     from, in order (k_1, v_1, k_2, ...): the gradient of each slot is returned to its tensor.
 
     The depth chunk works on the slot-major buffer with broadcasts over the D slots (one kernel
@@ -79,32 +80,32 @@ class _JointAttention(torch.autograd.Function):
         y = y.view(B, H, T, hd)
         # the joint lse in the layout the kernel's backward expects (that of its own lse)
         lse_joint = torch.empty_like(lse_s).copy_(lse.view(B, H, T))
-        ctx.save_for_backward(q, kr, vr, y, lse_joint)
-        ctx.depth, ctx.p, ctx.bwd, ctx.scale, ctx.kv_heads = (dk, dv), p, bwd, scale, Hk
+        ctx.save_for_backward(q, kr, vr, y, lse_joint, p)
+        ctx.depth, ctx.bwd, ctx.scale, ctx.kv_heads = (dk, dv), bwd, scale, Hk
         ctx.n_sources = len(sources)
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        q, kr, vr, y, lse = ctx.saved_tensors
+        q, kr, vr, y, lse, p = ctx.saved_tensors
         B, H, T, hd = q.shape
         Hk = ctx.kv_heads
         grad = grad.contiguous()
         dq, dkr, dvr = ctx.bwd(grad, q, kr, vr, y, lse, 0.0, True, scale=ctx.scale)
         if H != Hk:  # GQA: the repeated KV heads' gradients sum back onto each shared head
             dkr, dvr = (g.view(B, Hk, H // Hk, T, hd).sum(2) for g in (dkr, dvr))
-        dq_d, d_depth_k, d_depth_v = _depth_backward(ctx, q.view(B, Hk, H // Hk, T, hd), y, grad)
+        dq_d, d_depth_k, d_depth_v = _depth_backward(ctx, q.view(B, Hk, H // Hk, T, hd), y, grad, p)
         dq = dq + dq_d.view(B, H, T, hd)
         # the slots in order are k_1, v_1, k_2, v_2, ...: slot m of depth_k is source 2m
         per_source = [g for pair in zip(d_depth_k.unbind(0), d_depth_v.unbind(0)) for g in pair]
         return dq, dkr, dvr, None, None, None, *per_source[: ctx.n_sources]
 
 
-def _depth_backward(ctx, qg, y, grad):
+def _depth_backward(ctx, qg, y, grad, p):
     """The depth chunk's share of the joint gradient: dp_m = dy . v_m, ds_m = p_m (dp_m - D)
     with D = rowsum(dy * y), then dq = scale sum_m ds_m k_m, dk_m = scale sum_g ds_m q and
     dv_m = sum_g p_m dy (sums over the G query heads of a KV head)."""
-    (dk, dv), p, scale = ctx.depth, ctx.p, ctx.scale
+    (dk, dv), scale = ctx.depth, ctx.scale
     gg, yg = grad.view(qg.shape), y.view(qg.shape)
     rowsum = torch.linalg.vecdot(at_least_fp32(gg), at_least_fp32(yg))  # (B, H_kv, G, T)
     dp = at_least_fp32(torch.linalg.vecdot(gg, dv))  # (D, B, H_kv, G, T)
