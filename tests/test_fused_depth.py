@@ -196,7 +196,8 @@ def test_attnres_batched_mix_gradients_per_source_with_an_extra_source():
 
 def test_attnres_sources_live_in_one_buffer_per_forward():
     torch.manual_seed(0)
-    model = build_model(cfg("attnres_full", n_layer=3))
+    assert build_model(cfg("attnres_full")).begin(torch.zeros(1, 3, dtype=torch.long)).value.buffer is None  # auto: loop on CPU
+    model = build_model(cfg("attnres_full", n_layer=3, arch_options={"depth_mix": "batched"}))
     state = model.begin(torch.randint(0, 61, (2, 7)))
     buffer = state.value.buffer
     assert buffer.values.shape[2] == 7  # 2L + 1 sources, allocated once

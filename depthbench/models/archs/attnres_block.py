@@ -79,7 +79,7 @@ class AttnResBlocks(AttnResFull):
 
     def make_sources(self, h0: torch.Tensor) -> BlockSources:
         ends = block_ends(self.cfg.n_layer, self.options.n_blocks)
-        capacity = len(ends) + 1 if self.options.depth_mix == "batched" else 0  # v_0 and the block sums
+        capacity = len(ends) + 1 if self.options.batched(h0.device) else 0  # v_0 and the block sums
         return BlockSources(h0, self.reader_queries(), self.cfg.norm_eps, ends, capacity)
 
     def source_counts(self) -> list[int]:

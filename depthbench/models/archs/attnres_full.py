@@ -15,9 +15,12 @@ source is RMS-normalised once, and when it is added its logits against the effec
 q_s = w_s * g_s of every later reader come from one matmul (unit_i @ [q_s ...]). A sublayer then
 only stacks its sources' logit columns and mixes them, in one of two ways
 (`arch_options.depth_mix`, recorded in docs/choices.md):
-- `batched` (default; attnres_mix.py): each source is written once into a buffer preallocated
-  per forward, and a reader's mix is one batched product over the buffer's first S slots;
-- `loop`: one multiply-add per source (`WeightedSum`), the reference the tests compare with.
+- `batched` (attnres_mix.py): each source is written once into a buffer preallocated per
+  forward, and a reader's mix is one batched product over the buffer's first S slots;
+- `loop`: one multiply-add per source (`WeightedSum`), the reference the tests compare with;
+- `auto` (default): `loop` on the CPU, where it measured faster (at L = 32, 2.00x pre_ln against
+  2.62x for `batched`: per-token (1, S) x (S, d) products are slow in the CPU's bmm), `batched`
+  on other devices, where the loop's kernel count (about 10,000 per forward at L = 70) dominates.
 Neither re-stacks the sources per reader (those O(L^2) copies were once most of this
 architecture's overhead on CPU).
 
@@ -178,11 +181,15 @@ class DepthSources:
 @dataclass(frozen=True)
 class AttnResOptions(ArchOptions):
     # batched: one batched product per reader over a preallocated source buffer (attnres_mix.py);
-    # loop: one multiply-add per source (WeightedSum), the reference the tests compare with
-    depth_mix: str = "batched"
+    # loop: one multiply-add per source (WeightedSum), the reference the tests compare with;
+    # auto: loop on the CPU, where it measured faster (docs/benchmarks.md), batched elsewhere
+    depth_mix: str = "auto"
 
     def __post_init__(self) -> None:
-        self.require("depth_mix", ("batched", "loop"))
+        self.require("depth_mix", ("auto", "batched", "loop"))
+
+    def batched(self, device: torch.device) -> bool:
+        return self.depth_mix == "batched" or (self.depth_mix == "auto" and device.type != "cpu")
 
 
 @register("attnres_full")
@@ -205,7 +212,7 @@ class AttnResFull(DecoderLM):
                 nn.init.zeros_(module.query)
 
     def make_sources(self, h0: torch.Tensor) -> DepthSources:
-        capacity = 2 * self.cfg.n_layer + 1 if self.options.depth_mix == "batched" else 0
+        capacity = 2 * self.cfg.n_layer + 1 if self.options.batched(h0.device) else 0
         return DepthSources(h0, self.reader_queries(), self.cfg.norm_eps, capacity)
 
     def reader_queries(self) -> torch.Tensor:
