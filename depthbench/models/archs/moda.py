@@ -20,7 +20,8 @@ docs/choices.md):
   causal kernel with its log-sum-exp, and the depth chunk, read from a depth K/V buffer
   preallocated per forward that each layer writes its own keys into. Forward and backward hold
   no (T, S) score matrix and re-stack no earlier layer's keys. Where no fused kernel applies
-  (a device without one, a decoding offset) it falls back to the explicit path.
+  (a device without one, a decoding offset) it falls back to the explicit path. On the CPU at
+  L = 32 its training step measured 1.57x pre_ln against the explicit path's 2.35x.
 - `explicit`: the scores as explicit (T, S + D) matrices and the depth keys stacked per layer
   (`joint_depth_attention`): the reference the tests hold the fused path to (1e-5 in float32).
 Layer 1, which has no depth keys, always uses SDPA.
