@@ -16,6 +16,9 @@ HC's and mHC's reads and writes run through the C++ CPU kernels (depthbench/kern
 build; the header says whether they did, and DEPTHBENCH_CPU_KERNELS=0 times the PyTorch code
 instead. The optimizer is the training loop's (fused AdamW).
 
+An entry of --archs may carry arch_options, e.g. `--archs moda moda:attention_impl=explicit
+attnres_full:depth_mix=loop`, to time an implementation against the default in the same run.
+
 --compile wraps every model in torch.compile, as `train.compile: true` does in a run, and also
 reports each model's compile time (its first step): on CPU, inductor fuses the element-wise
 stream and depth mixing that eager mode runs as separate kernels.
@@ -29,6 +32,7 @@ import statistics
 import time
 
 import torch
+import yaml
 
 from depthbench import kernels
 from depthbench.models import ARCHITECTURES, ModelConfig, build_model, canonical_arch
@@ -48,24 +52,27 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=1)
-    p.add_argument("--archs", nargs="*", default=None)
+    p.add_argument("--archs", nargs="*", default=None,
+                   help="architectures, each optionally with arch_options: moda:attention_impl=explicit")
     p.add_argument("--compile", action="store_true", help="torch.compile every model (train.compile: true)")
     p.add_argument("--json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     canonical_arch("pre_ln")
-    others = args.archs or sorted(ARCHITECTURES)
-    archs = ["pre_ln"] + [canonical_arch(a) for a in others if canonical_arch(a) != "pre_ln"]  # the reference first
+    others = [parse_spec(a) for a in args.archs or sorted(ARCHITECTURES)]
+    archs = ["pre_ln"] + [a for a in others if a != "pre_ln"]  # the reference first
 
     steps, info = {}, {}
     x = torch.randint(0, args.vocab, (args.batch, args.seq))
     y = torch.randint(0, args.vocab, (args.batch, args.seq))
-    for arch in archs:
-        base = ModelConfig(arch=arch, vocab_size=args.vocab, n_head=args.n_head, max_seq_len=args.seq)
+    for label in archs:
+        arch, _, spec = label.partition(":")
+        options = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in spec.split(","))} if spec else {}
+        base = ModelConfig(arch=arch, vocab_size=args.vocab, n_head=args.n_head, max_seq_len=args.seq, arch_options=options)
         shape = solve_width(base, args.n_layer, args.budget, multiple=args.multiple, ff_multiple=32, tolerance=None)  # d_ff at 8/3: the shapes of the recorded timings
         torch.manual_seed(0)
         model = build_model(ModelConfig(arch=arch, vocab_size=args.vocab, n_head=args.n_head, max_seq_len=args.seq,
-                                        n_layer=shape.n_layer, d_model=shape.d_model, d_ff=shape.d_ff))
+                                        n_layer=shape.n_layer, d_model=shape.d_model, d_ff=shape.d_ff, arch_options=options))
         opt = build_optimizer(model, 1e-4, 0.1, (0.9, 0.95), 1e-8, torch.device("cpu"))  # as training does
 
         net = torch.compile(model) if args.compile else model
@@ -79,8 +86,8 @@ def main() -> None:
         t = time.perf_counter()
         step()  # warm-up; with --compile, the compilation
         first = time.perf_counter() - t
-        steps[arch] = step
-        info[arch] = {"d_model": shape.d_model, "n_layer": shape.n_layer, "params": shape.n_params, "first_step_seconds": first}
+        steps[label] = step
+        info[label] = {"d_model": shape.d_model, "n_layer": shape.n_layer, "params": shape.n_params, "first_step_seconds": first}
     def timed(arch: str) -> float:
         t = time.perf_counter()
         for _ in range(args.steps):
@@ -104,15 +111,25 @@ def main() -> None:
     print(f"budget {args.budget:,.0f} params, L={args.n_layer}, batch {args.batch}x{args.seq}, vocab {args.vocab}, "
           f"threads {args.threads}, {'torch.compile' if args.compile else 'eager'}, "
           f"CPU kernels {'on' if kernels.cpu_kernels() is not None else 'off'}")
-    print(f"{'arch':<14} {'d_model':>7} {'params':>10} {'step ms':>9} {'vs pre_ln':>9} {'first step s':>12}")
+    width = max(14, *map(len, archs))
+    print(f"{'arch':<{width}} {'d_model':>7} {'params':>10} {'step ms':>9} {'vs pre_ln':>9} {'first step s':>12}")
     for arch in archs:
         med, ratio = statistics.median(times[arch]), statistics.median(ratios[arch])
         info[arch].update(step_seconds=med, ratio_to_pre_ln=ratio, ratios=ratios[arch])
-        print(f"{arch:<14} {info[arch]['d_model']:>7} {info[arch]['params']:>10,} {1000 * med:>9.1f} {ratio:>8.2f}x"
+        print(f"{arch:<{width}} {info[arch]['d_model']:>7} {info[arch]['params']:>10,} {1000 * med:>9.1f} {ratio:>8.2f}x"
               f" {info[arch]['first_step_seconds']:>12.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "cpu_kernels": kernels.cpu_kernels() is not None, "results": info}, f, indent=2)
+
+
+def parse_spec(spec: str) -> str:
+    """'arch' or 'arch:key=value,...' with the architecture's canonical name; the options must be
+    key=value pairs, each value read as YAML (n_blocks=2 is an integer), as in a config file."""
+    arch, sep, options = spec.partition(":")
+    if sep and not all("=" in item for item in options.split(",")):
+        raise SystemExit(f"--archs {spec!r}: options must be key=value pairs separated by commas")
+    return canonical_arch(arch) + sep + options
 
 
 if __name__ == "__main__":

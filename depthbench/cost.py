@@ -12,7 +12,7 @@ N_mm: the weights that multiply each token once (every Linear, LM head included,
 layer's router and top-k experts only); d_q = n_head * head_dim. depth(T) is what an
 architecture adds in matrix products beyond those, `extra_flops_per_token` of its module (0 for
 the norm family; HC's dynamic projection over all streams and the read and mix of the streams,
-AttnRes's depth logits, MoDA's depth attention).
+AttnRes's depth logits and mix, MoDA's depth attention).
 Backward costs twice the forward, as for every matmul. Prefill of a 4096-token sequence is
 4096 x forward(4096).
 

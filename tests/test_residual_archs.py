@@ -366,45 +366,24 @@ def test_moda_joint_softmax_equals_dense_reference():
     assert torch.autograd.gradcheck(joint_depth_attention, args)
 
 
-def test_moda_fused_inference_path_equals_the_explicit_joint_softmax():
-    from depthbench.models.archs.moda import joint_depth_attention_fused
+def test_moda_fused_path_equals_the_dense_reference():
+    """The default fused joint attention (moda_fused.py) against the per-position reference, with
+    and without autograd, MHA and GQA; tests/test_fused_depth.py holds it to the explicit path."""
+    from depthbench.models.archs.moda import DepthKeys
+    from depthbench.models.archs.moda_fused import fused_joint_attention
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 9, 4, dtype=torch.float64) for _ in range(3))
     dk, dv = (torch.randn(2, 3, 9, 3, 4, dtype=torch.float64) for _ in range(2))
-    depth = [(dk[:, :, :, m], dv[:, :, :, m]) for m in range(3)]
-    assert joint_depth_attention_fused(q, k, v, depth, 1) is None  # autograd on: the explicit path
-    with torch.no_grad():
-        fused = joint_depth_attention_fused(q, k, v, depth, 1)
-    torch.testing.assert_close(fused, dense_moda_reference(q, k, v, dk, dv))
-    # GQA: 6 query heads over 3 KV heads equal the explicit path on repeated KV heads
+    depth = DepthKeys()
+    for m in range(3):
+        depth.append((dk[:, :, :, m], dv[:, :, :, m]))
+    torch.testing.assert_close(fused_joint_attention(q, k, v, depth.buffer(), 3), dense_moda_reference(q, k, v, dk, dv))
     q6 = torch.randn(2, 6, 9, 4, dtype=torch.float64)
     with torch.no_grad():
-        fused = joint_depth_attention_fused(q6, k, v, depth, 2)
+        fused = fused_joint_attention(q6, k, v, depth.buffer(), 3)
     rep = lambda t: t.repeat_interleave(2, dim=1)  # noqa: E731
     torch.testing.assert_close(fused, dense_moda_reference(q6, rep(k), rep(v), rep(dk), rep(dv)))
-    for options in ({}, {"variant": "ffn_kv"}):
-        model = build_model(cfg("moda", n_head=4, n_kv_head=2, arch_options=options)).eval()
-        idx = torch.randint(0, 61, (2, 9))
-        with torch.no_grad():
-            fused = model(idx).logits
-        torch.testing.assert_close(fused, model(idx).logits.detach(), rtol=1e-5, atol=1e-5)
-
-
-def test_moda_depth_keys_are_feature_major_only_for_the_cpu_inference_path():
-    """depth_layout changes where the values sit in memory, never the values; the fused path's
-    result does not depend on the layout it is given."""
-    from depthbench.models.archs.moda import depth_layout, joint_depth_attention_fused
-
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 9, 4, dtype=torch.float64) for _ in range(3))
-    pairs = [(torch.randn(2, 3, 9, 4, dtype=torch.float64), torch.randn(2, 3, 9, 4, dtype=torch.float64)) for _ in range(3)]
-    assert depth_layout(pairs[0][0]).is_contiguous()  # autograd on: the explicit path stacks them
-    with torch.no_grad():
-        laid = [(depth_layout(a), depth_layout(b)) for a, b in pairs]
-        assert all(torch.equal(a, la) and la.permute(3, 0, 1, 2).is_contiguous() for (a, _), (la, _) in zip(pairs, laid))
-        torch.testing.assert_close(joint_depth_attention_fused(q, k, v, laid, 1), joint_depth_attention_fused(q, k, v, pairs, 1),
-                                   rtol=0, atol=0)
 
 
 def test_moda_first_layer_is_pre_ln_and_later_layers_see_depth_keys():

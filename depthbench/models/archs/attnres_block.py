@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from depthbench.models.archs.attnres_full import AttnResBlock, AttnResFull, DepthSources, rms_unit
+from depthbench.models.archs.attnres_full import AttnResBlock, AttnResFull, AttnResOptions, DepthSources, rms_unit
 from depthbench.errors import ConfigError
-from depthbench.models.base import ArchOptions, register
+from depthbench.models.base import register
 
 
 def block_ends(n_layer: int, n_blocks: int) -> list[int]:
@@ -29,8 +29,8 @@ class BlockSources(DepthSources):
     """Sources: v_0, the completed block sums, and the current partial sum, which only the next
     reader sees (its logit is computed when read)."""
 
-    def __init__(self, v0: torch.Tensor, queries: torch.Tensor, eps: float, ends: list[int]):
-        super().__init__(v0, queries, eps)
+    def __init__(self, v0: torch.Tensor, queries: torch.Tensor, eps: float, ends: list[int], capacity: int = 0):
+        super().__init__(v0, queries, eps, capacity)
         self.ends = set(ends)
         self.partial: torch.Tensor | None = None
 
@@ -38,7 +38,7 @@ class BlockSources(DepthSources):
         if self.partial is None:
             return super().read()
         partial_logit = (rms_unit(self.partial, self.eps) @ self.queries[:, self.next_reader, None]).squeeze(-1)
-        return [*self.values, self.partial], torch.stack([*self.logits[self.next_reader], partial_logit])
+        return self.sources(self.partial), torch.stack([*self.logits[self.next_reader], partial_logit])
 
     def add(self, out: torch.Tensor, layer: int, is_last_sublayer_of_layer: bool) -> None:
         self.next_reader += 1
@@ -60,10 +60,11 @@ class BlockSources(DepthSources):
 
 
 @dataclass(frozen=True)
-class AttnResBlockOptions(ArchOptions):
+class AttnResBlockOptions(AttnResOptions):
     n_blocks: int = 8  # B: the layers are cut into B blocks
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not isinstance(self.n_blocks, int) or self.n_blocks < 1:
             raise ConfigError("model.arch_options.n_blocks", f"must be a positive integer, got {self.n_blocks!r}")
 
@@ -77,7 +78,9 @@ class AttnResBlocks(AttnResFull):
     Options = AttnResBlockOptions
 
     def make_sources(self, h0: torch.Tensor) -> BlockSources:
-        return BlockSources(h0, self.reader_queries(), self.cfg.norm_eps, block_ends(self.cfg.n_layer, self.options.n_blocks))
+        ends = block_ends(self.cfg.n_layer, self.options.n_blocks)
+        capacity = len(ends) + 1 if self.options.batched(h0.device) else 0  # v_0 and the block sums
+        return BlockSources(h0, self.reader_queries(), self.cfg.norm_eps, ends, capacity)
 
     def source_counts(self) -> list[int]:
         """How many sources each reader sees (2L sublayers, then the final aggregation): v_0, the

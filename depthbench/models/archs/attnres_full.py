@@ -13,8 +13,16 @@ own pseudo-query feeds the final norm and LM head.
 Since N_s(v) = g_s * v / rms(v), the logit w_s . N_s(v_i) = (w_s * g_s) . (v_i / rms(v_i)): each
 source is RMS-normalised once, and when it is added its logits against the effective queries
 q_s = w_s * g_s of every later reader come from one matmul (unit_i @ [q_s ...]). A sublayer then
-only stacks its sources' logit columns and takes one multiply-add per source: no source is
-ever stacked (those O(L^2) copies were most of this architecture's overhead on CPU).
+only stacks its sources' logit columns and mixes them, in one of two ways
+(`arch_options.depth_mix`, recorded in docs/choices.md):
+- `batched` (attnres_mix.py): each source is written once into a buffer preallocated per
+  forward, and a reader's mix is one batched product over the buffer's first S slots;
+- `loop`: one multiply-add per source (`WeightedSum`), the reference the tests compare with;
+- `auto` (default): `loop` on the CPU, where it measured faster (at L = 32, 2.00x pre_ln against
+  2.62x for `batched`: per-token (1, S) x (S, d) products are slow in the CPU's bmm), `batched`
+  on other devices, where the loop's kernel count (about 10,000 per forward at L = 70) dominates.
+Neither re-stacks the sources per reader (those O(L^2) copies were once most of this
+architecture's overhead on CPU).
 
 h_l for probes is the aggregated input of the first sublayer of layer l + 1 (h_0 = v_0; h_L is
 the final aggregation). `internals["depth_weights"]` records, per sublayer (and last the final
@@ -24,41 +32,14 @@ aggregation), the softmax weight on each available source averaged over batch an
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from depthbench.models.base import GENERIC_PROBES, Block, DecoderLM, Rope, register
+from depthbench.models.archs.attnres_mix import BufferedSources, SourceBuffer, WeightedSum, batched_mix, synced_buffer
+from depthbench.models.base import GENERIC_PROBES, ArchOptions, Block, DecoderLM, Rope, register
 from depthbench.models.layers import RMSNorm, at_least_fp32
-
-
-class _WeightedSum(torch.autograd.Function):
-    """h = sum_i w_i v_i over the S sources v_i (B, T, d) with per-token weights w (S, B, T).
-
-    Forward: a multiply-add per source into one buffer. Backward: dv_i = w_i dh and
-    dw_i = dh . v_i, the latter one fused dot product per source (linalg.vecdot) instead of a
-    product tensor and a sum. One autograd node instead of S: with up to 2L + 1 sources per reader
-    and 2L + 1 readers, autograd's per-node work and the extra passes were a visible share of
-    Full AttnRes's step time on CPU."""
-
-    @staticmethod
-    def forward(ctx, weights: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:
-        h = values[0] * weights[0].unsqueeze(-1)
-        for i in range(1, len(values)):
-            h.addcmul_(weights[i].unsqueeze(-1), values[i])
-        ctx.save_for_backward(weights, *values)
-        return h
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        weights, *values = ctx.saved_tensors
-        grad_weights = None
-        if ctx.needs_input_grad[0]:
-            # (under autocast the sources may be bf16 and the sum fp32: the dot takes one dtype)
-            grad_weights = torch.stack([torch.linalg.vecdot(grad, v.to(grad.dtype)) for v in values])
-        grad_values = [grad * weights[i].unsqueeze(-1) if ctx.needs_input_grad[1 + i] else None
-                       for i in range(len(values))]
-        return grad_weights, *grad_values
 
 
 class DepthAttention(nn.Module):
@@ -79,9 +60,13 @@ class DepthAttention(nn.Module):
         (S, B, T) -> h = sum_i softmax_i(logits) v_i (B, T, d) and the weights (S, B, T).
 
         A multiply-add per source: the sources are never stacked (an O(S) copy per reader, so
-        O(L^2) over the network), and no (S, B, T, d) product is materialised."""
+        O(L^2) over the network), and no (S, B, T, d) product is materialised. `values` as
+        `BufferedSources` (`depth_mix: batched`): one batched product over the source buffer."""
+        if isinstance(values, BufferedSources):
+            weights = torch.softmax(at_least_fp32(logits), dim=0).to(values.dtype)
+            return batched_mix(values, weights), weights
         weights = torch.softmax(at_least_fp32(logits), dim=0).to(values[0].dtype)
-        return _WeightedSum.apply(weights, *values), weights
+        return WeightedSum.apply(weights, *values), weights
 
 
 def rms_unit(v: torch.Tensor, eps: float) -> torch.Tensor:
@@ -111,8 +96,12 @@ class DepthSources:
     `queries` (d, 2L + 1) holds their effective queries. A source added after reader r - 1 ran
     is read by readers r .. 2L: its logits for all of them are computed at once."""
 
-    def __init__(self, v0: torch.Tensor, queries: torch.Tensor, eps: float):
+    def __init__(self, v0: torch.Tensor, queries: torch.Tensor, eps: float, capacity: int = 0):
         self.eps = eps
+        # depth_mix batched: the sources also go into one buffer (attnres_mix.py), sized for
+        # `capacity` sources and shared by forks (rebuilt by a fork whose slots another took)
+        self.capacity = capacity
+        self.buffer: SourceBuffer | None = SourceBuffer(v0, capacity) if capacity else None
         self.queries = queries
         self.next_reader = 0
         self.values: list[torch.Tensor] = []
@@ -134,12 +123,23 @@ class DepthSources:
         """v becomes a source of every reader from `next_reader` on."""
         unit = rms_unit(v, self.eps)
         self._add_logits(unit)
+        buf = self.buffer
+        if buf is not None and len(buf.sources) == len(self.values) and buf.holds(self.values) and buf.fits(v):
+            buf.push(v)
         self.values.append(v)
         self.units.append(unit)
 
-    def read(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def sources(self, extra: torch.Tensor | None = None):
+        """The sources to mix: a list (the reference path), or the buffer's slots (batched)."""
+        if self.capacity:
+            self.buffer = synced_buffer(self.buffer, self.values, self.capacity)
+            if self.buffer is not None and (extra is None or self.buffer.fits(extra)):
+                return BufferedSources(self.buffer, len(self.values), extra)
+        return list(self.values) + ([extra] if extra is not None else [])
+
+    def read(self) -> tuple[list[torch.Tensor] | BufferedSources, torch.Tensor]:
         """The next reader's S sources (B, T, d each) and their logits (S, B, T)."""
-        return list(self.values), torch.stack(self.logits[self.next_reader])
+        return self.sources(), torch.stack(self.logits[self.next_reader])
 
     def current(self, depth: "DepthAttention") -> tuple[torch.Tensor, torch.Tensor]:
         """The next reader's mix (h, weights) through `depth`, computed once per reader: the
@@ -178,9 +178,24 @@ class DepthSources:
         return other
 
 
+@dataclass(frozen=True)
+class AttnResOptions(ArchOptions):
+    # batched: one batched product per reader over a preallocated source buffer (attnres_mix.py);
+    # loop: one multiply-add per source (WeightedSum), the reference the tests compare with;
+    # auto: loop on the CPU, where it measured faster (docs/benchmarks.md), batched elsewhere
+    depth_mix: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.require("depth_mix", ("auto", "batched", "loop"))
+
+    def batched(self, device: torch.device) -> bool:
+        return self.depth_mix == "batched" or (self.depth_mix == "auto" and device.type != "cpu")
+
+
 @register("attnres_full")
 class AttnResFull(DecoderLM):
     block_class = AttnResBlock
+    Options = AttnResOptions
     has_final_norm = True
     probes = GENERIC_PROBES | {"depth_weight"}
     figures = frozenset({"depth_mixing"})
@@ -197,7 +212,8 @@ class AttnResFull(DecoderLM):
                 nn.init.zeros_(module.query)
 
     def make_sources(self, h0: torch.Tensor) -> DepthSources:
-        return DepthSources(h0, self.reader_queries(), self.cfg.norm_eps)
+        capacity = 2 * self.cfg.n_layer + 1 if self.options.batched(h0.device) else 0
+        return DepthSources(h0, self.reader_queries(), self.cfg.norm_eps, capacity)
 
     def reader_queries(self) -> torch.Tensor:
         """(d, 2L + 1): the effective query of every sublayer in order, then the final one."""
@@ -271,8 +287,10 @@ class AttnResFull(DecoderLM):
         return list(range(1, 2 * self.cfg.n_layer + 2))
 
     def extra_flops_per_token(self, seq_len: int) -> float:
-        """The depth logits w . N(v_i): 2 d per source per reader (the matmul of _add_logits)."""
-        return 2.0 * self.cfg.d_model * sum(self.source_counts())
+        """The depth logits w . N(v_i) and the mix sum_i w_i v_i: 2 d each per source per reader
+        (the matmul of _add_logits and the batched product of attnres_mix; the `loop` mix does
+        the same arithmetic as multiply-adds)."""
+        return 4.0 * self.cfg.d_model * sum(self.source_counts())
 
     def depth_state_bytes_per_token(self, bytes_per_value: int = 2) -> int:
         """The stored sources a decode step holds (at most the final reader's)."""

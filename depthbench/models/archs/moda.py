@@ -14,10 +14,17 @@ The residual placement is Pre-LN with a final norm. `reuse_kv` (default) adds no
 `ffn_kv` adds a d -> 2 * kv_dim projection per layer (2 d^2 / G parameters, G = query heads per
 KV head), charged to the budget. Depth keys carry the RoPE rotation of their own position t,
 the same as the query they meet, so the rotation cancels in q . k as it does for j = t.
-The joint softmax needs the sequence scores explicitly, so in training MoDA computes attention
-with explicit matrices instead of fused SDPA; without autograd on CPU (probes, evaluation) the
-sequence half comes from the fused causal kernel with its log-sum-exp and is merged with the
-depth half (same numbers). Layer 1, which has no depth keys, always uses SDPA.
+Two implementations of the joint softmax, `arch_options.attention_impl` (choice recorded in
+docs/choices.md):
+- `fused` (default; moda_fused.py): one online softmax over the sequence chunk, from the fused
+  causal kernel with its log-sum-exp, and the depth chunk, read from a depth K/V buffer
+  preallocated per forward that each layer writes its own keys into. Forward and backward hold
+  no (T, S) score matrix and re-stack no earlier layer's keys. Where no fused kernel applies
+  (a device without one, a decoding offset) it falls back to the explicit path. On the CPU at
+  L = 32 its training step measured 1.57x pre_ln against the explicit path's 2.35x.
+- `explicit`: the scores as explicit (T, S + D) matrices and the depth keys stacked per layer
+  (`joint_depth_attention`): the reference the tests hold the fused path to (1e-5 in float32).
+Layer 1, which has no depth keys, always uses SDPA.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from depthbench.models.archs.moda_fused import DepthBuffer, fused_joint_attention
 from depthbench.models.base import GENERIC_PROBES, ArchOptions, Block, DecoderLM, Rope, register
 from depthbench.models.layers import RMSNorm, apply_rotary, at_least_fp32, causal_mask
 
@@ -37,9 +45,11 @@ from depthbench.models.layers import RMSNorm, apply_rotary, at_least_fp32, causa
 @dataclass(frozen=True)
 class MoDAOptions(ArchOptions):
     variant: str = "reuse_kv"  # reuse_kv: the attention K/V as depth keys; ffn_kv: also a projection of each FFN input
+    attention_impl: str = "fused"  # fused: one online softmax over a depth K/V buffer; explicit: score matrices
 
     def __post_init__(self) -> None:
         self.require("variant", ("reuse_kv", "ffn_kv"))
+        self.require("attention_impl", ("fused", "explicit"))
 
 
 def joint_depth_attention(q, k, v, depth_k, depth_v):
@@ -58,53 +68,9 @@ def joint_depth_attention(q, k, v, depth_k, depth_v):
     return p[..., :S] @ v + torch.einsum("bhtm,bhtmd->bhtd", p[..., S:], depth_v)
 
 
-def joint_depth_attention_fused(q, k, v, depth, groups: int):
-    """The same joint softmax as `joint_depth_attention` for inference on CPU, or None where it
-    does not apply (autograd on, another device, a decoding offset, no fused kernel).
-
-    The sequence half comes from the fused causal kernel with the log-sum-exp of its scores;
-    the depth half is a loop over the depth keys (no stacking); softmax over [seq; depth] is
-    each half weighted by exp(lse_half - lse_all). `depth` iterates (k, v) pairs with the KV heads
-    (B, H_kv, T, hd); the query heads of a group share them.
-
-    The depth half runs feature-major, on (hd, B, H_kv, groups, T) views: a score q . k_m is then
-    a sum of hd contiguous planes and y += p_m v_m a broadcast over the leading dim, where the
-    (..., hd) layout reduces and broadcasts over an inner dim of hd = 8 (3x and 5x slower per key
-    at probe shapes). Keys stored feature-major in memory (`depth_layout`) make the views free.
-    (In training the explicit path runs: the kernel gives no gradient through its log-sum-exp.)"""
-    kernel = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if (kernel is None or torch.is_grad_enabled() or q.device.type != "cpu" or q.shape[2] != k.shape[2]
-            or q.dtype not in (torch.float32, torch.float64)):
-        return None
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    seq_out, seq_lse = kernel(q, k, v, 0.0, True)  # (B, H, T, hd), (B, H, T)
-    B, H, T, hd = q.shape
-    grouped = (B, H // groups, groups, T)  # query head h = kv head h // groups, member h % groups
-
-    def feature_major(t: torch.Tensor) -> torch.Tensor:  # (B, H_kv, T, hd) -> (hd, B, H_kv, 1, T)
-        return t.permute(3, 0, 1, 2).unsqueeze(3)
-
-    q_fm = (q.view(*grouped, hd) / math.sqrt(hd)).permute(4, 0, 1, 2, 3).contiguous()  # (hd, B, H_kv, groups, T)
-    scores = q.new_empty(len(depth), *grouped)  # (D, B, H_kv, groups, T): each score contiguous
-    for m, (dk, _) in enumerate(depth):
-        torch.sum(q_fm * feature_major(dk), dim=0, out=scores[m])
-    lse = torch.logaddexp(seq_lse.view(grouped), scores.logsumexp(0))
-    p = scores.sub_(lse).exp_()
-    y = q.new_empty(hd, *grouped)
-    torch.mul(seq_out.view(*grouped, hd).permute(4, 0, 1, 2, 3), torch.exp(seq_lse.view(grouped) - lse), out=y)
-    for m, (_, dv) in enumerate(depth):
-        y.addcmul_(p[m], feature_major(dv))
-    return y.permute(1, 2, 3, 4, 0).reshape(B, H, T, hd)
-
-
 def depth_layout(t: torch.Tensor) -> torch.Tensor:
-    """A (B, H_kv, T, hd) depth key or value as later layers should hold it: feature-major in
-    memory on CPU without autograd (the fused path's views are then contiguous), plain contiguous
-    elsewhere (the explicit path stacks them). Same shape and values either way."""
-    if torch.is_grad_enabled() or t.device.type != "cpu":
-        return t.contiguous()
-    return t.permute(3, 0, 1, 2).contiguous().permute(1, 2, 3, 0)
+    """A (B, H_kv, T, hd) depth key or value as the explicit path stacks it: contiguous."""
+    return t.contiguous()
 
 
 def _per_position(t: torch.Tensor) -> torch.Tensor:
@@ -117,17 +83,47 @@ class DepthKeys:
 
     A plain object rather than a list on purpose: module hooks that walk a forward's arguments
     as a pytree (FSDP2 moving inputs, for one) rebuild the lists they find, and every layer must
-    append to the very object the next layer reads. Iterating gives the pairs."""
+    append to the very object the next layer reads. Iterating gives the pairs.
 
-    def __init__(self, pairs: list | None = None):
+    With `buffered` (the fused attention) the pairs are also copied, as they come, into a
+    `DepthBuffer` sized for `capacity` pairs, which forks share: a fork appends in place while it
+    is the buffer's longest user, and otherwise (a probe resuming from an earlier state, or
+    `pairs` edited from outside) `buffer()` rebuilds one from `pairs` on the next read."""
+
+    def __init__(self, pairs: list | None = None, capacity: int = 0, buffered: bool = True):
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = list(pairs or [])
+        self.capacity, self.buffered = capacity, buffered
+        self._buffer: DepthBuffer | None = None
 
     def append(self, pair: tuple[torch.Tensor, torch.Tensor]) -> None:
+        buf, n = self._buffer, len(self.pairs)
         self.pairs.append(pair)
+        if not self.buffered:
+            return
+        if buf is None and n == 0:
+            buf = self._buffer = DepthBuffer(pair[0], self.capacity)
+        if buf is not None and len(buf.sources) == n and buf.holds(self.pairs[:n]) and all(map(buf.fits, pair)):
+            buf.push(pair)
+
+    def buffer(self) -> DepthBuffer | None:
+        """A buffer whose first len(self) slots hold exactly `pairs` (None if they differ in shape)."""
+        if self._buffer is not None and self._buffer.holds(self.pairs):
+            return self._buffer
+        if not self.pairs:
+            return None
+        buf = DepthBuffer(self.pairs[0][0], max(self.capacity, len(self.pairs)))
+        if not all(buf.fits(t) for pair in self.pairs for t in pair):
+            return None
+        for pair in self.pairs:
+            buf.push(pair)
+        self._buffer = buf
+        return buf
 
     def fork(self) -> "DepthKeys":
         """A copy that later layers may extend without changing this one (tensors shared)."""
-        return DepthKeys(self.pairs)
+        other = DepthKeys(self.pairs, self.capacity, self.buffered)
+        other._buffer = self._buffer
+        return other
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -148,6 +144,7 @@ class MoDABlock(Block):
             # never run (no later layer reads it, see forward) yet in the budget: frozen, so that
             # DDP does not wait for its gradient (its unused-parameter check) and AdamW leaves it
             self.ffn_kv.weight.requires_grad_(False)
+        self.fused = MoDAOptions.of(cfg).attention_impl == "fused"
 
     def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None, depth: DepthKeys | None = None) -> torch.Tensor:
         """`depth` holds the (k, v) pairs of earlier layers; this layer appends its own."""
@@ -158,8 +155,9 @@ class MoDABlock(Block):
         k_seq, v_seq = attn.cache.extend(k, v) if attn.cache is not None else (k, v)
         groups = attn.n_head // attn.n_kv_head
         if depth:
-            y = joint_depth_attention_fused(q, k_seq, v_seq, depth, groups)
-            if y is None:
+            buffer = depth.buffer() if self.fused else None
+            y = fused_joint_attention(q, k_seq, v_seq, buffer, len(depth)) if buffer is not None else None
+            if y is None:  # the explicit path: the reference, and where no fused kernel applies
                 dk, dv = torch.stack([d[0] for d in depth], dim=3), torch.stack([d[1] for d in depth], dim=3)
                 if groups > 1:  # GQA: each group of query heads reads one K/V head (a copy; skipped for MHA)
                     dk, dv, k_seq, v_seq = (t.repeat_interleave(groups, dim=1) for t in (dk, dv, k_seq, v_seq))
@@ -168,15 +166,16 @@ class MoDABlock(Block):
             mask = causal_mask(T, k_seq.shape[2], x.device)
             y = F.scaled_dot_product_attention(q, k_seq, v_seq, attn_mask=mask, is_causal=mask is None, enable_gqa=groups > 1)
         x = x + attn.wo(y.transpose(1, 2).reshape(B, T, attn.q_dim))
-        # materialised once in the layout every later layer reads (v is a transposed view)
-        depth.append((depth_layout(k), depth_layout(v)))
+        # the buffer copies the keys as they come; the explicit path stacks contiguous ones
+        depth.append((k, v) if self.fused else (depth_layout(k), depth_layout(v)))
         h = self.ffn_norm(x)
         # The last layer's FFN-side depth keys have no later layer to read them: not computed
         # (its projection still counts in the budget, as the design's 2 d^2 / G per layer says).
         if self.ffn_kv is not None and self.layer_index < self.n_layer:
             fk, fv = self.ffn_kv(h).split(attn.kv_dim, dim=-1)
             fk = apply_rotary(fk.view(B, T, attn.n_kv_head, attn.head_dim).transpose(1, 2), *rope)
-            depth.append((depth_layout(fk), depth_layout(fv.view(B, T, attn.n_kv_head, attn.head_dim).transpose(1, 2))))
+            fv = fv.view(B, T, attn.n_kv_head, attn.head_dim).transpose(1, 2)
+            depth.append((fk, fv) if self.fused else (depth_layout(fk), depth_layout(fv)))
         return x + self.ffn(h)
 
 
@@ -190,7 +189,8 @@ class MixtureOfDepthsAttention(DecoderLM):
 
     # The trunk state is (x, the depth keys and values so far); see DecoderLM.layer_step.
     def init_state(self, h0: torch.Tensor) -> tuple[torch.Tensor, DepthKeys]:
-        return h0, DepthKeys()
+        per_layer = 2 if self.options.variant == "ffn_kv" else 1
+        return h0, DepthKeys(capacity=per_layer * self.cfg.n_layer, buffered=self.options.attention_impl == "fused")
 
     def read_stream(self, state: tuple[torch.Tensor, DepthKeys]) -> torch.Tensor:
         return state[0]

@@ -1,0 +1,157 @@
+"""AttnRes's depth mix as batched products over a preallocated source buffer
+(`arch_options.depth_mix: batched`, the default).
+
+A reader mixes its S sources per token, h = sum_i w_i v_i, i.e. for each of the N = B T tokens
+the (1, S) x (S, d) product w^T V. With the sources held token-major in one buffer
+(B, T, capacity, d), written once per source as it is produced, the first S slots are a view
+(N, S, d) and the mix is ONE batched matrix product forward (bmm) and two backward
+(dw = dh V^T; dV = w dh^T as one broadcast product), instead of S multiply-adds forward and 2S
+kernels backward per reader (about 10,000 small kernels per forward at L = 70 for Full AttnRes).
+Block AttnRes's partial sum changes after every sublayer and is read by one reader only: it is
+not written to the buffer but enters as one extra source next to the view.
+
+The gradient of each buffer slot is returned to the tensor the slot was copied from (the
+buffer itself is a cache of values, written in place and never differentiated), so autograd
+sees the same graph as the reference path (`DepthAttention.mix` on a list of sources).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class SourceBuffer:
+    """The sources (B, T, d) of one forward in slots of a (B, T, capacity, d) buffer of the first
+    source's dtype (v_0, the embedding output: fp32 under autocast, where later sources may be
+    bf16 and are upcast exactly). `sources` are the tensors the slots hold, in order. Capacity
+    doubles when full (never during a model's own forward: it is sized for every source)."""
+
+    def __init__(self, like: torch.Tensor, capacity: int):
+        B, T, d = like.shape
+        self.values = like.new_empty(B, T, max(capacity, 1), d)
+        self.sources: list[torch.Tensor] = []
+
+    def fits(self, t: torch.Tensor) -> bool:
+        v = self.values
+        return t.shape == (v.shape[0], v.shape[1], v.shape[3]) and t.device == v.device and t.is_floating_point()
+
+    def push(self, t: torch.Tensor) -> None:
+        n = len(self.sources)
+        if n == self.values.shape[2]:
+            self.values = torch.cat([self.values, torch.empty_like(self.values)], dim=2)
+        with torch.no_grad():
+            self.values[:, :, n].copy_(t)
+        self.sources.append(t)
+
+    def holds(self, sources: list) -> bool:
+        """Whether the first len(sources) slots are exactly these tensors."""
+        return len(self.sources) >= len(sources) and all(a is b for a, b in zip(self.sources, sources))
+
+
+def synced_buffer(buffer: SourceBuffer | None, sources: list, capacity: int) -> SourceBuffer | None:
+    """`buffer` if its first slots are `sources`, else a new one filled from them (a probe
+    resuming from an earlier state, whose later slots another pass has taken); None when the
+    sources do not share one shape."""
+    if buffer is not None and buffer.holds(sources):
+        return buffer
+    buffer = SourceBuffer(sources[0], max(capacity, len(sources)))
+    if not all(map(buffer.fits, sources)):
+        return None
+    for t in sources:
+        buffer.push(t)
+    return buffer
+
+
+@dataclass
+class BufferedSources:
+    """What a reader mixes: the first `count` slots of `buffer`, then optionally `extra` (Block
+    AttnRes's partial sum). len() is the number of sources, as for a list."""
+
+    buffer: SourceBuffer
+    count: int
+    extra: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.count + (self.extra is not None)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.buffer.values.dtype
+
+
+class BatchedMix(torch.autograd.Function):
+    """h = sum_i w_i v_i for weights (N, S) over the view (N, S_buf, d) of the buffer and an
+    optional extra source (N, d) (S = S_buf + 1 with it); the remaining inputs are the tensors
+    the S_buf slots hold, which receive the slots' gradients dv_i = w_i dh."""
+
+    @staticmethod
+    @torch.autocast("cpu", enabled=False)  # the buffer's dtype throughout, as the reference path
+    @torch.autocast("cuda", enabled=False)
+    def forward(ctx, weights, view, extra, *sources):
+        n = view.shape[1]
+        h = torch.bmm(weights[:, None, :n], view).squeeze(1)  # (N, d)
+        if extra is not None:
+            h = h + weights[:, n:] * extra
+        ctx.view, ctx.n = view, n  # not saved for backward: later sources are written in place
+        ctx.save_for_backward(weights, extra)
+        ctx.sources = [(t.shape, t.dtype) for t in sources]
+        return h
+
+    @staticmethod
+    @torch.autocast("cpu", enabled=False)
+    @torch.autocast("cuda", enabled=False)
+    def backward(ctx, grad):
+        weights, extra = ctx.saved_tensors
+        view, n = ctx.view, ctx.n
+        grad = grad.to(view.dtype)
+        grad_w = torch.bmm(grad[:, None, :], view.transpose(1, 2)).squeeze(1)  # dw_i = dh . v_i
+        grad_extra = None
+        if extra is not None:
+            grad_w = torch.cat([grad_w, torch.linalg.vecdot(grad, extra.to(grad.dtype)).unsqueeze(-1)], dim=1)
+            grad_extra = (weights[:, n:] * grad).to(extra.dtype)
+        grad_view = weights[:, :n, None] * grad[:, None, :]  # (N, S_buf, d): dv_i = w_i dh
+        per_source = [g.view(shape).to(dtype) for g, (shape, dtype) in zip(grad_view.unbind(1), ctx.sources)]
+        return grad_w, None, grad_extra, *per_source
+
+
+def batched_mix(sources: BufferedSources, weights: torch.Tensor) -> torch.Tensor:
+    """sum_i weights_i v_i over the buffered sources; weights (S, B, T) -> (B, T, d)."""
+    buf = sources.buffer
+    B, T, _, d = buf.values.shape
+    view = buf.values[:, :, : sources.count].reshape(B * T, sources.count, d)  # a view: (B, T) collapse
+    w = weights.to(sources.dtype).permute(1, 2, 0).reshape(B * T, -1)
+    extra = sources.extra.reshape(B * T, d) if sources.extra is not None else None
+    held = buf.sources[: sources.count] if torch.is_grad_enabled() else []
+    return BatchedMix.apply(w, view, extra, *held).view(B, T, d)
+
+
+class WeightedSum(torch.autograd.Function):
+    """h = sum_i w_i v_i over the S sources v_i (B, T, d) with per-token weights w (S, B, T), as
+    one multiply-add per source (`depth_mix: loop`, the reference of the batched mix).
+
+    Forward: a multiply-add per source into one buffer. Backward: dv_i = w_i dh and
+    dw_i = dh . v_i, the latter one fused dot product per source (linalg.vecdot) instead of a
+    product tensor and a sum. One autograd node instead of S: with up to 2L + 1 sources per reader
+    and 2L + 1 readers, autograd's per-node work and the extra passes were a visible share of
+    Full AttnRes's step time on CPU."""
+
+    @staticmethod
+    def forward(ctx, weights: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:
+        h = values[0] * weights[0].unsqueeze(-1)
+        for i in range(1, len(values)):
+            h.addcmul_(weights[i].unsqueeze(-1), values[i])
+        ctx.save_for_backward(weights, *values)
+        return h
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weights, *values = ctx.saved_tensors
+        grad_weights = None
+        if ctx.needs_input_grad[0]:
+            # (under autocast the sources may be bf16 and the sum fp32: the dot takes one dtype)
+            grad_weights = torch.stack([torch.linalg.vecdot(grad, v.to(grad.dtype)) for v in values])
+        grad_values = [grad * weights[i].unsqueeze(-1) if ctx.needs_input_grad[1 + i] else None
+                       for i in range(len(values))]
+        return grad_weights, *grad_values

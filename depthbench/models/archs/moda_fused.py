@@ -1,0 +1,154 @@
+"""MoDA's joint attention as one fused computation (`arch_options.attention_impl: fused`).
+
+The joint softmax of moda.py, p = softmax([q k_j / sqrt(hd) for j <= t ; q k^depth_m / sqrt(hd)]),
+is one online softmax over two chunks of keys: the causal sequence keys and the D depth keys of
+the same position. With lse_s the log-sum-exp of the sequence scores, s_m the depth scores and
+lse = logaddexp(lse_s, logsumexp_m s_m) the joint one,
+
+    y = exp(lse_s - lse) * y_s + sum_m exp(s_m - lse) v^depth_m                      (1)
+
+where y_s is plain causal attention. y_s and lse_s come from the fused causal kernel (flash
+attention on CPU), so no (T, S) score matrix is ever held. The depth chunk is two batched
+products per layer over the depth keys of every position at once, read from a preallocated
+buffer (`DepthBuffer`) that each layer writes its own keys into: no layer re-stacks the keys of
+the layers before it (the explicit path's torch.stack is O(L^2) copies over the network).
+
+Backward (FlashAttention-2's, split by chunk): with dy, the joint output y and D = rowsum(dy * y),
+a score's gradient is p (dp - D), dp = dy . v, for both chunks. The fused kernel's backward
+recomputes its probabilities as exp(score - lse) from the lse and output it is handed, so handing
+it the JOINT lse and y gives exactly the sequence chunk's part of the joint gradient (dq, dk, dv);
+the depth chunk's part is four batched products (`_depth_backward`).
+
+Where no fused kernel with a log-sum-exp applies (a device other than the CPU, a decoding
+offset, an unsupported dtype) `fused_joint_attention` returns None and moda.py takes the
+explicit path, which stays as the reference the tests compare with.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from depthbench.models.layers import at_least_fp32
+
+
+def _kernel_for(q: torch.Tensor, k: torch.Tensor):
+    """The fused causal kernel pair (forward with lse, backward) for these inputs, or None."""
+    if q.device.type != "cpu" or q.shape[2] != k.shape[2]:  # queries must be all positions (no decoding offset)
+        return None
+    if q.dtype not in (torch.float32, torch.float64, torch.bfloat16):
+        return None
+    fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    return None if fwd is None or bwd is None else (fwd, bwd)
+
+
+def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+class _JointAttention(torch.autograd.Function):
+    """Equation (1) and its gradient. Inputs: q (B, H, T, hd); k, v (B, H_kv, T, hd); the depth
+    keys and values as buffer views (D, B, H_kv, T, hd), not differentiated (the buffer is written
+    in place by later layers; slots < D never change, and they are held on ctx, not saved: a save
+    would fail autograd's version check); then the tensors the slots were copied
+    from, in order (k_1, v_1, k_2, ...): the gradient of each slot is returned to its tensor.
+
+    The depth chunk works on the slot-major buffer with broadcasts over the D slots (one kernel
+    each): a per-position (G, hd) x (hd, D) product as a batched matmul of 2048 tiny matrices
+    took 4.5 ms where the broadcast takes under 1 ms (CPU, hd 16, D 15). Query heads are viewed
+    (B, H_kv, G, T, hd), G = H / H_kv sharing a KV head, so GQA needs no copy of the depth keys."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, depth_k, depth_v, kernels, *sources):
+        fwd, bwd = kernels
+        B, H, T, hd = q.shape
+        Hk = k.shape[1]
+        scale = 1.0 / math.sqrt(hd)
+        kr, vr = _repeat_kv(k, H // Hk), _repeat_kv(v, H // Hk)
+        y_s, lse_s = fwd(q, kr, vr, 0.0, True, scale=scale)  # (B, H, T, hd), (B, H, T) fp32
+        grouped = (B, Hk, H // Hk, T)
+        qg = q.reshape(*grouped, hd)
+        dk, dv = depth_k.unsqueeze(3), depth_v.unsqueeze(3)  # (D, B, H_kv, 1, T, hd)
+        s = at_least_fp32(torch.linalg.vecdot(qg, dk)) * scale  # (D, B, H_kv, G, T) depth scores
+        lse_sg = lse_s.reshape(grouped)
+        lse = torch.logaddexp(lse_sg, s.logsumexp(0))  # the joint log-sum-exp
+        p = torch.exp(s - lse)  # the depth chunk's joint probabilities
+        y = (p.to(q.dtype).unsqueeze(-1) * dv).sum(0)
+        y += torch.exp(lse_sg - lse).unsqueeze(-1).to(q.dtype) * y_s.reshape(*grouped, hd)
+        y = y.view(B, H, T, hd)
+        # the joint lse in the layout the kernel's backward expects (that of its own lse)
+        lse_joint = torch.empty_like(lse_s).copy_(lse.view(B, H, T))
+        ctx.save_for_backward(q, kr, vr, y, lse_joint, p)
+        ctx.depth, ctx.bwd, ctx.scale, ctx.kv_heads = (dk, dv), bwd, scale, Hk
+        ctx.n_sources = len(sources)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, kr, vr, y, lse, p = ctx.saved_tensors
+        B, H, T, hd = q.shape
+        Hk = ctx.kv_heads
+        grad = grad.contiguous()
+        dq, dkr, dvr = ctx.bwd(grad, q, kr, vr, y, lse, 0.0, True, scale=ctx.scale)
+        if H != Hk:  # GQA: the repeated KV heads' gradients sum back onto each shared head
+            dkr, dvr = (g.view(B, Hk, H // Hk, T, hd).sum(2) for g in (dkr, dvr))
+        dq_d, d_depth_k, d_depth_v = _depth_backward(ctx, q.view(B, Hk, H // Hk, T, hd), y, grad, p)
+        dq = dq + dq_d.view(B, H, T, hd)
+        # the slots in order are k_1, v_1, k_2, v_2, ...: slot m of depth_k is source 2m
+        per_source = [g for pair in zip(d_depth_k.unbind(0), d_depth_v.unbind(0)) for g in pair]
+        return dq, dkr, dvr, None, None, None, *per_source[: ctx.n_sources]
+
+
+def _depth_backward(ctx, qg, y, grad, p):
+    """The depth chunk's share of the joint gradient: dp_m = dy . v_m, ds_m = p_m (dp_m - D)
+    with D = rowsum(dy * y), then dq = scale sum_m ds_m k_m, dk_m = scale sum_g ds_m q and
+    dv_m = sum_g p_m dy (sums over the G query heads of a KV head)."""
+    (dk, dv), scale = ctx.depth, ctx.scale
+    gg, yg = grad.view(qg.shape), y.view(qg.shape)
+    rowsum = torch.linalg.vecdot(at_least_fp32(gg), at_least_fp32(yg))  # (B, H_kv, G, T)
+    dp = at_least_fp32(torch.linalg.vecdot(gg, dv))  # (D, B, H_kv, G, T)
+    ds = (p * (dp - rowsum)).to(qg.dtype).unsqueeze(-1)
+    dq = (ds * dk).sum(0) * scale
+    d_depth_k = (ds * qg).sum(3) * scale  # (D, B, H_kv, T, hd)
+    d_depth_v = (p.to(qg.dtype).unsqueeze(-1) * gg).sum(3)
+    return dq, d_depth_k, d_depth_v
+
+
+class DepthBuffer:
+    """Preallocated depth keys and values (capacity, B, H_kv, T, hd) of one forward, written slot
+    by slot as the layers run (each slot contiguous); `sources` are the tensors the slots were copied from, in order.
+    Capacity doubles when full (an O(D) copy, amortised), so the keys are never re-stacked."""
+
+    def __init__(self, like: torch.Tensor, capacity: int):
+        self.k = like.new_empty(max(capacity, 1), *like.shape)
+        self.v = torch.empty_like(self.k)
+        self.sources: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def fits(self, t: torch.Tensor) -> bool:
+        return (t.shape == self.k.shape[1:] and t.dtype == self.k.dtype and t.device == self.k.device)
+
+    def push(self, pair: tuple[torch.Tensor, torch.Tensor]) -> None:
+        n = len(self.sources)
+        if n == self.k.shape[0]:  # full: double (never during a model's own forward, sized to it)
+            self.k = torch.cat([self.k, torch.empty_like(self.k)])
+            self.v = torch.cat([self.v, torch.empty_like(self.v)])
+        with torch.no_grad():  # a cache of values: gradients reach the sources through _JointAttention
+            self.k[n].copy_(pair[0])
+            self.v[n].copy_(pair[1])
+        self.sources.append(pair)
+
+    def holds(self, pairs: list) -> bool:
+        """Whether the first len(pairs) slots are exactly these tensors."""
+        return len(self.sources) >= len(pairs) and all(a is b for a, b in zip(self.sources, pairs))
+
+
+def fused_joint_attention(q, k, v, buffer: DepthBuffer, n_pairs: int):
+    """Equation (1) over the first `n_pairs` (k, v) pairs in `buffer`, or None where no fused
+    kernel applies. q (B, H, T, hd); k, v (B, H_kv, T, hd) -> (B, H, T, hd)."""
+    kernels = _kernel_for(q, k)
+    if kernels is None or not buffer.fits(k):
+        return None
+    sources = [t for pair in buffer.sources[:n_pairs] for t in pair] if torch.is_grad_enabled() else []
+    return _JointAttention.apply(q, k, v, buffer.k[:n_pairs], buffer.v[:n_pairs], kernels, *sources)

@@ -1,0 +1,208 @@
+"""The fused depth computations equal their reference paths: MoDA's fused joint attention
+(moda_fused.py) against the explicit score matrices of `joint_depth_attention`, and AttnRes's
+batched depth mix against the per-source multiply-adds, in forward and gradients."""
+
+import math
+
+import pytest
+import torch
+
+from depthbench.errors import ConfigError
+from depthbench.models import ModelConfig, build_model
+from depthbench.models.archs.moda import DepthKeys, joint_depth_attention
+from depthbench.models.archs.moda_fused import DepthBuffer, fused_joint_attention
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def cfg(arch, **kw):
+    base = dict(arch=arch, vocab_size=61, d_model=32, n_layer=3, n_head=4, max_seq_len=16, init_std=0.1)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def twin_models(arch, option, fast, reference, **kw):
+    """Two models with the same weights, differing only in arch_options[option]."""
+    options = kw.pop("arch_options", {})
+    torch.manual_seed(0)
+    a = build_model(cfg(arch, arch_options={**options, option: fast}, **kw))
+    with torch.no_grad():  # perturb the zero-initialised parts (AttnRes pseudo-queries), as after training
+        for p in a.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    b = build_model(cfg(arch, arch_options={**options, option: reference}, **kw))
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def assert_same_loss_and_gradients(a, b, idx, targets):
+    la, lb = a(idx, targets).loss, b(idx, targets).loss
+    torch.testing.assert_close(la, lb, **TOL)
+    la.backward()
+    lb.backward()
+    compared = 0
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert (pa.grad is None) == (pb.grad is None), name
+        if pa.grad is not None:
+            torch.testing.assert_close(pa.grad, pb.grad, **TOL, msg=lambda m: f"{name}: {m}")
+            compared += 1
+    assert compared > 10
+
+
+def moda_twins(**kw):
+    return twin_models("moda", "attention_impl", "fused", "explicit", **kw)
+
+
+@pytest.mark.parametrize("n_layer, n_kv_head, variant", [(2, 4, "reuse_kv"), (3, 2, "reuse_kv"), (5, 1, "reuse_kv"),
+                                                         (3, 4, "ffn_kv"), (4, 2, "ffn_kv")])
+def test_moda_fused_equals_explicit_in_loss_and_every_gradient(n_layer, n_kv_head, variant):
+    fused, explicit = moda_twins(n_layer=n_layer, n_kv_head=n_kv_head, arch_options={"variant": variant})
+    idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    targets = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(2))
+    assert_same_loss_and_gradients(fused, explicit, idx, targets)
+    with torch.no_grad():  # and without autograd (probes, evaluation)
+        torch.testing.assert_close(fused(idx).logits, explicit(idx).logits, **TOL)
+
+
+def test_moda_fused_function_gradients_match_the_explicit_path_per_input():
+    """The fused call's gradients w.r.t. q, k, v and every depth source (GQA: 6 query heads over
+    3 KV heads) equal autograd through the explicit score matrices; float64 gradcheck too."""
+    torch.manual_seed(0)
+    B, Hk, G, T, hd, D = 2, 3, 2, 7, 4, 3
+    q = torch.randn(B, Hk * G, T, hd, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, Hk, T, hd, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    sources = [torch.randn(B, Hk, T, hd, dtype=torch.float64, requires_grad=True) for _ in range(2 * D)]
+
+    def fused(q, k, v, *sources):
+        keys = DepthKeys()
+        for i in range(D):
+            keys.append((sources[2 * i], sources[2 * i + 1]))
+        return fused_joint_attention(q, k, v, keys.buffer(), D)
+
+    def explicit(q, k, v, *sources):
+        rep = lambda t: t.repeat_interleave(G, dim=1)  # noqa: E731
+        dk, dv = torch.stack(sources[0::2], dim=3), torch.stack(sources[1::2], dim=3)
+        return joint_depth_attention(q, rep(k), rep(v), rep(dk), rep(dv))
+
+    inputs = (q, k, v, *sources)
+    out_f, out_e = fused(*inputs), explicit(*inputs)
+    torch.testing.assert_close(out_f, out_e)
+    dy = torch.randn_like(out_f)
+    for gf, ge in zip(torch.autograd.grad(out_f, inputs, dy), torch.autograd.grad(out_e, inputs, dy)):
+        torch.testing.assert_close(gf, ge)
+    small = [t.detach()[:1, :, :3, :2].clone().requires_grad_() for t in inputs]  # gradcheck: few inputs
+    assert torch.autograd.gradcheck(fused, tuple(small))
+
+
+def test_moda_depth_keys_live_in_one_buffer_per_forward():
+    """No layer re-stacks the keys before it: every layer appends into the same preallocated
+    storage (the one read by the last layer holds every layer's keys, written once)."""
+    torch.manual_seed(0)
+    model = build_model(cfg("moda", n_layer=4, arch_options={"variant": "ffn_kv"}))
+    seen = []
+    original = DepthKeys.buffer
+
+    def spy(self):
+        buf = original(self)
+        seen.append((buf.k.data_ptr(), buf.k.shape[0], len(buf.sources)))
+        return buf
+
+    DepthKeys.buffer = spy
+    try:
+        model(torch.randint(0, 61, (2, 9))).loss
+    finally:
+        DepthKeys.buffer = original
+    assert len({ptr for ptr, _, _ in seen}) == 1  # one storage for the whole forward
+    assert [n for _, _, n in seen] == [2, 4, 6]  # layers 2..4 read 2 (l - 1) pairs
+    assert seen[0][1] == 8  # sized for every layer's pairs up front
+
+
+def test_moda_forks_and_edited_pairs_rebuild_the_buffer_from_the_pairs():
+    """A fork resumed from an earlier state, or pairs edited from outside, never read another
+    state's slots: the buffer is rebuilt from the state's own pairs."""
+    torch.manual_seed(0)
+    pairs = [(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)) for _ in range(3)]
+    keys = DepthKeys(capacity=3)
+    keys.append(pairs[0])
+    fork = keys.fork()
+    keys.append(pairs[1])
+    fork.append(pairs[2])  # slot 1 is taken by keys' pair: the fork must not overwrite it
+    assert torch.equal(keys.buffer().k[1], pairs[1][0])
+    assert torch.equal(fork.buffer().k[1], pairs[2][0]) and torch.equal(fork.buffer().v[0], pairs[0][1])
+    assert torch.equal(keys.buffer().k[1], pairs[1][0])
+    del keys.pairs[1:]
+    keys.append(pairs[2])
+    assert torch.equal(keys.buffer().k[:2], torch.stack([pairs[0][0], pairs[2][0]]))
+    grown = DepthBuffer(pairs[0][0], 1)
+    for pair in pairs:
+        grown.push(pair)
+    assert grown.k.shape[0] == 4 and torch.equal(grown.v[2], pairs[2][1])
+
+
+def test_moda_decoding_offset_falls_back_to_the_explicit_path():
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 2, 4)
+    k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    keys = DepthKeys()
+    keys.append((torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4)))
+    assert fused_joint_attention(q, k, v, keys.buffer(), 1) is None
+
+
+def test_moda_attention_impl_is_validated():
+    with pytest.raises(ConfigError, match="model.arch_options.attention_impl"):
+        build_model(cfg("moda", arch_options={"attention_impl": "flash"}))
+
+
+@pytest.mark.parametrize("arch, n_layer, options", [("attnres_full", 2, {}), ("attnres_full", 4, {}),
+                                                   ("attnres_block", 4, {"n_blocks": 2}), ("attnres_block", 5, {"n_blocks": 3}),
+                                                   ("attnres_block", 3, {"n_blocks": 8})])
+def test_attnres_batched_mix_equals_the_per_source_loop(arch, n_layer, options):
+    batched, loop = twin_models(arch, "depth_mix", "batched", "loop", n_layer=n_layer, arch_options=options)
+    idx = torch.randint(0, 61, (2, 10), generator=torch.Generator().manual_seed(1))
+    targets = torch.randint(0, 61, (2, 10), generator=torch.Generator().manual_seed(2))
+    assert_same_loss_and_gradients(batched, loop, idx, targets)
+    with torch.no_grad():
+        a, b = batched(idx, return_internals=True, return_hidden=True), loop(idx, return_internals=True, return_hidden=True)
+    for x, y in zip(a.internals["depth_weights"] + a.hidden, b.internals["depth_weights"] + b.hidden):
+        torch.testing.assert_close(x, y, **TOL)
+
+
+def test_attnres_batched_mix_gradients_per_source_with_an_extra_source():
+    """The batched product's gradients w.r.t. the weights, every buffered source and the extra
+    (partial-sum) source equal autograd through sum_i w_i v_i written out here; float64 gradcheck."""
+    from depthbench.models.archs.attnres_mix import BufferedSources, SourceBuffer, batched_mix
+
+    torch.manual_seed(0)
+    sources = [torch.randn(2, 2, 3, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    extra = torch.randn(2, 2, 3, dtype=torch.float64, requires_grad=True)
+    logits = torch.randn(5, 2, 2, dtype=torch.float64, requires_grad=True)
+
+    def batched(logits, extra, *sources):
+        buf = SourceBuffer(sources[0], 2)  # grows to 4 slots
+        for t in sources:
+            buf.push(t)
+        return batched_mix(BufferedSources(buf, len(sources), extra), torch.softmax(logits, 0))
+
+    def written_out(logits, extra, *sources):
+        w = torch.softmax(logits, 0)
+        return sum(w[i].unsqueeze(-1) * v for i, v in enumerate([*sources, extra]))
+
+    inputs = (logits, extra, *sources)
+    torch.testing.assert_close(batched(*inputs), written_out(*inputs))
+    dh = torch.randn(2, 2, 3, dtype=torch.float64)
+    for ga, gb in zip(torch.autograd.grad(batched(*inputs), inputs, dh), torch.autograd.grad(written_out(*inputs), inputs, dh)):
+        torch.testing.assert_close(ga, gb)
+    assert torch.autograd.gradcheck(batched, inputs)
+
+
+def test_attnres_sources_live_in_one_buffer_per_forward():
+    torch.manual_seed(0)
+    assert build_model(cfg("attnres_full")).begin(torch.zeros(1, 3, dtype=torch.long)).value.buffer is None  # auto: loop on CPU
+    model = build_model(cfg("attnres_full", n_layer=3, arch_options={"depth_mix": "batched"}))
+    state = model.begin(torch.randint(0, 61, (2, 7)))
+    buffer = state.value.buffer
+    assert buffer.values.shape[2] == 7  # 2L + 1 sources, allocated once
+    for layer in range(1, 4):
+        state = model.step(state, layer)
+    assert state.value.buffer is buffer and buffer.holds(state.value.values) and len(buffer.sources) == 7
+    with pytest.raises(ConfigError, match="model.arch_options.depth_mix"):
+        build_model(cfg("attnres_block", arch_options={"depth_mix": "fast"}))
