@@ -67,3 +67,28 @@ def test_meta_that_is_not_json_is_refused_at_the_call(tmp_path):
     with pytest.raises(CheckpointError, match="must be JSON"):
         save_checkpoint(tmp_path, 1, "r", _tensors(1.0), {"lr": torch.tensor(0.1)})
     assert list_checkpoints(tmp_path) == []
+
+
+def test_a_fresh_run_starts_adamw_at_step_zero_as_plain_pytorch_does(tmp_path):
+    """Looking for a checkpoint builds DCP's state-dict template, which fills an empty AdamW state
+    by an lr-0 step; with no checkpoint found the state must be empty again, or the run's first
+    update uses the bias correction of step 2 (found when a restart from step 0 differed)."""
+    from types import SimpleNamespace
+
+    from depthbench.train import resume
+    from depthbench.train.checkpoint import Checkpointer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    reference = torch.nn.Linear(4, 3)
+    reference.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    trainer = SimpleNamespace(model=model, optimizer=opt, checkpointer=Checkpointer(tmp_path), spec=SimpleNamespace(run_id="r"))
+    assert resume.restore(trainer) is False and not opt.state
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    x = torch.randn(8, 4)
+    for net, o in ((model, opt), (reference, ref_opt)):
+        net(x).square().sum().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    assert opt.state[model.weight]["step"].item() == 1.0

@@ -49,6 +49,14 @@ def _data(spec: RunSpec, data_dir, ctx: distributed.DistContext) -> tuple[TrainB
     return batches, val_windows
 
 
+def _fresh_model(spec: RunSpec, device: torch.device):
+    """The run's initial model and its training FLOPs per token: one function for the fresh start
+    and for the restart from step 0 below, so the two cannot drift apart."""
+    torch.manual_seed(spec.train.seed)
+    model = build_model(spec.model).to(device)
+    return model, train_flops_per_token(model, spec.train.seq_len)
+
+
 def train(spec: RunSpec, data_dir: str | os.PathLike, paths: RunPaths, progress: bool = True, stop_after: int | None = None) -> dict[str, Any]:
     """Train `spec` to completion (or divergence) and write its outputs; return the summary.
 
@@ -69,17 +77,14 @@ def train(spec: RunSpec, data_dir: str | os.PathLike, paths: RunPaths, progress:
         paths.checkpoints.mkdir(parents=True, exist_ok=True)
     batches, val_windows = _data(spec, data_dir, ctx)
 
-    torch.manual_seed(tc.seed)
-    model = build_model(spec.model).to(device)
+    model, flops_per_token = _fresh_model(spec, device)
     n_params = model.num_parameters()
-    flops_per_token = train_flops_per_token(model, tc.seq_len)
     trainer = Trainer(spec, paths, model, batches, ctx, device, autocast)
     # metrics.jsonl is truncated to the checkpoint, or started anew, by its hook; snapshots likewise
     if trainer.restore() and (missing := snapshots.needs_restart(paths, tc.snapshot_steps, trainer.step)):
         print(f"[{spec.run_id}] the checkpoint at step {trainer.step} lacks the snapshots of steps {missing} "
               "(probes.at_steps): training again from step 0", file=sys.stderr)
-        torch.manual_seed(tc.seed)  # exactly the fresh start above
-        model = build_model(spec.model).to(device)
+        model, flops_per_token = _fresh_model(spec, device)  # exactly the fresh start above
         trainer = Trainer(spec, paths, model, batches, ctx, device, autocast)
     distributed.barrier(ctx)
 

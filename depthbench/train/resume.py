@@ -44,10 +44,15 @@ def restore(trainer) -> bool:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     # the target layout of this rank (initialises an empty optimizer state with a zero-lr step)
+    fresh_optimizer = not trainer.optimizer.state
     model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
     template = {"model": model_state, "optim": optim_state["state"]}
     found = trainer.checkpointer.load_latest(trainer.spec.run_id, template)
     if found is None:
+        if fresh_optimizer:
+            # get_state_dict filled the empty AdamW state by a zero-gradient, lr-0 step, whose
+            # step count (1) would shift every bias correction (1 - beta^t) of the run by one
+            trainer.optimizer.state.clear()
         return False
     groups = _param_groups(found.meta["param_groups"], optim_state["param_groups"], found.path)
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=template["model"],
