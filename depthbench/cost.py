@@ -106,3 +106,30 @@ def measured_cost(summary: dict[str, Any]) -> dict[str, Any]:
         "device": summary.get("device"),
         "device_hours": wall * world / 3600.0,
     }
+
+
+def pretrained_cost(summary: dict[str, Any], train_seq_len: int) -> dict[str, Any]:
+    """The analytic cost columns of a pretrained model (status `pretrained`), from the counts its
+    summary.json holds (depthbench.pretrained.stages.cost_fields), by the same formulas as
+    `analytic_cost`: the families DepthBench reads are single-stream decoders, so depth(T) = 0
+    and the depth state is 0. Nothing is measured (no training): those columns are empty."""
+    L, T = summary["n_layer"], train_seq_len
+    d_q = summary["n_head"] * summary["head_dim"]
+
+    def forward(seq_len: int) -> float:
+        return 2.0 * summary["matmul_params"] + 4.0 * L * seq_len * d_q
+
+    kv = 2 * L * summary["n_kv_head"] * summary["head_dim"] * BF16_BYTES
+    total = summary["n_params"]
+    return {
+        "params_total": total, "params_embedding": summary["params_embedding"],
+        "params_non_embedding": total - summary["params_embedding"], "params_active": total,
+        "params_extra_vs_pre_ln": 0,
+        "train_flops_per_token": 3.0 * forward(T), "forward_flops_per_token": forward(T),
+        "prefill_flops_4096": PREFILL_TOKENS * forward(PREFILL_TOKENS),
+        "kv_cache_bytes_per_token": kv, "kv_cache_bytes_4096": PREFILL_TOKENS * kv,
+        "depth_state_bytes_per_token": 0,
+        "measured_peak_memory_bytes": None, "peak_memory_kind": None, "step_seconds": float("nan"),
+        "world_size": None, "device_hours": float("nan"), "tokens_per_s": float("nan"), "wall_seconds": float("nan"),
+        "device": None,
+    }

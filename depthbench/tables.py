@@ -234,16 +234,25 @@ def nll_rows(nll_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFrame) -
 
 
 def cost_rows(summary_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFrame,
-              expected: dict[str, str] | None = None) -> pd.DataFrame:
-    """One row per run: analytic parameters, FLOPs and KV-cache bytes, and the measured cost."""
+              expected: dict[str, str] | None = None, pretrained_paths: Iterable[str] = (),
+              seq_len: int | None = None) -> pd.DataFrame:
+    """One row per run: analytic parameters, FLOPs and KV-cache bytes, and the measured cost;
+    pretrained models (their summaries in `pretrained_paths`) with the analytic columns only, at
+    the grid's training sequence length `seq_len`."""
     from depthbench.spec import RunSpec
-    from depthbench.cost import analytic_cost, measured_cost
+    from depthbench.cost import analytic_cost, measured_cost, pretrained_cost
+    from depthbench.pretrained.stages import read_summary as read_pretrained_summary
 
     rows = []
     for path in summary_paths:
         s = read_summary(path, expected)
         spec = RunSpec.from_dict(s["spec"])
         rows.append({"run_id": s["run_id"], **analytic_cost(spec.model, spec.train.seq_len), **measured_cost(s)})
+    for path in pretrained_paths:
+        s = read_pretrained_summary(path)
+        if "matmul_params" not in s:  # written before the cost fields: say which file to redo
+            raise DataError(f"{path} has no cost fields (matmul_params): delete it, and the pretrained_summary rule writes it again")
+        rows.append({"run_id": s["run_id"], **pretrained_cost(s, seq_len or s["context_length"])})
     out = pd.DataFrame(rows)
     if out.empty:
         return out

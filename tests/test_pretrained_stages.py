@@ -211,3 +211,30 @@ def test_smollm2_gguf_converts_and_goes_through_the_adapter(tmp_path):
     logits = adapter.logits(trunk_states(adapter, idx)[-1])
     assert (logits - expected).abs().max() <= 1e-4
     assert tok.decode(int(logits[0, -1].argmax())).strip() == "Rome"
+
+
+def test_pretrained_cost_rows_count_what_torch_flop_counter_counts(hf_folder, tmp_path):
+    """A pretrained model's analytic FLOPs per token equal torch.utils.flop_counter's count of a
+    forward pass of the loaded model (every Linear at 2 FLOPs per weight, attention over the full
+    T x T square: the convention of depthbench.cost), and its KV cache follows its config."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from depthbench.tables import cost_rows
+
+    path = tmp_path / "summary.json"
+    s = stages.write_summary("pretrained_tiny", "tiny", str(hf_folder), str(hf_folder), str(path))
+    model = load_model(str(hf_folder)).eval()
+    model.set_attn_implementation("eager")  # explicit q.k and p.v products: CPU SDPA kernels have no FLOP formula
+    T = 16
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(torch.randint(0, model.config.vocab_size, (1, T)))
+    runs = with_pretrained(pd.DataFrame(columns=["run_id", "experiment", "arch", "n_layer", "d_model", "ratio", "params", "lr",
+                                                 "seed", "knobs", "final_val_loss", "status"]), pretrained_run_rows([str(path)], "exp"))
+    runs["tokens_per_s"], runs["wall_seconds"], runs["device"] = math.nan, math.nan, None
+    best = pd.DataFrame(columns=["arch", "n_layer", "d_model", "knobs", "best_lr"])
+    (row,) = cost_rows([], runs, best, pretrained_paths=[str(path)], seq_len=T).to_dict("records")
+    assert row["forward_flops_per_token"] == pytest.approx(counter.get_total_flops() / T, rel=1e-9)
+    assert row["train_flops_per_token"] == 3 * row["forward_flops_per_token"]
+    cfg = model.config
+    assert row["kv_cache_bytes_per_token"] == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+    assert row["params_total"] == sum(p.numel() for p in model.parameters()) and row["status"] == "pretrained"

@@ -93,6 +93,24 @@ def write_sample(model_dir: str, corpus: dict, settings: dict, seq_len: int, out
 
 
 # -- the run's summary ------------------------------------------------------------------------------
+def cost_fields(model) -> dict:
+    """What depthbench.cost.pretrained_cost needs, counted on the loaded transformers model:
+    `matmul_params`, the weights of every nn.Linear (the LM head included, also when it is tied
+    to the embedding: its product is done either way), the embedding parameters (the input
+    embedding, plus the LM head when it is a separate matrix) and the attention width
+    n_head x head_dim (Gemma's head_dim is not d_model / n_head)."""
+    config = model.config
+    linear = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return {
+        "matmul_params": int(sum(w.numel() for w in linear)),
+        "params_embedding": int(embed.numel() + (0 if head is embed else head.numel())),
+        "head_dim": int(head_dim),
+    }
+
+
+
 def write_summary(run_id: str, name: str, model_dir: str, source: str, out_path: str) -> dict:
     """summary.json of a pretrained run: what the runs table needs (depthbench.pretrained.tables)."""
     adapter = PretrainedAdapter(load_model(model_dir))
@@ -105,6 +123,7 @@ def write_summary(run_id: str, name: str, model_dir: str, source: str, out_path:
         "n_kv_head": getattr(adapter.model.config, "num_key_value_heads", None) or adapter.model.config.num_attention_heads,
         "n_params": adapter.num_parameters(), "vocab_size": adapter.model.config.vocab_size,
         "context_length": context_length(adapter.model),
+        **cost_fields(adapter.model),
     }
     atomic_write_json(out_path, summary)
     return summary

@@ -37,12 +37,14 @@ checkpoint tables:
 rule cost_table:
     input:
         summaries=run_outputs("summary.json"),
+        pretrained=pretrained_outputs("summary.json"),
         runs=rules.tables.output.runs,
         best_lr=rules.tables.output.best_lr,
     output:
         f"{RESULTS}/tables/cost.parquet",
     params:
         spec_hashes=SPEC_HASHES,
+        seq_len=config["train"]["seq_len"],  # pretrained models are costed at the grid's length
     log:
         f"{RESULTS}/logs/cost_table.log",
     benchmark:

@@ -51,6 +51,7 @@ rule pretrained_summary:
     params:
         spec=lambda wc: PRETRAINED[wc.run_id],
         model_dir=pretrained_model_dir,
+        fields=2,  # 2: with the cost fields (depthbench.pretrained.stages.cost_fields); a change reruns it
     log:
         f"{RESULTS}/logs/pretrained/{{run_id}}/summary.log",
     conda:
