@@ -102,7 +102,7 @@ def _line(row: dict, columns) -> str:
     for key, fmt in columns:
         value = row.get(key, "")
         if isinstance(value, bool):  # format(True, ">7") would print 1
-            value = "yes" if value else "NO"
+            value = "yes" if value else "no"
         try:
             cells.append(format(value, fmt))
         except (ValueError, TypeError):  # a bool, text or a missing value in a number column
@@ -131,9 +131,11 @@ def format_rows(rows: list[dict], header: bool = True) -> str:
 def format_report(report: dict) -> str:
     rows = report["rows"]
     bad = [r for r in rows if r.get("status") != "ok"]
+    real = any(r.get("mode") == "real" and r.get("status") != "refused" for r in rows)
+    sizes = (f"micro-batch 1 x {report['tokens']} random tokens, probes on {report['probe_sequences']} x "
+             f"{report['probe_tokens']} tokens; " if real else "")
     return (format_rows(rows) + f"\nrehearsal: {len(rows)} shapes in {report.get('total_s', 0):.0f} s, "
-            f"{len(bad)} not ok; micro-batch 1 x {report['tokens']} random tokens, probes on "
-            f"{report['probe_sequences']} x {report['probe_tokens']} tokens; written to rehearsal.json / rehearsal.csv")
+            f"{len(bad)} not ok; {sizes}written to rehearsal.json / rehearsal.csv")
 
 
 def load_report(out: str | Path) -> dict:
