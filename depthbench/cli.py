@@ -66,7 +66,8 @@ def cmd_rehearse(args) -> int:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     exp = _experiment(args.config)
     archs = args.archs.split(",") if args.archs else None
-    report = rehearse_experiment(exp, args.out, mode="meta" if args.meta else args.mode, archs=archs, tokens=args.tokens,
+    report = rehearse_experiment(exp, args.out, mode="meta" if args.meta else args.mode, archs=archs,
+                                 which=tuple(args.shapes.split(",")), tokens=args.tokens,
                                  probe_tokens=args.probe_tokens, probe_passes=args.probe_passes,
                                  gpu_memory=args.gpu_memory_gb * 1e9, config_path=args.config)
     print(format_report(report))
@@ -146,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=["auto", "real", "meta"], default="auto",
                    help="auto: real where the estimate fits available memory, else meta; real: refuse what does not fit")
     p.add_argument("--meta", action="store_true", help="same as --mode meta: build on the meta device, print per-GPU estimates")
-    p.add_argument("--archs", default="", help="comma-separated architectures (default: all of the config)")
+    p.add_argument("--archs", default="", help="comma-separated architectures, in the order to run (default: all of the config)")
+    p.add_argument("--shapes", default="widest,deepest", help="widest, deepest or both (default)")
     p.add_argument("--tokens", type=int, default=256, help="micro-batch 1 x TOKENS (default 256)")
     p.add_argument("--probe-tokens", type=int, default=32, help="tokens of each of the 2 probe sequences (default 32)")
     p.add_argument("--probe-passes", type=int, default=1, help="items per intervention probe (0: all; default 1)")

@@ -74,12 +74,15 @@ class Target:
     spec: RunSpec
 
 
-def rehearsal_targets(exp, archs: list[str] | None = None) -> list[Target]:
+def rehearsal_targets(exp, archs: list[str] | None = None, which: tuple[str, ...] = ("widest", "deepest")) -> list[Target]:
     """Per architecture of the grid (in the order of `archs`, default the config's), its widest and its deepest shape (first
-    learning rate, seed and sweep point: they do not change the model's size)."""
+    learning rate, seed and sweep point: they do not change the model's size); `which` keeps
+    only the widest or only the deepest."""
     shapes: dict[str, dict] = {}
     for spec in exp.runs.values():
         shapes.setdefault(spec.arch, {}).setdefault(spec.shape, spec)
+    if not which or set(which) - {"widest", "deepest"}:
+        raise ValueError(f"--shapes {list(which)}: valid: widest, deepest")
     unknown = sorted(set(archs or []) - set(shapes))
     if unknown:
         raise ValueError(f"--archs {unknown}: not architectures of this config; valid: {list(shapes)}")
@@ -91,7 +94,7 @@ def rehearsal_targets(exp, archs: list[str] | None = None) -> list[Target]:
         if widest is deepest:
             targets.append(Target(arch, "widest+deepest", widest))
         else:
-            targets += [Target(arch, "widest", widest), Target(arch, "deepest", deepest)]
+            targets += [Target(arch, w, s) for w, s in (("widest", widest), ("deepest", deepest)) if w in which]
     return targets
 
 
@@ -187,9 +190,9 @@ def run_probe_families(model, vocab: int, probe_tokens: int, passes: int, seed: 
         rows = probe_model(model.eval(), idx, "trained", probe_settings({}), full=True)
     # a share summarises the last quarters of its matrix, which limited passes leave NaN at depth
     partial = {"causal_share", "permutation_share"} if passes > 0 else set()
-    finite = all(math.isfinite(r["value"]) for r in rows if r["probe"] not in partial)
+    nonfinite = sorted({r["probe"] for r in rows if r["probe"] not in partial and not math.isfinite(r["value"])})
     return {"probe_families": sorted({r["probe"] for r in rows}), "probe_rows": len(rows),
-            "probe_finite": finite, "probe_s": round(time.time() - t0, 1)}
+            "probe_finite": not nonfinite, "probe_nonfinite": nonfinite, "probe_s": round(time.time() - t0, 1)}
 
 
 def cpu_footprint(est, n_params: int) -> float:

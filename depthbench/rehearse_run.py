@@ -57,7 +57,8 @@ def _rehearse_one(target: Target, exp, out: Path, mode: str, tokens: int, probe_
     return {"mode": "real", **guard, **rehearse_real(target, out, tokens, probe_tokens, probe_passes, est)}
 
 
-def rehearse_experiment(exp, out: str | Path, mode: str = "auto", archs: list[str] | None = None, tokens: int = 256,
+def rehearse_experiment(exp, out: str | Path, mode: str = "auto", archs: list[str] | None = None,
+                        which: tuple[str, ...] = ("widest", "deepest"), tokens: int = 256,
                         probe_tokens: int = 32, probe_passes: int = 1, gpu_memory: float = 80e9,
                         config_path: str = "", log=lambda line: print(line, file=sys.stderr, flush=True)) -> dict:
     """Rehearse every target of `exp` (depthbench.rehearse); the report that rehearsal.json holds."""
@@ -68,7 +69,7 @@ def rehearse_experiment(exp, out: str | Path, mode: str = "auto", archs: list[st
     t_start = time.time()
     report = {"config": config_path, "mode": mode, "tokens": tokens, "probe_sequences": 2, "probe_tokens": probe_tokens,
               "probe_passes": probe_passes, "available_gib_at_start": available_memory() / GIB, "rows": []}
-    targets = rehearsal_targets(exp, archs)
+    targets = rehearsal_targets(exp, archs, which)
     longest = min(t.spec.model.max_seq_len for t in targets)
     if mode != "meta" and not 2 <= max(tokens, probe_tokens) <= longest:
         raise ValueError(f"--tokens {tokens} / --probe-tokens {probe_tokens}: must be between 2 and the models' "

@@ -127,6 +127,13 @@ def test_roundtrip_detects_a_resume_that_loads_nothing(tmp_path, monkeypatch):
     assert any(k.startswith("model.") for k in bad["resume_mismatch"]) and trainer.step == 0
 
 
+def test_targets_order_and_filter(tiny_exp):
+    targets = rh.rehearsal_targets(tiny_exp, ["attnres_block", "pre_ln"], ("deepest",))
+    assert [(t.arch, t.which, t.spec.shape.n_layer) for t in targets] == [("attnres_block", "deepest", 4), ("pre_ln", "deepest", 4)]
+    with pytest.raises(ValueError, match="--shapes"):
+        rh.rehearsal_targets(tiny_exp, None, ("tallest",))
+
+
 def test_guard_refuses_or_goes_meta(tiny_exp, tmp_path, monkeypatch):
     monkeypatch.setattr(rehearse_run, "available_memory", lambda: 2**20)  # 1 MiB left
     monkeypatch.setattr(rehearse_run, "rehearse_real", lambda *a, **k: pytest.fail("built a model that does not fit"))
