@@ -2,7 +2,9 @@
 CONFIG` lists the run ids of the grid; `depthbench validate CONFIG` checks a config;
 `depthbench regenerate [CONFIG]` rebuilds every table, figure and the HTML report from the run
 outputs under results/ without training, probing or scoring anything; `depthbench status
-[CONFIG]` tells, per run, what is done, missing or stale and what snakemake would do next."""
+[CONFIG]` tells, per run, what is done, missing or stale and what snakemake would do next;
+`depthbench rehearse CONFIG` builds, steps, checkpoints, resumes and probes each architecture's
+widest and deepest shape at full size (depthbench.rehearse)."""
 
 from __future__ import annotations
 
@@ -52,6 +54,24 @@ def cmd_plan(args) -> None:
     exp = _experiment(args.config)
     plans = plan_experiment(exp, mfu=args.mfu, peak=args.peak, gpu_memory=args.gpu_memory_gb * 1e9)
     print(format_plan(plans, args.gpu, args.mfu, args.gpu_memory_gb * 1e9))
+
+
+def cmd_rehearse(args) -> int:
+    """Widest and deepest shape of every architecture at full size on this machine (see
+    depthbench.rehearse); exit status 1 when a shape failed or was refused."""
+    import torch
+
+    from depthbench.rehearse_run import format_report, rehearse_experiment
+
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    exp = _experiment(args.config)
+    archs = args.archs.split(",") if args.archs else None
+    report = rehearse_experiment(exp, args.out, mode="meta" if args.meta else args.mode, archs=archs,
+                                 which=tuple(args.shapes.split(",")), tokens=args.tokens,
+                                 probe_tokens=args.probe_tokens, probe_passes=args.probe_passes,
+                                 gpu_memory=args.gpu_memory_gb * 1e9, config_path=args.config)
+    print(format_report(report))
+    return int(any(r.get("status") != "ok" for r in report["rows"]))
 
 
 # The rules that only read results/: everything else (tokenize, train, probe, nll) is not allowed.
@@ -120,6 +140,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak", type=float, default=989e12, help="the GPU's dense bf16 FLOP/s (default 989e12, H100 SXM)")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU in GB (default 80)")
     p.set_defaults(fn=cmd_plan)
+    p = sub.add_parser("rehearse", help="build, step twice, checkpoint, resume and probe each architecture's widest and "
+                       "deepest shape at full size; measured vs estimated memory")
+    p.add_argument("config")
+    p.add_argument("--out", default="results/rehearsal", help="folder for rehearsal.json / .csv and the checkpoints (removed after each shape)")
+    p.add_argument("--mode", choices=["auto", "real", "meta"], default="auto",
+                   help="auto: real where the estimate fits available memory, else meta; real: refuse what does not fit")
+    p.add_argument("--meta", action="store_true", help="same as --mode meta: build on the meta device, print per-GPU estimates")
+    p.add_argument("--archs", default="", help="comma-separated architectures, in the order to run (default: all of the config)")
+    p.add_argument("--shapes", default="widest,deepest", help="widest, deepest or both (default)")
+    p.add_argument("--tokens", type=int, default=256, help="micro-batch 1 x TOKENS (default 256)")
+    p.add_argument("--probe-tokens", type=int, default=32, help="tokens of each of the 2 probe sequences (default 32)")
+    p.add_argument("--probe-passes", type=int, default=1, help="items per intervention probe (0: all; default 1)")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU in GB for the meta verdict (default 80)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: the machine's cores)")
+    p.set_defaults(fn=cmd_rehearse)
     p = sub.add_parser("regenerate", help="rebuild tables, figures and the HTML report from results/ without training")
     p.add_argument("config", nargs="?", default=None, help="the config of the results (default: the embedded one)")
     p.add_argument("--cores", type=int, default=2)
@@ -138,14 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_export)
     args = parser.parse_args(argv)
     try:
-        args.fn(args)
+        code = args.fn(args)
     except DepthBenchError as exc:
         print(f"depthbench: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader stopped early (`depthbench runs CONFIG | head`): not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush is silent
         return 0
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":
