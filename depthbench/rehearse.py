@@ -52,6 +52,8 @@ from unittest import mock
 
 import torch
 
+from depthbench.train.checkpoint import list_checkpoints
+
 from depthbench.launch import ranks_per_run
 from depthbench.models import build_model
 from depthbench.plan import CHECKPOINT_BYTES_PER_PARAM
@@ -148,7 +150,8 @@ def checkpoint_roundtrip(trainer) -> dict:
     before = state_fingerprint(trainer)
     t0 = time.time()
     save_state(trainer)
-    saved = sum(f.stat().st_size for f in Path(trainer.paths.checkpoints).glob("step_*.pt"))
+    # a checkpoint is a folder of per-rank parts (depthbench.train.checkpoint): its bytes are theirs
+    saved = sum(f.stat().st_size for _, folder in list_checkpoints(trainer.paths.checkpoints) for f in folder.iterdir())
     t1 = time.time()
     _overwrite(trainer)
     loaded = resume_state(trainer)
@@ -227,7 +230,8 @@ def rehearse_real(target: Target, out: Path, tokens: int, probe_tokens: int, pro
         trainer.fit(stop_after=STEPS)
         step_mem.end()
         step_s = time.time() - t0
-        row = {"steps": trainer.step, "loss": trainer.stats.train_loss, "grad_norm": trainer.stats.grad_norm}
+        # the step's statistics stay device tensors in the loop (no host sync); read them here
+        row = {"steps": trainer.step, "loss": float(trainer.stats.train_loss), "grad_norm": float(trainer.stats.grad_norm)}
         row.update(checkpoint_roundtrip(trainer))
         row.update(run_probe_families(model, spec.model.vocab_size, probe_tokens, probe_passes, spec.train.seed))
     finally:
