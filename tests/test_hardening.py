@@ -493,11 +493,11 @@ def test_every_table_stage_finishes_on_degenerate_grids(wiki_jsonl, tmp_path, ki
     _run_script("tables.py", input=_Files(summaries=summaries, metrics=metrics, data=str(data), pretrained=[]), output=out, log=log,
                 params=SimpleNamespace(experiment="tiny", run_ids=list(statuses), spec_hashes=hashes, budget_params=None))
     made = {}
-    for script, extra, target in (("cost_table.py", {"summaries": summaries}, "cost"), ("probes_table.py", {"probes": probes}, "probes"),
-                                  ("nll_table.py", {"nll": nll}, "nll")):
+    for script, extra, target in (("cost_table.py", {"summaries": summaries, "pretrained": []}, "cost"),
+                                  ("probes_table.py", {"probes": probes}, "probes"), ("nll_table.py", {"nll": nll}, "nll")):
         path = str(tables / f"{target}.parquet")
         _run_script(script, input=_Files(**extra, runs=out.runs, best_lr=out.best_lr), output=_Files([path]), log=log,
-                    params=SimpleNamespace(spec_hashes=hashes))
+                    params=SimpleNamespace(spec_hashes=hashes, seq_len=32))
         made[target] = pd.read_parquet(path)
     runs, best = pd.read_parquet(out.runs), pd.read_parquet(out.best_lr)
     assert sorted(runs.run_id) == sorted(statuses)
