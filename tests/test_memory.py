@@ -86,7 +86,9 @@ def test_plan_prints_totals(tmp_path):
 # depth mixing and pre-norms run outside the checkpointed units (the attention and FFN modules),
 # so the mixes h_s (fp32, one per sublayer) and the sources stay saved. A known shortfall,
 # listed so that any other run that stops fitting fails this test.
-NOT_FITTING = {"400m": {("attnres_full", 70), ("attnres_block", 70)}, "1p6b": set()}
+# attnres_full at L = 70 fits (70.5 GiB with full checkpointing) since its depth mix is one batched
+# product off the CPU (depth_mix: auto); attnres_block at L = 70 needs 74.9 GiB against 74.5.
+NOT_FITTING = {"400m": {("attnres_block", 70)}, "1p6b": set()}
 
 
 @pytest.mark.slow
