@@ -512,11 +512,11 @@ def test_every_table_stage_finishes_on_degenerate_grids(wiki_jsonl, tmp_path, ki
 
 
 # -- 8. depthbench status -------------------------------------------------------------------------------
-def test_status_reports_each_run_and_the_next_jobs(wiki_jsonl, tmp_path, capsys):
-    from depthbench.cli import main
+def _status_grid(config: dict, tmp_path: Path):
+    """(config file, experiment, results folder) for `depthbench status`: NLL off, and the shards'
+    meta.json written at an old mtime so that the summaries written after it are current."""
     from depthbench.data.shards import META_VERSION
 
-    config = tiny_config(wiki_jsonl, architectures=["pre_ln", "post_ln", "peri_ln"], learning_rates=[3e-3, 50.0])
     config["nll"] = {"enabled": False}
     cfg = tmp_path / "config.yaml"
     cfg.write_text(yaml.safe_dump(config))
@@ -526,6 +526,14 @@ def test_status_reports_each_run_and_the_next_jobs(wiki_jsonl, tmp_path, capsys)
     meta.parent.mkdir(parents=True)
     meta.write_text(json.dumps({"version": META_VERSION}))
     os.utime(meta, (1e9, 1e9))
+    return cfg, exp, res
+
+
+def test_status_reports_each_run_and_the_next_jobs(wiki_jsonl, tmp_path, capsys):
+    from depthbench.cli import main
+
+    config = tiny_config(wiki_jsonl, architectures=["pre_ln", "post_ln", "peri_ln"], learning_rates=[3e-3, 50.0])
+    cfg, exp, res = _status_grid(config, tmp_path)
     ids = list(exp.runs)
     trained, diverged, partial, stale_time, copied, missing = ids
     for rid in ids[:5]:
@@ -551,20 +559,11 @@ def test_status_reports_each_run_and_the_next_jobs(wiki_jsonl, tmp_path, capsys)
 
 def test_status_with_best_lr_evaluation_names_only_the_best_runs(wiki_jsonl, tmp_path, capsys):
     from depthbench.cli import main
-    from depthbench.data.shards import META_VERSION
     from depthbench.tables import best_learning_rates
 
     config = tiny_config(wiki_jsonl, learning_rates=[3e-3, 1e-2])
     config["probes"] = {"runs": "best_lr"}
-    config["nll"] = {"enabled": False}
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(yaml.safe_dump(config))
-    exp = expand_grid(load_config(cfg))
-    res = tmp_path / "results"
-    meta = res / "data" / exp.data_id / "meta.json"
-    meta.parent.mkdir(parents=True)
-    meta.write_text(json.dumps({"version": META_VERSION}))
-    os.utime(meta, (1e9, 1e9))
+    cfg, exp, res = _status_grid(config, tmp_path)
     low, high = sorted(exp.runs, key=lambda rid: exp.runs[rid].lr)
     for rid in (low, high):
         _fake_summary(res, exp.runs[rid])
