@@ -128,8 +128,7 @@ def write_snapshot(trainer, step: int) -> Path:
 def _save(tensors: dict, tmp: str, meta: dict) -> None:
     from safetensors.torch import save_file
 
-    save_file(tensors, tmp, metadata=meta)
-    os.chmod(tmp, 0o666 & ~current_umask())  # save_file creates the file anew, 0600
+    save_file(tensors, tmp, metadata=meta)  # atomic_write sets the file's mode after this writer
 
 
 def publish(paths, run_id: str) -> int:
