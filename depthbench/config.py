@@ -1,6 +1,7 @@
 """Config loading, schema validation, and expansion of the grid into run specs.
 
-The grid is architectures x shapes x learning_rates x seeds x every list under `sweep`.
+The grid is architectures x shapes x learning_rates x seeds x every list under `sweep`, where
+`learning_rates_by_arch` may give an architecture its own learning rates (`learning_rates_of`).
 Each run gets a readable id `{arch}_L{n_layer}-d{d_model}_lr{lr}_s{seed}_{hash}` where the hash
 covers everything else that changes training (model config, recipe, data), so that editing the
 grid adds runs instead of silently reusing old ones.
@@ -225,6 +226,7 @@ def expand_grid(config: dict) -> Experiment:
     d_id = data_id(config)
     train_section = config.get("train", {})
     exp = Experiment(config=config, vocab_size=vocab_size, tokenizer_id=tok_id, data_id=d_id)
+    lrs_by_arch = {name: learning_rates_of(config, name) for name in config["architectures"]}
     for knobs in _sweep_points(config.get("sweep", {})):
         model_section = copy.deepcopy(config.get("model", {}))
         train_dict = copy.deepcopy(train_section)
@@ -241,7 +243,7 @@ def expand_grid(config: dict) -> Experiment:
             )
             for shape in resolve_shapes(config, base):
                 model_cfg = replace(base, n_layer=shape.n_layer, d_model=shape.d_model, d_ff=shape.d_ff)
-                for lr in config["learning_rates"]:
+                for lr in lrs_by_arch[arch_name]:
                     for seed in config.get("seeds", [0]):
                         train = TrainConfig.from_dict({**train_dict, "lr": float(lr), "seed": int(seed)})
                         train.check()  # one rank here; the trainer checks again with the run's ranks
@@ -258,6 +260,30 @@ def expand_grid(config: dict) -> Experiment:
                         spec.run_id = f"{arch}_{shape.tag}_lr{float(lr):g}_s{seed}_{short_hash(ident)}"
                         exp.runs[spec.run_id] = spec
     return exp
+
+
+def learning_rates_of(config: dict, arch_name: str) -> list[float]:
+    """The learning rates the grid tries for one architecture: its `learning_rates_by_arch`
+    entry when it has one, else `learning_rates`.
+
+    Why per architecture: the best LR at one budget moves by a factor of 4 or more between
+    architectures (the AttnRes variants want 1.25e-2 or more where Pre-LN at L = 2 wants 2e-3 or
+    less, docs/choices.md), so one grid leaves most cells' best at its edge. A key may be an
+    architecture's registered name or the alias listed in `architectures`; a key naming an
+    architecture the grid does not train is an error (a typo would otherwise be ignored).
+    """
+    by_arch = config.get("learning_rates_by_arch") or {}
+    listed = {name: canonical_arch(name) for name in config["architectures"]}
+    for key in by_arch:
+        if key not in listed and key not in listed.values():
+            raise ConfigError(
+                f"learning_rates_by_arch.{key}",
+                f"names no architecture of the grid; valid keys: {sorted(set(listed) | set(listed.values()))}",
+            )
+    for key in (arch_name, listed.get(arch_name, arch_name)):
+        if key in by_arch:
+            return [float(v) for v in by_arch[key]]
+    return [float(v) for v in config["learning_rates"]]
 
 
 def _first_valid_width(n_head: int) -> int:

@@ -32,6 +32,9 @@ def make(wiki_jsonl, **overrides):
         ({"launcher": {"backend": "kubernetes"}}, "launcher.backend"),
         ({"sweep": {"train.nonsense": [1, 2]}}, "sweep.train.nonsense"),
         ({"train": {"seq_lenn": 32}}, "train"),
+        ({"learning_rates_by_arch": {"pre_ln": [1e-3, -2e-3]}}, "learning_rates_by_arch.pre_ln[1]"),
+        ({"learning_rates_by_arch": {"pre_ln": []}}, "learning_rates_by_arch.pre_ln"),
+        ({"learning_rates_by_arch": {"hc": [1e-3]}}, "learning_rates_by_arch.hc"),  # hc is not in the grid
     ],
 )
 def test_invalid_configs_fail_naming_the_field(wiki_jsonl, overrides, field):
@@ -89,6 +92,19 @@ def test_run_ids_are_stable_and_change_only_with_training_settings(wiki_jsonl):
     same["launcher"] = {"backend": "local"}
     same["figures"] = {"dpi": 72}
     assert expand_grid(load_config(same)).run_ids == a.run_ids
+
+
+def test_learning_rates_by_arch_replace_the_grid_for_that_architecture_only(wiki_jsonl):
+    exp = make(wiki_jsonl, architectures=["pre_ln", "lns"], shapes=[{"n_layer": 2}, {"n_layer": 4}],
+               learning_rates=[1e-3, 3e-3], learning_rates_by_arch={"lns": [2e-3, 4e-3, 8e-3]})
+    lrs = {(s.arch, s.shape.n_layer): set() for s in exp.runs.values()}
+    for spec in exp.runs.values():
+        lrs[(spec.arch, spec.shape.n_layer)].add(spec.lr)
+    assert lrs == {("pre_ln", 2): {1e-3, 3e-3}, ("pre_ln", 4): {1e-3, 3e-3},
+                   ("lns", 2): {2e-3, 4e-3, 8e-3}, ("lns", 4): {2e-3, 4e-3, 8e-3}}
+    # the runs pre_ln shares with a plain grid keep their ids (an added architecture grid adds runs)
+    plain = make(wiki_jsonl, architectures=["pre_ln", "lns"], shapes=[{"n_layer": 2}, {"n_layer": 4}], learning_rates=[1e-3, 3e-3])
+    assert {r for r in plain.run_ids if r.startswith("pre_ln")} == {r for r in exp.run_ids if r.startswith("pre_ln")}
 
 
 def test_scientific_notation_without_sign_is_a_number(wiki_jsonl):

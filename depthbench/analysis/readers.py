@@ -111,6 +111,10 @@ def grid_line(config: dict) -> str:
     budget = config.get("budget", {}).get("params")
     depths = ",".join(str(s.get("n_layer")) for s in config.get("shapes", []))
     lrs = ",".join(f"{v:g}" for v in config.get("learning_rates", []))
+    by_arch = config.get("learning_rates_by_arch") or {}
+    if by_arch:  # several grids: their span, and that they differ (the LR table has each cell's)
+        every = [float(v) for v in config.get("learning_rates", [])] + [float(v) for lrs_ in by_arch.values() for v in lrs_]
+        lrs = f"{min(every):g}..{max(every):g} per architecture"
     seeds = ",".join(str(s) for s in config.get("seeds", [0]))
     parts = [f"budget {budget:.3g} params" if budget else "", f"L = {depths}" if depths else "",
              f"LR {lrs}" if lrs else "", f"seeds {seeds}"]

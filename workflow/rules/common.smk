@@ -51,6 +51,7 @@ FIGURE_SETTINGS = {
     "budget": config.get("budget", {}),
     "shapes": config["shapes"],
     "learning_rates": config["learning_rates"],
+    "learning_rates_by_arch": config["learning_rates_by_arch"],
     "seeds": config["seeds"],
     "arch_options": config["model"]["arch_options"],
     "probes": {k: config["probes"][k] for k in ("causal_threshold", "permutation_threshold", "usefulness_threshold", "dead_zone_threshold")},
