@@ -84,8 +84,11 @@ def dead_zone(tables: dict, ctx: S.Context):
         ax.plot(g["i"] / L, g["value"], marker="o", markersize=4, color=color, label=f"L={L}")
         k = lengths.loc[lengths["n_layer"] == L, "value"]
         if not k.empty and k.iloc[0] > 0:
-            ax.axvspan(0.5 / L, (k.iloc[0] + 0.5) / L, color=color, alpha=0.12)
+            # layers 1..k, half a layer either side, clipped to the model (a dead zone of all L
+            # layers must not shade past l/L = 1)
+            ax.axvspan(0.5 / L, min(k.iloc[0] + 0.5, L) / L, color=color, alpha=0.12)
     ax.axhline(threshold, color="firebrick", linestyle="--", linewidth=1, label=f"threshold {threshold}")
+    ax.set_xlim(0, 1.04)
     ax.set_xlabel("layer l / L")
     ax.set_ylabel("weight on the current partial sum")
     ax.set_title("shaded: the dead zone of each depth")

@@ -30,7 +30,7 @@ def headline(tables: dict, ctx: S.Context):
         return S.message_figure(ctx, WHAT_HEADLINE, why)
     fig, (ax, dev_ax) = S.panels(2, ctx, cols=1, scale=1.0, gridspec_kw={"height_ratios": [3, 1]}, sharex=True)
     deviation = _budget_deviation(best, runs, ctx.budget)
-    curves = {}
+    curves, dev_curves = {}, {}
     for arch, knobs in best[["arch", "knobs"]].drop_duplicates().sort_values("arch", key=lambda a: a.map(R.archs(best).index)).itertuples(index=False):
         g = best[(best["arch"] == arch) & (best["knobs"] == knobs)].sort_values("ratio")
         st, name = S.arch_style(arch), S.label(arch, knobs)
@@ -41,12 +41,19 @@ def headline(tables: dict, ctx: S.Context):
             ax.scatter(edge["ratio"], edge["final_val_loss"], s=120, facecolors="none", edgecolors=st["color"], linewidths=1.5)
         curves[name] = g.set_index("ratio")["final_val_loss"]
         if deviation is not None:
-            dev_ax.plot(g["ratio"], 100 * deviation[g.index], linestyle=":", **st)
+            dev_curves[name] = (st, pd.Series(100 * deviation[g.index].to_numpy(), index=g["ratio"].to_numpy()))
+    # Architectures of equal shapes have equal deviations: each later one of a coinciding group
+    # is drawn with a smaller marker over the earlier, so every colour stays visible.
+    dev_groups = S.coinciding({name: c for name, (_, c) in dev_curves.items()})
+    for name, (st, c) in dev_curves.items():
+        rank = next((g.index(name) for g in dev_groups if name in g), 0)
+        dev_ax.plot(c.index, c.values, linestyle=":", **{**st, "markersize": st["markersize"] * (1.9 - 0.55 * rank)})
     S.floor_line(ax, R.unigram_floor(runs))
     ax.set_ylabel("validation loss at best LR\n(nats/token)")
     ax.grid(alpha=0.3)
     extra = "open circle: best LR at the edge of the swept LRs" if "lr_at_edge" in best.columns else "LR-at-edge not in best_lr table"
-    seeds = f"bars: +-1 std over {int(best['n_seeds'].max())} seeds" if "n_seeds" in best.columns else ""
+    n_seeds = int(best["n_seeds"].max()) if "n_seeds" in best.columns else 0
+    seeds = f"bars: +-1 std over {n_seeds} seeds" if n_seeds > 1 else ("one seed: no spread to draw" if n_seeds == 1 else "")
     ax.set_title("; ".join(p for p in (extra, seeds) if p), fontsize=S.FONT["label"])
     S.legend(ax, ncol=2 if len(curves) > 5 else 1)
     if deviation is None:
@@ -56,9 +63,12 @@ def headline(tables: dict, ctx: S.Context):
     dev_ax.grid(alpha=0.3)
     S.log_ticks(dev_ax, best["ratio"].round(1))
     dev_ax.set_xlabel("d_model / n_layer (log scale; deeper and narrower to the left)")
-    groups = S.coinciding(curves)
-    if groups:
-        S.fig_note(fig, S.coincide_text(groups))
+    notes = [S.coincide_text(g) for g in (S.coinciding(curves),) if g]
+    if dev_groups:  # equal shapes, not a drawing accident: say so under the budget panel
+        notes.append("budget panel: " + "; ".join(" = ".join(g) for g in dev_groups)
+                     + " have the same shapes (nested markers)")
+    if notes:
+        S.fig_note(fig, "\n".join(notes))
     S.title(fig, ctx, WHAT_HEADLINE)
     return fig
 
