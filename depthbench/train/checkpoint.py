@@ -44,11 +44,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 from depthbench.errors import CheckpointError
 from depthbench.io import atomic_write, atomic_write_json
-from depthbench.train import dcp_io
+from depthbench.train import listing  # DCP itself (depthbench.train.dcp_io) only where a checkpoint is written or read
 
 FORMAT = "depthbench-dcp-1"
 MANIFEST = "state.json"
@@ -82,19 +81,19 @@ def verify_checkpoint(path: str | os.PathLike, share: tuple[int, int] = (0, 1)) 
     if not side.is_file():
         return f"no checksum file {side.name} (the write was interrupted, or it was not written by DepthBench)"
     try:
-        recorded = dcp_io.read_listing(side)
+        recorded = listing.read_listing(side)
     except ValueError:
         recorded = {}
     if set(recorded) != {MANIFEST}:
         return f"checksum file {side.name} is malformed (expected '<sha256>  {MANIFEST}')"
-    actual = dcp_io.file_sha256(path / MANIFEST)
+    actual = listing.file_sha256(path / MANIFEST)
     if actual != recorded[MANIFEST]:
         return f"{MANIFEST}: sha256 {actual[:12]}... does not match the recorded {recorded[MANIFEST][:12]}... (corrupt)"
     files = json.loads((path / MANIFEST).read_text()).get("files", {})
     for name in sorted(files)[share[0]::share[1]]:
         if not (path / name).is_file():
             return f"file {name} is missing"
-        actual = dcp_io.file_sha256(path / name)
+        actual = listing.file_sha256(path / name)
         if actual != files[name]:
             return f"file {name}: sha256 {actual[:12]}... does not match the recorded {files[name][:12]}... (the file is corrupt)"
     return None
@@ -134,6 +133,8 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
         from safetensors.torch import save_file
 
+        from depthbench.train import dcp_io
+
         try:  # here, not in the background thread: the caller's error, named at the call
             json.dumps(meta or {})
         except TypeError as exc:
@@ -168,10 +169,10 @@ class Checkpointer:
         """On rank 0, once every rank's files and listing exist: manifest, checksum, rename, prune."""
         files: dict[str, str] = {}
         for r in range(self.world):
-            files.update(dcp_io.read_listing(tmp / dcp_io.rank_listing(r)))
-        files[dcp_io.METADATA] = dcp_io.file_sha256(tmp / dcp_io.METADATA)
+            files.update(listing.read_listing(tmp / listing.rank_listing(r)))
+        files[listing.METADATA] = listing.file_sha256(tmp / listing.METADATA)
         atomic_write_json(tmp / MANIFEST, {**manifest, "files": files})
-        dcp_io.write_listing(tmp, checksum_path(tmp).name, [MANIFEST])  # last: the checkpoint counts from here
+        listing.write_listing(tmp, checksum_path(tmp).name, [MANIFEST])  # last: the checkpoint counts from here
         _fsync_dir(tmp)
         if final.exists():  # the same step saved again (a resume from an older checkpoint)
             trash = final.with_name(f".{final.name}.replaced.tmp")
@@ -204,6 +205,9 @@ class Checkpointer:
         (name and reason) and the previous one is tried; one that is intact but belongs to
         another run, disagrees with its name or does not fit `template` is an error."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from depthbench.train import dcp_io
 
         found = list_checkpoints(self.folder)
         if not found:

@@ -33,36 +33,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from depthbench.io import atomic_write_text
 
-METADATA = ".metadata"  # DCP's name for its metadata file
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def rank_listing(rank: int) -> str:
-    return f"rank_{rank}.sha256"
-
-
-def write_listing(folder: Path, name: str, files: list[str]) -> None:
-    """`name` in sha256sum format over `files` (names inside `folder`): `sha256sum -c` checks it."""
-    lines = [f"{file_sha256(folder / f)}  {f}\n" for f in sorted(files)]
-    atomic_write_text(folder / name, "".join(lines))
-
-
-def read_listing(path: Path) -> dict[str, str]:
-    """{file name: sha256} from a sha256sum-format file; ValueError when malformed."""
-    out = {}
-    for line in path.read_text(errors="replace").splitlines():
-        fields = line.split()
-        if len(fields) != 2 or len(fields[0]) != 64 or any(c not in "0123456789abcdef" for c in fields[0]):
-            raise ValueError(f"{path.name} is malformed (expected '<sha256>  <file>' lines)")
-        out[fields[1]] = fields[0]
-    return out
+# The DCP-free listing helpers, re-exported: the writer and reader below use them.
+from depthbench.train.listing import METADATA, file_sha256, rank_listing, read_listing, write_listing  # noqa: E402,F401
 
 
 class HashingWriter(FileSystemWriter):
