@@ -208,3 +208,20 @@ def test_mhc_read_kernel_rejects_bad_shapes():
     with pytest.raises(RuntimeError, match="grad post has shape"):
         kernels.cpu_kernels().mhc_read_backward(H, weight, scale, bias, 1e-6, 20, out[2], out[4], torch.zeros(3, 8),
                                                 torch.zeros(3, 4, 8), torch.zeros(3, 5, 4), torch.zeros(3, 5))
+
+
+def test_built_carries_exactly_the_mark_assume_constant_result_sets():
+    """kernels.built is marked as a compile-time constant by hand (importing torch._dynamo for the
+    decorator cost every job a second); the decorator must still mark a function exactly so."""
+    import torch._dynamo
+
+    from depthbench import kernels
+
+    def plain() -> bool:
+        return True
+
+    before = dict(vars(plain))
+    marked = torch.compiler.assume_constant_result(plain)
+    added = {k: v for k, v in vars(marked).items() if k not in before}
+    assert added == {"_dynamo_marked_constant": True}
+    assert getattr(kernels.built, "_dynamo_marked_constant", None) is True

@@ -216,3 +216,20 @@ def test_requeue_signal_to_one_rank_checkpoints_both_and_the_job_is_requeued(tin
     for s in ref:
         assert got[s] == pytest.approx(ref[s], abs=1e-5), s
     assert _max_weight_diff(one_rank, paths.run_dir) < 1e-6
+
+
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_one_process_full_state_is_dcps_full_state_dict(arch):
+    """full_model_state's one-process shortcut (the module's own state dict, no DCP) gives exactly
+    what DCP's get_model_state_dict(full_state_dict=True) gives: the same keys, the same values."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from depthbench.models import ModelConfig, build_model
+    from depthbench.train.distributed import DistContext, full_model_state
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(arch=arch, vocab_size=64, d_model=32, n_layer=3, n_head=2, max_seq_len=16))
+    ours = full_model_state(model, DistContext())
+    dcp = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    assert list(ours) == list(dcp)
+    assert all(torch.equal(ours[k], dcp[k]) for k in dcp)

@@ -60,11 +60,17 @@ def enabled() -> bool:
     return os.environ.get("DEPTHBENCH_CPU_KERNELS", "1").strip().lower() not in {"0", "false", "no", "off"}
 
 
-@torch.compiler.assume_constant_result
 def built() -> bool:
     """Whether the kernels are loaded (building them on the first call); a constant to
-    torch.compile, which calls it once while tracing."""
+    torch.compile, which calls it once while tracing (marked below)."""
     return cpu_kernels() is not None
+
+
+# What torch.compiler.assume_constant_result(built) does in torch 2.13 (torch._dynamo.decorators:
+# it sets this attribute and returns the function), without importing torch._dynamo: that import
+# (with sympy) took about 1.5 s of every workflow job that builds a model, compiling or not.
+# tests/test_cpu_kernels.py checks that the decorator still marks a function exactly so.
+built._dynamo_marked_constant = True
 
 
 def apply_to(t: "torch.Tensor") -> bool:

@@ -204,14 +204,14 @@ class Checkpointer:
         A checkpoint that fails its checksums or whose metadata is unsafe is reported on stderr
         (name and reason) and the previous one is tried; one that is intact but belongs to
         another run, disagrees with its name or does not fit `template` is an error."""
+        found = list_checkpoints(self.folder)
+        if not found:
+            _refuse_legacy(self.folder)
+            return None  # (before DCP is imported: a fresh run never needs it)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
         from depthbench.train import dcp_io
-
-        found = list_checkpoints(self.folder)
-        if not found:
-            _refuse_legacy(self.folder)
         rejected = []
         for step, path in reversed(found):
             reason = self._agreed_reason(path)

@@ -137,7 +137,20 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+# Prefixes that wrappers put into state-dict keys (activation checkpointing, torch.compile);
+# DCP's get_model_state_dict removes them.
+_WRAPPER_KEY_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
 def full_model_state(model: nn.Module, ctx: DistContext) -> dict[str, torch.Tensor]:
+    """The model's full (unsharded) state dict, keys without wrapper prefixes."""
+    if not ctx.enabled:
+        # One process and no wrapper in the keys: DCP's full state dict is the module's own
+        # (tests/test_distributed.py compares them for every architecture); skipping it skips
+        # importing torch.distributed.checkpoint, about a second of every training job.
+        state = model.state_dict()
+        if not any(part in key for key in state for part in _WRAPPER_KEY_PARTS):
+            return state
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=ctx.enabled))

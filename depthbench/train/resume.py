@@ -41,6 +41,14 @@ def snapshot(trainer, blocking: bool = False) -> None:
 
 def restore(trainer) -> bool:
     """Load the run's latest checkpoint, if any: weights, optimizer, RNG, step, clock."""
+    from depthbench.train.checkpoint import list_checkpoints
+
+    if not list_checkpoints(trainer.checkpointer.folder):
+        # nothing to load (a fresh run): return before DCP is imported (about a second of
+        # every workflow job) and before get_state_dict would fill the optimizer's state;
+        # load_latest would find the same nothing (and refuses a legacy checkpoint the same way)
+        trainer.checkpointer.load_latest(trainer.spec.run_id, {})
+        return False
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     # the target layout of this rank (initialises an empty optimizer state with a zero-lr step)
