@@ -313,7 +313,9 @@ def test_workflow_keeps_probes_and_draws_the_snapshots(tmp_path, wiki_jsonl):
     config = tiny_config(wiki_jsonl, probes={"at_steps": {"log_spaced": 3}, "n_sequences": 4, "seq_len": 16},
                          nll={"enabled": False})
     write_config(root, config)
-    snakemake(root)  # the probe rule's snapshots input exists only as the train rule's declared output
+    # up to the probe figures (the stages this feature touches; the rest of the workflow is
+    # test_workflow's): the probe rule's snapshots input exists only as the train rule's output
+    snakemake(root, "--until", "probe_figures")
     (run_id, spec), = expand_grid(load_config(yaml.safe_load((root / "config/config.yaml").read_text()))).runs.items()
     total = spec.train.total_steps
     want = resolve_steps({"log_spaced": 3}, total)
@@ -324,7 +326,7 @@ def test_workflow_keeps_probes_and_draws_the_snapshots(tmp_path, wiki_jsonl):
     assert set(probes.loc[probes.stage == "trained", "step"]) == {total}
     for name in ("probes_over_training", "adjacent_distance_over_training"):
         assert (root / f"results/figures/{name}.png").stat().st_size > 10_000
-    again = snakemake(root, "-n")
+    again = snakemake(root, "-n", "--until", "probe_figures")
     assert "Nothing to be done" in again.stdout + again.stderr
     config["probes"]["at_steps"] = [2]
     write_config(root, config)
