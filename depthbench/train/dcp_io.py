@@ -21,8 +21,6 @@ torch.Size, dtypes, layouts and paths) and refuses a checkpoint with any non-ten
 
 from __future__ import annotations
 
-import hashlib
-import os
 import pickle
 from pathlib import Path
 from typing import Callable
@@ -31,10 +29,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from depthbench.io import atomic_write_text
-
-# The DCP-free listing helpers, re-exported: the writer and reader below use them.
-from depthbench.train.listing import METADATA, file_sha256, rank_listing, read_listing, write_listing  # noqa: E402,F401
+from depthbench.train.listing import METADATA, rank_listing, write_listing
 
 
 class HashingWriter(FileSystemWriter):
