@@ -196,6 +196,18 @@ class Checkpointer:
             dist.barrier(group=self.group)
 
     # ---- loading
+    def _listed(self) -> list[tuple[int, Path]]:
+        """The folder's checkpoints, oldest first; none beside a legacy checkpoint is an error."""
+        found = list_checkpoints(self.folder)
+        if not found:
+            _refuse_legacy(self.folder)
+        return found
+
+    def has_checkpoints(self) -> bool:
+        """Whether there is a checkpoint to try. A fresh run learns this without importing DCP or
+        building a state-dict template."""
+        return bool(self._listed())
+
     def load_latest(self, run_id: str, template: dict) -> Restored | None:
         """Load the newest intact checkpoint of `run_id` into `template` (the nested dict of
         tensors / DTensors of this rank's model, resharded by DCP to any rank count or strategy)
@@ -204,10 +216,9 @@ class Checkpointer:
         A checkpoint that fails its checksums or whose metadata is unsafe is reported on stderr
         (name and reason) and the previous one is tried; one that is intact but belongs to
         another run, disagrees with its name or does not fit `template` is an error."""
-        found = list_checkpoints(self.folder)
+        found = self._listed()
         if not found:
-            _refuse_legacy(self.folder)
-            return None  # (before DCP is imported: a fresh run never needs it)
+            return None
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 

@@ -41,13 +41,9 @@ def snapshot(trainer, blocking: bool = False) -> None:
 
 def restore(trainer) -> bool:
     """Load the run's latest checkpoint, if any: weights, optimizer, RNG, step, clock."""
-    from depthbench.train.checkpoint import list_checkpoints
-
-    if not list_checkpoints(trainer.checkpointer.folder):
-        # nothing to load (a fresh run): return before DCP is imported (about a second of
-        # every workflow job) and before get_state_dict would fill the optimizer's state;
-        # load_latest would find the same nothing (and refuses a legacy checkpoint the same way)
-        trainer.checkpointer.load_latest(trainer.spec.run_id, {})
+    if not trainer.checkpointer.has_checkpoints():
+        # a fresh run: return before DCP is imported (about a second of every workflow job) and
+        # before get_state_dict would fill the optimizer's state
         return False
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
