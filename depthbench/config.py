@@ -1,7 +1,7 @@
 """Config loading, schema validation, and expansion of the grid into run specs.
 
 The grid is architectures x shapes x learning_rates x seeds x every list under `sweep`, where
-`learning_rates_by_arch` may give an architecture its own learning rates (`learning_rates_of`).
+`learning_rates_by_arch` may give an architecture its own learning rates (`grid_learning_rates`).
 Each run gets a readable id `{arch}_L{n_layer}-d{d_model}_lr{lr}_s{seed}_{hash}` where the hash
 covers everything else that changes training (model config, recipe, data), so that editing the
 grid adds runs instead of silently reusing old ones.
@@ -226,7 +226,7 @@ def expand_grid(config: dict) -> Experiment:
     d_id = data_id(config)
     train_section = config.get("train", {})
     exp = Experiment(config=config, vocab_size=vocab_size, tokenizer_id=tok_id, data_id=d_id)
-    lrs_by_arch = {name: learning_rates_of(config, name) for name in config["architectures"]}
+    lrs_by_arch = grid_learning_rates(config)
     for knobs in _sweep_points(config.get("sweep", {})):
         model_section = copy.deepcopy(config.get("model", {}))
         train_dict = copy.deepcopy(train_section)
@@ -262,9 +262,9 @@ def expand_grid(config: dict) -> Experiment:
     return exp
 
 
-def learning_rates_of(config: dict, arch_name: str) -> list[float]:
-    """The learning rates the grid tries for one architecture: its `learning_rates_by_arch`
-    entry when it has one, else `learning_rates`.
+def grid_learning_rates(config: dict) -> dict[str, list[float]]:
+    """The learning rates the grid tries for each name in `architectures`: its
+    `learning_rates_by_arch` entry when it has one, else `learning_rates`.
 
     Why per architecture: the best LR at one budget moves by a factor of 4 or more between
     architectures (the AttnRes variants want 1.25e-2 or more where Pre-LN at L = 2 wants 2e-3 or
@@ -280,10 +280,9 @@ def learning_rates_of(config: dict, arch_name: str) -> list[float]:
                 f"learning_rates_by_arch.{key}",
                 f"names no architecture of the grid; valid keys: {sorted(set(listed) | set(listed.values()))}",
             )
-    for key in (arch_name, listed.get(arch_name, arch_name)):
-        if key in by_arch:
-            return [float(v) for v in by_arch[key]]
-    return [float(v) for v in config["learning_rates"]]
+    default = [float(v) for v in config["learning_rates"]]
+    return {name: [float(v) for v in by_arch.get(name, by_arch.get(canonical, default))]
+            for name, canonical in listed.items()}
 
 
 def _first_valid_width(n_head: int) -> int:
