@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="auto: real where the estimate fits available memory, else meta; real: refuse what does not fit")
     p.add_argument("--meta", action="store_true", help="same as --mode meta: build on the meta device, print per-GPU estimates")
     p.add_argument("--archs", default="", help="comma-separated architectures, in the order to run (default: all of the config)")
-    p.add_argument("--shapes", default="widest,deepest", help="widest, deepest or both (default)")
+    p.add_argument("--shapes", default="widest,deepest", help="widest, deepest, or both (default; also written widest,deepest)")
     p.add_argument("--tokens", type=int, default=256, help="micro-batch 1 x TOKENS (default 256)")
     p.add_argument("--probe-tokens", type=int, default=32, help="tokens of each of the 2 probe sequences (default 32)")
     p.add_argument("--probe-passes", type=int, default=1, help="items per intervention probe (0: all; default 1)")

@@ -78,12 +78,13 @@ class Target:
 def rehearsal_targets(exp, archs: list[str] | None = None, which: tuple[str, ...] = ("widest", "deepest")) -> list[Target]:
     """Per architecture of the grid (in the order of `archs`, default the config's), its widest and its deepest shape (first
     learning rate, seed and sweep point: they do not change the model's size); `which` keeps
-    only the widest or only the deepest."""
+    only the widest or only the deepest; "both" stands for the two."""
+    which = tuple(w for part in which for w in (("widest", "deepest") if part == "both" else (part,)))
     shapes: dict[str, dict] = {}
     for spec in exp.runs.values():
         shapes.setdefault(spec.arch, {}).setdefault(spec.shape, spec)
     if not which or set(which) - {"widest", "deepest"}:
-        raise ValueError(f"--shapes {list(which)}: valid: widest, deepest")
+        raise ValueError(f"--shapes {list(which)}: valid: widest, deepest, both or widest,deepest")
     unknown = sorted(set(archs or []) - set(shapes))
     if unknown:
         raise ValueError(f"--archs {unknown}: not architectures of this config; valid: {list(shapes)}")

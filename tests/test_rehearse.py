@@ -132,6 +132,11 @@ def test_targets_order_and_filter(tiny_exp):
     assert [(t.arch, t.which, t.spec.shape.n_layer) for t in targets] == [("attnres_block", "deepest", 4), ("pre_ln", "deepest", 4)]
     with pytest.raises(ValueError, match="--shapes"):
         rh.rehearsal_targets(tiny_exp, None, ("tallest",))
+    # "both" (the CLI's documented spelling of the default) is the widest and the deepest
+    both = rh.rehearsal_targets(tiny_exp, ["pre_ln"], ("both",))
+    assert [(t.which, t.spec.shape.n_layer) for t in both] == [
+        (t.which, t.spec.shape.n_layer) for t in rh.rehearsal_targets(tiny_exp, ["pre_ln"], ("widest", "deepest"))]
+    assert {t.which for t in both} == {"widest", "deepest"}
 
 
 def test_guard_refuses_or_goes_meta(tiny_exp, tmp_path, monkeypatch):
