@@ -206,3 +206,75 @@ def test_attnres_sources_live_in_one_buffer_per_forward():
     assert state.value.buffer is buffer and buffer.holds(state.value.values) and len(buffer.sources) == 7
     with pytest.raises(ConfigError, match="model.arch_options.depth_mix"):
         build_model(cfg("attnres_block", arch_options={"depth_mix": "fast"}))
+
+
+# --- the chunked kernel pair (what MoDA's fused path runs off the CPU) --------------------------
+
+
+@pytest.mark.parametrize("T, chunk", [(7, 3), (12, 4), (9, 256)])
+def test_chunked_pair_equals_causal_attention_and_its_lse(T, chunk, monkeypatch):
+    """Forward (output, lse) equals causal softmax attention written out; backward from a given
+    lse and output equals autograd's gradient of that attention (the lse and output being its
+    own), for blocks that split T unevenly, evenly and not at all; float64."""
+    from depthbench.models.archs import moda_fused as mf
+
+    monkeypatch.setattr(mf, "QUERY_CHUNK", chunk)
+    torch.manual_seed(0)
+    B, H, hd = 2, 3, 5
+    q, k, v = (torch.randn(B, H, T, hd, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    scale = 1 / math.sqrt(hd)
+    s = (q @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    y_ref, lse_ref = torch.softmax(s, -1) @ v, s.logsumexp(-1)
+    y, lse = mf.chunked_attention_forward(q.detach(), k.detach(), v.detach(), 0.0, True, scale=scale)
+    torch.testing.assert_close(y, y_ref.detach())
+    torch.testing.assert_close(lse, lse_ref.detach())
+    dy = torch.randn_like(y)
+    grads = mf.chunked_attention_backward(dy, q.detach(), k.detach(), v.detach(), y, lse, 0.0, True, scale=scale)
+    for g, ref in zip(grads, torch.autograd.grad(y_ref, (q, k, v), dy)):
+        torch.testing.assert_close(g, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_chunked_pair_equals_the_cpu_flash_pair():
+    """The two pairs agree, forward and backward (float32, blocks of 4 over T = 10): on the CPU
+    one can stand for the other."""
+    from depthbench.models.archs import moda_fused as mf
+
+    flash = mf._kernel_for(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))
+    if flash is mf.CHUNKED:
+        pytest.skip("this torch has no CPU flash pair")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 10, 8) for _ in range(3))
+    yc, lc = mf.chunked_attention_forward(q, k, v, 0.0, True, scale=0.3)
+    yf, lf = flash[0](q, k, v, 0.0, True, scale=0.3)
+    torch.testing.assert_close(yc, yf, **TOL)
+    torch.testing.assert_close(lc, lf.reshape(lc.shape), **TOL)
+    dy = torch.randn_like(yc)
+    lse = torch.empty_like(lf).copy_(lc.view(lf.shape))
+    for a, b in zip(mf.chunked_attention_backward(dy, q, k, v, yc, lc, 0.0, True, scale=0.3),
+                    flash[1](dy, q, k, v, yf, lse, 0.0, True, scale=0.3)):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_kernel_choice_by_device_and_option():
+    from depthbench.models.archs import moda_fused as mf
+
+    cpu = torch.zeros(1, 1, 3, 2)
+    assert mf._kernel_for(cpu, cpu, "chunked") is mf.CHUNKED
+    meta = torch.zeros(1, 1, 3, 2, device="meta")  # any device but the CPU: the chunked pair
+    assert mf._kernel_for(meta, meta) is mf.CHUNKED
+    assert mf._kernel_for(cpu, torch.zeros(1, 1, 5, 2)) is None  # decoding offset: explicit
+
+
+@pytest.mark.parametrize("n_layer, n_kv_head, variant", [(3, 2, "reuse_kv"), (4, 2, "ffn_kv")])
+def test_moda_chunked_equals_explicit_in_loss_and_every_gradient(n_layer, n_kv_head, variant, monkeypatch):
+    """`attention_impl: chunked` (the path CUDA takes) against the explicit score matrices in a
+    whole model, blocks of 5 queries over 12 positions."""
+    from depthbench.models.archs import moda_fused as mf
+
+    monkeypatch.setattr(mf, "QUERY_CHUNK", 5)
+    chunked, explicit = twin_models("moda", "attention_impl", "chunked", "explicit", n_layer=n_layer,
+                                    n_kv_head=n_kv_head, arch_options={"variant": variant})
+    idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    targets = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(2))
+    assert_same_loss_and_gradients(chunked, explicit, idx, targets)

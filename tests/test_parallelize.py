@@ -120,9 +120,11 @@ def test_checkpointing_frees_memory_as_the_estimator_predicts(arch):
     """Measured bytes held after the forward drop with checkpointing; the meta-device estimate of
     every mode is within 10 % of the measurement."""
     N, T = 2, 32
-    # moda: the explicit attention, the path CUDA runs (the fused CPU path's depth K/V buffer is
-    # live memory that no saved-tensor trace sees, so the estimate does not cover it)
-    options = {**FEW_ITERATIONS, "attention_impl": "explicit"} if arch == "moda" else FEW_ITERATIONS
+    # the paths CUDA runs, which the meta trace takes: MoDA's chunked pair and AttnRes's batched
+    # mix, whose buffers (held on a ctx, announced through held_for_backward) are live memory here
+    cuda_path = {"moda": {"attention_impl": "chunked"}, "attnres_full": {"depth_mix": "batched"},
+                 "attnres_block": {"depth_mix": "batched"}}
+    options = {**FEW_ITERATIONS, **cuda_path.get(arch, {})}
     cfg = ModelConfig(arch=arch, vocab_size=VOCAB, d_model=48, n_layer=4, n_head=4, max_seq_len=T, arch_options=options)
     with torch.device("meta"):
         trace = trace_activations(build_model(cfg, initialize=False), torch.zeros(N, T, dtype=torch.long, device="meta"), False)

@@ -286,6 +286,12 @@ class DecoderLM(nn.Module, ModelAdapter):
         in the root unit. Default: one unit per layer."""
         return list(self.blocks)
 
+    def checkpoint_units(self) -> list[nn.Module]:
+        """The modules activation checkpointing recomputes one at a time (and per-block compile
+        compiles; depthbench.train.parallelize), which the memory estimate traces per unit.
+        Each must be called by the trunk as a whole. Default: the FSDP2 units."""
+        return self.fsdp_units()
+
     # -- accounting -------------------------------------------------------------------------
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Total parameters as built (every expert of an MoE counted)."""

@@ -13,6 +13,21 @@ from torch import nn
 from depthbench.models.config import ModelConfig
 
 
+# Listeners of `held_for_backward` (depthbench.train.memory's trace adds one while it runs).
+HELD_LISTENERS: list = []
+
+
+def held_for_backward(t: torch.Tensor) -> torch.Tensor:
+    """Mark `t` as kept until backward outside autograd's saved tensors: a buffer that later
+    layers write into in place, which an autograd.Function holds on its ctx because saving it
+    would fail the version check (MoDA's depth K/V, AttnRes's sources). Memory tracing sees
+    saved tensors through autograd's hooks only; this is how it sees these. Returns `t`."""
+    if HELD_LISTENERS and torch.is_grad_enabled():
+        for listener in HELD_LISTENERS:
+            listener(t)
+    return t
+
+
 def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     """Upcast bf16/fp16 for reductions and softmaxes; leave fp32 and fp64 as they are."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x

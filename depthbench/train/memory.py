@@ -6,6 +6,11 @@ kept next to eleven modules would drift from them. Instead the model of the run 
 meta device (no memory, no arithmetic) and one forward pass at the run's micro-batch and
 sequence length is traced with `torch.autograd.graph.saved_tensors_hooks`: the bytes autograd
 keeps for backward are counted once per storage, parameters excluded (they are the weights).
+Buffers that an autograd.Function holds on its ctx instead of saving (MoDA's depth K/V buffer,
+AttnRes's source buffer: later layers write into them in place) are announced by the models
+through `depthbench.models.layers.held_for_backward` and counted as saved outside every unit
+(checkpointing does not free them), and so are the tensors whose values they copy, which the
+buffers reference (to route each slot's gradient to its tensor) as long as they live.
 
 Precision: on GPU the loop runs under bf16 autocast, which does not act on meta tensors, so
 `_Bf16Autocast` redoes its casts as a function mode: the inputs of matrix products and attention
@@ -14,11 +19,11 @@ the loop runs in fp32 and nothing is cast. The CPU C++ kernels of HC/mHC never r
 the trace takes the eager path (`kernels.apply_to` patched to False while tracing).
 
 Activation checkpointing (depthbench.train.parallelize) acts on the architecture's units
-(`fsdp_units`: the blocks, or attnres's sublayers), so the trace attributes each saved storage to
+(`checkpoint_units`: the blocks, or attnres's pre-normed sublayers), so the trace attributes each saved storage to
 the units that save it and records the storages entering each unit (its inputs, MoDA's depth
 keys included). A checkpointed unit keeps only its inputs and recomputes one unit at a time in
 backward: saved = every storage still saved by a non-checkpointed unit or outside the units
-(embedding, final norm, head, loss, attnres's depth mixing) + the inputs of the checkpointed
+(embedding, final norm, head, loss, attnres's depth mixing and source norms) + the inputs of the checkpointed
 units (each storage once) + the largest checkpointed unit's own saved bytes (its recomputation).
 
 Peak per GPU = weights + gradients + AdamW (two fp32 moments) + saved activations + one block's
@@ -39,6 +44,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from depthbench.models import ModelConfig, build_model
+from depthbench.models.layers import HELD_LISTENERS
 
 HEADROOM = 0.10
 FP32 = 4
@@ -157,7 +163,7 @@ def trace_activations(model: torch.nn.Module, idx: torch.Tensor, bf16: bool) -> 
     saved: dict = {}
     keep: list = []  # holds every saved tensor during the pass, so that ids are not reused
     current: list[int] = [-1]
-    units = list(model.fsdp_units())
+    units = list(model.checkpoint_units())
     unit_saved = [0] * len(units)
     inputs: list[dict] = [{} for _ in units]
 
@@ -174,6 +180,13 @@ def trace_activations(model: torch.nn.Module, idx: torch.Tensor, bf16: bool) -> 
             if current[0] >= 0:
                 unit_saved[current[0]] += _nbytes(t)
         return t
+
+    def held(t):  # kept until backward whatever is checkpointed (see the module docstring)
+        key = _key(t)
+        if key not in saved:
+            saved[key] = (_nbytes(t), set())
+            keep.append(t)
+        saved[key][1].add(-1)
 
     hooks, depth = [], [0]
     for i, unit in enumerate(units):
@@ -195,11 +208,13 @@ def trace_activations(model: torch.nn.Module, idx: torch.Tensor, bf16: bool) -> 
         for module in unit.modules():
             hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     mode = _MetaAutocast(bf16) if idx.device.type == "meta" else nullcontext()
+    HELD_LISTENERS.append(held)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode, _eager_kernels(idx, mode):
             out = model(idx, targets=idx)
             del out
     finally:
+        HELD_LISTENERS.remove(held)
         for h in hooks:
             h.remove()
     return ActivationTrace(saved, unit_saved, inputs)

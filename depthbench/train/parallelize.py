@@ -2,9 +2,10 @@
 data parallelism, in torchtitan's order (checkpoint wrappers inside the compiled region, the
 compiled region inside FSDP2's units, so that FSDP2's all-gather hooks never break a graph).
 
-Units. Everything acts on the architecture's units (`DecoderLM.fsdp_units`): the modules the
-trunk calls, one per layer (a block) by default, or per sublayer (attnres: the attention and
-FFN modules; its depth mixing runs outside them). A unit is wrapped by setting its instance
+Units. Checkpointing and per-block compile act on the architecture's checkpoint units
+(`DecoderLM.checkpoint_units`): the modules the trunk calls, one per layer (a block) by default,
+or per sublayer (attnres: each sublayer with its pre-norm; its depth mixing runs outside them);
+FSDP2 shards `DecoderLM.fsdp_units` (the blocks, or attnres's attention and FFN modules). A unit is wrapped by setting its instance
 `forward` to `run_unit`, so parameter names, state dicts and checkpoints do not change.
 
 `train.activation_checkpointing` (torch.utils.checkpoint, non-reentrant):
@@ -134,7 +135,7 @@ class _UnitForward:
 
 def wrap_units(model: nn.Module, checkpointing: str, compile: str = "none", backend: str = "inductor") -> list[nn.Module]:
     """Activation checkpointing and per-block compile on the model's units, in place; returns them."""
-    units = list(model.fsdp_units())
+    units = list(model.checkpoint_units())
     recompute = checkpointed_units(checkpointing, len(units))
     fn = run_unit
     if compile_mode(compile) == "block":

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from depthbench.models.layers import held_for_backward
+
 
 class SourceBuffer:
     """The sources (B, T, d) of one forward in slots of a (B, T, capacity, d) buffer of the first
@@ -30,7 +32,7 @@ class SourceBuffer:
 
     def __init__(self, like: torch.Tensor, capacity: int):
         B, T, d = like.shape
-        self.values = like.new_empty(B, T, max(capacity, 1), d)
+        self.values = held_for_backward(like.new_empty(B, T, max(capacity, 1), d))
         self.sources: list[torch.Tensor] = []
 
     def fits(self, t: torch.Tensor) -> bool:
@@ -40,10 +42,10 @@ class SourceBuffer:
     def push(self, t: torch.Tensor) -> None:
         n = len(self.sources)
         if n == self.values.shape[2]:
-            self.values = torch.cat([self.values, torch.empty_like(self.values)], dim=2)
+            self.values = held_for_backward(torch.cat([self.values, torch.empty_like(self.values)], dim=2))
         with torch.no_grad():
             self.values[:, :, n].copy_(t)
-        self.sources.append(t)
+        self.sources.append(held_for_backward(t))  # referenced while the buffer lives
 
     def holds(self, sources: list) -> bool:
         """Whether the first len(sources) slots are exactly these tensors."""

@@ -19,9 +19,13 @@ docs/choices.md):
 - `fused` (default; moda_fused.py): one online softmax over the sequence chunk, from the fused
   causal kernel with its log-sum-exp, and the depth chunk, read from a depth K/V buffer
   preallocated per forward that each layer writes its own keys into. Forward and backward hold
-  no (T, S) score matrix and re-stack no earlier layer's keys. Where no fused kernel applies
-  (a device without one, a decoding offset) it falls back to the explicit path. On the CPU at
-  L = 32 its training step measured 1.57x pre_ln against the explicit path's 2.35x.
+  no (T, S) score matrix and re-stack no earlier layer's keys. The sequence chunk runs aten's
+  fused flash pair on the CPU and a chunked online-softmax pair (blocks of queries, written in
+  torch operations) on every other device, CUDA included. Where neither applies (a decoding
+  offset) it falls back to the explicit path. On the CPU at L = 32 its training step measured
+  1.57x pre_ln against the explicit path's 2.35x.
+- `chunked`: `fused` with the chunked pair on every device, the CPU included (what CUDA runs,
+  so that the CPU tests hold it to the explicit path).
 - `explicit`: the scores as explicit (T, S + D) matrices and the depth keys stacked per layer
   (`joint_depth_attention`): the reference the tests hold the fused path to (1e-5 in float32).
 Layer 1, which has no depth keys, always uses SDPA.
@@ -45,11 +49,12 @@ from depthbench.models.layers import RMSNorm, apply_rotary, at_least_fp32, causa
 @dataclass(frozen=True)
 class MoDAOptions(ArchOptions):
     variant: str = "reuse_kv"  # reuse_kv: the attention K/V as depth keys; ffn_kv: also a projection of each FFN input
-    attention_impl: str = "fused"  # fused: one online softmax over a depth K/V buffer; explicit: score matrices
+    attention_impl: str = "fused"  # fused: one online softmax over a depth K/V buffer; chunked: fused with
+    # the torch-written kernel pair on every device (CUDA's path); explicit: score matrices
 
     def __post_init__(self) -> None:
         self.require("variant", ("reuse_kv", "ffn_kv"))
-        self.require("attention_impl", ("fused", "explicit"))
+        self.require("attention_impl", ("fused", "chunked", "explicit"))
 
 
 def joint_depth_attention(q, k, v, depth_k, depth_v):
@@ -144,7 +149,9 @@ class MoDABlock(Block):
             # never run (no later layer reads it, see forward) yet in the budget: frozen, so that
             # DDP does not wait for its gradient (its unused-parameter check) and AdamW leaves it
             self.ffn_kv.weight.requires_grad_(False)
-        self.fused = MoDAOptions.of(cfg).attention_impl == "fused"
+        impl = MoDAOptions.of(cfg).attention_impl
+        self.fused = impl != "explicit"
+        self.kernel = "chunked" if impl == "chunked" else "auto"
 
     def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None, depth: DepthKeys | None = None) -> torch.Tensor:
         """`depth` holds the (k, v) pairs of earlier layers; this layer appends its own."""
@@ -156,7 +163,7 @@ class MoDABlock(Block):
         groups = attn.n_head // attn.n_kv_head
         if depth:
             buffer = depth.buffer() if self.fused else None
-            y = fused_joint_attention(q, k_seq, v_seq, buffer, len(depth)) if buffer is not None else None
+            y = fused_joint_attention(q, k_seq, v_seq, buffer, len(depth), self.kernel) if buffer is not None else None
             if y is None:  # the explicit path: the reference, and where no fused kernel applies
                 dk, dv = torch.stack([d[0] for d in depth], dim=3), torch.stack([d[1] for d in depth], dim=3)
                 if groups > 1:  # GQA: each group of query heads reads one K/V head (a copy; skipped for MHA)
@@ -190,7 +197,7 @@ class MixtureOfDepthsAttention(DecoderLM):
     # The trunk state is (x, the depth keys and values so far); see DecoderLM.layer_step.
     def init_state(self, h0: torch.Tensor) -> tuple[torch.Tensor, DepthKeys]:
         per_layer = 2 if self.options.variant == "ffn_kv" else 1
-        return h0, DepthKeys(capacity=per_layer * self.cfg.n_layer, buffered=self.options.attention_impl == "fused")
+        return h0, DepthKeys(capacity=per_layer * self.cfg.n_layer, buffered=self.options.attention_impl != "explicit")
 
     def read_stream(self, state: tuple[torch.Tensor, DepthKeys]) -> torch.Tensor:
         return state[0]

@@ -19,9 +19,23 @@ recomputes its probabilities as exp(score - lse) from the lse and output it is h
 it the JOINT lse and y gives exactly the sequence chunk's part of the joint gradient (dq, dk, dv);
 the depth chunk's part is four batched products (`_depth_backward`).
 
-Where no fused kernel with a log-sum-exp applies (a device other than the CPU, a decoding
-offset, an unsupported dtype) `fused_joint_attention` returns None and moda.py takes the
-explicit path, which stays as the reference the tests compare with.
+The sequence chunk's kernel pair (forward with its log-sum-exp; backward from a given lse and
+output), by device (`_kernel_for`):
+- CPU: aten's fused flash-attention pair (`_scaled_dot_product_flash_attention_for_cpu` and its
+  backward).
+- every other device (CUDA, MPS, meta): `chunked_attention_forward` / `_backward`, the same two
+  functions written with torch operations over blocks of QUERY_CHUNK queries: each block's
+  scores against the keys up to its last query are formed, used and dropped (at most
+  QUERY_CHUNK x S per head at a time, never T x S), and backward recomputes them from the lse
+  (FlashAttention-2's recomputation, blocked by queries only). Scores are formed in float32: on
+  CUDA from bf16/fp16 operands with a float32 output (`torch.bmm(..., out_dtype=float32)`, as a
+  flash kernel accumulates), elsewhere from float32 copies. Chosen over FlexAttention, which in
+  torch 2.13 has no backward on the CPU (so could not be held to the explicit path by the CPU
+  tests) and whose backward cannot be handed the joint lse; and over aten's CUDA flash /
+  memory-efficient pairs, whose lse layouts differ by kernel and version and which no GPU here
+  could check (`attention_impl: chunked` forces this pair on the CPU too, for the tests).
+Where neither applies (a decoding offset, an integer dtype) `fused_joint_attention` returns
+None and moda.py takes the explicit path, which stays as the reference the tests compare with.
 """
 
 from __future__ import annotations
@@ -30,18 +44,89 @@ import math
 
 import torch
 
-from depthbench.models.layers import at_least_fp32
+from depthbench.models.layers import at_least_fp32, held_for_backward
 
 
-def _kernel_for(q: torch.Tensor, k: torch.Tensor):
-    """The fused causal kernel pair (forward with lse, backward) for these inputs, or None."""
-    if q.device.type != "cpu" or q.shape[2] != k.shape[2]:  # queries must be all positions (no decoding offset)
+QUERY_CHUNK = 256  # queries per block of the chunked pair: at T = 2048 eight blocks per layer
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """scale * q k^T in float32 (float64 kept) for q (N, c, hd), k (N, S, hd)."""
+    if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16):
+        return torch.bmm(q, k.transpose(1, 2), out_dtype=torch.float32).mul_(scale)  # fp32 accumulation, as flash
+    return torch.bmm(at_least_fp32(q), at_least_fp32(k).transpose(1, 2)).mul_(scale)
+
+
+def _causal_block(s: torch.Tensor, start: int) -> torch.Tensor:
+    """Mask (in place, -inf) the keys after each query of a block of queries start.. of scores
+    (N, c, S) over keys 0..S-1, S = start + c: only the block's last c key columns can be in the future."""
+    c = s.shape[1]
+    future = torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1)
+    s[:, :, start:].masked_fill_(future, float("-inf"))
+    return s
+
+
+def chunked_attention_forward(q, k, v, dropout_p=0.0, is_causal=True, *, scale):
+    """Causal attention and its log-sum-exp, block by block of queries; the signature and
+    results of aten's CPU flash forward: q, k, v (B, H, T, hd) -> y (B, H, T, hd), lse (B, H, T) in float32 (float64 for float64 inputs)."""
+    assert dropout_p == 0.0 and is_causal
+    B, H, T, hd = q.shape
+    qf, kf, vf = (t.reshape(B * H, T, hd) for t in (q, k, v))
+    y = torch.empty_like(qf)
+    lse = torch.empty(B * H, T, dtype=at_least_fp32(q).dtype, device=q.device)
+    for start in range(0, T, QUERY_CHUNK):
+        end = min(start + QUERY_CHUNK, T)
+        s = _causal_block(_scores(qf[:, start:end], kf[:, :end], scale), start)  # (N, c, end)
+        block_lse = s.logsumexp(-1)
+        p = torch.exp(s - block_lse.unsqueeze(-1))
+        y[:, start:end] = torch.bmm(p.to(vf.dtype), vf[:, :end])
+        lse[:, start:end] = block_lse
+    return y.view(B, H, T, hd), lse.view(B, H, T)
+
+
+def chunked_attention_backward(grad, q, k, v, out, lse, dropout_p=0.0, is_causal=True, *, scale):
+    """(dq, dk, dv) of causal attention from the upstream gradient, the output and the lse it is
+    handed (FlashAttention-2: p = exp(s - lse), dv = p^T dy, ds = p (dy v^T - rowsum(dy * out)),
+    dq = scale ds k, dk = scale ds^T q), block by block of queries, the scores recomputed."""
+    assert dropout_p == 0.0 and is_causal
+    B, H, T, hd = q.shape
+    qf, kf, vf, gf, of = (t.reshape(B * H, T, hd) for t in (q, k, v, grad, out))
+    lf = lse.reshape(B * H, T, 1)
+    rowsum = torch.linalg.vecdot(at_least_fp32(gf), at_least_fp32(of)).unsqueeze(-1)  # D = rowsum(dy * y), (N, T, 1)
+    acc = at_least_fp32(q).dtype
+    dq = torch.empty(B * H, T, hd, dtype=acc, device=q.device)
+    dk = torch.zeros(B * H, T, hd, dtype=acc, device=q.device)
+    dv = torch.zeros_like(dk)
+    for start in range(0, T, QUERY_CHUNK):
+        end = min(start + QUERY_CHUNK, T)
+        s = _causal_block(_scores(qf[:, start:end], kf[:, :end], scale), start)
+        p = torch.exp(s - lf[:, start:end])  # masked keys: exp(-inf) = 0
+        g = at_least_fp32(gf[:, start:end])
+        dv[:, :end] += torch.bmm(p.transpose(1, 2), g)
+        ds = p * (torch.bmm(g, at_least_fp32(vf[:, :end]).transpose(1, 2)) - rowsum[:, start:end])
+        dq[:, start:end] = torch.bmm(ds, at_least_fp32(kf[:, :end])) * scale
+        dk[:, :end] += torch.bmm(ds.transpose(1, 2), at_least_fp32(qf[:, start:end])) * scale
+    shape = (B, H, T, hd)
+    return dq.view(shape).to(q.dtype), dk.view(shape).to(k.dtype), dv.view(shape).to(v.dtype)
+
+
+CHUNKED = (chunked_attention_forward, chunked_attention_backward)
+
+
+def _kernel_for(q: torch.Tensor, k: torch.Tensor, kernel: str = "auto"):
+    """The causal kernel pair (forward with lse, backward) for these inputs, or None. `kernel`:
+    auto (aten's CPU flash pair on the CPU, the chunked pair elsewhere) or chunked."""
+    if q.shape[2] != k.shape[2]:  # queries must be all positions (no decoding offset)
         return None
+    if not q.is_floating_point():
+        return None
+    if kernel == "chunked" or q.device.type != "cpu":
+        return CHUNKED
     if q.dtype not in (torch.float32, torch.float64, torch.bfloat16):
-        return None
+        return CHUNKED
     fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-    return None if fwd is None or bwd is None else (fwd, bwd)
+    return CHUNKED if fwd is None or bwd is None else (fwd, bwd)
 
 
 def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -122,8 +207,8 @@ class DepthBuffer:
     Capacity doubles when full (an O(D) copy, amortised), so the keys are never re-stacked."""
 
     def __init__(self, like: torch.Tensor, capacity: int):
-        self.k = like.new_empty(max(capacity, 1), *like.shape)
-        self.v = torch.empty_like(self.k)
+        self.k = held_for_backward(like.new_empty(max(capacity, 1), *like.shape))
+        self.v = held_for_backward(torch.empty_like(self.k))
         self.sources: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def fits(self, t: torch.Tensor) -> bool:
@@ -132,11 +217,13 @@ class DepthBuffer:
     def push(self, pair: tuple[torch.Tensor, torch.Tensor]) -> None:
         n = len(self.sources)
         if n == self.k.shape[0]:  # full: double (never during a model's own forward, sized to it)
-            self.k = torch.cat([self.k, torch.empty_like(self.k)])
-            self.v = torch.cat([self.v, torch.empty_like(self.v)])
+            self.k = held_for_backward(torch.cat([self.k, torch.empty_like(self.k)]))
+            self.v = held_for_backward(torch.cat([self.v, torch.empty_like(self.v)]))
         with torch.no_grad():  # a cache of values: gradients reach the sources through _JointAttention
             self.k[n].copy_(pair[0])
             self.v[n].copy_(pair[1])
+        for t in pair:  # referenced while the buffer lives
+            held_for_backward(t)
         self.sources.append(pair)
 
     def holds(self, pairs: list) -> bool:
@@ -144,10 +231,10 @@ class DepthBuffer:
         return len(self.sources) >= len(pairs) and all(a is b for a, b in zip(self.sources, pairs))
 
 
-def fused_joint_attention(q, k, v, buffer: DepthBuffer, n_pairs: int):
+def fused_joint_attention(q, k, v, buffer: DepthBuffer, n_pairs: int, kernel: str = "auto"):
     """Equation (1) over the first `n_pairs` (k, v) pairs in `buffer`, or None where no fused
-    kernel applies. q (B, H, T, hd); k, v (B, H_kv, T, hd) -> (B, H, T, hd)."""
-    kernels = _kernel_for(q, k)
+    kernel applies. q (B, H, T, hd); k, v (B, H_kv, T, hd) -> (B, H, T, hd). `kernel`: see _kernel_for."""
+    kernels = _kernel_for(q, k, kernel)
     if kernels is None or not buffer.fits(k):
         return None
     sources = [t for pair in buffer.sources[:n_pairs] for t in pair] if torch.is_grad_enabled() else []
