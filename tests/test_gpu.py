@@ -70,3 +70,48 @@ def test_training_on_cuda_uses_the_fast_path(request, tmp_path):
     assert summary["peak_memory_kind"] == "cuda_allocator" and summary["peak_memory_bytes"] > 0
     mfu = [json.loads(line).get("mfu") for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any(m is not None and m > 0 for m in mfu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moda_fused_on_cuda_is_the_chunked_pair_and_equals_the_explicit_path(dtype):
+    """Off the CPU MoDA's fused attention runs the chunked online-softmax pair (bf16 operands with
+    float32 scores through bmm's out_dtype): loss and gradients against the explicit score matrices."""
+    from depthbench.models.archs import moda_fused as mf
+
+    q = torch.zeros(1, 1, 4, 8, device="cuda", dtype=dtype)
+    assert mf._kernel_for(q, q) is mf.CHUNKED
+    losses, grads = [], []
+    for impl in ("fused", "explicit"):
+        model = _model("moda", n_kv_head=2, arch_options={"attention_impl": impl})
+        idx = torch.randint(0, 1024, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            loss = model(idx, idx).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert abs(losses[0] - losses[1]) <= tol * abs(losses[1])
+    assert (grads[0] - grads[1]).norm() <= 10 * tol * grads[1].norm()
+
+
+@pytest.mark.parametrize("arch", ["pre_ln", "attnres_full", "moda"])
+def test_memory_estimate_against_the_cuda_allocator(arch):
+    """Saved activations by the estimate vs the allocator's growth over one bf16 forward (the
+    buffers held on a ctx included), within 25 %."""
+    from depthbench.train.memory import estimate_memory
+
+    cfg = ModelConfig(arch=arch, vocab_size=1024, d_model=256, n_layer=8, n_head=4, max_seq_len=512)
+    torch.manual_seed(0)
+    model = build_model(cfg).cuda()
+    idx = torch.randint(0, 1024, (4, 512), device="cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(idx, idx)
+    loss = out.loss
+    del out
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    est = estimate_memory(cfg, 4, 512, bf16=True).activations
+    loss.backward()
+    assert abs(est - held) <= 0.25 * held, (arch, est, held)

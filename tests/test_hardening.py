@@ -396,6 +396,31 @@ def test_outputs_get_the_mode_the_umask_allows(tmp_path, umask):
         assert (tmp_path / p).stat().st_mode & 0o777 == want, p
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_folder_is_replaced_whole_with_an_ordinary_folders_mode(tmp_path, umask):
+    """atomic_folder (HF exports, published snapshots): the new folder replaces the old one only
+    once it is complete, with mkdir's mode, and a failure leaves the old folder as it was."""
+    from depthbench.io import atomic_folder
+
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_folder(target) as tmp:
+            (tmp / "new.txt").write_text("new")
+            raise RuntimeError("killed half-way")
+    assert [p.name for p in target.iterdir()] == ["old.txt"] and len(list(tmp_path.iterdir())) == 1
+    old = os.umask(umask)
+    try:
+        with atomic_folder(target) as tmp:
+            (tmp / "new.txt").write_text("new")
+        (tmp_path / "plain").mkdir()  # what mkdir gives: the reference
+    finally:
+        os.umask(old)
+    assert [p.name for p in target.iterdir()] == ["new.txt"]
+    assert target.stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777 == 0o777 & ~umask
+
+
 # -- 7. the smaller items -----------------------------------------------------------------------------
 def test_head_count_hint_lists_exactly_the_counts_that_pass_every_check():
     with pytest.raises(ConfigError) as exc:

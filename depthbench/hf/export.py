@@ -24,13 +24,13 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from depthbench.errors import ConfigError, DataError
+from depthbench.io import atomic_folder
 from depthbench.hf.card import model_card
 from depthbench.hf.llama import is_plain_llama, llama_config_kwargs, to_llama_state_dict
 from depthbench.models.config import ModelConfig
@@ -160,17 +160,9 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, results_d
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise ConfigError("OUT_DIR", f"{out} exists and is not empty; pass --overwrite or choose a new folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
-    try:
+    with atomic_folder(out) as tmp:
         specials = write_tokenizer(run, tmp)
         class_name = write_model(run, tmp, specials)
         write_generation_config(tmp, specials, remote=class_name != "LlamaForCausalLM")
         (tmp / "README.md").write_text(model_card(run, class_name))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"run_id": run.spec["run_id"], "arch": run.arch, "class": class_name, "out_dir": str(out)}

@@ -32,11 +32,10 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from depthbench.errors import ConfigError
-from depthbench.io import atomic_write, current_umask
+from depthbench.io import atomic_folder, atomic_write
 from depthbench.train.trainer import Hook
 
 FOLDER = "snapshots"
@@ -137,21 +136,12 @@ def publish(paths, run_id: str) -> int:
     never modified in place, only replaced), else copied. Returns how many."""
     found = list_snapshots(work_folder(paths))
     target = run_folder(paths)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{FOLDER}.", suffix=".tmp"))
-    try:
+    with atomic_folder(target) as tmp:
         for _, src in found:
             try:
                 os.link(src, tmp / src.name)
             except OSError:
                 shutil.copy2(src, tmp / src.name)
-        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     print(f"[{run_id}] {len(found)} snapshots in {target}", file=sys.stderr)
     return len(found)
 
