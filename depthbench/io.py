@@ -36,20 +36,32 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
 @contextmanager
 def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary folder beside `path` to fill; on success it gets an ordinary folder's
-    mode (0777 less the umask; mkdtemp makes it 0700) and replaces `path` whole (an existing
-    folder at `path` is removed first); on any error it is removed and `path` is left as it was."""
+    mode (0777 less the umask; mkdtemp makes it 0700) and takes `path`'s place: whatever was at
+    `path` (a folder, a file or a link) is first renamed aside, the new folder renamed in, and the
+    old one removed only then (renamed back if the second rename fails). On any error the
+    temporary folder is removed and `path` is left as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         yield tmp
         os.chmod(tmp, 0o777 & ~current_umask())
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        old = None
+        if path.exists() or path.is_symlink():
+            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old")) / "old"
+            os.replace(path, old)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            if old is not None:
+                os.replace(old, path)
+                os.rmdir(old.parent)
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if old is not None:  # the new folder is in place: the old one goes (a failure here loses nothing new)
+        shutil.rmtree(old.parent, ignore_errors=True)
 
 
 def current_umask() -> int:

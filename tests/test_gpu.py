@@ -72,12 +72,38 @@ def test_training_on_cuda_uses_the_fast_path(request, tmp_path):
     assert any(m is not None and m > 0 for m in mfu)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moda_fused_on_cuda_is_the_chunked_pair_and_equals_the_explicit_path(dtype):
-    """Off the CPU MoDA's fused attention runs the chunked online-softmax pair (bf16 operands with
-    float32 scores through bmm's out_dtype): loss and gradients against the explicit score matrices."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_chunked_pair_on_cuda_against_float64(dtype, monkeypatch):
+    """The chunked pair's CUDA branch (bf16/fp16 operands, float32 products through bmm's
+    out_dtype), blocks of 96 over 300 positions, against causal attention in float64."""
+    import math
+
     from depthbench.models.archs import moda_fused as mf
 
+    monkeypatch.setattr(mf, "QUERY_CHUNK", 96)
+    g = torch.Generator("cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", generator=g) for _ in range(3))
+    scale = 1 / math.sqrt(64)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    s = (q64 @ k64.transpose(-1, -2)) * scale
+    s = s.masked_fill(torch.ones(300, 300, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    y_ref, lse_ref = torch.softmax(s, -1) @ v64, s.logsumexp(-1)
+    dy = torch.randn(y_ref.shape, device="cuda", generator=g)
+    grads_ref = torch.autograd.grad(y_ref, (q64, k64, v64), dy.double())
+    y, lse = mf.chunked_attention_forward(*(t.to(dtype) for t in (q, k, v)), 0.0, True, scale=scale)
+    grads = mf.chunked_attention_backward(dy.to(dtype), *(t.to(dtype) for t in (q, k, v)), y, lse, 0.0, True, scale=scale)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for got, ref in [(y, y_ref), (lse, lse_ref), *zip(grads, grads_ref)]:
+        assert (got.double() - ref).abs().max() <= tol * ref.abs().max(), (dtype, got.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moda_fused_on_cuda_is_the_chunked_pair_and_equals_the_explicit_path(dtype, monkeypatch):
+    """Off the CPU MoDA's fused attention runs the chunked online-softmax pair: loss and
+    gradients against the explicit score matrices, blocks of 96 queries over 256 positions."""
+    from depthbench.models.archs import moda_fused as mf
+
+    monkeypatch.setattr(mf, "QUERY_CHUNK", 96)
     q = torch.zeros(1, 1, 4, 8, device="cuda", dtype=dtype)
     assert mf._kernel_for(q, q) is mf.CHUNKED
     losses, grads = [], []

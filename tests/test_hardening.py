@@ -396,7 +396,7 @@ def test_outputs_get_the_mode_the_umask_allows(tmp_path, umask):
         assert (tmp_path / p).stat().st_mode & 0o777 == want, p
 
 
-@pytest.mark.parametrize("umask", [0o022, 0o077])
+@pytest.mark.parametrize("umask", [0o022, 0o027])
 def test_a_folder_is_replaced_whole_with_an_ordinary_folders_mode(tmp_path, umask):
     """atomic_folder (HF exports, published snapshots): the new folder replaces the old one only
     once it is complete, with mkdir's mode, and a failure leaves the old folder as it was."""
@@ -419,6 +419,36 @@ def test_a_folder_is_replaced_whole_with_an_ordinary_folders_mode(tmp_path, umas
         os.umask(old)
     assert [p.name for p in target.iterdir()] == ["new.txt"]
     assert target.stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777 == 0o777 & ~umask
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "plain"]  # no temporary or old folder left
+    # a file, or a link, where the folder goes is replaced too
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "link").symlink_to(target)
+    for name in ("file", "link"):
+        with atomic_folder(tmp_path / name) as tmp:
+            (tmp / "new.txt").write_text("new")
+        assert (tmp_path / name).is_dir() and not (tmp_path / name).is_symlink()
+    assert [p.name for p in target.iterdir()] == ["new.txt"]  # the link's target untouched
+
+
+def test_a_folder_that_cannot_be_renamed_in_leaves_the_old_one(tmp_path, monkeypatch):
+    from depthbench.io import atomic_folder
+
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    real = os.replace
+
+    def fail_on_the_new_folder(src, dst):
+        if str(src).endswith(".tmp"):
+            raise OSError("disk gone")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", fail_on_the_new_folder)
+    with pytest.raises(OSError, match="disk gone"):
+        with atomic_folder(target) as tmp:
+            (tmp / "new.txt").write_text("new")
+    assert [p.name for p in target.iterdir()] == ["old.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # nothing temporary left
 
 
 # -- 7. the smaller items -----------------------------------------------------------------------------

@@ -87,12 +87,18 @@ def test_activation_estimate_matches_cpu(arch, bf16):
         assert abs(est - ref) <= tol * ref, (arch, shape, est, ref)
 
 
-@pytest.mark.parametrize("arch, options", [("attnres_full", {"depth_mix": "batched"}), ("moda", {"attention_impl": "chunked"})])
-def test_buffers_held_on_a_ctx_are_counted(arch, options):
+@pytest.mark.parametrize("arch, options, n_kv_head", [
+    ("attnres_full", {"depth_mix": "batched"}, 4), ("attnres_block", {"depth_mix": "batched", "n_blocks": 2}, 4),
+    ("moda", {"attention_impl": "chunked"}, 4), ("moda", {"attention_impl": "chunked"}, 2),
+    ("moda", {"attention_impl": "chunked", "variant": "ffn_kv"}, 4)], ids=["full", "block", "moda", "moda-gqa", "moda-ffn_kv"])
+def test_buffers_held_on_a_ctx_are_counted(arch, options, n_kv_head):
     """AttnRes's source buffer and MoDA's depth K/V buffer are kept for backward on a ctx, not
-    through autograd's saved tensors (7 % of these models' saved bytes): the estimate equals the
-    graph walk's count within 1 % in fp32, where the 10 % of the test above would let them go."""
-    cfg = ModelConfig(arch=arch, vocab_size=96, max_seq_len=T, arch_options=options, d_model=48, n_layer=4, n_head=4)
+    through autograd's saved tensors (7 % of these models' saved bytes), while the tensors they
+    copy live only where autograd keeps them (with GQA and ffn_kv, MoDA's attention does not
+    save every depth key): the estimate equals the graph walk's count within 1 % in fp32, where
+    the 10 % of the test above would let either error go."""
+    cfg = ModelConfig(arch=arch, vocab_size=96, max_seq_len=T, arch_options=options, d_model=48, n_layer=4, n_head=4,
+                      n_kv_head=n_kv_head)
     est, ref = estimate_memory(cfg, N, T, bf16=False).activations, measured_saved_bytes(cfg, False)
     assert abs(est - ref) <= 0.01 * ref, (est, ref)
 

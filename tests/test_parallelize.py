@@ -244,7 +244,8 @@ def test_fsdp2_with_the_policy_checkpointing_and_block_compile_equals_one_rank(t
     """2 gloo ranks, each half the batch: the same losses and weights as one plain rank."""
     import torch.multiprocessing as mp
 
-    archs = ["pre_ln", "moda"]
+    # attnres_full: its checkpoint (and compile) units, PreNormed, contain its FSDP2 units
+    archs = ["pre_ln", "moda", "attnres_full"]
     mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "store"), archs, str(tmp_path / "out.pt")), nprocs=2, join=True)
     results = torch.load(tmp_path / "out.pt", weights_only=True)
     for arch in archs:

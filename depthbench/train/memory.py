@@ -9,8 +9,8 @@ keeps for backward are counted once per storage, parameters excluded (they are t
 Buffers that an autograd.Function holds on its ctx instead of saving (MoDA's depth K/V buffer,
 AttnRes's source buffer: later layers write into them in place) are announced by the models
 through `depthbench.models.layers.held_for_backward` and counted as saved outside every unit
-(checkpointing does not free them), and so are the tensors whose values they copy, which the
-buffers reference (to route each slot's gradient to its tensor) as long as they live.
+(checkpointing does not free them). The tensors whose values they copy are not: the buffers
+reference them weakly (MoDA) or are not kept themselves (AttnRes: its Function keeps a view).
 
 Precision: on GPU the loop runs under bf16 autocast, which does not act on meta tensors, so
 `_Bf16Autocast` redoes its casts as a function mode: the inputs of matrix products and attention

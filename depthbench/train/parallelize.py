@@ -5,7 +5,11 @@ compiled region inside FSDP2's units, so that FSDP2's all-gather hooks never bre
 Units. Checkpointing and per-block compile act on the architecture's checkpoint units
 (`DecoderLM.checkpoint_units`): the modules the trunk calls, one per layer (a block) by default,
 or per sublayer (attnres: each sublayer with its pre-norm; its depth mixing runs outside them);
-FSDP2 shards `DecoderLM.fsdp_units` (the blocks, or attnres's attention and FFN modules). A unit is wrapped by setting its instance
+FSDP2 shards `DecoderLM.fsdp_units` (the blocks, or attnres's attention and FFN modules). For
+attnres the FSDP2 unit therefore sits inside the checkpointed and compiled one: the
+recomputation all-gathers the sublayer's parameters again (as FSDP2 expects of checkpointing),
+and under `compile: block` dynamo breaks the graph at FSDP2's hooks, so the pre-norm and the
+sublayer compile as separate graphs (tested equal to one rank in tests/test_parallelize.py). A unit is wrapped by setting its instance
 `forward` to `run_unit`, so parameter names, state dicts and checkpoints do not change.
 
 `train.activation_checkpointing` (torch.utils.checkpoint, non-reentrant):

@@ -45,7 +45,7 @@ class SourceBuffer:
             self.values = held_for_backward(torch.cat([self.values, torch.empty_like(self.values)], dim=2))
         with torch.no_grad():
             self.values[:, :, n].copy_(t)
-        self.sources.append(held_for_backward(t))  # referenced while the buffer lives
+        self.sources.append(t)
 
     def holds(self, sources: list) -> bool:
         """Whether the first len(sources) slots are exactly these tensors."""

@@ -27,9 +27,10 @@ output), by device (`_kernel_for`):
   functions written with torch operations over blocks of QUERY_CHUNK queries: each block's
   scores against the keys up to its last query are formed, used and dropped (at most
   QUERY_CHUNK x S per head at a time, never T x S), and backward recomputes them from the lse
-  (FlashAttention-2's recomputation, blocked by queries only). Scores are formed in float32: on
-  CUDA from bf16/fp16 operands with a float32 output (`torch.bmm(..., out_dtype=float32)`, as a
-  flash kernel accumulates), elsewhere from float32 copies. Chosen over FlexAttention, which in
+  (FlashAttention-2's recomputation, blocked by queries only). Every product has a float32
+  result: on CUDA from bf16/fp16 operands (`torch.bmm(..., out_dtype=float32)`, tensor cores with
+  fp32 accumulation, as a flash kernel; p and ds cast down to the operands' dtype as flash casts
+  them), elsewhere from float32 copies. Chosen over FlexAttention, which in
   torch 2.13 has no backward on the CPU (so could not be held to the explicit path by the CPU
   tests) and whose backward cannot be handed the joint lse; and over aten's CUDA flash /
   memory-efficient pairs, whose lse layouts differ by kernel and version and which no GPU here
@@ -41,6 +42,7 @@ None and moda.py takes the explicit path, which stays as the reference the tests
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -50,11 +52,19 @@ from depthbench.models.layers import at_least_fp32, held_for_backward
 QUERY_CHUNK = 256  # queries per block of the chunked pair: at T = 2048 eight blocks per layer
 
 
+def _bmm32(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a @ b (batched) in float32 (float64 kept). On CUDA with a bf16/fp16 compute `dtype` the
+    operands go in that dtype with a float32 output (`bmm(out_dtype=float32)`: tensor-core
+    products with fp32 accumulation, as a flash kernel's), float32 operands such as p and ds
+    cast down as flash casts them; elsewhere the products run in float32."""
+    if a.device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        return torch.bmm(a.to(dtype), b.to(dtype), out_dtype=torch.float32)
+    return torch.bmm(at_least_fp32(a), at_least_fp32(b))
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     """scale * q k^T in float32 (float64 kept) for q (N, c, hd), k (N, S, hd)."""
-    if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16):
-        return torch.bmm(q, k.transpose(1, 2), out_dtype=torch.float32).mul_(scale)  # fp32 accumulation, as flash
-    return torch.bmm(at_least_fp32(q), at_least_fp32(k).transpose(1, 2)).mul_(scale)
+    return _bmm32(q, k.transpose(1, 2), q.dtype).mul_(scale)
 
 
 def _causal_block(s: torch.Tensor, start: int) -> torch.Tensor:
@@ -93,7 +103,7 @@ def chunked_attention_backward(grad, q, k, v, out, lse, dropout_p=0.0, is_causal
     qf, kf, vf, gf, of = (t.reshape(B * H, T, hd) for t in (q, k, v, grad, out))
     lf = lse.reshape(B * H, T, 1)
     rowsum = torch.linalg.vecdot(at_least_fp32(gf), at_least_fp32(of)).unsqueeze(-1)  # D = rowsum(dy * y), (N, T, 1)
-    acc = at_least_fp32(q).dtype
+    acc, dtype = at_least_fp32(q).dtype, q.dtype
     dq = torch.empty(B * H, T, hd, dtype=acc, device=q.device)
     dk = torch.zeros(B * H, T, hd, dtype=acc, device=q.device)
     dv = torch.zeros_like(dk)
@@ -101,11 +111,11 @@ def chunked_attention_backward(grad, q, k, v, out, lse, dropout_p=0.0, is_causal
         end = min(start + QUERY_CHUNK, T)
         s = _causal_block(_scores(qf[:, start:end], kf[:, :end], scale), start)
         p = torch.exp(s - lf[:, start:end])  # masked keys: exp(-inf) = 0
-        g = at_least_fp32(gf[:, start:end])
-        dv[:, :end] += torch.bmm(p.transpose(1, 2), g)
-        ds = p * (torch.bmm(g, at_least_fp32(vf[:, :end]).transpose(1, 2)) - rowsum[:, start:end])
-        dq[:, start:end] = torch.bmm(ds, at_least_fp32(kf[:, :end])) * scale
-        dk[:, :end] += torch.bmm(ds.transpose(1, 2), at_least_fp32(qf[:, start:end])) * scale
+        g = gf[:, start:end]
+        dv[:, :end] += _bmm32(p.transpose(1, 2), g, dtype)
+        ds = p * (_bmm32(g, vf[:, :end].transpose(1, 2), dtype) - rowsum[:, start:end])
+        dq[:, start:end] = _bmm32(ds, kf[:, :end], dtype) * scale
+        dk[:, :end] += _bmm32(ds.transpose(1, 2), qf[:, start:end], dtype) * scale
     shape = (B, H, T, hd)
     return dq.view(shape).to(q.dtype), dk.view(shape).to(k.dtype), dv.view(shape).to(v.dtype)
 
@@ -203,13 +213,17 @@ def _depth_backward(ctx, qg, y, grad, p):
 
 class DepthBuffer:
     """Preallocated depth keys and values (capacity, B, H_kv, T, hd) of one forward, written slot
-    by slot as the layers run (each slot contiguous); `sources` are the tensors the slots were copied from, in order.
-    Capacity doubles when full (an O(D) copy, amortised), so the keys are never re-stacked."""
+    by slot as the layers run (each slot contiguous). `sources` are weak references to the
+    tensors the slots were copied from, in order: a slot's gradient is returned to its tensor,
+    and the buffer must not keep a tensor alive that nothing else needs (after the forward the
+    tensors live only where autograd, or a checkpointed unit's inputs, keep them, which is what
+    the memory estimate counts). Capacity doubles when full (an O(D) copy, amortised), so the
+    keys are never re-stacked."""
 
     def __init__(self, like: torch.Tensor, capacity: int):
         self.k = held_for_backward(like.new_empty(max(capacity, 1), *like.shape))
         self.v = held_for_backward(torch.empty_like(self.k))
-        self.sources: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.sources: list[tuple[weakref.ref, weakref.ref]] = []
 
     def fits(self, t: torch.Tensor) -> bool:
         return (t.shape == self.k.shape[1:] and t.dtype == self.k.dtype and t.device == self.k.device)
@@ -222,13 +236,17 @@ class DepthBuffer:
         with torch.no_grad():  # a cache of values: gradients reach the sources through _JointAttention
             self.k[n].copy_(pair[0])
             self.v[n].copy_(pair[1])
-        for t in pair:  # referenced while the buffer lives
-            held_for_backward(t)
-        self.sources.append(pair)
+        self.sources.append((weakref.ref(pair[0]), weakref.ref(pair[1])))
 
     def holds(self, pairs: list) -> bool:
         """Whether the first len(pairs) slots are exactly these tensors."""
-        return len(self.sources) >= len(pairs) and all(a is b for a, b in zip(self.sources, pairs))
+        return len(self.sources) >= len(pairs) and all(
+            rk() is k and rv() is v for (rk, rv), (k, v) in zip(self.sources, pairs))
+
+    def tensors(self, n_pairs: int) -> list[torch.Tensor] | None:
+        """The tensors of the first n_pairs slots (k_1, v_1, k_2, ...), or None if one is gone."""
+        out = [ref() for pair in self.sources[:n_pairs] for ref in pair]
+        return None if any(t is None for t in out) else out
 
 
 def fused_joint_attention(q, k, v, buffer: DepthBuffer, n_pairs: int, kernel: str = "auto"):
@@ -237,5 +255,7 @@ def fused_joint_attention(q, k, v, buffer: DepthBuffer, n_pairs: int, kernel: st
     kernels = _kernel_for(q, k, kernel)
     if kernels is None or not buffer.fits(k):
         return None
-    sources = [t for pair in buffer.sources[:n_pairs] for t in pair] if torch.is_grad_enabled() else []
+    sources = buffer.tensors(n_pairs) if torch.is_grad_enabled() else []
+    if sources is None:
+        return None
     return _JointAttention.apply(q, k, v, buffer.k[:n_pairs], buffer.v[:n_pairs], kernels, *sources)
