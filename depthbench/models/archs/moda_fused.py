@@ -170,8 +170,10 @@ class _JointAttention(torch.autograd.Function):
         lse_sg = lse_s.reshape(grouped)
         lse = torch.logaddexp(lse_sg, s.logsumexp(0))  # the joint log-sum-exp
         p = torch.exp(s - lse)  # the depth chunk's joint probabilities
-        y = (p.to(q.dtype).unsqueeze(-1) * dv).sum(0)
-        y += torch.exp(lse_sg - lse).unsqueeze(-1).to(q.dtype) * y_s.reshape(*grouped, hd)
+        y = torch.exp(lse_sg - lse).unsqueeze(-1).to(q.dtype) * y_s.reshape(*grouped, hd)
+        pq = p.to(q.dtype).unsqueeze(-1)
+        for g in _slot_groups(p.shape[0]):  # sum_m p_m v_m, DEPTH_GROUP slots' products at a time
+            y += (pq[g] * dv[g]).sum(0)
         y = y.view(B, H, T, hd)
         # the joint lse in the layout the kernel's backward expects (that of its own lse)
         lse_joint = torch.empty_like(lse_s).copy_(lse.view(B, H, T))
@@ -205,10 +207,24 @@ def _depth_backward(ctx, qg, y, grad, p):
     rowsum = torch.linalg.vecdot(at_least_fp32(gg), at_least_fp32(yg))  # (B, H_kv, G, T)
     dp = at_least_fp32(torch.linalg.vecdot(gg, dv))  # (D, B, H_kv, G, T)
     ds = (p * (dp - rowsum)).to(qg.dtype).unsqueeze(-1)
-    dq = (ds * dk).sum(0) * scale
-    d_depth_k = (ds * qg).sum(3) * scale  # (D, B, H_kv, T, hd)
-    d_depth_v = (p.to(qg.dtype).unsqueeze(-1) * gg).sum(3)
-    return dq, d_depth_k, d_depth_v
+    pq = p.to(qg.dtype).unsqueeze(-1)
+    D = p.shape[0]
+    dq = torch.zeros_like(qg)
+    d_depth_k = qg.new_empty(D, *dk.shape[1:3], *dk.shape[4:])  # (D, B, H_kv, T, hd)
+    d_depth_v = torch.empty_like(d_depth_k)
+    for g in _slot_groups(D):  # DEPTH_GROUP slots' (B, H_kv, G, T, hd) products at a time
+        dq += (ds[g] * dk[g]).sum(0)
+        d_depth_k[g] = (ds[g] * qg).sum(3).mul_(scale)
+        d_depth_v[g] = (pq[g] * gg).sum(3)
+    return dq.mul_(scale), d_depth_k, d_depth_v
+
+
+DEPTH_GROUP = 16  # depth slots per broadcast product: the transients of D slots at once were the backward's peak
+
+
+def _slot_groups(n: int):
+    """Slices of at most DEPTH_GROUP depth slots covering 0..n-1."""
+    return [slice(i, min(i + DEPTH_GROUP, n)) for i in range(0, n, DEPTH_GROUP)]
 
 
 class DepthBuffer:
