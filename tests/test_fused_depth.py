@@ -63,9 +63,14 @@ def test_moda_fused_equals_explicit_in_loss_and_every_gradient(n_layer, n_kv_hea
         torch.testing.assert_close(fused(idx).logits, explicit(idx).logits, **TOL)
 
 
-def test_moda_fused_function_gradients_match_the_explicit_path_per_input():
+@pytest.mark.parametrize("group", [16, 2], ids=["one-group", "groups-of-2"])
+def test_moda_fused_function_gradients_match_the_explicit_path_per_input(group, monkeypatch):
     """The fused call's gradients w.r.t. q, k, v and every depth source (GQA: 6 query heads over
-    3 KV heads) equal autograd through the explicit score matrices; float64 gradcheck too."""
+    3 KV heads) equal autograd through the explicit score matrices; float64 gradcheck too. With
+    the depth slots taken 2 at a time (3 slots: a group of 2 and one of 1) as with all at once."""
+    from depthbench.models.archs import moda_fused as mf
+
+    monkeypatch.setattr(mf, "DEPTH_GROUP", group)
     torch.manual_seed(0)
     B, Hk, G, T, hd, D = 2, 3, 2, 7, 4, 3
     q = torch.randn(B, Hk * G, T, hd, dtype=torch.float64, requires_grad=True)
