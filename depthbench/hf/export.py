@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from depthbench.errors import ConfigError, DataError
-from depthbench.io import atomic_folder
 from depthbench.hf.card import model_card
 from depthbench.hf.llama import is_plain_llama, llama_config_kwargs, to_llama_state_dict
+from depthbench.io import atomic_folder
 from depthbench.models.config import ModelConfig
 
 REMOTE_CODE = Path(__file__).parent / "remote_code"

@@ -18,13 +18,13 @@ import copy
 import importlib.util
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from depthbench.errors import ConfigError
+from depthbench.io import atomic_folder
 
 FORMATS = ("hf", "gguf")
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -135,11 +135,7 @@ def convert(spec: PretrainedSpec, out_dir: str) -> str:
     source = spec.source()
     model = plain(load_model(source, **spec.load_kwargs()))
     tokenizer = load_tokenizer(source, **spec.load_kwargs())
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return str(out)
+    with atomic_folder(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return str(out_dir)
