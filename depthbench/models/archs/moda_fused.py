@@ -50,6 +50,7 @@ from depthbench.models.layers import at_least_fp32, held_for_backward
 
 
 QUERY_CHUNK = 256  # queries per block of the chunked pair: at T = 2048 eight blocks per layer
+DEPTH_GROUP = 16  # depth slots per broadcast product: the transients of D slots at once were the backward's peak
 
 
 def _bmm32(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -125,18 +126,16 @@ CHUNKED = (chunked_attention_forward, chunked_attention_backward)
 
 def _kernel_for(q: torch.Tensor, k: torch.Tensor, kernel: str = "auto"):
     """The causal kernel pair (forward with lse, backward) for these inputs, or None. `kernel`:
-    auto (aten's CPU flash pair on the CPU, the chunked pair elsewhere) or chunked."""
-    if q.shape[2] != k.shape[2]:  # queries must be all positions (no decoding offset)
+    auto (aten's CPU flash pair on the CPU, for the dtypes it takes; the chunked pair otherwise)
+    or chunked."""
+    if q.shape[2] != k.shape[2] or not q.is_floating_point():  # queries must be all positions (no decoding offset)
         return None
-    if not q.is_floating_point():
-        return None
-    if kernel == "chunked" or q.device.type != "cpu":
-        return CHUNKED
-    if q.dtype not in (torch.float32, torch.float64, torch.bfloat16):
-        return CHUNKED
-    fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-    return CHUNKED if fwd is None or bwd is None else (fwd, bwd)
+    if kernel == "auto" and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16):
+        fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+        bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+        if fwd is not None and bwd is not None:
+            return fwd, bwd
+    return CHUNKED
 
 
 def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -217,9 +216,6 @@ def _depth_backward(ctx, qg, y, grad, p):
         d_depth_k[g] = (ds[g] * qg).sum(3).mul_(scale)
         d_depth_v[g] = (pq[g] * gg).sum(3)
     return dq.mul_(scale), d_depth_k, d_depth_v
-
-
-DEPTH_GROUP = 16  # depth slots per broadcast product: the transients of D slots at once were the backward's peak
 
 
 def _slot_groups(n: int):
