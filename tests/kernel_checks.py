@@ -9,8 +9,9 @@ import torch
 from depthbench import kernels
 
 
-def results_per_thread_count(compute: Callable[[], tuple], counts=(1, 2)) -> list[tuple]:
-    """compute() run with each intra-op thread count in turn (the setting restored after)."""
+def results_per_thread_count(compute: Callable[[], tuple], counts=(1, 2, 3, 4)) -> list[tuple]:
+    """compute() run with each intra-op thread count in turn (the setting restored after). Counts
+    past the machine's cores still split the work differently, which is what the tests need."""
     threads = torch.get_num_threads()
     try:
         results = []
@@ -20,6 +21,14 @@ def results_per_thread_count(compute: Callable[[], tuple], counts=(1, 2)) -> lis
     finally:
         torch.set_num_threads(threads)
     return results
+
+
+def assert_independent_of_thread_count(compute: Callable[[], tuple]) -> None:
+    """Every output of compute() bitwise the same for 1, 2, 3 and 4 intra-op threads."""
+    first, *others = results_per_thread_count(compute)
+    for count, result in zip((2, 3, 4), others):
+        for i, (a, b) in enumerate(zip(first, result)):
+            assert torch.equal(a, b), f"output {i} differs between 1 and {count} threads"
 
 
 def assert_compiled_calls_kernels_and_matches_eager(monkeypatch, model, idx, targets, calls_per_step: dict) -> None:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,7 +14,7 @@ from depthbench import kernels
 from depthbench.models import ModelConfig, build_model
 from depthbench.kernels import mhc_ops
 
-from kernel_checks import assert_compiled_calls_kernels_and_matches_eager, results_per_thread_count
+from kernel_checks import assert_compiled_calls_kernels_and_matches_eager, assert_independent_of_thread_count
 
 reason = kernels.unavailable_reason()
 pytestmark = pytest.mark.skipif(reason is not None, reason=f"CPU kernels cannot be built here: {reason}")
@@ -32,9 +37,8 @@ def test_kernel_is_independent_of_thread_count():
     u = torch.randn(2000, 24)
     g_coeff, g_post = torch.randn(2000, 5, 4), torch.randn(2000, 4)
     k = kernels.cpu_kernels()
-    results = results_per_thread_count(lambda: (*k.mhc_coefficients_forward(u, 4, 20),
+    assert_independent_of_thread_count(lambda: (*k.mhc_coefficients_forward(u, 4, 20),
                                                 k.mhc_coefficients_backward(u, g_coeff, g_post, 4, 20)))
-    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_disabled_by_environment(monkeypatch):
@@ -189,8 +193,23 @@ def test_mhc_read_kernel_is_independent_of_thread_count():
         out = k.mhc_read_forward(H, weight, scale, bias, 1e-6, 20)
         return (*out, *k.mhc_read_backward(H, weight, scale, bias, 1e-6, 20, out[2], out[4], *grads))
 
-    results = results_per_thread_count(compute)
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert_independent_of_thread_count(compute)
+
+
+@pytest.mark.slow
+def test_kernels_are_independent_of_thread_count_under_mkl_conditional_reproducibility():
+    """The thread-count tests again in a process where MKL splits a GEMM's inner sum between
+    threads (MKL_CBWR=COMPATIBLE makes it do so on CPUs where it otherwise does not): a kernel
+    that hands a reduction over tokens or features to BLAS fails here on any CPU."""
+    here = Path(__file__).parent
+    tests = [f"{here / 'test_cpu_kernels.py'}::test_kernel_is_independent_of_thread_count",
+             f"{here / 'test_cpu_kernels.py'}::test_mhc_read_kernel_is_independent_of_thread_count",
+             f"{here / 'test_hc_kernel.py'}::test_hc_read_kernel_is_independent_of_thread_count"]
+    env = {**os.environ, "MKL_CBWR": "COMPATIBLE"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n0", "-p", "no:cacheprovider", *tests],
+                          env=env, capture_output=True, text=True, cwd=here.parent)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "3 passed" in done.stdout
 
 
 def test_mhc_read_custom_op_registration_and_gradcheck():

@@ -182,22 +182,100 @@ void coefficients_backward_tiles(const T* u, const T* gcoeff, const T* gpost, T*
 //   u_e = scale_e z_e + bias_e                                          (scale: g_pre, g_post or g_res)
 //   [H_pre; H_res], H_post = the coefficients above, from u
 //   x = sum_i H_pre,i H_i,  mixed_j = sum_i H_res,ji H_i
-// One GEMM (at::mm) gives every token's projections q = h W^T; then, in parallel over chunks of
-// READ_CHUNK tokens, each tile of TILE tokens gets its u, its coefficients (the tile functions
-// above) and its read and mix, while its H is in cache. The backward takes q and the coefficients
-// back from the forward's outputs and recomputes u and the Sinkhorn iterations,
-// and the projection's gradients are two more GEMMs: dh += dq W and dW = dq^T h.
+// In parallel over chunks of READ_CHUNK tokens, each chunk gets its projections q = h W^T, then
+// each tile of TILE tokens its u, its coefficients (the tile functions above) and its read and
+// mix, while its H is in cache. The backward takes q and the coefficients back from the forward's
+// outputs and recomputes u and the Sinkhorn iterations; the projection's gradients are
+// dh += dq W (per token, in its chunk) and dW = dq^T h (in parallel over blocks of columns).
+// Every output element is one sum in a fixed order computed by one thread, so the results are
+// bitwise the same for any thread count: a BLAS GEMM splits its inner sum between threads on some
+// CPUs (MKL does under MKL_CBWR=COMPATIBLE and on Intel CPUs), which made dW and q depend on it.
 // Eager PyTorch ran this read as about 15 kernels forward and 30 backward, each a pass over the
 // n-wide state.
 
 constexpr int64_t READ_CHUNK = 4 * TILE;  // tokens per parallel work item and per partial gain/bias sum
 
-// The GEMMs inside the kernels run as plain arithmetic in the inputs' dtype: no autograd
-// recording, no autocast (under CPU autocast at::mm would return bfloat16).
+constexpr int64_t GRAD_W_COLUMNS = 64;  // columns of dW per parallel work item
+
+// The tensor operations inside the kernels run as plain arithmetic in the inputs' dtype: no
+// autograd recording, no autocast (under CPU autocast a matmul would return bfloat16).
 struct PlainMath {
   torch::NoGradGuard no_grad;
   c10::impl::ExcludeDispatchKeyGuard no_autocast{c10::autocast_dispatch_keyset};
 };
+
+// q_te = sum_f h_tf W_ef for tokens [t0, t0 + w) (q points at token t0's row): four tokens at a
+// time share each load of a row of W; the remaining tokens go one at a time. Which tokens go
+// together depends only on t0 and w, never on the thread count.
+template <typename T>
+DB_CLONES void project_tokens(const T* __restrict__ H, const T* __restrict__ W, T* __restrict__ q, int64_t P,
+                              int64_t D, int64_t t0, int64_t w) {
+  constexpr int64_t V = LANES<T>;
+  int64_t t = 0;
+  for (; t + 4 <= w; t += 4) {
+    const T* h0 = H + (t0 + t) * D;
+    const T *h1 = h0 + D, *h2 = h1 + D, *h3 = h2 + D;
+    for (int64_t e = 0; e < P; ++e) {
+      const T* we = W + e * D;
+      Vec<T> a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      int64_t k = 0;
+      for (; k + V <= D; k += V) {
+        const Vec<T> wv = load(we + k);
+        a0 += wv * load(h0 + k);
+        a1 += wv * load(h1 + k);
+        a2 += wv * load(h2 + k);
+        a3 += wv * load(h3 + k);
+      }
+      T s0 = lane_sum<T>(a0), s1 = lane_sum<T>(a1), s2 = lane_sum<T>(a2), s3 = lane_sum<T>(a3);
+      for (; k < D; ++k) {
+        s0 += we[k] * h0[k];
+        s1 += we[k] * h1[k];
+        s2 += we[k] * h2[k];
+        s3 += we[k] * h3[k];
+      }
+      q[t * P + e] = s0;
+      q[(t + 1) * P + e] = s1;
+      q[(t + 2) * P + e] = s2;
+      q[(t + 3) * P + e] = s3;
+    }
+  }
+  for (; t < w; ++t)
+    for (int64_t e = 0; e < P; ++e) q[t * P + e] = dot(W + e * D, H + (t0 + t) * D, D);
+}
+
+// dW_ef = sum_t dq_te h_tf for the columns [c0, c1) of dW (P x D, zeroed), summed over all N tokens
+// in token order, four tokens to each load and store of dW.
+template <typename T>
+DB_CLONES void weight_gradient_columns(const T* __restrict__ gq, const T* __restrict__ H, T* __restrict__ gW,
+                                       int64_t N, int64_t P, int64_t D, int64_t c0, int64_t c1) {
+  constexpr int64_t V = LANES<T>;
+  const int64_t width = c1 - c0;
+  int64_t t = 0;
+  for (; t + 4 <= N; t += 4) {
+    const T* h0 = H + t * D + c0;
+    const T *h1 = h0 + D, *h2 = h1 + D, *h3 = h2 + D;
+    const T* g = gq + t * P;
+    for (int64_t e = 0; e < P; ++e) {
+      const T g0 = g[e], g1 = g[P + e], g2 = g[2 * P + e], g3 = g[3 * P + e];
+      T* o = gW + e * D + c0;
+      int64_t k = 0;
+      for (; k + V <= width; k += V)
+        store(o + k, load(o + k) + (g0 * load(h0 + k) + g1 * load(h1 + k) + g2 * load(h2 + k) + g3 * load(h3 + k)));
+      for (; k < width; ++k) o[k] += g0 * h0[k] + g1 * h1[k] + g2 * h2[k] + g3 * h3[k];
+    }
+  }
+  for (; t < N; ++t) {
+    const T* h = H + t * D + c0;
+    const T* g = gq + t * P;
+    for (int64_t e = 0; e < P; ++e) {
+      const T ge = g[e];
+      T* o = gW + e * D + c0;
+      int64_t k = 0;
+      for (; k + V <= width; k += V) store(o + k, load(o + k) + ge * load(h + k));
+      for (; k < width; ++k) o[k] += ge * h[k];
+    }
+  }
+}
 
 template <typename T>
 DB_CLONES T sum_of_squares(const T* __restrict__ h, int64_t D) {
@@ -298,11 +376,11 @@ void read_forward_chunk(const T* H, const T* q, const T* scale, const T* bias, T
   }
 }
 
-// Backward of one chunk, given its projections q (w x P): dH without the projection's part
-// (gH), dL/dq scaled to the GEMMs' input (gq, w x P), and this chunk's sums of the scale and
-// bias gradients (zeroed by the caller).
+// Backward of one chunk, given its projections q (w x P): dH (gH), dL/dq with respect to the
+// projections' input (gq, w x P), and this chunk's sums of the scale and bias gradients (zeroed
+// by the caller).
 template <typename T, int NC>
-void read_backward_chunk(const T* H, const T* q, const T* scale, const T* bias, T eps, int64_t iterations,
+void read_backward_chunk(const T* H, const T* W, const T* q, const T* scale, const T* bias, T eps, int64_t iterations,
                          const T* coeff, const T* gx, const T* gmixed, const T* gcoeff, const T* gpost, T* gH, T* gq,
                          T* gscale, T* gbias, int64_t n_, int64_t d, int64_t t0, int64_t w) {
   const int64_t n = NC > 0 ? NC : n_, P = 2 * n + n * n, D = n * d, nc = (n + 1) * n;
@@ -337,6 +415,7 @@ void read_backward_chunk(const T* H, const T* q, const T* scale, const T* bias, 
       const T* h = H + (first + t) * D;
       T* o = gH + (first + t) * D;
       for (int64_t f = 0; f < D; ++f) o[f] += cr * h[f];
+      combine_rows<T, 0, true>(W, gqt, 1, o, P, D);  // the projection's part: dh += dq W
     }
   }
 }
@@ -437,15 +516,16 @@ std::vector<torch::Tensor> mhc_read_forward(torch::Tensor H, torch::Tensor W, to
   auto mixed = torch::empty({N, n, d}, H.options());
   auto coeff = torch::empty({N, n + 1, n}, H.options());
   auto post = torch::empty({N, n}, H.options());
-  const auto q = at::mm(H.view({N, D}), W.t());  // the projections of every token, one GEMM
+  auto q = torch::empty({N, P}, H.options());  // the projections of every token
   AT_DISPATCH_FLOATING_TYPES(H.scalar_type(), "mhc_read_forward", [&] {
-    const scalar_t *hp = H.data_ptr<scalar_t>(), *qp = q.data_ptr<scalar_t>(), *sp = scale.data_ptr<scalar_t>(),
+    const scalar_t *hp = H.data_ptr<scalar_t>(), *wp = W.data_ptr<scalar_t>(), *sp = scale.data_ptr<scalar_t>(),
                    *bp = bias.data_ptr<scalar_t>();
-    scalar_t *xp = x.data_ptr<scalar_t>(), *mp = mixed.data_ptr<scalar_t>(), *cp = coeff.data_ptr<scalar_t>(),
-             *pp = post.data_ptr<scalar_t>();
+    scalar_t *qp = q.data_ptr<scalar_t>(), *xp = x.data_ptr<scalar_t>(), *mp = mixed.data_ptr<scalar_t>(),
+             *cp = coeff.data_ptr<scalar_t>(), *pp = post.data_ptr<scalar_t>();
     at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t chunk = begin; chunk < end; ++chunk) {
         const int64_t t0 = chunk * READ_CHUNK, w = std::min(READ_CHUNK, N - t0);
+        project_tokens<scalar_t>(hp, wp, qp + t0 * P, P, D, t0, w);
         dispatch_n(n, [&](auto nc) {
           read_forward_chunk<scalar_t, decltype(nc)::value>(hp, qp + t0 * P, sp, bp, scalar_t(eps), iterations, xp, mp,
                                                             cp, pp, n, d, t0, w);
@@ -487,11 +567,11 @@ std::vector<torch::Tensor> mhc_read_backward(torch::Tensor H, torch::Tensor W, t
   auto gH = torch::empty_like(H);
   auto gq = torch::empty({N, P}, H.options());
   auto partial_sb = torch::zeros({chunks, 2, P}, H.options());  // scale, bias
-  const auto flat = H.view({N, D});
   const auto q = proj.contiguous();
   AT_DISPATCH_FLOATING_TYPES(H.scalar_type(), "mhc_read_backward", [&] {
-    const scalar_t *hp = H.data_ptr<scalar_t>(), *qp = q.data_ptr<scalar_t>(), *sp = scale.data_ptr<scalar_t>(),
-                   *bp = bias.data_ptr<scalar_t>(), *cp = coeff.data_ptr<scalar_t>(), *gxp = gx.data_ptr<scalar_t>(),
+    const scalar_t *hp = H.data_ptr<scalar_t>(), *wp = W.data_ptr<scalar_t>(), *qp = q.data_ptr<scalar_t>(),
+                   *sp = scale.data_ptr<scalar_t>(), *bp = bias.data_ptr<scalar_t>(), *cp = coeff.data_ptr<scalar_t>(),
+                   *gxp = gx.data_ptr<scalar_t>(),
                    *gmp = gmixed.data_ptr<scalar_t>(), *gcp = gcoeff.data_ptr<scalar_t>(),
                    *gpp = gpost.data_ptr<scalar_t>();
     scalar_t *ghp = gH.data_ptr<scalar_t>(), *gqp = gq.data_ptr<scalar_t>(), *psb = partial_sb.data_ptr<scalar_t>();
@@ -499,16 +579,23 @@ std::vector<torch::Tensor> mhc_read_backward(torch::Tensor H, torch::Tensor W, t
       for (int64_t chunk = begin; chunk < end; ++chunk) {
         const int64_t t0 = chunk * READ_CHUNK, w = std::min(READ_CHUNK, N - t0);
         dispatch_n(n, [&](auto nc) {
-          read_backward_chunk<scalar_t, decltype(nc)::value>(hp, qp + t0 * P, sp, bp, scalar_t(eps), iterations, cp,
+          read_backward_chunk<scalar_t, decltype(nc)::value>(hp, wp, qp + t0 * P, sp, bp, scalar_t(eps), iterations, cp,
                                                              gxp, gmp, gcp, gpp, ghp, gqp + t0 * P,
                                                              psb + chunk * 2 * P, psb + chunk * 2 * P + P, n, d, t0, w);
         });
       }
     });
   });
-  // the projection's part, two GEMMs: dh += dq W, dW = dq^T h
-  gH.view({N, D}).addmm_(gq, W);
-  auto gW = at::mm(gq.t(), flat);
+  auto gW = torch::zeros({P, D}, H.options());
+  AT_DISPATCH_FLOATING_TYPES(H.scalar_type(), "mhc_read_weight_gradient", [&] {
+    const scalar_t *gqp = gq.data_ptr<scalar_t>(), *hp = H.data_ptr<scalar_t>();
+    scalar_t* gwp = gW.data_ptr<scalar_t>();
+    at::parallel_for(0, (D + GRAD_W_COLUMNS - 1) / GRAD_W_COLUMNS, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t block = begin; block < end; ++block)
+        weight_gradient_columns<scalar_t>(gqp, hp, gwp, N, P, D, block * GRAD_W_COLUMNS,
+                                          std::min(D, (block + 1) * GRAD_W_COLUMNS));
+    });
+  });
   // the chunks' sums added in chunk order: the same result for any number of threads
   auto gsb = partial_sb.select(0, 0).clone();
   for (int64_t chunk = 1; chunk < chunks; ++chunk) gsb.add_(partial_sb.select(0, chunk));
