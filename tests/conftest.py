@@ -18,10 +18,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 # The suite runs on 2 workers (pytest-xdist, `--dist loadscope` in pyproject.toml: a module's
 # tests share one worker, so its module-scoped fixtures are built once). The workers take the
-# modules in collection order, so the longest go first (measured, session 11: 500, 340, 100 and
-# 80-90 s on 2 cores); a long module collected last would leave one core idle at the end.
+# modules in collection order, so the longest go first (the end-to-end and SLURM modules take
+# minutes on 2 cores, the next ones 80-100 s); a long module collected last would leave one core
+# idle at the end.
 LONGEST_FIRST = [
-    "test_workflow.py", "test_slurm.py", "test_distributed.py", "test_parallelize.py", "test_at_steps.py",
+    "test_workflow.py", "test_slurm.py", "test_workflow_plans.py", "test_distributed.py", "test_parallelize.py", "test_at_steps.py",
     "test_pretrained_stages.py", "test_memory.py", "test_tokenize_pieces.py", "test_launch.py", "test_rehearse.py",
     "test_budget.py", "test_train.py", "test_requeue.py", "test_hardening.py", "test_benchmarks.py",
 ]

@@ -307,7 +307,7 @@ def test_workflow_keeps_probes_and_draws_the_snapshots(tmp_path, wiki_jsonl):
     import yaml
 
     from depthbench.config import expand_grid
-    from tests.test_workflow import copy_workflow, job_counts, snakemake, write_config
+    from tests.workflow_runs import copy_workflow, job_counts, snakemake, write_config
 
     root = copy_workflow(tmp_path)
     config = tiny_config(wiki_jsonl, probes={"at_steps": {"log_spaced": 3}, "n_sequences": 4, "seq_len": 16},

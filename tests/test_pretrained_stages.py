@@ -176,7 +176,7 @@ def test_workflow_plans_pretrained_jobs(hf_folder, wiki_jsonl, tmp_path):
     import subprocess
     import sys
 
-    from tests.test_workflow import copy_workflow, job_counts, write_config
+    from tests.workflow_runs import copy_workflow, job_counts, write_config
 
     root = copy_workflow(tmp_path)
     write_config(root, tiny_config(wiki_jsonl, pretrained=[{"name": "tiny", "path": str(hf_folder)}]))

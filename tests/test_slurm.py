@@ -268,7 +268,7 @@ def _run_seconds(text: str) -> int:
 @pytest.fixture(scope="module")
 def tokenized(wiki_jsonl, tmp_path_factory) -> Path:
     """The tokenizer and shards of the tests' grids (they share corpus and tokenizer), built once."""
-    from tests.test_workflow import copy_workflow, write_config
+    from tests.workflow_runs import copy_workflow, write_config
 
     root = copy_workflow(tmp_path_factory.mktemp("tokenized"))
     config = slurm_grid(wiki_jsonl)
@@ -280,7 +280,7 @@ def tokenized(wiki_jsonl, tmp_path_factory) -> Path:
 def workflow_root(tmp: Path, config: dict, tokenized: Path | None = None) -> Path:
     """A copy of the workflow with `config`, and the tokenized corpus (copied with its times:
     Snakemake sees it up to date) when given."""
-    from tests.test_workflow import copy_workflow, write_config
+    from tests.workflow_runs import copy_workflow, write_config
 
     tmp.mkdir(parents=True, exist_ok=True)
     root = copy_workflow(tmp)

@@ -10,7 +10,7 @@ from depthbench.data.loader import TokenWindows
 from depthbench.data.prepare import build_index, build_piece, build_shards, build_tokenizer, merge_shards
 from depthbench.data.shards import read_meta, split_files
 from tests.conftest import tiny_config
-from tests.test_workflow import copy_workflow, job_counts, snakemake, write_config
+from tests.workflow_runs import copy_workflow, job_counts, snakemake, write_config
 
 
 def _split_corpus(wiki_jsonl, root, n_files):

@@ -1,68 +1,19 @@
-"""End to end, as a user runs it: Snakemake on a tiny real grid in a copy of the repository."""
+"""End to end, as a user runs it: Snakemake on a tiny real grid in a copy of the repository, run
+once for the module; each test reads its results or plans an edit of its config."""
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
 
-from tests.conftest import REPO, tiny_config, wait_until_gone
+from tests.workflow_runs import copy_workflow, edited_config, grid, job_counts, snakemake, write_config
 
 pytestmark = pytest.mark.slow
-SNAKEMAKE = [sys.executable, "-m", "snakemake"]
-
-
-def snakemake(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([*SNAKEMAKE, "--cores", "2", *args], cwd=cwd, capture_output=True, text=True, timeout=900)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"snakemake {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
-
-
-def job_counts(output: str) -> dict[str, int]:
-    """The 'Job stats' table of a Snakemake (dry) run."""
-    counts: dict[str, int] = {}
-    if "Job stats:" not in output:
-        return counts
-    table = output.split("Job stats:", 1)[1]
-    for line in table.splitlines()[3:]:
-        m = re.fullmatch(r"(\w+)\s+(\d+)", line.strip())
-        if not m:
-            break
-        counts[m.group(1)] = int(m.group(2))
-    return counts
-
-
-def copy_workflow(dest: Path) -> Path:
-    for name in ("Snakefile", "workflow", "scripts", "config", "slurm", "envs"):  # envs: the rules' conda: files
-        src = REPO / name
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, dest / name)
-    return dest
-
-
-def write_config(root: Path, config: dict) -> None:
-    (root / "config" / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-
-
-def grid(wiki_jsonl, **overrides) -> dict:
-    config = tiny_config(
-        wiki_jsonl,
-        architectures=["pre_ln", "post_ln"],
-        shapes=[{"n_layer": 1}, {"n_layer": 2}],
-        learning_rates=[3e-3, 50.0],  # 50.0 diverges
-    )
-    config["tokenizer"] = {"kind": "bpe", "vocab_size": 384}
-    config["train"]["tokens_per_param"] = 0.6
-    config["train"]["dynamics_every"] = 20
-    config["nll"] = {"sets": ["humaneval", "sciq", "gsm8k"], "max_docs_per_set": 6}
-    config.update(overrides)
-    return config
 
 
 @pytest.fixture(scope="module")
@@ -183,26 +134,25 @@ def test_regenerate_rebuilds_figures_without_training(workflow, tmp_path):
 
 def test_probe_setting_reruns_probes_only(workflow, wiki_jsonl):
     root, _ = workflow
-    write_config(root, grid(wiki_jsonl, probes={"n_sequences": 4}))
-    plan = snakemake(root, "-n")
+    with edited_config(root, grid(wiki_jsonl, probes={"n_sequences": 4})):
+        plan = snakemake(root, "-n")
     assert job_counts(plan.stdout + plan.stderr) == {"all": 1, "probe": 8, "probes_table": 1, "probe_figures": 1, "claims": 1,
                                                      "report": 1, "total": 13}
-    write_config(root, grid(wiki_jsonl))
 
 
-def test_second_run_does_nothing_and_says_so(workflow):
+def test_second_run_plans_nothing_and_says_so(workflow):
+    """After a complete run, Snakemake plans no job (a dry run: what it plans is what it would run)."""
     root, _ = workflow
-    proc = snakemake(root)
+    proc = snakemake(root, "-n")
     assert "Nothing to be done" in proc.stdout + proc.stderr
 
 
 def test_figure_setting_reruns_only_figures(workflow, wiki_jsonl):
     root, _ = workflow
-    write_config(root, grid(wiki_jsonl, figures={"dpi": 80}))
-    plan = snakemake(root, "-n")
+    with edited_config(root, grid(wiki_jsonl, figures={"dpi": 80})):  # (test_regenerate... draws them for real)
+        plan = snakemake(root, "-n")
     assert job_counts(plan.stdout + plan.stderr) == {"all": 1, "figures": 1, "probe_figures": 1, "dynamics_figure": 1, "cost_figures": 1,
                                                      "nll_figures": 1, "claims": 1, "report": 1, "total": 8}
-    write_config(root, grid(wiki_jsonl))  # (the figures are drawn for real by test_regenerate...)
 
 
 def test_operational_settings_do_not_retrain(workflow, wiki_jsonl):
@@ -210,21 +160,19 @@ def test_operational_settings_do_not_retrain(workflow, wiki_jsonl):
     config = grid(wiki_jsonl)
     config["train"].update(checkpoint_every=1000, log_every=5, threads=2, loggers=["tensorboard"])
     config["launcher"] = {"backend": "local"}
-    write_config(root, config)
-    plan = snakemake(root, "-n")
+    with edited_config(root, config):
+        plan = snakemake(root, "-n")
     assert "Nothing to be done" in plan.stdout + plan.stderr
-    write_config(root, grid(wiki_jsonl))
 
 
 def test_adding_a_learning_rate_trains_only_the_new_runs(workflow, wiki_jsonl):
     root, _ = workflow
-    write_config(root, grid(wiki_jsonl, learning_rates=[3e-3, 50.0, 1e-2]))
-    plan = snakemake(root, "-n")
+    with edited_config(root, grid(wiki_jsonl, learning_rates=[3e-3, 50.0, 1e-2])):
+        plan = snakemake(root, "-n")
     assert job_counts(plan.stdout + plan.stderr) == {
         "all": 1, "figures": 1, "tables": 1, "train": 4, "probe": 4, "probes_table": 1, "probe_figures": 1,
         "dynamics_figure": 1, "nll": 4, "nll_table": 1, "cost_table": 1, "cost_figures": 1, "nll_figures": 1, "claims": 1,
         "report": 1, "total": 24}
-    write_config(root, grid(wiki_jsonl))
 
 
 def test_best_lr_evaluation_probes_and_scores_only_the_best_runs(workflow, wiki_jsonl, tmp_path):
@@ -256,56 +204,3 @@ def test_invalid_config_fails_before_any_job(workflow, wiki_jsonl, tmp_path):
     assert proc.returncode != 0
     assert "shapes[0].d_model" in proc.stderr + proc.stdout
     assert sorted(p for p in (root / "results").rglob("*")) == before
-
-
-@pytest.mark.parametrize("preset, trains", [("400m", 7 * 11 * 3), ("1p6b", 4 * 3 * 3), ("postnorm_collapse", 2 * 3 * 2), ("cpu_all", 11 * 3 * 2)])
-def test_presets_plan(preset, trains, tmp_path):
-    root = copy_workflow(tmp_path)  # a clean tree: nothing computed yet
-    proc = snakemake(root, "-n", "--configfile", f"config/presets/{preset}.yaml")
-    counts = job_counts(proc.stdout + proc.stderr)
-    assert counts["train"] == trains and counts["tokenize"] == 1
-
-
-@pytest.mark.parametrize("preset, trains, nodes, gpus", [("400m", 231, 1, 1), ("1p6b", 36, 2, 8)])
-def test_slurm_profile_plans_from_the_repository_root(preset, trains, nodes, gpus, tmp_path):
-    """`snakemake --profile slurm` resolves ./slurm/ and plans without SLURM installed."""
-    root = copy_workflow(tmp_path)
-    proc = subprocess.run(
-        [*SNAKEMAKE, "--profile", "slurm", "-n", "--configfile", f"config/presets/{preset}.yaml"],
-        cwd=root, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout + proc.stderr
-    assert job_counts(out)["train"] == trains
-    # each training job asks for the configured SLURM allocation
-    train_resources = re.findall(r"rule train:.*?resources: ([^\n]*)", out, flags=re.S)
-    assert len(train_resources) == trains
-    assert all(f"nodes={nodes}" in r and f"gpus_per_node={gpus}" in r for r in train_resources)
-
-
-def test_ctrl_c_on_snakemake_cancels_the_submitted_training_job(tmp_path, wiki_jsonl):
-    """Ctrl-C reaches the whole foreground process group; the dispatcher cancels its job."""
-    import json
-    import os
-    import signal
-    import time
-
-    root = copy_workflow(tmp_path)
-    config = grid(wiki_jsonl, architectures=["pre_ln"], shapes=[{"n_layer": 1}], learning_rates=[3e-3],
-                  launcher={"backend": "local"})
-    config["train"]["tokens_per_param"] = 1000.0  # far longer than the test waits
-    write_config(root, config)
-    proc = subprocess.Popen([*SNAKEMAKE, "--cores", "1"], cwd=root, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    records = []
-    while time.time() < deadline and not records:
-        records = list((root / "results" / "work").glob("*/checkpoints"))
-        time.sleep(0.5)
-    assert records, "training never started"
-    job_pid = int(json.loads((records[0].parent / "job.json").read_text())["job_id"])
-    os.kill(job_pid, 0)
-    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does in a terminal
-    proc.wait(timeout=120)
-    assert wait_until_gone(job_pid), f"training job {job_pid} survived Ctrl-C on Snakemake"
-    assert not list((root / "results" / "runs").glob("*/summary.json"))

@@ -1,0 +1,67 @@
+"""Planning the presets from a clean tree, and Snakemake stopped by Ctrl-C: the end-to-end tests
+that need no trained grid."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.conftest import wait_until_gone
+from tests.workflow_runs import SNAKEMAKE, copy_workflow, grid, job_counts, snakemake, write_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("preset, trains", [("postnorm_collapse", 2 * 3 * 2), ("cpu_all", 11 * 3 * 2)])
+def test_presets_plan(preset, trains, tmp_path):
+    """The CPU presets plan in a clean tree (the GPU presets plan through the SLURM profile below)."""
+    root = copy_workflow(tmp_path)  # a clean tree: nothing computed yet
+    proc = snakemake(root, "-n", "--configfile", f"config/presets/{preset}.yaml")
+    counts = job_counts(proc.stdout + proc.stderr)
+    assert counts["train"] == trains and counts["tokenize"] == 1
+
+
+@pytest.mark.parametrize("preset, trains, nodes, gpus", [("400m", 231, 1, 1), ("1p6b", 36, 2, 8)])
+def test_slurm_profile_plans_from_the_repository_root(preset, trains, nodes, gpus, tmp_path):
+    """`snakemake --profile slurm` resolves ./slurm/ and plans without SLURM installed."""
+    root = copy_workflow(tmp_path)
+    proc = subprocess.run(
+        [*SNAKEMAKE, "--profile", "slurm", "-n", "--configfile", f"config/presets/{preset}.yaml"],
+        cwd=root, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert job_counts(out)["train"] == trains and job_counts(out)["tokenize"] == 1
+    # each training job asks for the configured SLURM allocation
+    train_resources = re.findall(r"rule train:.*?resources: ([^\n]*)", out, flags=re.S)
+    assert len(train_resources) == trains
+    assert all(f"nodes={nodes}" in r and f"gpus_per_node={gpus}" in r for r in train_resources)
+
+
+def test_ctrl_c_on_snakemake_cancels_the_submitted_training_job(tmp_path, wiki_jsonl):
+    """Ctrl-C reaches the whole foreground process group; the dispatcher cancels its job."""
+    root = copy_workflow(tmp_path)
+    config = grid(wiki_jsonl, architectures=["pre_ln"], shapes=[{"n_layer": 1}], learning_rates=[3e-3],
+                  launcher={"backend": "local"})
+    config["train"]["tokens_per_param"] = 1000.0  # far longer than the test waits
+    write_config(root, config)
+    proc = subprocess.Popen([*SNAKEMAKE, "--cores", "1"], cwd=root, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    records = []
+    while time.time() < deadline and not records:
+        records = list((root / "results" / "work").glob("*/checkpoints"))
+        time.sleep(0.5)
+    assert records, "training never started"
+    job_pid = int(json.loads((records[0].parent / "job.json").read_text())["job_id"])
+    os.kill(job_pid, 0)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does in a terminal
+    proc.wait(timeout=120)
+    assert wait_until_gone(job_pid), f"training job {job_pid} survived Ctrl-C on Snakemake"
+    assert not list((root / "results" / "runs").glob("*/summary.json"))

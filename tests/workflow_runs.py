@@ -1,0 +1,78 @@
+"""Running the workflow as a user does, in a copy of the repository: shared by the end-to-end tests."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import yaml
+
+from tests.conftest import REPO, tiny_config
+
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+
+
+def snakemake(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([*SNAKEMAKE, "--cores", "2", *args], cwd=cwd, capture_output=True, text=True, timeout=900)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"snakemake {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def job_counts(output: str) -> dict[str, int]:
+    """The 'Job stats' table of a Snakemake (dry) run."""
+    counts: dict[str, int] = {}
+    if "Job stats:" not in output:
+        return counts
+    table = output.split("Job stats:", 1)[1]
+    for line in table.splitlines()[3:]:
+        m = re.fullmatch(r"(\w+)\s+(\d+)", line.strip())
+        if not m:
+            break
+        counts[m.group(1)] = int(m.group(2))
+    return counts
+
+
+def copy_workflow(dest: Path) -> Path:
+    for name in ("Snakefile", "workflow", "scripts", "config", "slurm", "envs"):  # envs: the rules' conda: files
+        src = REPO / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, dest / name)
+    return dest
+
+
+def write_config(root: Path, config: dict) -> None:
+    (root / "config" / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def grid(wiki_jsonl, **overrides) -> dict:
+    config = tiny_config(
+        wiki_jsonl,
+        architectures=["pre_ln", "post_ln"],
+        shapes=[{"n_layer": 1}, {"n_layer": 2}],
+        learning_rates=[3e-3, 50.0],  # 50.0 diverges
+    )
+    config["tokenizer"] = {"kind": "bpe", "vocab_size": 384}
+    config["train"]["tokens_per_param"] = 0.6
+    config["train"]["dynamics_every"] = 20
+    config["nll"] = {"sets": ["humaneval", "sciq", "gsm8k"], "max_docs_per_set": 6}
+    config.update(overrides)
+    return config
+
+
+@contextlib.contextmanager
+def edited_config(root: Path, config: dict) -> Iterator[None]:
+    """The workflow copy's config/config.yaml replaced by `config` for the block, and put back
+    whatever happens in it: a failing test leaves the shared copy as the next test expects it."""
+    path = root / "config" / "config.yaml"
+    original = path.read_bytes()
+    write_config(root, config)
+    try:
+        yield
+    finally:
+        path.write_bytes(original)
+
