@@ -12,6 +12,7 @@ job's stderr tail goes into the dispatcher's log (Snakemake's rule log) and its 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -19,13 +20,41 @@ from pathlib import Path
 from typing import Any
 
 import submitit
+import submitit.local.debug
 
 from depthbench.spec import RunSpec
 from depthbench.io import atomic_write_json
+from depthbench.runcheck import check_run
 from depthbench.schema import with_defaults
 from depthbench.slurm import LIVE_STATES, queue_state
 
 BACKENDS = ("inline", "local", "slurm")
+
+
+class InlineJob(submitit.local.debug.DebugJob):
+    """submitit's debug job (the function runs in this process when its result is asked for),
+    except that a failure is raised as it is: the debug job opens a pdb post-mortem prompt, which
+    in a workflow job run from a terminal waits for input forever."""
+
+    def results(self):
+        self._check_not_cancelled()
+        if self._submission.done():
+            return [self._submission._result]
+        environ = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(self.environ)  # the environment of submission time, as submitit's job
+        try:
+            return [self._submission.result()]
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+
+
+class InlineExecutor(submitit.local.debug.DebugExecutor):
+    job_class = InlineJob
+
+    def _internal_process_submissions(self, delayed_submissions):
+        return [InlineJob(self.folder, ds) for ds in delayed_submissions]
 
 
 class TrainingJob(submitit.helpers.Checkpointable):
@@ -79,7 +108,7 @@ def make_executor(launcher: dict, folder: Path, threads: int):
     launcher = with_defaults("launcher", launcher)
     backend = launcher["backend"]
     if backend == "inline":
-        return submitit.AutoExecutor(folder=folder, cluster="debug")
+        return InlineExecutor(folder=folder)
     if backend == "local":
         executor = submitit.LocalExecutor(folder=folder)
         executor.update_parameters(timeout_min=int(launcher["slurm"]["time_min"]), tasks_per_node=int(launcher["local_ranks"]))
@@ -252,14 +281,18 @@ def dispatch(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, launcher
 
 
 def dispatch_probes(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, out_path: str, settings: dict, launcher: dict, threads: int = 1) -> dict:
-    """Submit the probe stage of `spec` like its training, wait, and return its report."""
+    """Submit the probe stage of `spec` like its training, wait, and return its report; the run's
+    identity and final weights are checked first (depthbench.runcheck), before any submission."""
+    check_run(run_dir, spec)
     settings = _local_threads(settings, launcher, threads)
     args = (spec.to_dict(), str(data_dir), str(run_dir), str(out_path), settings)
     return submit_and_wait(ProbeJob(), args, f"probe {spec.run_id}", work_dir, launcher, record_name="probe_job.json")
 
 
 def dispatch_nll(spec: RunSpec, run_dir: str, work_dir: str, sets_path: str, out_path: str, settings: dict, launcher: dict, threads: int = 1) -> dict:
-    """Submit the NLL stage of `spec` like its training, wait, and return its report."""
+    """Submit the NLL stage of `spec` like its training, wait, and return its report; the run's
+    identity and final weights are checked first (depthbench.runcheck), before any submission."""
+    check_run(run_dir, spec)
     settings = _local_threads(settings, launcher, threads)
     args = (spec.to_dict(), str(run_dir), str(sets_path), str(out_path), settings)
     return submit_and_wait(NLLJob(), args, f"nll {spec.run_id}", work_dir, launcher, record_name="nll_job.json")

@@ -95,3 +95,33 @@ def test_launcher_slurm_fields_with_newlines_are_refused(wiki_jsonl, slurm, fiel
     with pytest.raises(ConfigError) as err:
         expand_grid(load_config(config))
     assert err.value.field == field
+
+
+def test_a_failing_inline_job_run_from_a_terminal_ends_with_its_error_and_no_debugger_prompt(tmp_path):
+    import pty
+
+    script = (
+        "import sys\n"
+        "from depthbench.launch import submit_and_wait\n"
+        "def fails():\n"
+        "    raise ValueError('the job failed on purpose')\n"
+        "submit_and_wait(fails, (), 'failing', sys.argv[1], {'backend': 'inline'})\n"
+    )
+    leader, follower = pty.openpty()  # a terminal on stdin: what a prompt would wait on
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "work")], cwd=REPO, stdin=follower,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert os.isatty(follower)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"the failing job did not end (waiting for input?): {out[-500:]}")
+    finally:
+        os.close(follower)
+        os.close(leader)
+    assert proc.returncode != 0
+    assert "(Pdb)" not in out + err
+    assert "ValueError: the job failed on purpose" in err
+    assert "inline job" in err and "failed" in err  # the dispatcher's own report of it
