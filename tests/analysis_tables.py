@@ -73,6 +73,10 @@ def _probe_rows(r) -> list[dict]:
                 add("angular_distance_all", l, k, 0.04 * k)
         if stage == "init_no_prefix_avg":
             continue
+        for l in range(L + 1):  # the lens approaches the final prediction with depth
+            add("lens_cross_entropy", l, -1, 6.0 - 2.0 * l / L)
+            add("lens_kl_to_final", l, -1, 2.0 * (1 - l / L))
+            add("lens_top1_agreement", l, -1, l / L)
         for s in range(1, L + 1):
             for l in range(s + 1, L + 1):
                 add("causal_score", s, l, 0.6 if l == s + 1 else 0.1)

@@ -58,16 +58,17 @@ def test_probes_stage_writes_a_tidy_table_with_config_columns_and_figures(workfl
     trained = probes[probes.stage == "trained"]
     assert set(trained.run_id) == set(runs.run_id[runs.status == "ok"])  # diverged runs: init probes only
     for probe in ("angular_distance_last", "causal_score", "permutation_score", "usefulness_ratio",
-                  "token_similarity", "effective_rank", "causal_share", "permutation_share"):
+                  "token_similarity", "effective_rank", "causal_share", "permutation_share", "lens_cross_entropy",
+                  "lens_kl_to_final", "lens_top1_agreement"):
         assert probe in set(trained.probe), probe
     assert {"init", "init_no_prefix_avg"} <= set(probes.stage)
-    for name in ("angular_distance", "angular_distance_all", "angular_adjacent", "causal_matrix", "permutation_matrix",
+    for name in ("angular_distance", "angular_distance_all", "angular_adjacent", "logit_lens", "causal_matrix", "permutation_matrix",
                  "probe_shares", "token_similarity", "effective_rank", "usefulness"):
         assert (root / f"results/figures/{name}.png").stat().st_size > 10_000
     assert not (root / "results/figures/residual_product_rank.png").exists()  # no hc/mhc in this grid
 
 
-FIGURES = ["headline", "loss_vs_lr", "loss_curves", "dynamics", "angular_distance", "angular_distance_all", "angular_adjacent",
+FIGURES = ["headline", "loss_vs_lr", "loss_curves", "dynamics", "angular_distance", "angular_distance_all", "angular_adjacent", "logit_lens",
            "causal_matrix", "permutation_matrix", "probe_shares", "token_similarity", "effective_rank", "usefulness",
            "nll_vs_ratio", "cost_vs_ratio", "loss_vs_cost"]
 

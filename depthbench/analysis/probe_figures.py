@@ -147,3 +147,37 @@ def probe_shares(tables: dict, ctx: S.Context):
     S.legend(axes[1])
     S.title(fig, ctx, "causal and permutation shares vs depth")
     return fig
+
+
+def logit_lens(tables: dict, ctx: S.Context):
+    """The logit lens per layer (depthbench.probes.lens): cross-entropy of each layer's prediction
+    (top row) and its top-1 agreement with the model's final prediction (bottom row) against l / L,
+    one column per depth, one line per architecture. Every curve ends at l / L = 1 on the model's
+    own loss and at agreement 1."""
+    probes = tables.get("probes", pd.DataFrame())
+    ce, agree = R.probe(probes, "lens_cross_entropy"), R.probe(probes, "lens_top1_agreement")
+    what = "logit lens: each layer's prediction through the final norm and LM head"
+    if ce.empty:
+        return S.message_figure(ctx, what, NO_PROBES)
+    shapes = R.shapes(ce)
+    cols = len(shapes)
+    fig, axes = S.plt.subplots(2, cols, figsize=(max(ctx.width, ctx.width * 0.55 * cols), ctx.height * 1.5),
+                               squeeze=False, sharex=True, sharey="row", layout="constrained")
+    for c, (L, d) in enumerate(shapes):
+        top, bottom = axes[0][c], axes[1][c]
+        for arch in R.archs(ce):
+            st = S.arch_style(arch)
+            for ax, data in ((top, ce), (bottom, agree)):
+                g = data[(data["arch"] == arch) & (data["n_layer"] == L)].sort_values("i")
+                if not g.empty:
+                    ax.plot(g["i"] / L, g["value"], label=arch, **st)
+        top.set_title(f"L={L}, d={d}")
+        bottom.set_xlabel("layer l / L (h_0: the embedding)")
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("cross-entropy of the\nlayer's prediction (nats)")
+    axes[1][0].set_ylabel("top-1 agreement with\nthe final prediction")
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right center", fontsize=S.FONT["legend"])
+    S.title(fig, ctx, what)
+    return fig

@@ -79,6 +79,11 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
     _probe_fig("angular_adjacent", probe_figures.angular_adjacent,
                "Adjacent-layer angular distance d(l, l+1) per architecture, one panel per depth (solid: last token, "
                "dashed: all tokens).", {"angular_distance"}),
+    _probe_fig("logit_lens", probe_figures.logit_lens,
+               "Logit lens: the final norm and LM head applied to each layer's residual h_l. Top: the cross-entropy "
+               "of that prediction on the probe sample; bottom: how often its top-1 token is the model's final one, "
+               "against l / L, one panel per depth. A curve that reaches the final loss early in depth means the "
+               "later layers add little to the prediction.", {"logit_lens"}),
     _probe_fig("causal_matrix", probe_figures.causal_matrix,
                "Causal score C(s, l): relative change of layer l's update when layer s is skipped (everything it "
                "contributes removed), per architecture at the deepest shape; the dashed square is the last 3/4 of depth "

@@ -65,6 +65,11 @@ class ModelAdapter(ABC):
     def logits(self, state: Any) -> torch.Tensor:
         """LM logits (N, T, V) from the state after the last layer."""
 
+    @abstractmethod
+    def lens_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm and LM head applied to a residual h_l (N, T, d): the logit lens
+        (depthbench.probes.lens). For h_L = residual(state_L) it equals logits(state_L)."""
+
     # -- interventions -----------------------------------------------------------------------------
     @abstractmethod
     def skip(self, state: Any, layer: int) -> Any:

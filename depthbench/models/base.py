@@ -39,7 +39,7 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 # depth_weight, ...) and may drop one it cannot define (moda: the prefix-average intervention).
 GENERIC_PROBES = frozenset({
     "token_similarity", "prefix_average", "effective_rank", "angular_distance", "causal_score",
-    "permutation_score", "usefulness_ratio",
+    "permutation_score", "usefulness_ratio", "logit_lens",
 })
 
 
@@ -60,8 +60,14 @@ class ArchOptions:
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> "ArchOptions":
+        return cls.from_mapping(cfg.arch_options)
+
+    @classmethod
+    def from_mapping(cls, options: dict) -> "ArchOptions":
+        """This architecture's options from a shared `arch_options` mapping: its own fields, the
+        rest at their defaults; the other architectures' keys are left out."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in cfg.arch_options.items() if k in names})
+        return cls(**{k: v for k, v in options.items() if k in names})
 
     def require(self, name: str, valid: tuple) -> None:
         """ConfigError naming `model.arch_options.<name>` unless its value is one of `valid`."""
@@ -258,8 +264,10 @@ class DecoderLM(nn.Module, ModelAdapter):
         return self.read_stream(state.value)
 
     def logits(self, state: Trunk) -> torch.Tensor:
-        x = self.trunk_output(state.value)
-        return self.lm_head(self.final_norm(x) if self.final_norm is not None else x)
+        return self.lens_logits(self.trunk_output(state.value))
+
+    def lens_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.final_norm(hidden) if self.final_norm is not None else hidden)
 
     def skip(self, state: Trunk, layer: int) -> Trunk:
         return Trunk(self.skip_layer(self.fork_state(state.value), layer), state.rope)

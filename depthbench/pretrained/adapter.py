@@ -128,8 +128,11 @@ class PretrainedAdapter(nn.Module, ModelAdapter):
         return state.hidden
 
     def logits(self, state: HFState) -> torch.Tensor:
+        return self.lens_logits(state.hidden)
+
+    def lens_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         _, _, norm, head = self.family.parts(self.model)
-        logits = head(norm(state.hidden))
+        logits = head(norm(hidden))
         cap = getattr(self.model.config, "final_logit_softcapping", None) if self.family.softcap else None
         if cap:  # Gemma 2/3: c tanh(z / c), as *ForCausalLM.forward applies it
             logits = torch.tanh(logits / cap) * cap

@@ -25,8 +25,9 @@ from depthbench.schema import schema_defaults
 from depthbench.data.shards import read_meta, split_files
 from depthbench.io import atomic_write
 from depthbench.models import build_model
-from depthbench.probes import core, interventions
+from depthbench.probes import core, interventions, lens
 from depthbench.probes.steps import snapshot_rows
+from depthbench.runcheck import check_run
 from depthbench.spec import RunSpec
 from depthbench.train.checkpoint import load_final_model
 
@@ -100,6 +101,9 @@ def probe_model(adapter, idx: torch.Tensor, stage: str, settings: dict, full: bo
         return rows
     rows += _rows("angular_distance_last", stage, core.angular_distance(hidden, last_token_only=True))
     rows += _rows("angular_distance_all", stage, core.angular_distance(hidden, last_token_only=False))
+    if "logit_lens" in applies:
+        for name, per_layer in lens.logit_lens(adapter, idx).items():
+            rows += _rows(name, stage, per_layer)
     workers = int(settings["threads"])  # the passes of one probe are shared among that many workers
     _matrix_probe(rows, "causal", stage, interventions.causal_scores(adapter, inputs, workers), settings["causal_threshold"])
     _matrix_probe(rows, "permutation", stage, interventions.permutation_scores(adapter, idx, workers), settings["permutation_threshold"])
@@ -122,7 +126,7 @@ def run_probes(spec_dict: dict, data_dir: str, run_dir: str, out_path: str, sett
     settings = probe_settings(settings)
     torch.set_num_threads(int(settings["threads"]))
     spec = RunSpec.from_dict(spec_dict)
-    summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    summary = check_run(run_dir, spec)  # identity and weights, before any work
     seq_len = settings["seq_len"] or spec.train.seq_len
     idx = probe_sample(data_dir, settings["n_sequences"], min(seq_len, spec.model.max_seq_len), settings["seed"])
     start = time.time()
