@@ -44,8 +44,12 @@ def cmd_runs(args) -> None:
 
 
 def cmd_validate(args) -> None:
+    from depthbench.config import ignored_settings
+
     exp = _experiment(args.config)
     print(f"{args.config}: valid; {len(exp.runs)} runs, data {exp.data_id}, tokenizer {exp.tokenizer_id}")
+    for line in ignored_settings(exp.config):
+        print(f"  ignored (no architecture of the grid reads it): {line}")
 
 
 def cmd_plan(args) -> None:

@@ -28,6 +28,7 @@ from depthbench.schema import (  # noqa: F401  (re-exported: the grid's callers 
     validate_schema,
 )
 from depthbench.models import ModelConfig, canonical_arch
+from depthbench.models.registry import declared_options, registered_architectures
 from depthbench.shapes import Shape, shape_of, solve_ratio, solve_width
 from depthbench.spec import RunSpec, short_hash  # noqa: F401  (RunSpec: re-exported for callers of the grid)
 from depthbench.train.config import TrainConfig
@@ -233,13 +234,16 @@ def expand_grid(config: dict) -> Experiment:
         _apply_knobs(model_section, train_dict, knobs)
         for arch_name in config["architectures"]:
             arch = canonical_arch(arch_name)
+            # Each architecture's model config holds only the options it declares, defaults filled
+            # in, so that its run id, summary and model card depend on nothing another one reads.
+            options = declared_options(arch, model_section.get("arch_options", {}))
             base = ModelConfig(
                 arch=arch,
                 vocab_size=vocab_size,
                 max_seq_len=train_dict.get("seq_len", 2048),
                 d_model=_first_valid_width(model_section.get("n_head", 16)),
                 n_layer=1,
-                **model_section,
+                **{**model_section, "arch_options": options},
             )
             for shape in resolve_shapes(config, base):
                 model_cfg = replace(base, n_layer=shape.n_layer, d_model=shape.d_model, d_ff=shape.d_ff)
@@ -255,11 +259,30 @@ def expand_grid(config: dict) -> Experiment:
                             run_id="", arch=arch, shape=shape, lr=float(lr), seed=int(seed),
                             knobs=knobs, model=model_cfg, train=train, data_id=d_id, tokenizer_id=tok_id,
                         )
-                        ident = spec.identity_dict()
-                        ident = {"model": ident["model"], "train": ident["train"], "data": d_id}
-                        spec.run_id = f"{arch}_{shape.tag}_lr{float(lr):g}_s{seed}_{short_hash(ident)}"
+                        spec.run_id = run_id_of(spec)
                         exp.runs[spec.run_id] = spec
     return exp
+
+
+def run_id_of(spec: RunSpec) -> str:
+    """`{arch}_L{n_layer}-d{d_model}_lr{lr}_s{seed}_{hash}`, the hash over the spec's model
+    config, recipe and data id (RunSpec.identity_dict, without the run id itself)."""
+    ident = spec.identity_dict()
+    ident = {"model": ident["model"], "train": ident["train"], "data": spec.data_id}
+    return f"{spec.arch}_{spec.shape.tag}_lr{spec.lr:g}_s{spec.seed}_{short_hash(ident)}"
+
+
+def shared_options_ids(exp: Experiment) -> dict[str, str]:
+    """{run id: the id the same run gets when every architecture's model config holds the whole
+    `model.arch_options` section} for each run of `exp`: the ids of results trained by
+    DepthBench versions that hashed the whole section into every run id, which
+    `depthbench rename-runs` (depthbench.rename) moves to the current ids."""
+    out = {}
+    for run_id, spec in exp.runs.items():
+        whole = spec.knobs.get("model.arch_options", exp.config.get("model", {}).get("arch_options", {}))
+        shared = replace(spec, model=replace(spec.model, arch_options=copy.deepcopy(whole)))
+        out[run_id] = run_id_of(shared)
+    return out
 
 
 def grid_learning_rates(config: dict) -> dict[str, list[float]]:
@@ -268,21 +291,46 @@ def grid_learning_rates(config: dict) -> dict[str, list[float]]:
 
     Why per architecture: the best LR at one budget moves by a factor of 4 or more between
     architectures (the AttnRes variants want 1.25e-2 or more where Pre-LN at L = 2 wants 2e-3 or
-    less, docs/choices.md), so one grid leaves most cells' best at its edge. A key may be an
-    architecture's registered name or the alias listed in `architectures`; a key naming an
-    architecture the grid does not train is an error (a typo would otherwise be ignored).
+    less, docs/choices.md), so one grid leaves most cells' best at its edge. A key may be any
+    registered architecture or alias, so that an overlay can narrow `architectures` without
+    removing keys (Snakemake merges mappings); an entry for an architecture outside the grid is
+    ignored (`ignored_settings` lists it), and a key that is no architecture is an error.
     """
     by_arch = config.get("learning_rates_by_arch") or {}
     listed = {name: canonical_arch(name) for name in config["architectures"]}
     for key in by_arch:
-        if key not in listed and key not in listed.values():
+        try:
+            canonical_arch(key)
+        except ConfigError:
             raise ConfigError(
                 f"learning_rates_by_arch.{key}",
-                f"names no architecture of the grid; valid keys: {sorted(set(listed) | set(listed.values()))}",
-            )
+                f"names no architecture; valid keys: the registered architectures {registered_architectures()} "
+                "or their aliases",
+            ) from None
     default = [float(v) for v in config["learning_rates"]]
     return {name: [float(v) for v in by_arch.get(name, by_arch.get(canonical, default))]
             for name, canonical in listed.items()}
+
+
+def ignored_settings(config: dict) -> list[str]:
+    """The per-architecture settings that no architecture of the grid reads, as
+    'field: why': `learning_rates_by_arch` entries for architectures outside `architectures`,
+    and `model.arch_options` (and swept `model.arch_options`) keys that no architecture of the
+    grid declares. They are valid and change no run id; `depthbench validate` lists them."""
+    listed = {name: canonical_arch(name) for name in config["architectures"]}
+    grid = set(listed) | set(listed.values())
+    out = [f"learning_rates_by_arch.{key}: {key!r} is not in architectures {list(listed)}"
+           for key in (config.get("learning_rates_by_arch") or {}) if key not in grid and canonical_arch(key) not in grid]
+    sections = [("model.arch_options", config.get("model", {}).get("arch_options") or {})]
+    sections += [(f"sweep.model.arch_options[{i}]", point or {})
+                 for i, point in enumerate(config.get("sweep", {}).get("model.arch_options", []))]
+    declared = {arch: set(declared_options(arch, {})) for arch in set(listed.values())}
+    for field_name, options in sections:
+        for key in options:
+            if not any(key in names for names in declared.values()):
+                users = [a for a in registered_architectures() if key in declared_options(a, {})]
+                out.append(f"{field_name}.{key}: only {users} read it, none of them in architectures {list(listed)}")
+    return out
 
 
 def _first_valid_width(n_head: int) -> int:

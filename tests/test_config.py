@@ -34,7 +34,7 @@ def make(wiki_jsonl, **overrides):
         ({"train": {"seq_lenn": 32}}, "train"),
         ({"learning_rates_by_arch": {"pre_ln": [1e-3, -2e-3]}}, "learning_rates_by_arch.pre_ln[1]"),
         ({"learning_rates_by_arch": {"pre_ln": []}}, "learning_rates_by_arch.pre_ln"),
-        ({"learning_rates_by_arch": {"hc": [1e-3]}}, "learning_rates_by_arch.hc"),  # hc is not in the grid
+        ({"learning_rates_by_arch": {"transformer_xl": [1e-3]}}, "learning_rates_by_arch"),  # no architecture at all
     ],
 )
 def test_invalid_configs_fail_naming_the_field(wiki_jsonl, overrides, field):
@@ -189,3 +189,75 @@ def test_cli_listing_into_a_closed_pipe_exits_cleanly():
     err = proc.stderr.read().decode()
     assert proc.wait() == 0, err
     assert "Traceback" not in err
+
+
+def test_per_architecture_settings_outside_the_grid_are_ignored_and_listed(wiki_jsonl):
+    """learning_rates_by_arch and arch_options may name any registered architecture: an entry no
+    architecture of the grid reads changes no run and `ignored_settings` names it."""
+    from depthbench.config import grid_learning_rates, ignored_settings
+
+    plain = make(wiki_jsonl)
+    config = load_config(tiny_config(wiki_jsonl, learning_rates_by_arch={"hc": [1e-3], "sandwich_ln": [2e-3]},
+                                     model={"n_head": 2, "arch_options": {"n_blocks": 4, "n_streams": 2}}))
+    assert grid_learning_rates(config) == {"pre_ln": [3e-3]}
+    assert expand_grid(config).run_ids == plain.run_ids
+    ignored = ignored_settings(config)
+    assert len(ignored) == 4, ignored
+    for field in ("learning_rates_by_arch.hc", "learning_rates_by_arch.sandwich_ln",
+                  "model.arch_options.n_blocks", "model.arch_options.n_streams"):
+        assert any(line.startswith(field + ":") for line in ignored), (field, ignored)
+    assert ignored_settings(load_config(tiny_config(wiki_jsonl))) == []
+
+
+def test_an_unknown_architecture_in_learning_rates_by_arch_names_the_field(wiki_jsonl):
+    from depthbench.config import grid_learning_rates
+
+    config = load_config(tiny_config(wiki_jsonl))
+    config["learning_rates_by_arch"] = {"transformer_xl": [1e-3]}  # past the schema's enum
+    with pytest.raises(ConfigError) as info:
+        grid_learning_rates(config)
+    assert info.value.field == "learning_rates_by_arch.transformer_xl"
+    assert "pre_ln" in str(info.value)
+
+
+def test_validate_lists_the_ignored_settings(tmp_path, capsys):
+    from depthbench.cli import main
+
+    config = tmp_path / "subset.yaml"
+    text = open("config/config.yaml").read().replace(
+        "architectures: [pre_ln, lns, hc, mhc, attnres_full, attnres_block]", "architectures: [pre_ln, hc]")
+    config.write_text(text)
+    assert main(["validate", str(config)]) in (0, None)
+    out = capsys.readouterr().out
+    assert "24 runs" in out
+    for field in ("learning_rates_by_arch.lns", "learning_rates_by_arch.attnres_full", "model.arch_options.n_blocks"):
+        assert f"ignored (no architecture of the grid reads it): {field}:" in out, out
+
+
+@pytest.mark.slow
+def test_an_overlay_narrows_the_default_grid(tmp_path):
+    """`snakemake -n --configfile config/config.yaml subset.yaml` with architectures [pre_ln, hc]:
+    Snakemake merges mappings, so the default's learning_rates_by_arch keys for the other
+    architectures stay in the merged config; it plans pre_ln's and hc's runs only."""
+    import re
+    import subprocess
+    import sys
+
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    subset = tmp_path / "subset.yaml"
+    subset.write_text("architectures: [pre_ln, hc]\n")
+    work = tmp_path / "work"  # an empty results/ whatever the checkout's holds; config/ for the claims file
+    work.mkdir()
+    (work / "config").symlink_to(repo / "config")
+    done = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--snakefile", str(repo / "Snakefile"),
+                           "--directory", str(work), "--configfile", str(repo / "config/config.yaml"), str(subset)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    text = done.stdout + done.stderr
+    trained = set(re.findall(r"wildcards: run_id=([A-Za-z0-9_.+-]+)", text))
+    train_jobs = re.search(r"^train\s+(\d+)$", text, re.M)
+    assert train_jobs, text[-3000:]
+    assert int(train_jobs.group(1)) == 24  # 4 learning rates x 3 shapes, each
+    assert trained and {r.split("_L")[0] for r in trained} <= {"pre_ln", "hc"}

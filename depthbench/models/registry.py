@@ -51,6 +51,16 @@ def registered_architectures() -> list[str]:
     return sorted(ARCHITECTURES)
 
 
+def declared_options(arch: str, options: dict) -> dict:
+    """The options `arch` declares (its `Options` dataclass), from a shared `arch_options`
+    mapping, with its defaults filled in: what a model of `arch` reads, hence what its run id
+    hashes and its model card lists. Keys other architectures declare are left out; a bad value
+    of a declared option is a ConfigError naming it."""
+    import dataclasses
+
+    return dataclasses.asdict(ARCHITECTURES[canonical_arch(arch)].Options.from_mapping(options or {}))
+
+
 def build_model(cfg: ModelConfig, initialize: bool = True) -> "DecoderLM":
     """Instantiate the registered architecture `cfg.arch` on the current device.
 
