@@ -5,8 +5,12 @@ A reader mixes its S sources per token, h = sum_i w_i v_i, i.e. for each of the 
 the (1, S) x (S, d) product w^T V. With the sources held token-major in one buffer
 (B, T, capacity, d), written once per source as it is produced, the first S slots are a view
 (N, S, d) and the mix is ONE batched matrix product forward (bmm) and two backward
-(dw = dh V^T; dV = w dh^T as one broadcast product), instead of S multiply-adds forward and 2S
-kernels backward per reader (about 10,000 small kernels per forward at L = 70 for Full AttnRes).
+(dw = dh V^T and dV = w dh^T, the latter an outer product: a bmm with inner size 1), instead of S
+multiply-adds forward and 2S kernels backward per reader (about 10,000 small kernels per forward
+at L = 70 for Full AttnRes). Every product of the mix, the extra source's too, is a bmm, so
+`torch.utils.flop_counter` counts the 2 S d forward and 4 S d backward FLOPs per token and reader
+that depthbench.cost charges (backward twice the forward, as for every matmul); an outer product
+as a bmm rounds as the element-wise product does (one multiplication per output).
 Block AttnRes's partial sum changes after every sublayer and is read by one reader only: it is
 not written to the buffer but enters as one extra source next to the view.
 
@@ -94,8 +98,8 @@ class BatchedMix(torch.autograd.Function):
     def forward(ctx, weights, view, extra, *sources):
         n = view.shape[1]
         h = torch.bmm(weights[:, None, :n], view).squeeze(1)  # (N, d)
-        if extra is not None:
-            h = h + weights[:, n:] * extra
+        if extra is not None:  # w_e extra as a (1, 1) x (1, d) product per token
+            h = h + torch.bmm(weights[:, None, n:], extra[:, None, :].to(h.dtype)).squeeze(1)
         ctx.view, ctx.n = view, n  # not saved for backward: later sources are written in place
         ctx.save_for_backward(weights, extra)
         ctx.sources = [(t.shape, t.dtype) for t in sources]
@@ -111,9 +115,10 @@ class BatchedMix(torch.autograd.Function):
         grad_w = torch.bmm(grad[:, None, :], view.transpose(1, 2)).squeeze(1)  # dw_i = dh . v_i
         grad_extra = None
         if extra is not None:
-            grad_w = torch.cat([grad_w, torch.linalg.vecdot(grad, extra.to(grad.dtype)).unsqueeze(-1)], dim=1)
-            grad_extra = (weights[:, n:] * grad).to(extra.dtype)
-        grad_view = weights[:, :n, None] * grad[:, None, :]  # (N, S_buf, d): dv_i = w_i dh
+            extra_w = torch.bmm(grad[:, None, :], extra[:, :, None].to(grad.dtype)).squeeze(1)  # dh . extra
+            grad_w = torch.cat([grad_w, extra_w], dim=1)
+            grad_extra = torch.bmm(weights[:, n:, None], grad[:, None, :]).squeeze(1).to(extra.dtype)
+        grad_view = torch.bmm(weights[:, :n, None], grad[:, None, :])  # (N, S_buf, d): dv_i = w_i dh
         per_source = [g.view(shape).to(dtype) for g, (shape, dtype) in zip(grad_view.unbind(1), ctx.sources)]
         return grad_w, None, grad_extra, *per_source
 

@@ -70,7 +70,9 @@ def joint_depth_attention(q, k, v, depth_k, depth_v):
     seq = seq.view(B, H, T, S)
     depth = torch.einsum("bhtd,bhtmd->bhtm", q, depth_k) * scale
     p = torch.softmax(at_least_fp32(torch.cat([seq, depth], dim=-1)), dim=-1).to(q.dtype)
-    return p[..., :S] @ v + torch.einsum("bhtm,bhtmd->bhtd", p[..., S:], depth_v)
+    # the depth values as a batched (1, D) x (D, hd) product per query, also for D = 1 (einsum
+    # would run that one as an element-wise product, which torch.utils.flop_counter does not count)
+    return p[..., :S] @ v + (p[..., S:].unsqueeze(-2) @ depth_v).squeeze(-2)
 
 
 def depth_layout(t: torch.Tensor) -> torch.Tensor:
