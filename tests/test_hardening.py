@@ -101,6 +101,60 @@ def _distcp(path: Path) -> Path:
     return data
 
 
+def _replace_tensor_bytes(path: Path, fqn: str, data: bytes) -> None:
+    """Put `data` where the checkpoint at `path` stores tensor `fqn`, fix DCP's metadata (offsets,
+    lengths) to point at it and reseal the checksums: a crafted checkpoint that DCP's metadata and
+    every checksum call intact."""
+    import pickle
+
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    (info,) = [v for k, v in metadata.storage_data.items() if k.fqn == fqn]
+    file = path / info.relative_path
+    raw = file.read_bytes()
+    file.write_bytes(raw[:info.offset] + data + raw[info.offset + info.length:])
+    for other in metadata.storage_data.values():
+        if other.relative_path == info.relative_path and other.offset > info.offset:
+            other.offset += len(data) - info.length
+    info.length = len(data)
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    _reseal(path)
+
+
+def _saved_bytes(value) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("content", ["payload", "wrong_shape", "wrong_dtype"])
+def test_tensor_data_that_is_not_the_described_tensor_falls_back_to_the_previous_checkpoint(tmp_path, capsys, content):
+    marker = tmp_path / "executed"
+    _Payload.marker = marker
+    _, bad = _saved(tmp_path / "ck", (1, 2))
+    data = {"payload": _Payload(), "wrong_shape": torch.full((255,), 2.0), "wrong_dtype": torch.full((256,), 2.0).double()}
+    _replace_tensor_bytes(bad, "model.w", _saved_bytes(data[content]))
+    step, w = _load(tmp_path / "ck")
+    assert not marker.exists()
+    assert step == 1 and torch.equal(w, torch.full((256,), 1.0))
+    err = capsys.readouterr().err
+    assert f"skipping checkpoint {bad}" in err and "trying the previous one" in err
+    reason = {"payload": "holds a pickled object, not a tensor", "wrong_shape": "of 255 elements where the metadata says",
+              "wrong_dtype": "torch.float64 tensor"}[content]
+    assert "tensor 'model.w' in" in err and reason in err
+
+
+def test_a_run_whose_only_checkpoint_holds_a_payload_starts_at_step_0_with_its_weights_untouched(tmp_path, capsys):
+    (only,) = _saved(tmp_path / "ck", (1,))
+    _replace_tensor_bytes(only, "model.w", _saved_bytes(_Payload()))
+    template = {"model": {"w": torch.full((256,), 7.0)}}  # the model as initialised
+    assert load_latest(tmp_path / "ck", "r", template) is None
+    assert torch.equal(template["model"]["w"], torch.full((256,), 7.0))
+    err = capsys.readouterr().err
+    assert "holds a pickled object" in err and "starting at step 0" in err
+
+
 @pytest.mark.parametrize("damage", ["inf_bytes", "one_bit", "missing_part", "no_checksum", "bad_checksum_file",
                                     "edited_manifest"])
 def test_corrupt_latest_checkpoint_is_reported_and_the_previous_is_used(tmp_path, capsys, damage):

@@ -16,8 +16,9 @@ gathered every rank's write results (so every part and listing exists), writes `
 then its checksum, then renames the folder. A kill at any moment leaves the previous checkpoint
 in use and a `.tmp` folder that the next save removes. A checkpoint counts only when its
 `state.json.sha256` matches and every listed file matches its sha256; one that does not is
-reported (name and reason) and the previous one is used. Nothing on load runs code: JSON,
-safetensors, DCP metadata through an allow-list unpickler, tensor data with weights_only=True.
+reported (name and reason) and the previous one is used, as is one whose tensor data is not
+the tensors its metadata describes (checked before any of it reaches the model). Nothing on
+load runs code: JSON, safetensors, DCP metadata through an allow-list unpickler, tensor data with weights_only=True.
 
 Asynchronous saving (`dcp.async_save`) is used when there is a process group (several ranks):
 the state is copied to CPU memory (DCP's staging), then written by a background thread over a
@@ -213,9 +214,10 @@ class Checkpointer:
         tensors / DTensors of this rank's model, resharded by DCP to any rank count or strategy)
         and return the rest, or None when there is none.
 
-        A checkpoint that fails its checksums or whose metadata is unsafe is reported on stderr
-        (name and reason) and the previous one is tried; one that is intact but belongs to
-        another run, disagrees with its name or does not fit `template` is an error."""
+        A checkpoint that fails its checksums, whose metadata is unsafe or whose tensor data is
+        not what its metadata describes is reported on stderr (name and reason) and the previous
+        one is tried; one that is intact but belongs to another run, disagrees with its name or
+        does not fit `template` is an error."""
         found = self._listed()
         if not found:
             return None
@@ -226,11 +228,6 @@ class Checkpointer:
         rejected = []
         for step, path in reversed(found):
             reason = self._agreed_reason(path)
-            if reason is None:
-                try:
-                    dcp_io.read_metadata(path)
-                except ValueError as exc:
-                    reason = str(exc)
             if reason is not None:
                 rejected.append(path.name)
                 self._say(f"[{run_id}] skipping checkpoint {path}: {reason}; trying the previous one")
@@ -250,8 +247,18 @@ class Checkpointer:
         return None
 
     def _agreed_reason(self, path: Path) -> str | None:
-        """`verify_checkpoint`, the files split among the ranks, the verdict the same on all."""
-        reason = verify_checkpoint(path, (self.rank, self.world))
+        """`verify_checkpoint`, DCP's metadata read without executing code and every tensor's
+        data checked against it (dcp_io.check_tensor_data), the files and tensors split among the
+        ranks, the verdict the same on all. Nothing is copied into the model before this passes."""
+        from depthbench.train import dcp_io
+
+        share = (self.rank, self.world)
+        reason = verify_checkpoint(path, share)
+        if reason is None:
+            try:
+                reason = dcp_io.check_tensor_data(path, dcp_io.read_metadata(path), share)
+            except ValueError as exc:
+                reason = str(exc)
         if self.group is None:
             return reason
         import torch.distributed as dist
@@ -289,6 +296,8 @@ def _cause(exc: BaseException) -> str:
     failures = getattr(exc, "failures", None)
     if failures:
         exc = next(iter(failures.values()))
+        if isinstance(exc, tuple):  # DCP keeps each failure as (exception, its traceback)
+            exc = exc[0]
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
 
 

@@ -16,11 +16,15 @@ non-tensor entries by unpickling them without restriction: either would run code
 checkpoint. The reader unpickles the metadata with an allow-list of DCP's metadata classes (plus
 torch.Size, dtypes, layouts and paths) and refuses a checkpoint with any non-tensor entry
 (DepthBench writes none: non-tensor state goes into JSON). Tensor data itself is read by DCP with
-`torch.load(weights_only=True)`.
+`torch.load(weights_only=True)`; `check_tensor_data` reads it the same way before DCP copies any
+of it into the model, so that an entry whose bytes are not the tensor its metadata describes (a
+pickled object, another shape or dtype) rejects the checkpoint while the model is untouched.
 """
 
 from __future__ import annotations
 
+import io
+import math
 import pickle
 from pathlib import Path
 from typing import Callable
@@ -90,6 +94,38 @@ def read_metadata(folder: Path) -> Metadata:
     if objects:  # DCP would unpickle these without restriction
         raise ValueError(f"{METADATA} lists non-tensor entries {objects[:3]}: not loadable without executing code")
     return metadata
+
+
+def check_tensor_data(folder: Path, metadata: Metadata, share: tuple[int, int] = (0, 1)) -> str | None:
+    """None when every stored tensor chunk of the checkpoint in `folder` (every n-th from the
+    i-th, `share` = (i, n)) loads with `torch.load(weights_only=True)` as a tensor of the dtype
+    and chunk size its metadata gives, else what is wrong with the first one that does not."""
+    items = sorted(metadata.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset))
+    for index, info in items[share[0]::share[1]]:
+        where = f"tensor {index.fqn!r} in {info.relative_path}"
+        if getattr(info, "transform_descriptors", None):
+            return f"{where} is stored with transforms {list(info.transform_descriptors)}, which DepthBench never writes"
+        entry = metadata.state_dict_metadata.get(index.fqn)
+        chunk = next((c for c in getattr(entry, "chunks", []) if tuple(c.offsets) == tuple(index.offset)), None)
+        if chunk is None:
+            return f"{where}: its metadata lists no chunk at offset {tuple(index.offset)}"
+        with open(folder / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        if len(data) != info.length:
+            return f"{where}: {len(data)} bytes where the metadata says {info.length} (truncated)"
+        try:
+            value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            return f"{where} holds a pickled object, not a tensor (refused: loading it would execute code)"
+        except Exception as exc:
+            return f"{where} is not a loadable tensor ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+        if not isinstance(value, torch.Tensor):
+            return f"{where} holds a {type(value).__name__}, not a tensor"
+        if value.dtype != entry.properties.dtype or value.numel() != math.prod(chunk.sizes):
+            return (f"{where} holds a {value.dtype} tensor of {value.numel()} elements where the metadata says "
+                    f"{entry.properties.dtype} of shape {tuple(chunk.sizes)}")
+    return None
 
 
 class SafeReader(FileSystemReader):
