@@ -1,7 +1,8 @@
 """Atomic writes: a reader never sees a partial file, and a crash never leaves one in place.
 
 Files get the mode an ordinary `open()` would give them (0666 less the umask): `mkstemp`
-creates its file 0600, which would make every result private to its owner on a shared cluster.
+creates its file 0600, and so do some library writers (safetensors' `save_file`, which
+`save_pretrained` uses), which would make every result private to its owner on a shared cluster.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,7 +38,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
 @contextmanager
 def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary folder beside `path` to fill; on success it gets an ordinary folder's
-    mode (0777 less the umask; mkdtemp makes it 0700) and takes `path`'s place: whatever was at
+    mode (0777 less the umask; mkdtemp makes it 0700), everything in it the mode open() or mkdir
+    would give (`follow_umask`), and it takes `path`'s place: whatever was at
     `path` (a folder, a file or a link) is first renamed aside, the new folder renamed in, and the
     old one removed only then (renamed back if the second rename fails). On any error the
     temporary folder is removed and `path` is left as it was."""
@@ -45,7 +48,7 @@ def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         yield tmp
-        os.chmod(tmp, 0o777 & ~current_umask())
+        follow_umask(tmp)
         old = None
         if path.exists() or path.is_symlink():
             old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old")) / "old"
@@ -62,6 +65,20 @@ def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
         raise
     if old is not None:  # the new folder is in place: the old one goes (a failure here loses nothing new)
         shutil.rmtree(old.parent, ignore_errors=True)
+
+
+def follow_umask(folder: str | os.PathLike) -> None:
+    """Give `folder` and everything under it the mode an ordinary mkdir or open() would have
+    given (folders and files executable by their owner 0777, other files 0666, less the umask),
+    whatever mode the writer chose. Links are left alone."""
+    umask = current_umask()
+    for root, dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~umask)
+        for name in files:
+            path = os.path.join(root, name)
+            mode = os.lstat(path).st_mode
+            if stat.S_ISREG(mode):
+                os.chmod(path, (0o777 if mode & stat.S_IXUSR else 0o666) & ~umask)
 
 
 def current_umask() -> int:

@@ -170,3 +170,19 @@ def test_cli_export(tmp_path, tokenizer_file, capsys):
     assert main(["export", str(run_dir), str(tmp_path / "out")]) == 2  # exists: refused, naming OUT_DIR
     assert "OUT_DIR" in capsys.readouterr().err
     assert main(["export", str(run_dir), str(tmp_path / "out"), "--overwrite"]) == 0
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+@pytest.mark.parametrize("arch", ["pre_ln", "keel"])  # a plain LlamaForCausalLM and one with remote code
+def test_every_file_of_an_export_gets_the_mode_the_umask_allows(tmp_path, tokenizer_file, umask, arch):
+    run_dir = fake_run(tmp_path, random_model(arch), tokenizer_file)
+    old = os.umask(umask)
+    try:
+        export_run(run_dir, tmp_path / "out")
+    finally:
+        os.umask(old)
+    written = sorted((tmp_path / "out").rglob("*"))
+    assert "model.safetensors" in {p.name for p in written}
+    modes = {str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777 for p in [tmp_path / "out", *written]}
+    want = {name: (0o777 if (tmp_path / name).is_dir() else 0o666) & ~umask for name in modes}
+    assert modes == want

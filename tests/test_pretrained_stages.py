@@ -238,3 +238,22 @@ def test_pretrained_cost_rows_count_what_torch_flop_counter_counts(hf_folder, tm
     cfg = model.config
     assert row["kv_cache_bytes_per_token"] == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
     assert row["params_total"] == sum(p.numel() for p in model.parameters()) and row["status"] == "pretrained"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_every_file_of_a_converted_model_gets_the_mode_the_umask_allows(hf_folder, tmp_path, umask):
+    import os
+
+    from depthbench.pretrained.loading import convert
+
+    spec = PretrainedSpec("tiny", "hf", path=str(hf_folder))
+    old = os.umask(umask)
+    try:
+        convert(spec, str(tmp_path / "model"))
+    finally:
+        os.umask(old)
+    written = sorted((tmp_path / "model").rglob("*"))
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= {p.name for p in written}
+    modes = {str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777 for p in [tmp_path / "model", *written]}
+    want = {name: (0o777 if (tmp_path / name).is_dir() else 0o666) & ~umask for name in modes}
+    assert modes == want
