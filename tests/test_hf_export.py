@@ -132,6 +132,59 @@ def test_exported_tokenizer_and_special_tokens(tmp_path, tokenizer_file):
         assert fact in card, fact
 
 
+def test_pre_ln_with_other_architectures_options_exports_as_llama(tmp_path, tokenizer_file):
+    """A pre_ln run whose arch_options hold another architecture's option (the shared section of
+    a grid, e.g. the default's n_blocks: 4 for attnres_block) is still plain Llama, with equal
+    logits, and its card lists no option."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(**{**tiny_config("pre_ln").to_dict(), "arch_options": {"n_blocks": 4}}))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    out = tmp_path / "export"
+    info = export_run(fake_run(tmp_path, model.eval(), tokenizer_file), out)
+    assert info["class"] == "LlamaForCausalLM"
+    loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32).eval()
+    assert type(loaded) is LlamaForCausalLM
+    idx = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=idx).logits, model(idx).logits, rtol=0, atol=1e-5)
+    card = (out / "README.md").read_text()
+    assert "n_blocks" not in card and "- arch_options: none;" in card
+
+
+def test_default_grid_pre_ln_runs_are_plain_llama_and_cards_list_their_own_options():
+    from depthbench.config import expand_grid, load_config
+    from depthbench.hf.llama import is_plain_llama
+
+    runs = expand_grid(load_config("config/config.yaml")).runs.values()
+    assert all(is_plain_llama(s.model, s.arch) for s in runs if s.arch == "pre_ln")
+    assert not any(is_plain_llama(s.model, s.arch) for s in runs if s.arch != "pre_ln")
+
+
+@pytest.mark.parametrize("arch", ["pre_ln", "hc"])
+def test_exported_tokenizer_loads_without_remote_code_or_a_prompt(arch, tmp_path, tokenizer_file, monkeypatch):
+    """AutoTokenizer.from_pretrained with no trust_remote_code: transformers asks on stdin
+    (`input`) before running remote code, so any call of `input` is a prompt. A Llama export
+    loads from its folder, a remote-code export from its tokenizer/ folder."""
+    import builtins
+
+    asked = []
+    monkeypatch.setattr(builtins, "input", lambda *a, **k: asked.append(a) or "n")
+    out = tmp_path / "export"
+    info = export_run(fake_run(tmp_path, random_model(arch), tokenizer_file), out)
+    where = out if info["class"] == "LlamaForCausalLM" else out / "tokenizer"
+    assert (arch == "pre_ln") == (where == out)
+    tok = AutoTokenizer.from_pretrained(where, local_files_only=True)
+    assert not asked, f"AutoTokenizer prompted: {asked[0][0][:200]}"
+    assert not (where / "config.json").exists() or arch == "pre_ln"
+    assert not list(where.glob("*.py"))
+    top = AutoTokenizer.from_pretrained(out, local_files_only=True, trust_remote_code=arch != "pre_ln")
+    for text in TEXT[:2]:
+        assert tok.encode(text) == top.encode(text)
+    assert tok.eos_token_id == top.eos_token_id and tok.pad_token_id == top.pad_token_id
+
+
 def test_remote_code_model_generates_greedily_like_depthbench(tmp_path, tokenizer_file):
     model = random_model("hc")
     out = tmp_path / "export"

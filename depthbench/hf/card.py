@@ -30,6 +30,8 @@ def _loading(class_name: str) -> str:
 
 def model_card(run, class_name: str) -> str:
     """Markdown text of the card for `run` (a depthbench.hf.export.Run)."""
+    from depthbench.models.registry import declared_options  # the options this architecture reads
+
     spec, summary, cfg, meta = run.spec, run.summary, run.model, run.data_meta
     train = spec["train"]
     corpus = meta.get("corpus", {})
@@ -46,7 +48,7 @@ def model_card(run, class_name: str) -> str:
         f"- L = {cfg.n_layer} layers, d_model = {cfg.d_model}, d_ff = {cfg.d_ff}, {cfg.n_head} heads "
         f"({cfg.n_kv_head} K/V heads), head_dim {cfg.head_dim}, vocabulary {cfg.vocab_size}, context {cfg.max_seq_len}",
         f"- RMSNorm eps {cfg.norm_eps}, RoPE theta {cfg.rope_theta}, untied embeddings, no biases",
-        f"- arch_options: {cfg.arch_options or 'none'}; MoE: {cfg.moe or 'none (dense SwiGLU)'}",
+        f"- arch_options: {declared_options(run.arch, cfg.arch_options) or 'none'}; MoE: {cfg.moe or 'none (dense SwiGLU)'}",
         "",
         "## Budget",
         f"- parameters: {_fmt(summary.get('n_params'), ',')} as trained (the shape's count: {_fmt(shape.get('n_params'), ',')}); "

@@ -6,11 +6,19 @@ under the results folder that holds RUN_DIR (results/runs/<run_id>), the run's t
 EOS id, corpus, token counts). Writes config.json, model.safetensors, the tokenizer as a
 `PreTrainedTokenizerFast`, generation_config.json and a model card (README.md).
 
-pre_ln exports as a plain `LlamaForCausalLM` (depthbench.hf.llama). Every other architecture
-(and pre_ln with MoE or arch_options) exports for `AutoModelForCausalLM` with
-`trust_remote_code=True`: the files of depthbench/hf/remote_code are copied in, config.json's
-`auto_map` names them, and the weights keep DepthBench's names under the prefix `depthbench.`.
-Loading such an export needs `depthbench` installed beside transformers.
+pre_ln exports as a plain `LlamaForCausalLM` (depthbench.hf.llama; options of other
+architectures in the run's `arch_options` do not count). Every other architecture (and pre_ln
+with MoE) exports for `AutoModelForCausalLM` with `trust_remote_code=True`: the files of
+depthbench/hf/remote_code are copied in, config.json's `auto_map` names them, and the weights keep
+DepthBench's names under the prefix `depthbench.`. Loading such an export needs `depthbench`
+installed beside transformers.
+
+Tokenizer: transformers' `AutoTokenizer.from_pretrained(folder)` reads the folder's config.json
+before the tokenizer files, and a config.json whose `auto_map` names remote code makes it ask
+whether to run that code (the tokenizer files themselves name only transformers' own classes).
+A remote-code export therefore also holds the tokenizer alone in `tokenizer/`, which
+`AutoTokenizer.from_pretrained(OUT_DIR / "tokenizer")` loads without remote code or a prompt;
+a Llama export loads from OUT_DIR itself.
 
 Special tokens: EOS is the tokenizer's EOS (the document separator of the token shards); BOS
 and PAD are the same token. BOS = EOS because training documents follow an EOS, which is also
@@ -38,6 +46,7 @@ from depthbench.models.config import ModelConfig
 REMOTE_CODE = Path(__file__).parent / "remote_code"
 REMOTE_FILES = ("configuration_depthbench.py", "modeling_depthbench.py")
 PREFIX = "depthbench."
+TOKENIZER_FOLDER = "tokenizer"  # in remote-code exports: the tokenizer without config.json
 
 
 @dataclass
@@ -163,6 +172,8 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, results_d
     with atomic_folder(out) as tmp:
         specials = write_tokenizer(run, tmp)
         class_name = write_model(run, tmp, specials)
+        if class_name != "LlamaForCausalLM":  # a folder without the remote-code config.json (see above)
+            write_tokenizer(run, tmp / TOKENIZER_FOLDER)
         write_generation_config(tmp, specials, remote=class_name != "LlamaForCausalLM")
         (tmp / "README.md").write_text(model_card(run, class_name))
     return {"run_id": run.spec["run_id"], "arch": run.arch, "class": class_name, "out_dir": str(out)}

@@ -33,8 +33,12 @@ _LAYER = re.compile(r"^blocks\.(\d+)\.(.+)$")
 
 
 def is_plain_llama(cfg: ModelConfig, arch: str) -> bool:
-    """pre_ln with a dense FFN and no architecture options is exactly Llama."""
-    return arch == "pre_ln" and not cfg.moe.get("n_experts", 0) and not cfg.arch_options
+    """pre_ln with a dense FFN is exactly Llama. Only the options pre_ln declares count (none):
+    a grid's shared `arch_options` section may hold other architectures' options, which a pre_ln
+    model never reads."""
+    from depthbench.models.registry import declared_options
+
+    return arch == "pre_ln" and not cfg.moe.get("n_experts", 0) and not declared_options(arch, cfg.arch_options)
 
 
 def llama_config_kwargs(cfg: ModelConfig) -> dict:
