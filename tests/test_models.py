@@ -89,6 +89,47 @@ def test_lns_first_layer_equals_pre_ln_and_later_layers_scale_the_norm_output():
     torch.testing.assert_close(block(x, rope), expected)
 
 
+def _written_out_logits(model, arch, idx):
+    """The whole forward of an LNS or DeepNorm model from its sublayers, with the constants as
+    Python floats: LNS x <- x + F(N(x) / sqrt(l)), DeepNorm x <- N(alpha x + F(x)), alpha = (2L)^(1/4)."""
+    L = model.cfg.n_layer
+    rope = model.rope(idx.shape[1])
+    x = model.embed_tokens(idx)
+    for l, b in enumerate(model.blocks, start=1):
+        if arch == "lns":
+            x = x + b.attn(b.attn_norm(x) * (1.0 / math.sqrt(l)), rope)
+            x = x + b.ffn(b.ffn_norm(x) * (1.0 / math.sqrt(l)))
+        else:
+            alpha = (2 * L) ** 0.25
+            x = b.attn_norm(alpha * x + b.attn(x, rope))
+            x = b.ffn_norm(alpha * x + b.ffn(x))
+    if model.final_norm is not None:
+        x = model.final_norm(x)
+    return model.lm_head(x)
+
+
+@pytest.mark.parametrize("arch", ["lns", "deepnorm"])
+def test_lns_and_deepnorm_constants_are_in_the_model_dtype(arch):
+    """A float64 model (cast from the float32 one it was built as, and cast down and up again)
+    equals the written-out forward with float64 constants to 1e-13: a float32 1/sqrt(l) or
+    alpha cast up differs by about 1e-8. In bf16 the constant is the float rounded once."""
+    torch.manual_seed(0)
+    model = build_model(small(arch, n_layer=5)).double()
+    idx = torch.randint(0, 97, (2, 12))
+    name = "scale" if arch == "lns" else "alpha"
+    with torch.no_grad():
+        expected = _written_out_logits(model, arch, idx)
+        torch.testing.assert_close(model(idx).logits, expected, rtol=0, atol=1e-13)
+        model.float().double()
+        torch.testing.assert_close(model(idx).logits, expected, rtol=0, atol=1e-13)
+    exact = [1.0 / math.sqrt(l) if arch == "lns" else 10 ** 0.25 for l in range(1, 6)]
+    assert [getattr(b, name).dtype for b in model.blocks] == [torch.float64] * 5
+    assert [getattr(b, name).item() for b in model.blocks] == exact
+    model.to(torch.bfloat16)
+    assert [getattr(b, name).item() for b in model.blocks] == [
+        torch.tensor(v, dtype=torch.float64).to(torch.bfloat16).item() for v in exact]
+
+
 def test_post_ln_deepnorm_keel_peri_equations():
     torch.manual_seed(0)
     x = torch.randn(2, 8, 32)

@@ -44,6 +44,28 @@ def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(torch.linalg.vecdot(x, x).unsqueeze(-1) / x.shape[-1] + eps)
 
 
+class ConstantBuffers(nn.Module):
+    """A module whose position-bound constants (LNS's 1/sqrt(l), DeepNorm's alpha) are
+    non-persistent 0-dim buffers, each the Python float it was registered with, rounded once
+    into the buffer's current dtype: after every cast or move (`.double()`, `.to(bf16)`,
+    `to_empty`) the buffer is filled again from the float, so a float64 model holds the float64
+    value, never a float32 one cast up. Tensors, not floats, so that a compiled block takes them
+    as inputs and one graph serves every layer."""
+
+    def register_constant(self, name: str, value: float) -> None:
+        self.__dict__.setdefault("_constant_values", {})[name] = float(value)
+        self.register_buffer(name, torch.tensor(float(value)), persistent=False)
+
+    def _apply(self, fn, recurse: bool = True):
+        module = super()._apply(fn, recurse)
+        with torch.no_grad():
+            for name, value in self.__dict__.get("_constant_values", {}).items():
+                buffer = self._buffers.get(name)
+                if buffer is not None and buffer.device.type != "meta":
+                    buffer.fill_(value)
+        return module
+
+
 class RMSNorm(nn.Module):
     """N(x) = g * x / sqrt(mean(x^2) + eps), learnable gain g, eps = 1e-6 by default."""
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from depthbench.models.base import ArchOptions, Block, DecoderLM, Rope, register
-from depthbench.models.layers import RMSNorm
+from depthbench.models.layers import ConstantBuffers, RMSNorm
 
 INITS = ("deepnet", "torchscale")  # arch_options.init
 
@@ -59,13 +59,14 @@ class DeepNormOptions(ArchOptions):
         self.require("init", INITS)
 
 
-class DeepNormBlock(Block):
+class DeepNormBlock(ConstantBuffers, Block):
     def __init__(self, cfg, layer_index):
         super().__init__(cfg, layer_index)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        # a tensor, not a Python float, so that a compiled block does not bake the depth in (LNS's scale)
-        self.register_buffer("alpha", torch.tensor((2 * cfg.n_layer) ** 0.25), persistent=False)
+        # a tensor, not a Python float, so that a compiled block does not bake the depth in; (2L)^(1/4)
+        # rounded once into the model's dtype (ConstantBuffers)
+        self.register_constant("alpha", (2 * cfg.n_layer) ** 0.25)
 
     def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None) -> torch.Tensor:
         x = self.attn_norm(self.alpha * x + self.attn(x, rope))

@@ -8,6 +8,8 @@ The scale is bound to the position l, not to the layer's weights: a permutation 
 swaps layers keeps each position's 1/sqrt(l). It is a (non-persistent) buffer, not a Python float:
 under per-block compile (depthbench.train.parallelize) a float attribute is a constant of the
 graph and would force one recompile per layer; a tensor is an input, so one graph serves all.
+The buffer is 1/sqrt(l) rounded once into the model's dtype (`ConstantBuffers`): float64 in a
+float64 model.
 """
 
 import math
@@ -15,16 +17,15 @@ import math
 import torch
 
 from depthbench.models.base import Block, DecoderLM, Rope, register
-from depthbench.models.layers import RMSNorm
+from depthbench.models.layers import ConstantBuffers, RMSNorm
 
 
-class LNSBlock(Block):
+class LNSBlock(ConstantBuffers, Block):
     def __init__(self, cfg, layer_index):
         super().__init__(cfg, layer_index)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        # a buffer (see the module docstring); the same fp32 value as the float it replaces
-        self.register_buffer("scale", torch.tensor(1.0 / math.sqrt(layer_index)), persistent=False)
+        self.register_constant("scale", 1.0 / math.sqrt(layer_index))  # a buffer (module docstring)
 
     def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x) * self.scale, rope)
