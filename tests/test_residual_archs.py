@@ -2,6 +2,7 @@
 
 import copy
 import math
+import types
 
 import pytest
 import torch
@@ -17,7 +18,13 @@ from depthbench.kernels.mhc_ops import sinkhorn_knopp
 from depthbench.models.archs.moda import joint_depth_attention
 from depthbench.models.moe import MoESwiGLU
 from depthbench.shapes import solve_width
-from depthbench.train.loop import param_groups
+from depthbench.models.registry import registered_architectures
+from depthbench.train import distributed
+from depthbench.train.config import TrainConfig
+from depthbench.train.loop import RunPaths, param_groups, resolve_dtype
+from depthbench.train.trainer import Hook, Trainer
+
+from bf16_checks import assert_bf16_matches_fp32, train_briefly
 
 NEW = ["hc", "mhc", "attnres_full", "attnres_block", "moda"]
 
@@ -128,23 +135,94 @@ def test_stream_mixing_matmul_gradient_matches_finite_differences_and_the_broadc
             torch.testing.assert_close(g, w)
 
 
-@pytest.mark.parametrize("arch", ["pre_ln", "post_ln", "peri_ln", "lns", "deepnorm", "keel", *NEW])
-def test_bf16_autocast_on_cpu_trains_every_architecture(arch):
-    """The custom autograd Functions (stream mixing, Sinkhorn) meet mixed dtypes under autocast;
-    the loss stays close to fp32 and every gradient is finite. HC's streams stay fp32."""
+# every registered architecture, and pre_ln with an MoE FFN (its router and top-k choice under autocast)
+BF16_CASES = [pytest.param((arch, {}), id=arch) for arch in registered_architectures()] + [
+    pytest.param(("pre_ln", {"moe": {"n_experts": 4, "top_k": 2}}), id="pre_ln-moe"),
+]
+
+
+@pytest.fixture(scope="module", params=BF16_CASES)
+def trained_case(request):
+    """(model, x, y): a test model of the case trained briefly in fp32 on one fixed batch
+    (bf16_checks.train_briefly), so that its logits are far from uniform."""
+    arch, extra = request.param
     torch.manual_seed(0)
-    model = build_model(cfg(arch))
-    idx = torch.randint(0, 61, (2, 12))
-    with torch.no_grad():
-        ref = model(idx, idx).loss.item()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(idx, idx, return_hidden=True)
-    assert abs(out.loss.item() - ref) / ref < 0.02
-    if arch in ("hc", "mhc"):
-        assert all(h.dtype == torch.float32 for h in out.hidden)
-    out.loss.backward()
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    assert grads and all(torch.isfinite(g).all() for g in grads)
+    model = build_model(cfg(arch, **extra))
+    idx = torch.randint(0, 61, (4, 16), generator=torch.Generator().manual_seed(1))
+    x, y = idx[:, :-1], idx[:, 1:]
+    train_briefly(model, x, y)
+    return model, x, y
+
+
+def test_bf16_autocast_on_cpu_matches_fp32_on_trained_weights(trained_case):
+    """bf16 autocast on the CPU against fp32 on trained weights (fp32 loss below 0.8 log V):
+    loss, centred logits and gradients within tolerances 3-12x the measured bf16 error
+    (tests/bf16_checks.py), the residual stream h_0..h_L fp32. Catches constant or otherwise
+    signal-free logits (off by more than 1 nat), a residual stream left in bf16 (its dtype), a
+    custom autograd Function (stream mixing, Sinkhorn, depth attention, MoE routing) whose
+    backward is wrong or detached for mixed dtypes (the per-tensor gradient check), and bf16 or
+    non-finite gradients."""
+    model, x, y = trained_case
+    assert_bf16_matches_fp32(model, x, y, "cpu")
+
+
+class _RecordUpdate(Hook):
+    """Parameters and gradients just before the optimizer step (after clipping)."""
+
+    def on_gradients(self, trainer, step, stats):
+        self.before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        self.grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        self.groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
+        self.group_of = {id(p): i for i, g in enumerate(trainer.optimizer.param_groups) for p in g["params"]}
+
+
+class _OneBatch:
+    accum_steps = 1
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def get(self, step, micro):
+        return self.x, self.y
+
+
+def test_bf16_autocast_training_step_updates_the_fp32_master_weights(trained_case, tmp_path):
+    """One step of the real Trainer under CPU bf16 autocast (train.dtype bfloat16) on trained
+    weights: parameters and gradients stay fp32, and every parameter after the step equals an
+    independent float64 AdamW step from the parameters and gradients the trainer had, to 1% of
+    the learning rate. Catches master weights kept in bf16 (the parameters' and gradients'
+    dtype), an optimizer step that does not reach the model's parameters (a copy, or skipped
+    under autocast), and an update from bf16 gradients or with a wrong learning rate or weight
+    decay."""
+    trained, x, y = trained_case
+    model = build_model(trained.cfg)  # a copy (deepcopy refuses an MoE's stored aux loss)
+    model.load_state_dict(trained.state_dict())
+    lr = 1e-3
+    tc = TrainConfig(lr=lr, total_steps=4, warmup_fraction=0.0, global_batch_size=4, micro_batch_size=4,
+                     seq_len=x.shape[1], dtype="bfloat16", device="cpu")
+    spec = types.SimpleNamespace(train=tc, run_id="bf16_master_weights", model=model.cfg)
+    device = torch.device("cpu")
+    trainer = Trainer(spec, RunPaths(tmp_path / "run", tmp_path / "work"), model, _OneBatch(x, y),
+                      distributed.DistContext(), device, torch.autocast("cpu", dtype=resolve_dtype(tc.dtype, device)))
+    record = _RecordUpdate()
+    trainer.hooks = [record]
+    assert trainer._one_step() and trainer.step == 1
+    assert record.grads and all(g.dtype == torch.float32 for g in record.grads.values())
+    params = dict(model.named_parameters())
+    reference = {n: record.before[n].double().requires_grad_() for n in record.grads}
+    groups = [{**record.groups[i], "params": [reference[n] for n in reference if record.group_of[id(params[n])] == i]}
+              for i in range(len(record.groups))]
+    ref_opt = torch.optim.AdamW([g for g in groups if g["params"]], foreach=False)
+    for n, p in reference.items():
+        p.grad = record.grads[n].double()
+    ref_opt.step()
+    assert record.groups[0]["lr"] == lr
+    for n, p in params.items():
+        assert p.dtype == torch.float32, n
+        if n in reference:
+            torch.testing.assert_close(p.detach().double(), reference[n].detach(), rtol=0, atol=1e-2 * lr, msg=n)
+    moved = sum(int((params[n].detach() != record.before[n]).sum()) for n in reference)
+    assert moved > 0.9 * sum(record.before[n].numel() for n in reference)
 
 
 @pytest.mark.parametrize("res_init, phi_std, gain", [
