@@ -13,10 +13,23 @@ through `depthbench.models.layers.held_for_backward` and counted as saved outsid
 reference them weakly (MoDA) or are not kept themselves (AttnRes: its Function keeps a view).
 
 Precision: on GPU the loop runs under bf16 autocast, which does not act on meta tensors, so
-`_Bf16Autocast` redoes its casts as a function mode: the inputs of matrix products and attention
-go to bf16 (autocast's lower-precision list), softmax, log-softmax and the loss to fp32. On CPU
-the loop runs in fp32 and nothing is cast. The CPU C++ kernels of HC/mHC never run on CUDA, so
-the trace takes the eager path (`kernels.apply_to` patched to False while tracing).
+`_MetaAutocast` redoes its casts as a function mode, by the policy of the target device
+(`device`, "cuda" unless told). On both devices the inputs of matrix products, `linalg.vecdot`
+(the RMS of HC's and mHC's coefficient projections) and attention go to bf16 (autocast's
+lower-precision list; each argument is cast on its own, so vecdot(x, x) keeps two bf16 copies of
+x); the losses take fp32 inputs. On CUDA the other ops of ATen's fp32 lists (exp, log, rsqrt,
+pow, sum, logsumexp, softmax, log-softmax; ATen/autocast_mode.h) also take fp32 inputs, where
+CPU autocast runs them in bf16. So a CUDA trace saves a few fp32 tensors where the CPU saves
+bf16 ones: on the models of tests/test_memory.py the "cuda" count is above the "cpu" count by
+0.14-0.22 % for hc and 0.02-0.03 % for mhc (the fp32 rsqrt of the bf16 vecdot, one value per
+token and stream) and equal to it for every other architecture, and the "cpu" count equals the
+bytes measured on the CPU. On CPU the training loop runs in fp32 and nothing is cast. The CPU
+C++ kernels of HC/mHC never run on CUDA, so the trace takes the eager path (`kernels.apply_to`
+patched to False while tracing). MoE experts take the target device's path
+(depthbench.models.moe): grouped products on the CPU and for bf16 on CUDA (Hopper or newer, the
+planner's GPUs), every expert on every token for fp32 on CUDA (E/k times the experts' saved
+bytes); on meta a stand-in for the grouped product saves what its backward saves (both operands
+and the offsets), since its meta kernel takes bf16 only.
 
 Activation checkpointing (depthbench.train.parallelize) acts on the architecture's units
 (`checkpoint_units`: the blocks, or attnres's pre-normed sublayers), so the trace attributes each saved storage to
@@ -50,8 +63,22 @@ HEADROOM = 0.10
 FP32 = 4
 
 _LOW = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.mm, torch.baddbmm,
-        torch.addmm, torch.einsum, F.scaled_dot_product_attention}
-_HIGH = {F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax, torch.log_softmax, F.cross_entropy}
+        torch.addmm, torch.einsum, torch.linalg.vecdot, F.scaled_dot_product_attention}
+# autocast's fp32 ops, per device (the Python functions of ATen's lists that the models can reach):
+# every floating input in fp32; the second CUDA set only where no dtype is given (fp32_set_opt_dtype)
+_FP32 = {"cpu": {F.cross_entropy, F.nll_loss, F.mse_loss}}
+_FP32["cuda"] = _FP32["cpu"] | {
+    torch.exp, torch.Tensor.exp, torch.log, torch.Tensor.log, torch.log1p, torch.Tensor.log1p, torch.expm1,
+    torch.Tensor.expm1, torch.rsqrt, torch.Tensor.rsqrt, torch.reciprocal, torch.Tensor.reciprocal, torch.pow,
+    torch.Tensor.pow, torch.Tensor.__pow__, torch.logsumexp, torch.Tensor.logsumexp, F.softplus, F.rms_norm,
+    F.layer_norm, F.group_norm, F.cosine_similarity, F.kl_div, F.l1_loss, F.smooth_l1_loss, F.huber_loss,
+    F.binary_cross_entropy_with_logits, torch.cdist}
+_FP32_UNLESS_DTYPE = {"cpu": set(), "cuda": {
+    F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,
+    torch.sum, torch.Tensor.sum, torch.cumsum, torch.Tensor.cumsum, torch.prod, torch.Tensor.prod,
+    torch.linalg.vector_norm}}
+DEVICES = tuple(_FP32)
+_GROUPED_MM = getattr(torch, "_grouped_mm", None)  # F.grouped_mm's op, where torch has it
 
 
 def _cast(obj, dtype):
@@ -71,23 +98,41 @@ def _flash_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=N
 
 
 class _MetaAutocast(TorchFunctionMode):
-    """On meta tensors: fused attention's saved tensors, and bf16 autocast's casts when `bf16`
-    (see the module docstring)."""
+    """On meta tensors: fused attention's saved tensors, and `device`'s bf16 autocast casts when
+    `bf16` (see the module docstring)."""
 
-    def __init__(self, bf16: bool):
+    def __init__(self, bf16: bool, device: str = "cuda"):
         super().__init__()
-        self.bf16 = bf16
+        if device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+        self.bf16, self.device = bf16, device
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.bf16 and func in _LOW:
             args, kwargs = _cast(args, torch.bfloat16), {k: _cast(v, torch.bfloat16) for k, v in kwargs.items()}
-        elif self.bf16 and func in _HIGH:
-            args = _cast(args, torch.float32)
-            kwargs.pop("dtype", None)
+        elif self.bf16 and (func in _FP32[self.device]
+                            or (func in _FP32_UNLESS_DTYPE[self.device] and kwargs.get("dtype") is None)):
+            args, kwargs = _cast(args, torch.float32), {k: _cast(v, torch.float32) for k, v in kwargs.items()}
         if func is F.scaled_dot_product_attention and kwargs.get("attn_mask") is None and len(args) < 4:
             return _flash_sdpa(*args, **kwargs)
+        if func is _GROUPED_MM and kwargs.get("bias") is None:
+            return _MetaGroupedMM.apply(args[0], args[1], kwargs["offs"] if "offs" in kwargs else args[2])
         return func(*args, **kwargs)
+
+
+class _MetaGroupedMM(torch.autograd.Function):
+    """`torch._grouped_mm` on meta, any dtype (its meta kernel takes bf16 only): saves the two
+    operands and the offsets, as its backward does."""
+
+    @staticmethod
+    def forward(ctx, a, b, offs):
+        ctx.save_for_backward(a, b, offs)
+        return a.new_empty(a.shape[0], b.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("traced on meta only")
 
 
 def _tensors(obj, out: list) -> list:
@@ -156,8 +201,9 @@ class ActivationTrace:
         return self.saved_with([True] * len(self.unit_saved))
 
 
-def trace_activations(model: torch.nn.Module, idx: torch.Tensor, bf16: bool) -> ActivationTrace:
-    """Saved-for-backward bytes of one forward of `model` on `idx` (any device, meta included)."""
+def trace_activations(model: torch.nn.Module, idx: torch.Tensor, bf16: bool, device: str = "cuda") -> ActivationTrace:
+    """Saved-for-backward bytes of one forward of `model` on `idx` (any device, meta included); on
+    meta, `device` is the device whose autocast and MoE paths the trace follows."""
     param_ids = {id(p) for p in model.parameters()}
     param_ptrs = {p.data_ptr() for p in model.parameters()} if idx.device.type != "meta" else set()
     saved: dict = {}
@@ -207,7 +253,7 @@ def trace_activations(model: torch.nn.Module, idx: torch.Tensor, bf16: bool) -> 
                 current[0] = -1
         for module in unit.modules():
             hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    mode = _MetaAutocast(bf16) if idx.device.type == "meta" else nullcontext()
+    mode = _MetaAutocast(bf16, device) if idx.device.type == "meta" else nullcontext()
     HELD_LISTENERS.append(held)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode, _eager_kernels(idx, mode):
@@ -232,11 +278,20 @@ def _autocast_region(mode, enabled: bool = True, **_):
         mode.bf16 = saved
 
 
+def _grouped_mm_serves(device: str, dtype: torch.dtype) -> bool:
+    """depthbench.models.moe's choice of expert path on the target device (CUDA: Hopper or newer)."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    return dtype in (torch.float32, torch.bfloat16, torch.float16) if device == "cpu" else dtype == torch.bfloat16
+
+
 @contextmanager
 def _eager_kernels(idx: torch.Tensor, mode):
     if idx.device.type == "meta":
         with mock.patch("depthbench.kernels.apply_to", lambda t: False), \
-                mock.patch("torch.autocast", lambda *a, **k: _autocast_region(mode, **k)):
+                mock.patch("torch.autocast", lambda *a, **k: _autocast_region(mode, **k)), \
+                mock.patch("depthbench.models.moe._compute_dtype", lambda x: torch.bfloat16 if mode.bf16 else x.dtype), \
+                mock.patch("depthbench.models.moe._grouped_mm_serves", lambda _d, dtype: _grouped_mm_serves(mode.device, dtype)):
             yield
     else:
         yield
@@ -287,11 +342,12 @@ class MemoryEstimate:
 
 
 def estimate_memory(cfg: ModelConfig, micro_batch: int, seq_len: int, bf16: bool = True, world: int = 1,
-                    fsdp: bool = False) -> MemoryEstimate:
-    """Per-rank memory of a training step (see the module docstring for each term)."""
+                    fsdp: bool = False, device: str = "cuda") -> MemoryEstimate:
+    """Per-rank memory of a training step on `device` ("cuda" or "cpu": its autocast and MoE
+    paths; see the module docstring for each term)."""
     with torch.device("meta"):
         model = build_model(cfg, initialize=False)
-    trace = trace_activations(model, torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta"), bf16)
+    trace = trace_activations(model, torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta"), bf16, device)
     n_params = sum(p.numel() for p in model.parameters())
     shard = world if fsdp else 1
     unit = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
