@@ -263,7 +263,11 @@ def submit_and_wait(fn, args: tuple, label: str, work_dir: str, launcher: dict, 
 
 
 def dispatch(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, launcher: dict, threads: int = 1) -> dict:
-    """Submit the training of `spec`, wait for it and return its summary."""
+    """Submit the training of `spec`, wait for it and return its summary. A `train.seq_len` that
+    the shards cannot fill is refused here, before anything is submitted."""
+    from depthbench.data.shards import check_seq_len
+
+    check_seq_len(data_dir, spec.train.seq_len)
     launcher = with_defaults("launcher", launcher)
     backend = launcher["backend"]
     spec_dict = spec.to_dict()

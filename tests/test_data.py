@@ -157,3 +157,23 @@ def test_hub_source_reads_through_the_same_interface_on_a_local_dataset_folder(t
     hub_docs = list(iter_documents(corpus))
     local_docs = list(iter_documents({"source": "local", "path": str(wiki_jsonl), "max_documents": 25}))
     assert len(hub_docs) == 25 and hub_docs == local_docs
+
+
+def test_a_seq_len_is_refused_naming_train_seq_len_exactly_when_a_split_has_no_window(tiny_data):
+    from depthbench.data.shards import check_seq_len, split_files
+    from depthbench.errors import ConfigError
+
+    _, _, shards = tiny_data
+    meta = read_meta(shards)
+    n_train, n_val = meta["train"]["n_tokens"], meta["val"]["n_tokens"]
+    assert n_val < n_train
+    files = {split: split_files(shards, meta, split) for split in ("train", "val")}
+    check_seq_len(shards, n_val - 1)  # the longest that fills one validation window
+    assert len(TokenWindows(files["val"], meta["dtype"], n_val - 1)) == 1
+    with pytest.raises(ValueError):  # what the loader would meet one token later
+        TokenWindows(files["val"], meta["dtype"], n_val)
+    with pytest.raises(ConfigError, match=rf"validation split .* has {n_val} tokens; valid: at most {n_val - 1}") as exc:
+        check_seq_len(shards, n_val)
+    assert exc.value.field == "train.seq_len" and str(exc.value).startswith("config field 'train.seq_len': ")
+    with pytest.raises(ConfigError, match=rf"training split .* has {n_train} tokens; valid: at most {n_train - 1}"):
+        check_seq_len(shards, n_train)

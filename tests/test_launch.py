@@ -125,3 +125,15 @@ def test_a_failing_inline_job_run_from_a_terminal_ends_with_its_error_and_no_deb
     assert "(Pdb)" not in out + err
     assert "ValueError: the job failed on purpose" in err
     assert "inline job" in err and "failed" in err  # the dispatcher's own report of it
+
+
+def test_a_seq_len_longer_than_a_split_is_refused_before_anything_is_submitted(tiny_data, tmp_path):
+    from depthbench.data.shards import read_meta
+
+    _, exp, shards = tiny_data
+    spec = spec_with_steps(exp, 10)
+    spec.train.seq_len = read_meta(shards)["train"]["n_tokens"]
+    with pytest.raises(ConfigError, match="train.seq_len") as exc:
+        dispatch(spec, str(shards), str(tmp_path / "run"), str(tmp_path / "work"), {"backend": "local"})
+    assert exc.value.field == "train.seq_len" and "training split" in str(exc.value)
+    assert not (tmp_path / "work").exists() and not (tmp_path / "run").exists()  # no job, no folder

@@ -17,7 +17,7 @@ from typing import Iterable
 import numpy as np
 
 from depthbench.data.tokenizer import batched
-from depthbench.errors import DataError
+from depthbench.errors import ConfigError, DataError
 from depthbench.io import atomic_write_json
 
 META_VERSION = 1
@@ -228,6 +228,25 @@ def split_files(data_dir: str | os.PathLike, meta: dict, split: str) -> list[str
     if "files" in info:  # external shards (absolute) or pieces (relative to the data directory)
         return [str(Path(data_dir) / f) for f in info["files"]]
     return [str(Path(data_dir) / info["file"])]
+
+
+def check_seq_len(data_dir: str | os.PathLike, seq_len: int, meta: dict | None = None) -> None:
+    """ConfigError naming `train.seq_len` unless both splits of the shards in `data_dir` hold a
+    window of seq_len + 1 tokens (inputs and their next-token targets), which training and
+    validation need (depthbench.data.loader.TokenWindows: no window spans two files). Reads only
+    meta.json and the files' sizes."""
+    meta = read_meta(data_dir) if meta is None else meta
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for split, name in (("train", "training"), ("val", "validation")):
+        lengths = [os.path.getsize(f) // itemsize for f in split_files(data_dir, meta, split)]
+        if not any(n >= seq_len + 1 for n in lengths):
+            longest = max(lengths, default=0)
+            several = f" (no window spans its {len(lengths)} files; the longest has {longest})" if len(lengths) > 1 else ""
+            raise ConfigError(
+                "train.seq_len",
+                f"{seq_len} needs windows of seq_len + 1 = {seq_len + 1} tokens, but the {name} split in {data_dir} "
+                f"has {sum(lengths)} tokens{several}; valid: at most {max(longest - 1, 0)}, or a larger corpus",
+            )
 
 
 def unigram_floor(data_dir) -> float:
