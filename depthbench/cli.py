@@ -119,6 +119,14 @@ def cmd_status(args) -> None:
     print(format_status(_experiment(args.config), args.results))
 
 
+def cmd_rename_runs(args) -> None:
+    """Move results trained under whole-section option hashing to today's run ids (depthbench.rename)."""
+    from depthbench.rename import format_plan, rename_runs
+
+    plan = rename_runs(_experiment(args.config), args.results, dry_run=args.dry_run)
+    print(format_plan(plan, args.dry_run))
+
+
 def cmd_export(args) -> None:
     from depthbench.hf.export import export_run
 
@@ -168,6 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", nargs="?", default="config/config.yaml")
     p.add_argument("--results", default="results", help="the results folder (default: results)")
     p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("rename-runs", help="move run folders trained when every run id hashed the whole "
+                       "model.arch_options section to today's ids (refuses on conflicts; --dry-run lists)")
+    p.add_argument("config", nargs="?", default="config/config.yaml")
+    p.add_argument("--results", default="results", help="the results folder (default: results)")
+    p.add_argument("--dry-run", action="store_true", help="list what would move and change nothing")
+    p.set_defaults(fn=cmd_rename_runs)
 
     p = sub.add_parser("export", help="write a finished run as a transformers model directory (LlamaForCausalLM for pre_ln)")
     p.add_argument("run_dir", help="the run's folder, results/runs/<run_id>")
