@@ -13,8 +13,11 @@ from safetensors.torch import load_file
 
 from depthbench.config import RunSpec, expand_grid, load_config
 from depthbench.models import build_model
+from depthbench.models.moe import MoESwiGLU
+from depthbench.models.registry import registered_architectures
 from depthbench.train.checkpoint import list_checkpoints
 from depthbench.train.loop import RunPaths, lr_at, param_groups, train
+from depthbench.train.trainer import Trainer
 from tests.conftest import REPO
 
 
@@ -83,6 +86,84 @@ def test_interrupted_run_resumes_to_identical_weights(tiny_data, tmp_path):
     for name in a:
         assert torch.equal(a[name], b[name]), name
     assert full.curves.read_text() .count("val_loss") == part.curves.read_text().count("val_loss")
+
+
+# One resume case per registered architecture (fp32, the plain loss), and pre_ln with each setting
+# that changes what a step computes or records: an MoE FFN (router, balance loss), bf16 autocast
+# on the CPU, the loss in chunks (48 of the micro-batch's 128 tokens: two full chunks and a
+# remainder) and the dynamics measured every 2 steps; bf16 also for hc and mhc, whose streams
+# and mixing run with autocast paused.
+RESUME_VARIANTS = {
+    "moe": {"model": {"moe": {"n_experts": 4, "top_k": 2}}},
+    "bf16": {"train": {"dtype": "bfloat16"}},
+    "chunked_loss": {"train": {"loss_chunk_tokens": 48}},
+    "dynamics": {"train": {"dynamics_every": 2}},
+}
+RESUME_CASES = [pytest.param(arch, None, id=arch) for arch in registered_architectures()] + [
+    pytest.param(arch, variant, id=f"{arch}-{variant}")
+    for arch, variant in [*(("pre_ln", v) for v in RESUME_VARIANTS), ("hc", "bf16"), ("mhc", "bf16")]
+]
+
+
+def _timeless(curve: str) -> list[dict]:
+    """metrics.jsonl records without the throughput entries (wall-clock measurements)."""
+    return [{k: v for k, v in json.loads(line).items() if k not in ("tokens_per_s", "mfu", "mfu_measured")}
+            for line in curve.splitlines()]
+
+
+@pytest.mark.parametrize("arch, variant", RESUME_CASES)
+def test_resumed_run_is_bit_identical_for_every_architecture_and_setting(tiny_data, tmp_path, monkeypatch, arch, variant):
+    """7 steps in one process against 4 steps, a stop, and a fresh train() call that restores the
+    step-4 checkpoint into a new model and Trainer and runs steps 5-7 (the resume path of a
+    requeued job): bitwise the same parameters and AdamW state (moments and step counts) after
+    step 7, the same weights file and the same metrics.jsonl (train and validation losses,
+    gradient norms, learning rates, dynamics). Catches any state a step depends on that the
+    checkpoint does not carry or restore exactly (an architecture's buffers or parameters
+    outside the state dict, optimizer moments, the RNG, the data position, the schedule)."""
+    config, _, shards = tiny_data
+    config = {**config, "architectures": [arch]}
+    for section, values in RESUME_VARIANTS.get(variant, {}).items():
+        config[section] = {**config[section], **values}
+    spec = with_steps(only_run(expand_grid(load_config(config))), 7, checkpoint_every=3, eval_every=3, log_every=1)
+    ends = []  # per train() call: the trainer's step it started at, its model and optimizer state after fit
+    fit = Trainer.fit
+
+    def recording_fit(self, stop_after=None):
+        fit(self, stop_after)
+        ends.append((self.start_step, self, copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.optimizer.state_dict())))
+
+    monkeypatch.setattr(Trainer, "fit", recording_fit)
+    full = RunPaths(tmp_path / "full", tmp_path / "full_work")
+    assert train(spec, shards, full, progress=False)["status"] == "ok"
+    part = RunPaths(tmp_path / "part", tmp_path / "part_work")
+    assert train(spec, shards, part, progress=False, stop_after=4)["status"] == "interrupted"
+    assert train(spec, shards, part, progress=False)["status"] == "ok"
+    (start_full, trainer, model_full, optim_full), _, (start_resumed, resumed, model_resumed, optim_resumed) = ends
+    assert (start_full, start_resumed) == (0, 4) and resumed is not trainer
+    # the setting is in force where the step runs
+    if variant == "bf16":
+        assert isinstance(resumed.autocast, torch.autocast) and resumed.autocast.fast_dtype == torch.bfloat16
+    if variant == "chunked_loss":
+        assert 0 < resumed.model.loss_chunk_tokens < spec.train.micro_batch_size * spec.train.seq_len
+    if variant == "moe":
+        assert any(isinstance(b.ffn, MoESwiGLU) for b in resumed.model.blocks)
+    assert model_full.keys() == model_resumed.keys()
+    for name in model_full:
+        assert torch.equal(model_full[name], model_resumed[name]), name
+    assert optim_full["param_groups"] == optim_resumed["param_groups"]
+    assert optim_full["state"].keys() == optim_resumed["state"].keys() and optim_full["state"]
+    for index, state in optim_full["state"].items():
+        assert state.keys() == optim_resumed["state"][index].keys()
+        for key, value in state.items():
+            assert torch.equal(value, optim_resumed["state"][index][key]), (index, key)
+    a, b = _weights(full.weights), _weights(part.weights)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    curve_full, curve_resumed = _timeless(full.curves.read_text()), _timeless(part.curves.read_text())
+    assert [r["step"] for r in curve_full] == list(range(1, 8))
+    assert [r["step"] for r in curve_full if "val_loss" in r] == [3, 6, 7]
+    if variant == "dynamics":  # measured before updates 0, 2, 4 (the resumed process's first) and 6
+        assert [r["step"] for r in curve_full if "dynamics" in r] == [1, 3, 5, 7]
+    assert curve_full == curve_resumed
 
 
 def test_sigkilled_run_resumes_to_identical_weights(tiny_data, tmp_path):
