@@ -233,3 +233,92 @@ def test_one_process_full_state_is_dcps_full_state_dict(arch):
     dcp = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     assert list(ours) == list(dcp)
     assert all(torch.equal(ours[k], dcp[k]) for k in dcp)
+
+
+FSDP_STEPS, FSDP_BATCH = 3, 4
+
+
+def _stream_model(arch: str):
+    from depthbench.models import ModelConfig, build_model
+
+    torch.manual_seed(0)
+    options = {"sinkhorn_iterations": 5} if arch == "mhc" else {}
+    model = build_model(ModelConfig(arch=arch, vocab_size=64, d_model=32, n_layer=2, n_head=2, max_seq_len=16,
+                                    arch_options=options))
+    for p in model.parameters():  # away from the zero-initialised dynamic weights
+        p.data.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def _sgd_steps(model, idx, full_tensor=lambda t: t):
+    """FSDP_STEPS SGD steps on `idx`; per step the (full) gradients, then the (full) parameters."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    steps = []
+    for _ in range(FSDP_STEPS):
+        model(idx[:, :-1], idx[:, 1:]).loss.backward()
+        grads = {n: full_tensor(p.grad).clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        steps.append((grads, {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()}))
+    return steps
+
+
+def _fsdp_stream_worker(rank, world, store, out):
+    """One gloo rank: hc and mhc sharded by FSDP2 (shard: one unit per block, then the root),
+    through the CPU kernels and through the PyTorch code, trained on this rank's rows of the
+    batch; every warning the forwards and backwards raise is recorded."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from depthbench import kernels
+    from depthbench.train.distributed import shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    apply_to = kernels.apply_to
+    results = {}
+    for use_kernels in (True, False):
+        kernels.apply_to = apply_to if use_kernels else (lambda t: False)
+        for arch in ("hc", "mhc"):
+            model = shard(_stream_model(arch))
+            idx = torch.randint(0, 64, (FSDP_BATCH, 9), generator=torch.Generator().manual_seed(1))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                steps = _sgd_steps(model, idx[rank::world], full_tensor=lambda t: t.full_tensor())
+            results[arch, use_kernels] = (steps, [str(w.message) for w in caught])
+    kernels.apply_to = apply_to
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def test_hc_and_mhc_under_two_fsdp2_ranks_match_one_process_and_return_no_views(tmp_path):
+    """2 gloo ranks, each half the batch, FSDP2 over hc's and mhc's blocks: every gradient and
+    every parameter after each of 3 SGD steps equals one process on the whole batch to 1e-5, and
+    FSDP2 never warns that a unit returned a view (an in-place op on such an output would skip
+    the unit's pre-backward hook, and with it the all-gather of its parameters for backward).
+    Through the CPU kernels and through the PyTorch code (the path CUDA takes)."""
+    import torch.multiprocessing as mp
+
+    from depthbench import kernels
+
+    mp.spawn(_fsdp_stream_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "out.pt")), nprocs=2, join=True)
+    results = torch.load(tmp_path / "out.pt", weights_only=False)
+    apply_to = kernels.apply_to
+    try:
+        for (arch, use_kernels), (steps, caught) in results.items():
+            kernels.apply_to = apply_to if use_kernels else (lambda t: False)
+            assert not [m for m in caught if "view" in m], (arch, use_kernels, caught)
+            model = _stream_model(arch)
+            idx = torch.randint(0, 64, (FSDP_BATCH, 9), generator=torch.Generator().manual_seed(1))
+            reference = _sgd_steps(model, idx)
+            assert len(steps) == len(reference) == FSDP_STEPS
+            for step, ((grads, params), (ref_grads, ref_params)) in enumerate(zip(steps, reference)):
+                assert grads.keys() == ref_grads.keys() and params.keys() == ref_params.keys()
+                for name in ref_grads:
+                    where = f"{arch} kernels={use_kernels} step {step} {name}"
+                    torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=1e-5, msg=where)
+                    torch.testing.assert_close(params[name], ref_params[name], rtol=0, atol=1e-5, msg=where)
+    finally:
+        kernels.apply_to = apply_to

@@ -1,8 +1,9 @@
 """Autograd and custom-op wrappers for the multi-stream write and mix (hc and mhc).
 
-- `write_after_read(mixed, weights, out)`: H = mixed + weights^T out after a fused read, in place
-  in eager mode (`_EagerWrite`), the custom op `depthbench::stream_write` under torch.compile;
-  its backward is one C++ pass (`stream_write_backward`, depthbench/kernels/hc.cpp).
+- `write_after_read(mixed, weights, out, shape)`: H = mixed + weights^T out after a fused read, in
+  place in eager mode (`_EagerWrite`), the custom op `depthbench::stream_write` under
+  torch.compile; its backward is one C++ pass (`stream_write_backward`, depthbench/kernels/hc.cpp).
+  H comes back in the streams' shape (B, T, n, d) as a tensor of its own, not a view.
 - `BatchedMix`: M @ H over per-token matrices with contiguous operands, the Function behind
   `depthbench.models.streams.mix_matrix`.
 """
@@ -67,15 +68,23 @@ class _EagerWrite(torch.autograd.Function):
         return grad, *kernels.cpu_kernels().stream_write_backward(grad.contiguous(), weights, out)
 
 
-def write_after_read(mixed: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def write_after_read(mixed: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+                     shape: tuple[int, ...]) -> torch.Tensor:
     """The write H = mixed + weights^T out after a fused read: mixed (N, n, d) straight from the
     read kernel (not a view), weights (N, n), out (N, d), cast to the streams' dtype (under
     autocast the sublayer returns bf16; addcmul would promote it the same way). In place in eager
-    mode, the custom op under torch.compile."""
+    mode, the custom op under torch.compile.
+
+    H is returned in `shape` (B, T, n, d) by `_unsafe_view`: the same memory, no copy, but not a
+    view of the (N, n, d) tensor, which nothing else holds. A block returns these streams, and
+    FSDP2 puts a unit's pre-backward hook (the all-gather of its parameters for backward) on its
+    output: an in-place op on a view output would drop that hook, so FSDP2 warns on views."""
     weights, out = weights.to(mixed.dtype), out.to(mixed.dtype)
     if torch.compiler.is_compiling():
-        return fused_write(mixed, weights, out)
-    return _EagerWrite.apply(mixed, weights, out)
+        H = fused_write(mixed, weights, out)
+    else:
+        H = _EagerWrite.apply(mixed, weights, out)
+    return torch.ops.aten._unsafe_view(H, shape)
 
 
 class BatchedMix(torch.autograd.Function):

@@ -83,9 +83,9 @@ class HyperConnection(nn.Module):
             x, mixed, coeff = read(H.reshape(B * T, n, d), weight.to(H.dtype), static.to(H.dtype),
                                    scales.to(H.dtype), self.norm.eps)
             out = sublayer_fn(x.view(B, T, d))
-            H = write_after_read(mixed, coeff[..., n + 1], out.reshape(B * T, d))  # + b^T F(...)
+            H = write_after_read(mixed, coeff[..., n + 1], out.reshape(B * T, d), (B, T, n, d))  # + b^T F(...)
             coeff = coeff.view(B, T, n, n + 2)
-            return H.view(B, T, n, d), coeff[..., 1 : n + 1].mT
+            return H, coeff[..., 1 : n + 1].mT
         proj = normed_linear(H, self.norm, self.dynamic)  # N(H_i) W per stream: (B, T, n, n + 2)
         coeff = (static + scales * torch.tanh(proj)).to(H.dtype)  # the streams keep their dtype
         # read (a_m^T H) and mix (A_r^T H) in one batched matmul: row 0 reads, rows 1..n mix

@@ -126,8 +126,8 @@ class ManifoldHyperConnection(nn.Module):
             x, mixed, coeff, post, _ = read(H.reshape(B * T, n, d), weight, gains.to(H.dtype), biases.to(H.dtype),
                                             self.norm.eps, self.iterations)
             out = sublayer_fn(x.view(B, T, d))
-            H = write_after_read(mixed, post, out.reshape(B * T, d))  # + H_post^T F(...)
-            return H.view(B, T, n, d), coeff.view(B, T, n + 1, n)[..., 1:, :]
+            H = write_after_read(mixed, post, out.reshape(B * T, d), (B, T, n, d))  # + H_post^T F(...)
+            return H, coeff.view(B, T, n + 1, n)[..., 1:, :]
         # N(flatten(H)) Phi without materialising the normalised state (an RMSNorm over n*d
         # values per token has a slow backward on CPU at this size)
         z = normed_linear(H.reshape(B, T, n * d), self.norm, self.phi)
