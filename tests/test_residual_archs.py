@@ -159,9 +159,8 @@ def test_bf16_autocast_on_cpu_matches_fp32_on_trained_weights(trained_case):
     loss, centred logits and gradients within tolerances 3-12x the measured bf16 error
     (tests/bf16_checks.py), the residual stream h_0..h_L fp32. Catches constant or otherwise
     signal-free logits (off by more than 1 nat), a residual stream left in bf16 (its dtype), a
-    custom autograd Function (stream mixing, Sinkhorn, depth attention, MoE routing) whose
-    backward is wrong or detached for mixed dtypes (the per-tensor gradient check), and bf16 or
-    non-finite gradients."""
+    backward that is wrong or detached under mixed dtypes (a norm gain's, a custom autograd
+    Function's: the gradient checks, per tensor), and bf16 or non-finite gradients."""
     model, x, y = trained_case
     assert_bf16_matches_fp32(model, x, y, "cpu")
 
