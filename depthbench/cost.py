@@ -13,8 +13,9 @@ layer's router and top-k experts only); d_q = n_head * head_dim. depth(T) is wha
 architecture adds in matrix products beyond those, `extra_flops_per_token` of its module (0 for
 the norm family; HC's dynamic projection over all streams and the read and mix of the streams,
 AttnRes's depth logits and mix, MoDA's depth attention).
-Backward costs twice the forward, as for every matmul (an outer product, such as the gradient
-w_i dh of a weighted sum's sources, counts as a product with inner size 1). The count is exact:
+Backward costs twice the forward, as for every matmul: both operands' gradients count, also
+where one is an outer product (the gradient w_i dh of a weighted sum's sources, a product with
+inner size 1); element-wise work of the forward stays uncounted in the backward too. The count is exact:
 on the PyTorch paths (HC's and mHC's PyTorch code, MoDA's explicit attention, AttnRes's batched
 mix; the C++ kernels, fused attention and the `loop` mix do the same arithmetic) every term is a
 product `torch.utils.flop_counter` sees, and tests/test_cost.py holds every architecture to it at a

@@ -46,10 +46,11 @@ def small(arch, options, **kw):
     return ModelConfig(**base)
 
 
-# beyond the default shape: uneven blocks (5 layers in 3), GQA's shared depth keys, MoE's
-# routed experts (only the top k run)
+# beyond the default shape: uneven blocks (5 layers in 3), more blocks than layers, GQA's shared
+# depth keys, MoE's routed experts (only the top k run)
 FLOP_CASES = [(arch, options, {}) for arch, options in ARCHS] + [
-    ("attnres_block", {"n_blocks": 3}, {"n_layer": 5}), ("moda", {}, {"n_kv_head": 2}),
+    ("attnres_block", {"n_blocks": 3}, {"n_layer": 5}), ("attnres_block", {"n_blocks": 8}, {}),
+    ("moda", {}, {"n_kv_head": 2}),
     ("moda", {"variant": "ffn_kv"}, {"n_kv_head": 2}), ("hc", {}, {"n_kv_head": 2}),
     ("pre_ln", {}, {"moe": {"n_experts": 4, "top_k": 2}}), ("mhc", {}, {"moe": {"n_experts": 4, "top_k": 2}}),
 ]
