@@ -119,6 +119,14 @@ def cmd_status(args) -> None:
     print(format_status(_experiment(args.config), args.results))
 
 
+def cmd_checksum(args) -> None:
+    """Record the SHA-256 of an unchecked run's final weights in its summary.json (depthbench.runcheck)."""
+    from depthbench.runcheck import record_checksum
+
+    for run_dir in args.run_dirs:
+        print(f"{run_dir}: weights_sha256 {record_checksum(run_dir)}")
+
+
 def cmd_rename_runs(args) -> None:
     """Move results trained under whole-section option hashing to today's run ids (depthbench.rename)."""
     from depthbench.rename import format_plan, rename_runs
@@ -176,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", nargs="?", default="config/config.yaml")
     p.add_argument("--results", default="results", help="the results folder (default: results)")
     p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("checksum", help="record the SHA-256 of the final weights of runs trained before it was kept "
+                       "(status: unchecked); a run that has one is verified instead")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's folder, results/runs/<run_id>")
+    p.set_defaults(fn=cmd_checksum)
 
     p = sub.add_parser("rename-runs", help="move run folders trained when every run id hashed the whole "
                        "model.arch_options section to today's ids (refuses on conflicts; --dry-run lists)")

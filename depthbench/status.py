@@ -5,16 +5,26 @@ Per run: `trained` (summary status ok), `diverged`, `probed` and `scored` (its p
 Parquet exists and is current; with `probes.runs` / `nll.runs: best_lr` only the runs at their
 cell's best LR in results/tables are evaluated, `-` for the others and `later` while that table
 is missing or older than a summary), `missing` (no summary; `partial` when a checkpoint exists, so
-training resumes from it) and `stale`: an output exists but is older than one of its inputs, or
-its identity changed (the summary is unreadable, belongs to another run, or records another spec
-hash than the grid's: see depthbench.tables.read_summary). A summary that is unreadable, copied
-from another run or edited is `invalid`: Snakemake would not retrain it (nothing it tracks
-changed) and the tables would refuse it, so the fix is to delete it.
+training resumes from it), `stale` (an output exists but is older than one of its inputs) and
+`incomplete` (Snakemake's marker under .snakemake/incomplete/ says its train job was interrupted:
+Snakemake refuses to go on without `--rerun-incomplete`, which retrains it). A summary that is
+unreadable, copied from another run or edited (see depthbench.tables.read_summary) is
+`invalid`: Snakemake would not retrain it (nothing it tracks changed) and the tables would refuse
+it, so the fix is `snakemake --forcerun` on its summary. Final weights that do not hash to the digest their
+summary records are `corrupt` (depthbench.runcheck): every stage that reads them refuses them,
+and `snakemake --forcerun` on them retrains the run, resuming from its last checkpoint.
+Weights whose summary records no digest are reported `unchecked` beside the run's state, with
+the `depthbench checksum RUN_DIR` command that records it. Checking the digests reads every
+run's weights.
 
 The plan mirrors the workflow's rules (train -> probe, nll -> tables and figures) with
-Snakemake's mtime and params triggers for the run's identity; it does not call Snakemake, so it
-cannot see the other triggers (a changed probe/NLL setting or script, a changed software
-environment). `snakemake -n` gives the exact plan; this gives the state of each run in a second.
+Snakemake's mtime trigger as the pinned Snakemake (9) applies it by default: an input newer than
+the job's oldest output redoes the job unless the input is at most 1,000,000 bytes
+(`--max-checksum-file-size`) and its SHA-256 equals the one Snakemake recorded for it in the
+outputs' metadata (.snakemake/metadata/), so a `touch` of such a file redoes nothing. It reads
+Snakemake's records but does not call Snakemake, so it cannot see the other triggers (a changed
+probe/NLL setting or script, a changed software environment). `snakemake -n` gives the exact
+plan; this gives the state of each run in seconds.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ RESULTS = "results"  # the workflow's output folder (the Snakefile's RESULTS), r
 @dataclass
 class RunStatus:
     run_id: str
-    state: str  # trained | diverged | missing | partial | stale | invalid
+    state: str  # trained | diverged | missing | partial | stale | invalid | corrupt | incomplete
     probed: str = "-"  # yes | no | stale | later | - (probes disabled, or not at its cell's best LR)
     scored: str = "-"  # yes | no | stale | later | - (nll disabled, or not at its cell's best LR)
     reasons: list[str] = field(default_factory=list)
@@ -63,34 +73,101 @@ def _nll_sets_path(exp: Experiment, results: Path) -> Path:
     return results / "evals" / exp.tokenizer_id / f"nll_sets_{short_hash(settings)}.parquet"
 
 
+MAX_CHECKSUM_FILE_SIZE = 1_000_000  # Snakemake's default --max-checksum-file-size (bytes)
+
+
+def _record(root: Path, kind: str, path: Path) -> Path:
+    """Where Snakemake keeps its record of kind `kind` (metadata, incomplete) about `path`: under
+    .snakemake/<kind>/ in its working directory `root`, named by the URL-safe base64 of the path
+    as the workflow spells it (relative to `root`), cut into parts of at most NAME_MAX - 1
+    characters, every part but the last prefixed by '@' (snakemake.persistence)."""
+    import base64
+
+    key = base64.urlsafe_b64encode(os.path.relpath(path, root).encode()).decode()
+    parts = [key[i:i + 254] for i in range(0, len(key), 254)]
+    return root.joinpath(".snakemake", kind, *["@" + p for p in parts[:-1]], parts[-1])
+
+
+def _incomplete(root: Path, outputs: list[Path]) -> list[Path]:
+    """The outputs Snakemake marked incomplete: a job that wrote them started and never finished
+    (killed). A marked output that is gone is simply missing, as for Snakemake."""
+    return [path for path in outputs if _record(root, "incomplete", path).exists() and path.exists()]
+
+
+def _same_checksum(root: Path, outputs: list[Path], path: Path) -> bool:
+    """Snakemake's exception to its mtime trigger: an input no larger than
+    MAX_CHECKSUM_FILE_SIZE whose SHA-256 equals the one recorded for it in every output's
+    metadata (one checksum for all) has not changed, however new its mtime."""
+    import hashlib
+    import json
+
+    if not path.is_file() or path.stat().st_size > MAX_CHECKSUM_FILE_SIZE:
+        return False
+    recorded = set()
+    for output in outputs:
+        try:
+            meta = json.loads(_record(root, "metadata", output).read_text())
+        except (OSError, ValueError):
+            return False
+        checksum = (meta.get("input_checksums") or {}).get(os.path.relpath(path, root))
+        recorded.add(checksum if checksum is None or ":" in checksum else f"sha256:{checksum}")
+    if len(recorded) != 1 or None in recorded:
+        return False
+    return recorded.pop() == "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _updated_input(root: Path, outputs: list[Path], inputs: list[Path]) -> Path | None:
+    """The first input that makes Snakemake (9, default rerun triggers) redo the job of `outputs`
+    by its mtime: newer than the oldest output and not excused by `_same_checksum`; or None."""
+    times = [_mtime(path) for path in outputs]
+    if not times or None in times:
+        return None
+    for path in inputs:
+        t = _mtime(path)
+        if t is not None and t > min(times) and not _same_checksum(root, outputs, path):
+            return path
+    return None
+
+
 def _train_state(spec, run: Path, work: Path, meta: Path) -> tuple[str, list[str]]:
-    from depthbench.tables import StaleSummary, read_summary
+    from depthbench.runcheck import WEIGHTS, WEIGHTS_DIGEST, CorruptWeights, verify_weights
+    from depthbench.tables import read_summary
 
     summary = run / "summary.json"
+    root = run.parent.parent.parent  # Snakemake's working directory, which holds results/
+    outputs = [summary, run / WEIGHTS, run / "metrics.jsonl"]  # the train rule's
+    marked = _incomplete(root, outputs)
+    if marked:
+        return "incomplete", [f"{', '.join(map(str, marked))}: marked incomplete by Snakemake (its train job was interrupted); "
+                              "`snakemake --rerun-incomplete` trains the run again (the slurm profile sets it)"]
     if not summary.exists():
         good = [s for s, p in list_checkpoints(work / "checkpoints") if verify_checkpoint(p) is None]
         return ("partial", [f"checkpoint at step {good[-1]}"]) if good else ("missing", [])
     try:
         s = read_summary(summary, {spec.run_id: spec.spec_hash()})
-    except StaleSummary as exc:
-        return "stale", [str(exc)]
     except DataError as exc:  # Snakemake sees nothing to redo here: the tables would fail on it
         return "invalid", [f"{exc}; snakemake would fail at the tables"]
-    missing = [name for name in ("model.safetensors", "metrics.jsonl") if not (run / name).exists()]
+    missing = [name for name in (WEIGHTS, "metrics.jsonl") if not (run / name).exists()]
     if missing:
         return "stale", [f"{', '.join(missing)} missing beside the summary"]
-    newer = _newer_input(summary, [meta])
+    try:
+        checked = verify_weights(run, s)
+    except CorruptWeights as exc:
+        return "corrupt", [str(exc)]
+    reasons = [] if checked else [f"{run / WEIGHTS}: unchecked (its summary records no {WEIGHTS_DIGEST}: trained before "
+                                  f"the digest was kept); `depthbench checksum {run}` records it"]
+    newer = _updated_input(root, outputs, [meta])
     if newer is not None:
         return "stale", [f"{summary} is older than its input {newer}"]
-    return ("trained" if s["status"] == "ok" else "diverged"), []
+    return ("trained" if s["status"] == "ok" else "diverged"), reasons
 
 
-def _stage_state(output: Path, inputs: list[Path], retrain: bool) -> tuple[str, str | None]:
+def _stage_state(root: Path, output: Path, inputs: list[Path], retrain: bool) -> tuple[str, str | None]:
     if not output.exists():
         return "no", None
     if retrain:
         return "stale", f"{output} will be redone after training"
-    newer = _newer_input(output, inputs)
+    newer = _updated_input(root, [output], inputs)
     return ("stale", f"{output} is older than its input {newer}") if newer is not None else ("yes", None)
 
 
@@ -120,11 +197,15 @@ def run_statuses(exp: Experiment, results: str | os.PathLike = RESULTS) -> list[
         run = results / "runs" / run_id
         state, reasons = _train_state(spec, run, results / "work" / run_id, meta)
         st = RunStatus(run_id, state, reasons=reasons)
-        retrain = state in ("missing", "partial", "stale")
-        if retrain:
-            st.jobs.append("train (resume)" if state == "partial" else "train")
+        retrain = state in ("missing", "partial", "stale", "incomplete", "corrupt")  # corrupt: once its advice is taken
+        if state == "incomplete":
+            st.jobs.append("train (--rerun-incomplete)")
+        elif state == "corrupt":
+            st.jobs.append(f"none: `snakemake --forcerun {run / 'model.safetensors'}` trains it again")
         elif state == "invalid":
-            st.jobs.append(f"none: delete {run} to train it again")
+            st.jobs.append(f"none: `snakemake --forcerun {run / 'summary.json'}` trains it again")
+        elif retrain:
+            st.jobs.append("train (resume)" if state == "partial" else "train")
         trained_inputs = [run / "summary.json", run / "model.safetensors"]
         for stage, attr, job, output, extra in (
             ("probes", "probed", "probe", results / "probes" / f"{run_id}.parquet", [meta]),
@@ -139,11 +220,11 @@ def run_statuses(exp: Experiment, results: str | os.PathLike = RESULTS) -> list[
                     continue
                 if run_id not in best:
                     continue
-            value, reason = _stage_state(output, trained_inputs + extra, retrain)
+            value, reason = _stage_state(results.parent, output, trained_inputs + extra, retrain)
             setattr(st, attr, value)
             if reason:
                 st.reasons.append(reason)
-            if value != "yes":
+            if value != "yes" and state != "corrupt":  # its stages fail until the run is trained again
                 st.jobs.append(job)
         out.append(st)
     return out
@@ -162,6 +243,12 @@ def plan(exp: Experiment, statuses: list[RunStatus], results: str | os.PathLike 
     invalid = [s.run_id for s in statuses if s.state == "invalid"]
     if invalid:
         lines.append(f"tables: fail on {len(invalid)} invalid summar{'ies' if len(invalid) != 1 else 'y'} (see above)")
+    corrupt = [s.run_id for s in statuses if s.state == "corrupt"]
+    if corrupt:
+        lines.append(f"probe, nll, export: fail on {len(corrupt)} run{'s' * (len(corrupt) != 1)} with corrupt weights (see above)")
+    incomplete = [s.run_id for s in statuses if s.state == "incomplete"]
+    if incomplete:
+        lines.append(f"refused without --rerun-incomplete: {len(incomplete)} run{'s' * (len(incomplete) != 1)} (see above)")
     # the aggregate outputs every grid has (the figures' own names depend on the grid)
     finals = [results / "tables" / f"{name}.parquet" for name in ("runs", "curves", "best_lr", "dynamics", "cost")]
     finals += [results / "figures" / "headline.png"]
@@ -175,9 +262,9 @@ def plan(exp: Experiment, statuses: list[RunStatus], results: str | os.PathLike 
 def format_status(exp: Experiment, results: str | os.PathLike = RESULTS) -> str:
     statuses = run_statuses(exp, results)
     width = max([len(s.run_id) for s in statuses] + [6])
-    lines = [f"{'run':<{width}}  {'train':<8}  {'probed':<6}  {'scored':<6}  next"]
+    lines = [f"{'run':<{width}}  {'train':<10}  {'probed':<6}  {'scored':<6}  next"]
     for s in statuses:
-        lines.append(f"{s.run_id:<{width}}  {s.state:<8}  {s.probed:<6}  {s.scored:<6}  {', '.join(s.jobs) or '-'}")
+        lines.append(f"{s.run_id:<{width}}  {s.state:<10}  {s.probed:<6}  {s.scored:<6}  {', '.join(s.jobs) or '-'}")
         lines += [f"{'':<{width}}  ^ {reason}" for reason in s.reasons]
     counts: dict[str, int] = {}
     for s in statuses:

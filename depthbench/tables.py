@@ -25,8 +25,9 @@ def _read_json(path: str | Path) -> dict:
 
 
 class StaleSummary(DataError):
-    """A valid summary of an older version of the run (the grid's spec hash differs): Snakemake's
-    params trigger retrains it, unlike a copied, edited or truncated file."""
+    """A self-consistent summary whose spec hash is not the grid's for its run id. The run id
+    hashes the same identity, so such a summary comes from another run (copied, its run id
+    edited to the folder's): Snakemake's triggers see no change, and only `--forcerun` retrains."""
 
 
 SUMMARY_KEYS = ("run_id", "status", "spec", "steps", "final_val_loss", "n_params")
@@ -35,7 +36,8 @@ SUMMARY_KEYS = ("run_id", "status", "spec", "steps", "final_val_loss", "n_params
 def read_summary(path: str | Path, expected: dict[str, str] | None = None) -> dict:
     """A run's summary.json, checked against its identity; DataError naming the file otherwise.
 
-    The summary must parse, carry its folder's run id, and its spec must hash (RunSpec.spec_hash)
+    The summary must parse, carry its folder's run id (in its own `run_id` and in its spec's), and
+    its spec must hash (RunSpec.spec_hash)
     to the `spec_hash` it records and to `expected[run_id]`, the grid's hash of that run (the
     table rules pass it as a param). A summary written before spec_hash existed is checked
     through the hash of the spec it carries."""
@@ -45,22 +47,28 @@ def read_summary(path: str | Path, expected: dict[str, str] | None = None) -> di
     try:
         s = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DataError(f"{path}: unreadable or truncated summary ({exc}); delete it to train the run again") from None
+        raise DataError(f"{path}: unreadable or truncated summary ({exc}); `snakemake --forcerun {path}` trains the run again") from None
     missing = [k for k in SUMMARY_KEYS if not isinstance(s, dict) or k not in s]
     if missing:
-        raise DataError(f"{path}: not a run summary (missing {missing}); delete it to train the run again")
+        raise DataError(f"{path}: not a run summary (missing {missing}); `snakemake --forcerun {path}` trains the run again")
     if s["run_id"] != path.parent.name:
-        raise DataError(f"{path}: belongs to run {s['run_id']!r}, not to its folder's run {path.parent.name!r} (copied?)")
+        raise DataError(f"{path}: belongs to run {s['run_id']!r}, not to its folder's run {path.parent.name!r} (copied?); "
+                        f"`snakemake --forcerun {path}` trains the run again")
+    if isinstance(s["spec"], dict) and s["spec"].get("run_id", s["run_id"]) != s["run_id"]:
+        raise DataError(f"{path}: records run id {s['run_id']!r} but its spec is run {s['spec']['run_id']!r} (edited?); "
+                        f"`snakemake --forcerun {path}` trains the run again")
     try:
         actual = RunSpec.from_dict(s["spec"]).spec_hash()
     except (DepthBenchError, KeyError, TypeError, ValueError) as exc:
-        raise DataError(f"{path}: its spec is not a valid run spec ({exc})") from None
+        raise DataError(f"{path}: its spec is not a valid run spec ({exc}); "
+                        f"`snakemake --forcerun {path}` trains the run again") from None
     if s.get("spec_hash", actual) != actual:
-        raise DataError(f"{path}: records spec hash {s['spec_hash']} but its spec hashes to {actual} (edited?)")
+        raise DataError(f"{path}: records spec hash {s['spec_hash']} but its spec hashes to {actual} (edited?); "
+                        f"`snakemake --forcerun {path}` trains the run again")
     want = (expected or {}).get(s["run_id"], actual)
     if want != actual:
-        raise StaleSummary(f"{path}: written for spec {actual}, but the grid's spec of {s['run_id']} is {want}; "
-                        "delete it (or run snakemake) to train the run again")
+        raise StaleSummary(f"{path}: written for spec {actual}, but the grid's spec of {s['run_id']} is {want} "
+                           f"(copied from another run?); `snakemake --forcerun {path}` trains the run again")
     return s
 
 

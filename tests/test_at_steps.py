@@ -158,7 +158,7 @@ def probed_run(tiny_data, tmp_path_factory):
     _, exp, shards = tiny_data
     root = tmp_path_factory.mktemp("probed")
     spec = _spec(exp, 12, [2, 12], checkpoint_every=100)
-    paths = RunPaths(root / "run", root / "work")
+    paths = RunPaths(root / "runs" / spec.run_id, root / "work")  # the probe stage checks the folder's run id
     train(spec, shards, paths, progress=False)
     out = root / "probes.parquet"
     settings = {"n_sequences": 4, "seq_len": 16, "at_steps": [2]}

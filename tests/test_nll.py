@@ -126,8 +126,9 @@ def trained_run(tiny_data, tmp_path_factory):
     config, exp, data_dir = tiny_data
     spec = next(iter(exp.runs.values()))
     root = tmp_path_factory.mktemp("nllrun")
-    train(spec, data_dir, RunPaths(root / "run", root / "work"), progress=False)
-    return spec, root / "run"
+    run_dir = root / "runs" / spec.run_id  # the stage checks that the folder is the run's
+    train(spec, data_dir, RunPaths(run_dir, root / "work"), progress=False)
+    return spec, run_dir
 
 
 def _independent_nll(model, ctx, cont):

@@ -68,7 +68,7 @@ def test_a_toy_architecture_trains_probes_scores_and_costs(toy, tiny_data, tmp_p
     spec.arch, spec.run_id = toy, spec.run_id.replace("pre_ln", toy)
     spec.model = replace(spec.model, arch=toy, arch_options={"gate_init": 0.5})
     spec.train.total_steps = 6
-    paths = RunPaths(tmp_path / "run", tmp_path / "work")
+    paths = RunPaths(tmp_path / "runs" / spec.run_id, tmp_path / "work")  # the stages check the folder's run id
     summary = train(spec, data_dir, paths, progress=False)
     assert summary["status"] == "ok"
     assert summary["n_params"] == analytic_cost(spec.model, spec.train.seq_len)["params_total"]

@@ -64,6 +64,7 @@ def build_sets(settings: dict, tokenizer_path: str, eos_token: str | None, out_p
 
 def run_nll(spec_dict: dict, run_dir: str, sets_path: str, out_path: str, settings: dict) -> dict:
     """Score one run's final weights on every set and write its Parquet rows."""
+    from depthbench.runcheck import check_run
     from depthbench.spec import RunSpec
     from depthbench.train.checkpoint import load_final_model
     from depthbench.train.loop import resolve_device
@@ -71,7 +72,7 @@ def run_nll(spec_dict: dict, run_dir: str, sets_path: str, out_path: str, settin
     settings = nll_settings(settings)
     torch.set_num_threads(int(settings["threads"]))
     spec = RunSpec.from_dict(spec_dict)
-    summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    summary = check_run(run_dir, spec)  # identity and weights, before any work
     docs = pd.read_parquet(sets_path)
     start = time.time()
     if summary["status"] == "ok":

@@ -64,18 +64,16 @@ class Run:
 def load_run(run_dir: str | os.PathLike, results_dir: str | os.PathLike | None = None) -> Run:
     """Everything an export reads about a run; DataError naming the missing file otherwise."""
     from depthbench.models import canonical_arch
+    from depthbench.runcheck import check_run, verify_weights
 
     run_dir = Path(run_dir)
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
         raise DataError(f"{summary_path}: no such file; RUN_DIR must be a finished run's folder (results/runs/<run_id>)")
-    summary = json.loads(summary_path.read_text())
-    if "spec" not in summary:
-        raise DataError(f"{summary_path}: no 'spec' (the RunSpec dict); was it written by depthbench's training?")
+    summary = check_run(run_dir, weights=False)  # its identity: run id of its folder, spec hash of its spec
     if summary.get("status") != "ok":
         raise DataError(f"{summary_path}: status {summary.get('status')!r}; only runs with status 'ok' can be exported")
-    if not (run_dir / "model.safetensors").is_file():
-        raise DataError(f"{run_dir / 'model.safetensors'}: no such file (the run's final weights)")
+    verify_weights(run_dir, summary)  # before anything is written
     spec = summary["spec"]
     results = Path(results_dir) if results_dir else run_dir.resolve().parent.parent
     tok = results / "tokenizers" / spec["tokenizer_id"] / "tokenizer.json"

@@ -27,6 +27,7 @@ from depthbench.data.shards import read_meta, split_files
 from depthbench.io import atomic_write, atomic_write_json
 from depthbench.models import build_model
 from depthbench.spec import RunSpec
+from depthbench.runcheck import WEIGHTS_DIGEST, file_sha256
 from depthbench.train import distributed, snapshots
 from depthbench.train.flops import device_peak_flops, measured_peak_flops, train_flops_per_token
 from depthbench.train.hooks import default_hooks
@@ -116,7 +117,13 @@ def finish(spec: RunSpec, paths: RunPaths, model, status: str, step: int, wall: 
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in full.items()}
     if not ctx.is_main:
         return {"run_id": spec.run_id, "status": status, "rank": ctx.rank}
-    atomic_write(paths.weights, lambda tmp: save_file(tensors, tmp, metadata={"run_id": spec.run_id, "step": str(step)}))
+    digest: list[str] = []
+
+    def write_weights(tmp: str) -> None:  # hashed before the rename, so the digest is of the published file
+        save_file(tensors, tmp, metadata={"run_id": spec.run_id, "step": str(step)})
+        digest.append(file_sha256(tmp))
+
+    atomic_write(paths.weights, write_weights)
     text = paths.metrics.read_text() if paths.metrics.exists() else ""
     atomic_write(paths.curves, lambda tmp: Path(tmp).write_text(text))
     records = [json.loads(line) for line in text.splitlines() if line.strip()]
@@ -144,6 +151,7 @@ def finish(spec: RunSpec, paths: RunPaths, model, status: str, step: int, wall: 
         "parallel": ctx.strategy,
         "spec": spec.to_dict(),
         "spec_hash": spec.spec_hash(),  # checked by the tables against the grid (depthbench.tables)
+        WEIGHTS_DIGEST: digest[0],  # checked by every stage that reads the weights (depthbench.runcheck)
     }
     atomic_write_json(paths.summary, summary)
     return summary

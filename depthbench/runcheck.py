@@ -1,0 +1,112 @@
+"""A finished run's files, checked before any stage reads them.
+
+Every stage that reads a trained run (probes, NLL, export, status) calls `check_run` first:
+
+- identity: `depthbench.tables.read_summary` (the summary parses, carries its folder's run id,
+  and its spec hashes to the spec hash it records and, where the caller knows the grid, to the
+  grid's spec hash of that run);
+- final weights: `model.safetensors` hashes (SHA-256 of the file's bytes) to the
+  `weights_sha256` that training recorded in summary.json. Training computes it from the
+  temporary file just before that file is renamed into place, and writes summary.json after it,
+  so the digest always describes the weights published with that summary.
+
+A summary without `weights_sha256` (a run trained before the digest was recorded) is not
+declared corrupt: its weights are "unchecked". `depthbench checksum RUN_DIR` records the digest
+of the weights as they are now, after checking that they load as safetensors and name the run;
+it keeps the summary's modification time so that Snakemake redoes nothing because of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from depthbench.errors import DataError
+from depthbench.io import atomic_write_json
+
+WEIGHTS = "model.safetensors"
+WEIGHTS_DIGEST = "weights_sha256"  # the summary.json key
+
+
+class CorruptWeights(DataError):
+    """The final weights do not hash to the digest recorded with them."""
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def recover_corrupt(run_dir: str | os.PathLike) -> str:
+    """How to recover a run whose final weights are damaged or missing. Snakemake alone would not
+    redo a missing or changed intermediate output while what depends on it is up to date;
+    `--forcerun` on it removes the train job's outputs and runs it again, which resumes from the
+    run's last checkpoint (results/work/<run id>), and then every stage after it."""
+    weights = Path(run_dir) / WEIGHTS
+    return (f"`snakemake --forcerun {weights}` (with the --configfile or --profile you run the workflow with) "
+            "trains the run again, resuming from its last checkpoint")
+
+
+def verify_weights(run_dir: str | os.PathLike, summary: dict) -> bool:
+    """True when the weights match the recorded digest, False when none is recorded
+    ("unchecked"); CorruptWeights naming the file on a mismatch, DataError if the file is missing."""
+    run_dir = Path(run_dir)
+    weights = run_dir / WEIGHTS
+    if not weights.is_file():
+        raise DataError(f"{weights}: no such file (the run's final weights); {recover_corrupt(run_dir)}")
+    want = summary.get(WEIGHTS_DIGEST)
+    if want is None:
+        return False
+    actual = file_sha256(weights)
+    if actual != want:
+        raise CorruptWeights(f"{weights}: corrupt: its SHA-256 is {actual[:16]}..., not the {want[:16]}... recorded in "
+                             f"{run_dir / 'summary.json'} when it was written; {recover_corrupt(run_dir)}")
+    return True
+
+
+def check_run(run_dir: str | os.PathLike, spec=None, weights: bool = True) -> dict:
+    """The run's summary after checking its identity (against `spec`, the grid's RunSpec of this
+    run, when given: its run id must be the folder's and its spec hash the summary's) and, with
+    `weights`, its final weights; DataError naming the file."""
+    from depthbench.tables import read_summary
+
+    run_dir = Path(run_dir)
+    if spec is not None and spec.run_id != run_dir.name:
+        raise DataError(f"{run_dir}: is the folder of run {run_dir.name!r}, but the stage was given run {spec.run_id!r}")
+    summary = read_summary(run_dir / "summary.json", {spec.run_id: spec.spec_hash()} if spec is not None else None)
+    if weights:
+        verify_weights(run_dir, summary)
+    return summary
+
+
+def record_checksum(run_dir: str | os.PathLike) -> str:
+    """Record the digest of an unchecked run's weights in its summary.json (module docstring);
+    returns it. Refuses a run that already has one (verifying it instead) and weights that do not
+    load as safetensors or whose metadata names another run."""
+    from safetensors import SafetensorError, safe_open
+
+    run_dir = Path(run_dir)
+    summary_path = run_dir / "summary.json"
+    summary = check_run(run_dir, weights=False)
+    if verify_weights(run_dir, summary):
+        return summary[WEIGHTS_DIGEST]
+    weights = run_dir / WEIGHTS
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            owner = (f.metadata() or {}).get("run_id")
+            for key in f.keys():
+                f.get_tensor(key)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CorruptWeights(f"{weights}: not readable safetensors ({exc}); {recover_corrupt(run_dir)}") from None
+    if owner is not None and owner != run_dir.name:
+        raise CorruptWeights(f"{weights}: written by run {owner!r}, not {run_dir.name!r}; {recover_corrupt(run_dir)}")
+    digest = file_sha256(weights)
+    stat = summary_path.stat()
+    atomic_write_json(summary_path, {**json.loads(summary_path.read_text()), WEIGHTS_DIGEST: digest})
+    os.utime(summary_path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    return digest
