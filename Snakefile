@@ -21,8 +21,11 @@ if not workflow.config_settings.configfiles:
 
 from depthbench.config import expand_grid, short_hash, validate_schema
 from depthbench.errors import DepthBenchError
+from depthbench.schema import coerce_command_line
 
 try:
+    # --config's nested values arrive as strings ('1'): read them by the schema's types
+    coerce_command_line(config, workflow.config_settings.config)
     validate_schema(config)  # fills defaults in place; names the field on error
     EXP = expand_grid(config)
 except DepthBenchError as exc:

@@ -102,6 +102,48 @@ def _coerce_numbers(value: Any, schema: dict) -> Any:
     return value
 
 
+def _types(schema: dict) -> set[str]:
+    types = schema.get("type", [])
+    out = {types} if isinstance(types, str) else set(types)
+    for key in ("anyOf", "oneOf"):
+        for sub in schema.get(key, []):
+            out |= _types(sub)
+    return out
+
+
+def coerce_command_line(config: dict, overrides: dict) -> dict:
+    """Snakemake's `--config key={...}` reads nested values as YAML with every scalar a string
+    ('1', 'true', 'null'). Where such a string stands for a field whose schema type is integer,
+    number, boolean or null, and reads (YAML) as a value of that type, the value in `config` (the
+    merged config, in place) becomes it; anything else is left for validation to name."""
+    schema = load_schema()
+
+    def walk(target: Any, given: Any, sub: dict) -> Any:
+        if isinstance(given, str) and isinstance(target, str) and target == given:
+            wanted = _types(sub)
+            if wanted & {"integer", "number", "boolean", "null"}:
+                try:
+                    value = yaml.safe_load(given)
+                except yaml.YAMLError:
+                    return target
+                kind = {bool: "boolean", int: "integer", float: "number", type(None): "null"}.get(type(value))
+                if kind in wanted or (kind == "integer" and "number" in wanted):
+                    return value
+            return target
+        if isinstance(given, dict) and isinstance(target, dict):
+            props, extra = sub.get("properties", {}), sub.get("additionalProperties")
+            for key, value in given.items():
+                child = props.get(key, extra if isinstance(extra, dict) else None)
+                if key in target and child:
+                    target[key] = walk(target[key], value, child)
+        elif isinstance(given, list) and isinstance(target, list) and isinstance(sub.get("items"), dict):
+            target[:] = [walk(t, g, sub["items"]) for t, g in zip(target, given)] + target[len(given):]
+        return target
+
+    walk(config, overrides or {}, schema)
+    return config
+
+
 def validate_schema(config: dict) -> dict:
     """Validate against workflow/schemas/config.schema.yaml and fill in defaults (in place).
 
