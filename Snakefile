@@ -36,6 +36,7 @@ RUNS = EXP.runs
 DATA_DIR = f"{RESULTS}/data/{EXP.data_id}"
 TOKENIZER = f"{RESULTS}/tokenizers/{EXP.tokenizer_id}/tokenizer.json"
 EXPERIMENT = config["name"]
+REMOVAL_ON = config["removal"]["enabled"] and config["probes"]["enabled"]  # its rankings are probe rows
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/pretrained.smk"
@@ -44,6 +45,7 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/aggregate.smk"
 include: "workflow/rules/probes.smk"
 include: "workflow/rules/nll.smk"
+include: "workflow/rules/removal.smk"
 include: "workflow/rules/figures.smk"
 
 
@@ -57,6 +59,7 @@ rule all:
         rules.probes_table.output if config["probes"]["enabled"] else [],
         rules.cost_table.output,
         rules.nll_table.output if config["nll"]["enabled"] else [],
+        rules.removal_table.output if REMOVAL_ON else [],
         [f"{RESULTS}/figures/{name}.{ext}" for name in GRID_FIGURES for ext in ("png", "pdf")],
         rules.claims.output,
         rules.report.output,

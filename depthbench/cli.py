@@ -79,8 +79,8 @@ def cmd_rehearse(args) -> int:
 
 
 # The rules that only read results/: everything else (tokenize, train, probe, nll) is not allowed.
-REGENERATE_RULES = ["tables", "cost_table", "probes_table", "nll_table", "figures", "probe_figures", "dynamics_figure",
-                    "nll_figures", "cost_figures", "claims", "report", "all"]
+REGENERATE_RULES = ["tables", "cost_table", "probes_table", "nll_table", "removal_table", "figures", "probe_figures",
+                    "dynamics_figure", "nll_figures", "cost_figures", "claims", "report", "all"]
 
 
 def regenerate_commands(config: str | None, cores: int, provenance: str) -> list[list[str]]:
@@ -105,7 +105,7 @@ def cmd_regenerate(args) -> None:
         if done.returncode:
             raise SystemExit(
                 f"depthbench regenerate: snakemake exited with {done.returncode}. If it names a missing "
-                "file under results/runs, results/probes or results/nll, that run's outputs were not "
+                "file under results/runs, results/probes, results/nll or results/removal, that run's outputs were not "
                 "copied: regenerate never trains, probes or scores."
             )
     print(f"tables in results/tables, figures in results/figures, report in results/report.html, provenance in {args.provenance}", file=sys.stderr)

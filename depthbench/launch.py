@@ -204,6 +204,16 @@ class NLLJob:
         return run_nll(spec, run_dir, sets_path, out_path, settings)
 
 
+class RemovalJob:
+    """The removal stage of one run (short, not checkpointable: it simply runs again)."""
+
+    def __call__(self, spec: dict, data_dir: str, run_dir: str, probes_path: str, sets_path: str, out_path: str,
+                 settings: dict, probe_settings: dict) -> dict:
+        from depthbench.probes.removal_run import run_removal
+
+        return run_removal(spec, data_dir, run_dir, probes_path, sets_path, out_path, settings, probe_settings)
+
+
 def submit_and_wait(fn, args: tuple, label: str, work_dir: str, launcher: dict, record_name: str = "job.json",
                     reattach: bool = True) -> Any:
     """Submit `fn(*args)` with the configured backend, wait for it and return its result.
@@ -300,6 +310,17 @@ def dispatch_nll(spec: RunSpec, run_dir: str, work_dir: str, sets_path: str, out
     settings = _local_threads(settings, launcher, threads)
     args = (spec.to_dict(), str(run_dir), str(sets_path), str(out_path), settings)
     return submit_and_wait(NLLJob(), args, f"nll {spec.run_id}", work_dir, launcher, record_name="nll_job.json")
+
+
+def dispatch_removal(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, probes_path: str, sets_path: str,
+                     out_path: str, settings: dict, probe_settings: dict, launcher: dict, threads: int = 1) -> dict:
+    """Submit the removal stage of `spec` like its training, wait, and return its report; the
+    run's identity and final weights are checked first (depthbench.runcheck)."""
+    check_run(run_dir, spec)
+    settings = _local_threads(settings, launcher, threads)
+    args = (spec.to_dict(), str(data_dir), str(run_dir), str(probes_path), str(sets_path), str(out_path), settings,
+            probe_settings)
+    return submit_and_wait(RemovalJob(), args, f"removal {spec.run_id}", work_dir, launcher, record_name="removal_job.json")
 
 
 def _local_threads(settings: dict, launcher: dict, threads: int) -> dict:

@@ -215,6 +215,17 @@ def probe_rows(probe_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFram
     return _with_run_columns(probes, runs, best)
 
 
+def removal_tables(removal_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFrame,
+                   tolerance: float) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """All runs' removal rows (depthbench.probes.removal_run) and their effective depths per
+    ranking, each with the runs' config columns and `is_best_lr`."""
+    from depthbench.probes.removal_run import COLUMNS, effective_depth
+
+    frames = [pd.read_parquet(p) for p in removal_paths]
+    removal = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["run_id", *COLUMNS, "status"])
+    return _with_run_columns(removal, runs, best), _with_run_columns(effective_depth(removal, tolerance), runs, best)
+
+
 def dynamics_rows(run_ids: Iterable[str], metric_paths: Iterable[str]) -> pd.DataFrame:
     """Tidy rows (run_id, step, quantity, index, name, value) of the training-time dynamics."""
     rows = []

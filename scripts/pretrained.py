@@ -1,5 +1,5 @@
 """Snakemake entry of the pretrained-run rules (workflow/rules/pretrained.smk); logic in
-depthbench.pretrained. One script for the five rules: it acts on the rule's name."""
+depthbench.pretrained. One script for the six rules: it acts on the rule's name."""
 
 import sys
 
@@ -21,6 +21,10 @@ elif rule == "pretrained_probe":
 elif rule == "pretrained_nll":
     settings = {**params.settings, "threads": snakemake.threads}  # noqa: F821
     report = stages.run_pretrained_nll(spec.run_id, params.model_dir, out, settings, params.window)
+elif rule == "pretrained_removal":
+    settings = {**params.settings, "threads": snakemake.threads}  # noqa: F821
+    report = stages.run_pretrained_removal(spec.run_id, params.model_dir, snakemake.input.probes, params.corpus, out,  # noqa: F821
+                                           settings, params.probe_settings, params.nll_settings, params.seq_len)
 else:
     raise ValueError(f"scripts/pretrained.py has no action for rule {rule!r}")
 print(rule, report, file=sys.stderr)

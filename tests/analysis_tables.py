@@ -57,6 +57,17 @@ def synthetic_tables(archs=("pre_ln", "hc", "attnres_block"), depths=(2, 4, 8), 
                           "measured_peak_memory_bytes": 5e8, "peak_memory_kind": "process_max_rss", "device_hours": 0.01,
                           "device": "cpu"} for r in runs.itertuples()])
     tables["cost"] = _with_run_columns(cost, runs, best).merge(runs[["run_id", "device"]].rename(columns={"device": "d2"}), on="run_id").drop(columns="d2")
+    removal = []  # the loss rises with the fraction removed, faster for pre_ln
+    for r in runs[runs.status == "ok"].itertuples():
+        for ranking in ("angular_block", "block_influence", "causal", "last", "random"):
+            for k in range(r.n_layer):
+                for domain in ("val", "code"):
+                    change = (k / r.n_layer) ** 2 * (1.0 if r.arch == "pre_ln" else 2.0)
+                    removal.append({"run_id": r.run_id, "ranking": ranking, "draw": 0, "k": k, "fraction": k / r.n_layer,
+                                    "removed": "", "domain": domain, "loss": 4.0 * (1 + change), "full_loss": 4.0,
+                                    "change": change, "status": "ok"})
+    columns = ["run_id", "ranking", "draw", "k", "fraction", "removed", "domain", "loss", "full_loss", "change", "status"]
+    tables["removal"] = _with_run_columns(pd.DataFrame(removal, columns=columns), runs, best)
     return tables
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 
+import pandas as pd
 import pytest
 import torch
 
@@ -37,11 +38,12 @@ def test_removal_sets_cover_every_ranking_and_k_and_random_is_seeded():
     hidden = core.residual_stream(model, idx[:, :-1])
     D = core.angular_distance(hidden, last_token_only=True)
     C = interventions.causal_scores(model, idx[:, :-1])
-    sets = removal.removal_sets(hidden, D, C, [1, 2, 3], seed=0)
+    bi = removal.block_influence(hidden)
+    sets = removal.removal_sets(bi, D, C, 4, [1, 2, 3], seed=0)
     assert {(r, k) for r, _, k, _ in sets} == {(r, k) for r in removal.RANKINGS for k in (1, 2, 3)}
     assert all(len(layers) == k and len(set(layers)) == k for _, _, k, layers in sets)
     assert [s for s in sets if s[0] == "last" and s[2] == 2][0][3] == [2, 3]
-    assert sets == removal.removal_sets(hidden, D, C, [1, 2, 3], seed=0)
+    assert sets == removal.removal_sets(bi, D, C, 4, [1, 2, 3], seed=0)
     assert all(4 not in layers for r, _, _, layers in sets if r in ("angular_block", "causal", "last"))
 
 
@@ -57,19 +59,38 @@ def test_resumed_removal_pass_equals_the_pass_from_the_start(arch):
         for layer in range(1, 5):
             state = model.skip(state, layer) if layer in removed else model.step(state, layer)
         whole = next_token_loss(model, state, idx[:, 1:])
-        assert math.isclose(removal.loss_without(model, states, idx[:, 1:], removed), whole, rel_tol=1e-6), removed
+        got = removal.loss_without(model, states, removal.ScoredTokens.windows(idx), removed)
+        assert math.isclose(got, whole, rel_tol=1e-6), removed
 
 
 def test_removal_pass_equals_pre_ln_with_the_blocks_taken_out():
     """pre_ln without layers 2 and 3 is the model whose block list lacks them."""
     model = perturbed("pre_ln", n_layer=4)
     idx = sample()
-    got = removal.loss_without(model, trunk_states(model, idx[:, :-1]), idx[:, 1:], [2, 3])
+    got = removal.loss_without(model, trunk_states(model, idx[:, :-1]), removal.ScoredTokens.windows(idx), [2, 3])
     shorter = copy.deepcopy(model)
     shorter.blocks = torch.nn.ModuleList([b for i, b in enumerate(model.blocks, start=1) if i not in (2, 3)])
     with torch.no_grad():
         expected = float(torch.nn.functional.cross_entropy(shorter(idx[:, :-1]).logits.reshape(-1, 64), idx[:, 1:].reshape(-1)))
     assert math.isclose(got, expected, rel_tol=1e-6)
+
+
+def test_document_scoring_equals_the_nll_stage():
+    """ScoredTokens.documents scores what the NLL stage scores: the same summed NLL over the
+    continuations (evals.nll.score_documents on the model's own forward)."""
+    from depthbench.evals.nll import score_documents
+
+    model = perturbed("pre_ln")
+    g = torch.Generator().manual_seed(3)
+    docs = pd.DataFrame({"set": "s", "domain": "code", "doc_id": range(4), "n_bytes": 10,
+                         "context_ids": [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 9, 1, 5)],
+                         "continuation_ids": [torch.randint(0, 64, (n,), generator=g).tolist() for n in (4, 12, 6, 2)]})
+    docs["n_tokens"] = docs["continuation_ids"].map(len)
+    scored = removal.ScoredTokens.documents(docs, window=8)
+    states = trunk_states(model, scored.inputs)
+    got = removal.loss_without(model, states, scored, [])
+    expected = score_documents(model, docs, 8, 10_000, "cpu")
+    assert math.isclose(got, expected["nll"].sum() / docs["n_tokens"].sum(), rel_tol=1e-5)
 
 
 def test_effective_fraction_stops_at_the_first_k_over_the_tolerance():
@@ -97,7 +118,7 @@ def test_removal_of_pretrained_layers_equals_transformers_without_them(family):
     idx = sample(n=2, t=10, vocab=HF_V)
     states = trunk_states(adapter, idx[:, :-1])
     for removed in ([2], [1, 3]):
-        got = removal.loss_without(adapter, states, idx[:, 1:], removed)
+        got = removal.loss_without(adapter, states, removal.ScoredTokens.windows(idx), removed)
         pruned = copy.deepcopy(model)
         base = pruned.gpt_neox if family == "gpt_neox" else pruned.model
         keep = [i for i in range(len(base.layers)) if i + 1 not in removed]
@@ -109,3 +130,27 @@ def test_removal_of_pretrained_layers_equals_transformers_without_them(family):
             logits = pruned(input_ids=idx[:, :-1], use_cache=False).logits.float()
         expected = float(torch.nn.functional.cross_entropy(logits.reshape(-1, HF_V), idx[:, 1:].reshape(-1)))
         assert math.isclose(got, expected, rel_tol=1e-5), (family, removed)
+
+
+def _depth_rows(fractions: dict[str, float], n_layer: int = 8) -> pd.DataFrame:
+    rows = []
+    for arch, f in fractions.items():
+        for ranking in ("angular_block", "causal", "random"):
+            rows.append({"run_id": arch, "arch": arch, "n_layer": n_layer, "d_model": 32, "knobs": "{}", "ranking": ranking, "is_best_lr": True,
+                         "seed": 0, "effective_fraction": f if ranking != "random" else f / 2})
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("fractions, verdict", [
+    ({"pre_ln": 0.5, "hc": 0.25, "attnres_full": 0.125}, "holds"),
+    ({"pre_ln": 0.25, "hc": 0.5, "attnres_full": 0.125}, "does not hold at this scale"),
+    ({"hc": 0.25, "attnres_full": 0.125}, "not testable"),
+])
+def test_claim_on_removable_layers_against_pre_ln(fractions, verdict):
+    from depthbench.analysis.claims import claim_m
+
+    ours, got, note = claim_m({"effective_depth": _depth_rows(fractions)}, {})
+    assert got.startswith(verdict), (got, ours)
+    if verdict == "holds":
+        assert "pre_ln 0.50" in ours and set(note.split(": ")[1].split(", ")) == {"hc", "attnres_full"}
+    assert claim_m({}, {})[1].startswith("not testable")

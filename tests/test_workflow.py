@@ -62,15 +62,33 @@ def test_probes_stage_writes_a_tidy_table_with_config_columns_and_figures(workfl
                   "lens_kl_to_final", "lens_top1_agreement"):
         assert probe in set(trained.probe), probe
     assert {"init", "init_no_prefix_avg"} <= set(probes.stage)
-    for name in ("angular_distance", "angular_distance_all", "angular_adjacent", "logit_lens", "causal_matrix", "permutation_matrix",
+    for name in ("angular_distance", "angular_distance_all", "angular_adjacent", "logit_lens", "removal_curves", "causal_matrix", "permutation_matrix",
                  "probe_shares", "token_similarity", "effective_rank", "usefulness"):
         assert (root / f"results/figures/{name}.png").stat().st_size > 10_000
     assert not (root / "results/figures/residual_product_rank.png").exists()  # no hc/mhc in this grid
 
 
 FIGURES = ["headline", "loss_vs_lr", "loss_curves", "dynamics", "angular_distance", "angular_distance_all", "angular_adjacent", "logit_lens",
+           "removal_curves",
            "causal_matrix", "permutation_matrix", "probe_shares", "token_similarity", "effective_rank", "usefulness",
            "nll_vs_ratio", "cost_vs_ratio", "loss_vs_cost"]
+
+
+def test_removal_tables_hold_every_ranking_domain_and_effective_depth(workflow):
+    root, _ = workflow
+    runs = pd.read_parquet(root / "results/tables/runs.parquet")
+    removal = pd.read_parquet(root / "results/tables/removal.parquet")
+    ok = set(runs.run_id[runs.status == "ok"])
+    assert set(removal.run_id) == ok  # diverged runs: no rows
+    assert set(removal.ranking) == {"angular_block", "block_influence", "causal", "last", "random"}
+    assert set(removal.domain) == {"val", "code", "stem", "math"}
+    for run_id, g in removal.groupby("run_id"):
+        L = int(g.n_layer.iloc[0])
+        assert sorted(g.k.unique()) == list(range(L)), run_id  # the full model, then k = 1 .. L - 1
+        assert (g.loc[g.k == 0, "change"] == 0).all() and (g.full_loss > 0).all()
+    depth = pd.read_parquet(root / "results/tables/effective_depth.parquet")
+    assert set(depth.run_id) == ok and depth.effective_fraction.between(0, 1).all()
+    assert {"arch", "n_layer", "is_best_lr"} <= set(depth.columns)
 
 
 def test_nll_and_cost_tables(workflow):
@@ -138,7 +156,7 @@ def test_probe_setting_reruns_probes_only(workflow, wiki_jsonl):
     with edited_config(root, grid(wiki_jsonl, probes={"n_sequences": 4})):
         plan = snakemake(root, "-n")
     assert job_counts(plan.stdout + plan.stderr) == {"all": 1, "probe": 8, "probes_table": 1, "probe_figures": 1, "claims": 1,
-                                                     "report": 1, "total": 13}
+                                                     "report": 1, "removal": 8, "removal_table": 1, "total": 22}
 
 
 def test_second_run_plans_nothing_and_says_so(workflow):
@@ -173,7 +191,7 @@ def test_adding_a_learning_rate_trains_only_the_new_runs(workflow, wiki_jsonl):
     assert job_counts(plan.stdout + plan.stderr) == {
         "all": 1, "figures": 1, "tables": 1, "train": 4, "probe": 4, "probes_table": 1, "probe_figures": 1,
         "dynamics_figure": 1, "nll": 4, "nll_table": 1, "cost_table": 1, "cost_figures": 1, "nll_figures": 1, "claims": 1,
-        "report": 1, "total": 24}
+        "report": 1, "removal": 4, "removal_table": 1, "total": 29}
 
 
 def test_best_lr_evaluation_probes_and_scores_only_the_best_runs(workflow, wiki_jsonl, tmp_path):

@@ -240,11 +240,44 @@ def claim_l(t: dict, s: dict):
     return "; ".join(parts), verdict(ok), ""
 
 
+def _removable(t: dict) -> pd.DataFrame:
+    """Per architecture at its deepest shape (best-LR runs, first seed, trained runs only): the
+    largest fraction of layers any non-random ranking can remove within the tolerance, and the
+    random baseline's."""
+    depth = t.get("effective_depth", pd.DataFrame())
+    if not R.has(depth, "arch", "n_layer", "ranking", "effective_fraction"):
+        return pd.DataFrame()
+    if "is_best_lr" in depth.columns:
+        depth = R.first_seed(depth[depth["is_best_lr"].fillna(False).astype(bool)])
+    depth = depth[depth["n_layer"] == depth.groupby("arch")["n_layer"].transform("max")]
+    ranked = depth[depth["ranking"] != "random"].groupby(["arch", "n_layer"])["effective_fraction"].max()
+    random = depth[depth["ranking"] == "random"].groupby(["arch", "n_layer"])["effective_fraction"].max()
+    return pd.DataFrame({"removable": ranked, "random": random}).reset_index()
+
+
+def claim_m(t: dict, s: dict):
+    removable = _removable(t)
+    if removable.empty:
+        return "", untestable("no effective-depth rows (removal or probes disabled)"), ""
+    if "pre_ln" not in set(removable["arch"]) or len(removable) < 2:
+        return "", untestable("needs pre_ln and another architecture in the effective-depth rows"), ""
+    by_arch = removable.set_index("arch")
+    if by_arch["n_layer"].nunique() > 1:
+        return "", untestable("the architectures' deepest shapes differ in depth"), ""
+    pre = float(by_arch.loc["pre_ln", "removable"])
+    others = by_arch.drop(index="pre_ln")
+    ours = ", ".join(f"{a} {v:.2f}" for a, v in by_arch["removable"].items())
+    ours += f" of L = {int(by_arch['n_layer'].iloc[0])} removable (best ranking; random baseline up to {by_arch['random'].max():.2f})"
+    keeps_more = [a for a, v in others["removable"].items() if v < pre]
+    note = f"keep more layers necessary than pre_ln: {', '.join(keeps_more) or 'none'}"
+    return ours, verdict(len(keeps_more) == len(others)), note
+
+
 CLAIMS: dict[str, Callable] = dict(zip(
     ["a_depth_helps_hc_attnres_not_pre_ln", "b_intermediate_best_depth", "c_late_angular_distance", "d_causal_permutation_shares",
      "e_dead_zone_grows", "f_mhc_rank_below_hc", "g_cost_grows_with_depth", "h_deep_nll_stem_math", "i_pre_ln_rms_grows_lns_holds",
-     "j_post_ln_token_similarity", "k_collapse_signature", "l_gqa_moe_lower_variance"],
-    [claim_a, claim_b, claim_c, claim_d, claim_e, claim_f, claim_g, claim_h, claim_i, claim_j, claim_k, claim_l]))
+     "j_post_ln_token_similarity", "k_collapse_signature", "l_gqa_moe_lower_variance", "m_fewer_layers_removable_than_pre_ln"],
+    [claim_a, claim_b, claim_c, claim_d, claim_e, claim_f, claim_g, claim_h, claim_i, claim_j, claim_k, claim_l, claim_m]))
 
 
 def load_claims(path: str | Path) -> list[dict]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from depthbench.analysis import (arch_figures, cost_figures, dynamics_figures, layer_figures, loss_figures,
-                                 nll_figures, probe_figures, step_figures)
+                                 nll_figures, probe_figures, removal_figures, step_figures)
 from depthbench.analysis import style as S
 from depthbench.analysis.readers import grid_line
 
@@ -31,6 +31,10 @@ def _dynamics_on(config: dict) -> bool:
 
 def _at_steps_on(config: dict) -> bool:
     return _probes_on(config) and bool(config.get("probes", {}).get("at_steps"))
+
+
+def _removal_on(config: dict) -> bool:
+    return _probes_on(config) and bool(config.get("removal", {}).get("enabled", True))
 
 
 def _nll_on(config: dict) -> bool:
@@ -84,6 +88,14 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
                "of that prediction on the probe sample; bottom: how often its top-1 token is the model's final one, "
                "against l / L, one panel per depth. A curve that reaches the final loss early in depth means the "
                "later layers add little to the prediction.", {"logit_lens"}),
+    Figure("removal_curves", removal_figures.removal_curves, PROBES, "probe_figures", ("removal",),
+           "Layer removal: the validation loss's rise (held-apart windows, not the probe sample) as a fraction of "
+           "the layers is removed in one pass, the layers chosen by each ranking: the contiguous block with the "
+           "smallest angular distance between its input and output (Gromov et al.), the lowest block influence "
+           "1 - cos(h_l-1, h_l) (ShortGPT), the lowest causal score, the last layers before the final one, and a "
+           "seeded random choice (the baseline). Colour: architecture; line style: depth; shaded: within the effective-"
+           "depth tolerance. A curve that stays flat as layers go means those layers did little.",
+           when=_removal_on),
     _probe_fig("causal_matrix", probe_figures.causal_matrix,
                "Causal score C(s, l): relative change of layer l's update when layer s is skipped (everything it "
                "contributes removed), per architecture at the deepest shape; the dashed square is the last 3/4 of depth "
@@ -170,7 +182,8 @@ def of_rule(names: list[str], rule: str) -> list[str]:
 def tables_of(names: list[str]) -> list[str]:
     """The tables the named figures read, in a fixed order."""
     wanted = {t for n in names for t in FIGURES[n].tables}
-    return [t for t in ("runs", "best_lr", "curves", "dynamics", "probes", "nll", "cost") if t in wanted]
+    return [t for t in ("runs", "best_lr", "curves", "dynamics", "probes", "nll", "cost", "removal", "effective_depth")
+            if t in wanted]
 
 
 def context(config: dict) -> S.Context:
@@ -179,6 +192,8 @@ def context(config: dict) -> S.Context:
                     experiment=config.get("name", "experiment"), grid_line=grid_line(config),
                     budget=config.get("budget", {}).get("params"), matrix_n_layer=fig_cfg.get("matrix_n_layer"))
     ctx.thresholds.update({k: probes[k] for k in ctx.thresholds if k in probes})
+    if "tolerance" in config.get("removal", {}):
+        ctx.thresholds["removal_tolerance"] = config["removal"]["tolerance"]
     return ctx
 
 

@@ -147,18 +147,12 @@ def run_pretrained_probes(run_id: str, model_dir: str, sample_path: str, out_pat
     return {"run_id": run_id, "rows": len(df), "seconds": round(time.time() - start, 2)}
 
 
-def run_pretrained_nll(run_id: str, model_dir: str, out_path: str, settings: dict, window: int) -> dict:
-    """NLL in bits per byte on the evaluation sets (depthbench.evals.run's selection, the same
-    seeded subsets), tokenized with the model's tokenizer and scored in windows of `window`
-    tokens at most (capped by the model's context): the rows of depthbench.evals.run.run_nll."""
-    from depthbench.evals.nll import aggregate, score_documents, tokenize_docs
-    from depthbench.evals.run import load_all, nll_settings
+def evaluation_documents(tokenizer, settings: dict) -> pd.DataFrame:
+    """The NLL stage's documents (depthbench.evals.run's selection, the same seeded subsets),
+    tokenized with the model's own tokenizer (columns of depthbench.evals.nll.tokenize_docs)."""
+    from depthbench.evals.nll import tokenize_docs
+    from depthbench.evals.run import load_all
 
-    settings = nll_settings(settings)
-    torch.set_num_threads(int(settings["threads"]))
-    tokenizer, adapter = load_tokenizer(model_dir), PretrainedAdapter(load_model(model_dir)).to(device())
-    window = min(window, context_length(adapter.model))
-    start = time.time()
     frames = []
     for docs in load_all(settings):
         n_source = len(docs)
@@ -166,7 +160,50 @@ def run_pretrained_nll(run_id: str, model_dir: str, out_path: str, settings: dic
             keep = sorted(np.random.default_rng(settings["seed"]).choice(n_source, size=settings["max_docs_per_set"], replace=False))
             docs = [docs[i] for i in keep]
         frames.append(tokenize_docs(docs, PlainEncoder(tokenizer), prefix_id(tokenizer)).assign(n_docs_source=n_source))
-    docs = pd.concat(frames, ignore_index=True)
+    return pd.concat(frames, ignore_index=True)
+
+
+def run_pretrained_removal(run_id: str, model_dir: str, probes_path: str, corpus: dict, out_path: str, settings: dict,
+                           probe_settings: dict, nll_settings: dict, seq_len: int) -> dict:
+    """The removal rows of a pretrained run (depthbench.probes.removal_run): rankings from its probe
+    rows, losses on validation windows of the corpus outside its probe sample and on the NLL
+    documents, both tokenized with its own tokenizer, windows of `seq_len` tokens."""
+    from depthbench.evals.run import nll_settings as with_nll_defaults
+    from depthbench.probes.removal import ScoredTokens
+    from depthbench.probes.removal_run import domain_documents, held_apart_windows, removal_rows, removal_settings
+
+    settings = removal_settings(settings)
+    torch.set_num_threads(int(settings["threads"]))
+    tokenizer, adapter = load_tokenizer(model_dir), PretrainedAdapter(load_model(model_dir)).to(device())
+    seq_len = min(seq_len, context_length(adapter.model))
+    start = time.time()
+    val = held_apart_windows(validation_tokens(corpus, tokenizer), seq_len, probe_settings["n_sequences"],
+                             probe_settings["seed"], settings["n_sequences"], settings["seed"])
+    data = {"val": ScoredTokens.windows(val.to(device()))}
+    docs = evaluation_documents(tokenizer, with_nll_defaults(nll_settings))
+    for domain, group in domain_documents(docs, settings["docs_per_domain"], settings["seed"]).items():
+        scored = ScoredTokens.documents(group, seq_len)
+        data[domain] = ScoredTokens(scored.inputs.to(device()), scored.targets.to(device()), scored.scored.to(device()))
+    df = removal_rows(adapter, pd.read_parquet(probes_path), data, settings)
+    df.insert(0, "run_id", run_id)
+    df["status"] = STATUS
+    atomic_write(out_path, lambda tmp: df.to_parquet(tmp, index=False))
+    return {"run_id": run_id, "rows": len(df), "seconds": round(time.time() - start, 2)}
+
+
+def run_pretrained_nll(run_id: str, model_dir: str, out_path: str, settings: dict, window: int) -> dict:
+    """NLL in bits per byte on the evaluation sets (depthbench.evals.run's selection, the same
+    seeded subsets), tokenized with the model's tokenizer and scored in windows of `window`
+    tokens at most (capped by the model's context): the rows of depthbench.evals.run.run_nll."""
+    from depthbench.evals.nll import aggregate, score_documents
+    from depthbench.evals.run import nll_settings
+
+    settings = nll_settings(settings)
+    torch.set_num_threads(int(settings["threads"]))
+    tokenizer, adapter = load_tokenizer(model_dir), PretrainedAdapter(load_model(model_dir)).to(device())
+    window = min(window, context_length(adapter.model))
+    start = time.time()
+    docs = evaluation_documents(tokenizer, settings)
     table = aggregate(score_documents(adapter, docs, window, int(settings["tokens_per_batch"]), device()))
     table["window"] = window
     first = docs.drop_duplicates("set")

@@ -29,14 +29,57 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 import torch
+import torch.nn.functional as F
 
-from depthbench.models.adapter import ModelAdapter, next_token_loss, trunk_states
+from depthbench.models.adapter import ModelAdapter, trunk_states
 
 RANKINGS = ("angular_block", "block_influence", "causal", "last", "random")
 RANDOM_DRAWS = 3
+
+
+@dataclass(frozen=True)
+class ScoredTokens:
+    """Inputs (N, T), their next tokens (N, T) and which positions are scored (N, T): the
+    validation windows score every position, the NLL documents only their continuations."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    scored: torch.Tensor
+
+    @classmethod
+    def windows(cls, idx: torch.Tensor) -> "ScoredTokens":
+        """Every position of token windows (N, T + 1) scored."""
+        return cls(idx[:, :-1], idx[:, 1:], torch.ones_like(idx[:, 1:], dtype=torch.bool))
+
+    @classmethod
+    def documents(cls, docs: pd.DataFrame, window: int) -> "ScoredTokens":
+        """The continuations of tokenized NLL documents (columns context_ids, continuation_ids),
+        split into windows of at most `window` inputs as the NLL stage scores them, right-padded
+        (causal attention keeps the padding out of every scored position)."""
+        from depthbench.evals.nll import rolling_windows
+
+        wins = [w for ctx, cont in zip(docs["context_ids"], docs["continuation_ids"])
+                for w in rolling_windows(list(ctx), list(cont), window)]
+        T = max(len(w.inputs) for w in wins)
+        inputs = torch.zeros(len(wins), T, dtype=torch.long)
+        targets = torch.zeros(len(wins), T, dtype=torch.long)
+        scored = torch.zeros(len(wins), T, dtype=torch.bool)
+        for row, w in enumerate(wins):
+            n_in, n_t = len(w.inputs), len(w.targets)
+            inputs[row, :n_in] = torch.tensor(w.inputs)
+            targets[row, n_in - n_t:n_in] = torch.tensor(w.targets)
+            scored[row, n_in - n_t:n_in] = True
+        return cls(inputs, targets, scored)
+
+    def loss(self, logits: torch.Tensor) -> float:
+        """Mean cross-entropy (fp32) over the scored positions."""
+        nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), self.targets.reshape(-1), reduction="none")
+        return float(nll[self.scored.reshape(-1)].mean())
 
 
 def block_influence(hidden: list[torch.Tensor]) -> torch.Tensor:
@@ -59,12 +102,12 @@ def causal_order(causal: torch.Tensor, n_layer: int) -> list[int]:
     return sorted(influence, key=lambda s: (influence[s], s))
 
 
-def removal_sets(hidden: list[torch.Tensor], distance_last: torch.Tensor, causal: torch.Tensor,
+def removal_sets(influence: torch.Tensor, distance_last: torch.Tensor, causal: torch.Tensor, n_layer: int,
                  ks: Iterable[int], seed: int) -> list[tuple[str, int, int, list[int]]]:
-    """(ranking, draw, k, layers removed) for every ranking and k; draw is 0 except for `random`."""
-    L = len(hidden) - 1
-    bi = block_influence(hidden)
-    by_bi = sorted(range(1, L + 1), key=lambda l: (float(bi[l - 1]), l))
+    """(ranking, draw, k, layers removed) for every ranking and k; draw is 0 except for `random`.
+    `influence`: BI_l for l = 1 .. L; `distance_last`, `causal`: the (L + 1, L + 1) matrices."""
+    L = n_layer
+    by_bi = sorted(range(1, L + 1), key=lambda l: (float(influence[l - 1]), l))
     by_causal = causal_order(causal, L)
     rng = np.random.default_rng(seed)
     out = []
@@ -88,33 +131,32 @@ def layer_counts(n_layer: int, fractions: list[float] | None) -> list[int]:
 
 
 @torch.no_grad()
-def loss_without(adapter: ModelAdapter, states: list, targets: torch.Tensor, removed: list[int]) -> float:
-    """Next-token loss with the layers `removed` skipped in one pass, resumed from the baseline
-    state entering the first removed layer (`states` from trunk_states on the same inputs)."""
+def loss_without(adapter: ModelAdapter, states: list, data: ScoredTokens, removed: list[int]) -> float:
+    """The loss on `data` with the layers `removed` skipped in one pass, resumed from the
+    baseline state entering the first removed layer (`states` from trunk_states on data.inputs)."""
     if not removed:
-        return next_token_loss(adapter, states[-1], targets)
+        return data.loss(adapter.logits(states[-1]))
     first = min(removed)
     state = states[first - 1]
     drop = set(removed)
     for layer in range(first, adapter.n_layer + 1):
         state = adapter.skip(state, layer) if layer in drop else adapter.step(state, layer)
-    return next_token_loss(adapter, state, targets)
+    return data.loss(adapter.logits(state))
 
 
 @torch.no_grad()
 def removal_losses(adapter: ModelAdapter, sets: list[tuple[str, int, int, list[int]]],
-                   data: dict[str, torch.Tensor]) -> tuple[dict[str, float], list[dict]]:
+                   data: dict[str, ScoredTokens]) -> tuple[dict[str, float], list[dict]]:
     """The full model's loss per domain, and one row per removal set with its loss per domain
-    (`data`: domain -> token windows (N, T + 1), e.g. "val" and the NLL domains). Each domain's
-    baseline pass is made once and shared by every set."""
+    (`data`: domain -> scored tokens, e.g. "val" and the NLL domains). Each domain's baseline
+    pass is made once and shared by every set."""
     full: dict[str, float] = {}
     rows = [{"ranking": r, "draw": d, "k": k, "removed": layers} for r, d, k, layers in sets]
-    for domain, idx in data.items():
-        states = trunk_states(adapter, idx[:, :-1])
-        targets = idx[:, 1:]
-        full[domain] = next_token_loss(adapter, states[-1], targets)
+    for domain, scored in data.items():
+        states = trunk_states(adapter, scored.inputs)
+        full[domain] = loss_without(adapter, states, scored, [])
         for row in rows:
-            row[domain] = loss_without(adapter, states, targets, row["removed"])
+            row[domain] = loss_without(adapter, states, scored, row["removed"])
         del states
     return full, rows
 

@@ -25,7 +25,7 @@ from depthbench.schema import schema_defaults
 from depthbench.data.shards import read_meta, split_files
 from depthbench.io import atomic_write
 from depthbench.models import build_model
-from depthbench.probes import core, interventions, lens
+from depthbench.probes import core, interventions, lens, removal
 from depthbench.probes.steps import snapshot_rows
 from depthbench.runcheck import check_run
 from depthbench.spec import RunSpec
@@ -38,10 +38,15 @@ def probe_settings(settings: dict) -> dict:
     return {**schema_defaults("probes"), "threads": 1, **settings}
 
 
+def validation_tokens(data_dir: str) -> np.ndarray:
+    """The validation split's token stream, in shard order."""
+    meta = read_meta(data_dir)
+    return np.concatenate([np.memmap(f, dtype=np.dtype(meta["dtype"]).newbyteorder("<"), mode="r") for f in split_files(data_dir, meta, "val")])
+
+
 def probe_sample(data_dir: str, n_sequences: int, seq_len: int, seed: int) -> torch.Tensor:
     """The fixed, seeded sample: n windows of seq_len + 1 tokens from the validation split."""
-    meta = read_meta(data_dir)
-    tokens = np.concatenate([np.memmap(f, dtype=np.dtype(meta["dtype"]).newbyteorder("<"), mode="r") for f in split_files(data_dir, meta, "val")])
+    tokens = validation_tokens(data_dir)
     n_windows = (len(tokens) - 1) // seq_len
     if n_windows < 1:
         raise ValueError(f"{data_dir}: validation split shorter than one probe window of {seq_len + 1} tokens")
@@ -101,6 +106,8 @@ def probe_model(adapter, idx: torch.Tensor, stage: str, settings: dict, full: bo
         return rows
     rows += _rows("angular_distance_last", stage, core.angular_distance(hidden, last_token_only=True))
     rows += _rows("angular_distance_all", stage, core.angular_distance(hidden, last_token_only=False))
+    # ShortGPT's block influence BI_l = 1 - mean cos(h_(l-1), h_l), one of the removal rankings
+    rows += _rows("block_influence", stage, torch.tensor([float("nan")] + removal.block_influence(hidden).tolist()))
     if "logit_lens" in applies:
         for name, per_layer in lens.logit_lens(adapter, idx).items():
             rows += _rows(name, stage, per_layer)

@@ -55,6 +55,7 @@ FIGURE_SETTINGS = {
     "seeds": config["seeds"],
     "arch_options": config["model"]["arch_options"],
     "probes": {k: config["probes"][k] for k in ("causal_threshold", "permutation_threshold", "usefulness_threshold", "dead_zone_threshold")},
+    "removal": {k: config["removal"][k] for k in ("enabled", "tolerance")},
 }
 
 

@@ -80,7 +80,8 @@ use rule figures as cost_figures with:
 
 # The claims of the source papers, each with our number and a verdict (config/claims.yaml).
 CLAIM_TABLES = ["runs", "best_lr", "curves", "cost"] + (["dynamics"] if config["train"]["dynamics_every"] > 0 else []) + (
-    ["probes"] if config["probes"]["enabled"] else []) + (["nll"] if config["nll"]["enabled"] else [])
+    ["probes"] if config["probes"]["enabled"] else []) + (["nll"] if config["nll"]["enabled"] else []) + (
+    ["effective_depth"] if REMOVAL_ON else [])
 
 
 rule claims:

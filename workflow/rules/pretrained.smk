@@ -119,3 +119,28 @@ rule pretrained_nll:
         "../../envs/depthbench.yaml"
     script:
         "../../scripts/pretrained.py"
+
+
+rule pretrained_removal:
+    input:
+        model=pretrained_model_input,
+        probes=f"{PRETRAINED_DIR}/{{run_id}}/probes.parquet",
+    output:
+        f"{PRETRAINED_DIR}/{{run_id}}/removal.parquet",
+    params:
+        spec=lambda wc: PRETRAINED[wc.run_id],
+        model_dir=pretrained_model_dir,
+        corpus=config["corpus"],
+        settings={k: v for k, v in config["removal"].items() if k not in ("enabled", "tolerance")},
+        probe_settings={k: config["probes"][k] for k in ("n_sequences", "seed")},
+        nll_settings={k: v for k, v in config["nll"].items() if k not in ("enabled", "runs")},
+        seq_len=PRETRAINED_PROBE_LEN,
+    threads: lambda wc: config["train"]["threads"]
+    log:
+        f"{RESULTS}/logs/pretrained/{{run_id}}/removal.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/pretrained/{{run_id}}/removal.tsv"
+    conda:
+        "../../envs/depthbench.yaml"
+    script:
+        "../../scripts/pretrained.py"
