@@ -8,6 +8,12 @@ at the configured micro-batch without and with full activation checkpointing
 whether the run fits with it, and disk. Disk per run = one training checkpoint (fp32 weights + AdamW's two fp32 moments: 12 bytes
 per parameter; the step counter, RNG states and the loop state are negligible) + the final fp32
 safetensors weights (4 bytes per parameter); logs and probe outputs are small and not counted.
+
+For the sweep: the tokenization's time (`tokenization_estimate`), tokens to tokenize / (the
+tokenizer's throughput per process x corpus.pieces, the pieces running at once). The tokens are
+what is known before anything is read: one epoch of the longest run (its training tokens) plus
+the validation share. The whole corpus is tokenized, so a corpus larger than that takes longer
+in proportion (the presets' comments give their corpora's sizes), one that training repeats less.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ DEFAULT_PEAK = 989e12  # H100 SXM dense bf16 FLOP/s
 DEFAULT_GPU_MEMORY = 80e9
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + two fp32 AdamW moments
 WEIGHTS_BYTES_PER_PARAM = 4
+# Tokens per second of one tokenize process (one core): measured with the GPT-NeoX-OLMo tokenizer
+# (the GPU presets') on the wiki corpus, on a core of the shared 2-core development machine
+# (README, "Tokenization in pieces")
+TOKENIZE_TOKENS_PER_S = 2.0e5
 
 
 @dataclass
@@ -41,13 +51,51 @@ class RunPlan:
     memory_auto: float = 0.0  # bytes per GPU with that mode (headroom included)
 
 
-def plan_experiment(exp, mfu: float = 0.4, peak: float = DEFAULT_PEAK, gpu_memory: float = DEFAULT_GPU_MEMORY) -> list[RunPlan]:
+@dataclass
+class TokenizationEstimate:
+    tokens: float  # one epoch of the longest run: its training tokens / (1 - val_fraction)
+    training_tokens: int  # the longest run's
+    val_fraction: float
+    pieces: int
+    seconds: float  # tokens / (TOKENIZE_TOKENS_PER_S x pieces)
+
+
+def tokenization_estimate(exp) -> TokenizationEstimate | None:
+    """The tokenization's time for `exp` (see the module docstring); None for pre-tokenized shards."""
+    corpus = exp.config["corpus"]
+    if corpus["source"] == "shards":
+        return None
+    training = max((s.train.total_steps * s.train.tokens_per_step for s in exp.runs.values()), default=0)
+    val_fraction = corpus.get("val_fraction", 0.05)
+    tokens = training / (1 - val_fraction)
+    pieces = corpus.get("pieces", 1)
+    return TokenizationEstimate(tokens, training, val_fraction, pieces, tokens / (TOKENIZE_TOKENS_PER_S * pieces))
+
+
+def format_tokenization(t: TokenizationEstimate) -> str:
+    hours = t.seconds / 3600
+    how = (f"in {t.pieces} parallel pieces: {hours:,.1f} h ({hours * t.pieces:,.1f} h in one job), plus one indexing "
+           "pass (tokenize_index)") if t.pieces > 1 else f"in one job: {hours:,.1f} h"
+    return (f"tokenization: {t.tokens:.3e} tokens (one epoch of the longest run, {t.training_tokens:.3e} training tokens, "
+            f"with the {t.val_fraction:g} validation share; the whole corpus is tokenized, so a larger corpus takes longer) "
+            f"at {TOKENIZE_TOKENS_PER_S:,.0f} tokens/s per process (measured, README) {how}")
+
+
+class SweepPlan(list):
+    """The RunPlans of a sweep, in run order, and its tokenization estimate (`tokenization`)."""
+
+    def __init__(self, plans=(), tokenization: TokenizationEstimate | None = None):
+        super().__init__(plans)
+        self.tokenization = tokenization
+
+
+def plan_experiment(exp, mfu: float = 0.4, peak: float = DEFAULT_PEAK, gpu_memory: float = DEFAULT_GPU_MEMORY) -> SweepPlan:
     """One RunPlan per run; memory traces are shared by runs of the same model and batch."""
     if not 0 < mfu <= 1:
         raise ValueError(f"--mfu {mfu}: must be in (0, 1]")
     world = ranks_per_run(exp.config["launcher"])
     cache: dict = {}
-    plans = []
+    plans = SweepPlan(tokenization=tokenization_estimate(exp))
     for run_id, spec in exp.runs.items():
         tc = spec.train
         tokens = tc.total_steps * tc.tokens_per_step
@@ -87,4 +135,6 @@ def format_plan(plans: list[RunPlan], gpu: str, mfu: float, gpu_memory: float) -
         f"({sum(p.checkpointing == 'selective' for p in plans)} selective, {sum(p.checkpointing == 'full' for p in plans)} full), "
         f"{sum(not p.fits for p in plans)} do not fit even with it "
         f"(memory includes {HEADROOM:.0%} headroom; AC = the mode train.activation_checkpointing: auto picks, AC GiB its memory)")
+    if getattr(plans, "tokenization", None) is not None:
+        lines.append(format_tokenization(plans.tokenization))
     return "\n".join(lines)

@@ -27,9 +27,10 @@ def test_presets_plan(preset, trains, tmp_path):
     assert counts["train"] == trains and counts["tokenize"] == 1
 
 
-@pytest.mark.parametrize("preset, trains, nodes, gpus", [("400m", 231, 1, 1), ("1p6b", 36, 2, 8)])
-def test_slurm_profile_plans_from_the_repository_root(preset, trains, nodes, gpus, tmp_path):
-    """`snakemake --profile slurm` resolves ./slurm/ and plans without SLURM installed."""
+@pytest.mark.parametrize("preset, trains, nodes, gpus, pieces", [("400m", 231, 1, 1, 7), ("1p6b", 36, 2, 8, 32)])
+def test_slurm_profile_plans_from_the_repository_root(preset, trains, nodes, gpus, pieces, tmp_path):
+    """`snakemake --profile slurm` resolves ./slurm/ and plans without SLURM installed; the
+    corpus is tokenized in the preset's parallel pieces (one index job, the pieces, one merge)."""
     root = copy_workflow(tmp_path)
     proc = subprocess.run(
         [*SNAKEMAKE, "--profile", "slurm", "-n", "--configfile", f"config/presets/{preset}.yaml"],
@@ -38,6 +39,7 @@ def test_slurm_profile_plans_from_the_repository_root(preset, trains, nodes, gpu
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert job_counts(out)["train"] == trains and job_counts(out)["tokenize"] == 1
+    assert job_counts(out)["tokenize_index"] == 1 and job_counts(out)["tokenize_piece"] == pieces
     # each training job asks for the configured SLURM allocation
     train_resources = re.findall(r"rule train:.*?resources: ([^\n]*)", out, flags=re.S)
     assert len(train_resources) == trains

@@ -1,0 +1,37 @@
+"""`depthbench plan`'s tokenization estimate, and the GPU presets' tokenization in pieces."""
+
+import pytest
+
+from depthbench.config import expand_grid, load_config
+from depthbench.plan import TOKENIZE_TOKENS_PER_S, SweepPlan, format_plan, tokenization_estimate
+
+
+@pytest.mark.parametrize("preset, pieces", [("400m", 7), ("1p6b", 32)])
+def test_gpu_presets_tokenize_in_pieces_and_the_plan_prints_the_time(preset, pieces):
+    """8B and 32B training tokens: one tokenize job would take 11 and 45 hours at the measured
+    200,000 tokens/s per process; in pieces it is that divided by the piece count, which the
+    plan's last line states with its basis (the Snakemake side: tests/test_workflow_plans.py)."""
+    exp = expand_grid(load_config(f"config/presets/{preset}.yaml"))
+    t = tokenization_estimate(exp)
+    longest = max(s.train.total_steps * s.train.tokens_per_step for s in exp.runs.values())
+    assert t.pieces == pieces and t.training_tokens == longest
+    assert t.tokens == pytest.approx(longest / (1 - exp.config["corpus"]["val_fraction"]))
+    assert t.seconds == pytest.approx(t.tokens / (TOKENIZE_TOKENS_PER_S * pieces))
+    assert t.seconds < 3 * 3600  # the whole corpus (10B / 100B tokens) takes 2 h / 4.3 h
+    line = format_plan(SweepPlan([], tokenization=t), "H100 SXM", 0.4, 80e9).splitlines()[-1]
+    assert line.startswith("tokenization: ") and f"in {pieces} parallel pieces: {t.seconds / 3600:,.1f} h" in line
+    assert f"{TOKENIZE_TOKENS_PER_S:,.0f} tokens/s per process" in line
+
+
+def test_pre_tokenized_shards_have_no_tokenization_estimate(tmp_path):
+    import numpy as np
+
+    config = load_config("config/config.yaml")
+    paths = []
+    for name in ("train", "val"):
+        np.arange(5000, dtype=np.uint16).tofile(tmp_path / f"{name}.bin")
+        paths.append(str(tmp_path / f"{name}.bin"))
+    config["corpus"] = {"name": "pre", "source": "shards", "train_paths": paths[:1], "val_paths": paths[1:],
+                        "dtype": "uint16", "eos_id": 0}
+    config["tokenizer"] = {"kind": "hub", "name": "x", "vocab_size": 512}  # the default grid's, for which its budget is solved
+    assert tokenization_estimate(expand_grid(config)) is None
