@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 from depthbench.analysis import readers as R
+from depthbench.analysis.profile import layer_profile, layer_profile_html
 from depthbench.analysis.registry import FIGURES
 
 CSS = """
@@ -100,12 +101,21 @@ def build_report(names: list[str], figure_dir: str | Path, tables: dict, setting
         sections.setdefault(fig.section, []).append(
             f'<figure id="{name}">{body}<figcaption><b>{name}.</b> {html.escape(fig.caption)}</figcaption></figure>')
     nav = "".join(f'<a href="#s{i}">{html.escape(s)}</a>' for i, s in enumerate(sections))
+    profile = layer_profile(tables.get("probes", pd.DataFrame()), tables.get("effective_depth", pd.DataFrame()))
+    tolerance = settings.get("removal", {}).get("tolerance", 0.05)
+    profile_part = ("<h3>Layer profile: how much of each model's depth does work (best-LR runs and pretrained "
+                    f"models)</h3>{layer_profile_html(profile, tolerance)}")
+    claims_part = f"<h3>Claims of the source papers (sources and methods: <a href='#claims'>Claims in full</a>)</h3>{claims_html(claims)}"
+    # with pretrained models the grid's question is their profile beside the trained runs'; the
+    # claims, which need a trained grid of several shapes, follow
+    pretrained = "status" in runs.columns and (runs["status"] == "pretrained").any()
+    right = profile_part + claims_part if pretrained else claims_part + profile_part
     parts = [
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>DepthBench {html.escape(settings.get('name', ''))}</title><style>{CSS}</style></head><body>",
         f"<h1>DepthBench: does depth at a fixed budget turn into computation? Config <tt>{html.escape(settings.get('name', ''))}</tt></h1>",
         f'<p class="sub">{html.escape(archs)}; {html.escape(grid)}. Claims measured at: {html.escape(claims["scale"].iloc[0] if not claims.empty else "-")}.</p>',
         f'<div class="top"><div>{top_img}<h3>Best learning rate per shape</h3>{best_lr_html(best, budget)}</div>',
-        f"<div><h3>Claims of the source papers (sources and methods: <a href='#claims'>Claims in full</a>)</h3>{claims_html(claims)}</div></div>",
+        f"<div>{right}</div></div>",
         f'<p class="small">{html.escape(FIGURES["headline"].caption)}</p>',
         f"<nav>{nav}</nav>",
     ]

@@ -108,6 +108,8 @@ rule report:
         claims=rules.claims.output[0],
         runs=rules.tables.output.runs,
         best_lr=rules.tables.output.best_lr,
+        **({"probes": f"{RESULTS}/tables/probes.parquet"} if config["probes"]["enabled"] else {}),
+        **({"effective_depth": f"{RESULTS}/tables/effective_depth.parquet"} if REMOVAL_ON else {}),
         figures=[f"{RESULTS}/figures/{name}.png" for name in GRID_FIGURES],
     output:
         f"{RESULTS}/report.html",
