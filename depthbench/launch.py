@@ -27,6 +27,7 @@ from depthbench.io import atomic_write_json
 from depthbench.runcheck import check_run
 from depthbench.schema import with_defaults
 from depthbench.slurm import LIVE_STATES, queue_state
+from depthbench.train.owner import process_identity
 
 BACKENDS = ("inline", "local", "slurm")
 
@@ -61,11 +62,22 @@ class TrainingJob(submitit.helpers.Checkpointable):
     """The function submitit runs. `checkpoint` (inherited) resubmits it with the same
     arguments; training state is on disk, so the resubmitted job continues the run."""
 
-    def __call__(self, spec: dict, data_dir: str, run_dir: str, work_dir: str, progress: bool = True) -> dict:
+    def __call__(self, spec: dict, data_dir: str, run_dir: str, work_dir: str, progress: bool = True,
+                 owner: str | None = None) -> dict:
+        """Train the run, holding its lock (one trainer per run, depthbench.train.owner) from before
+        anything is built until training returns; stop at a checkpoint once `owner` has ended."""
+        from depthbench.train import distributed
         from depthbench.train.loop import RunPaths, train
+        from depthbench.train.owner import acquire_for_job
 
         export_distributed_env()
-        return train(RunSpec.from_dict(spec), data_dir, RunPaths(run_dir, work_dir), progress=progress)
+        run = RunSpec.from_dict(spec)
+        ctx, device_name = distributed.setup(run.train.parallel, run.train.device)  # train() finds it joined
+        lock = acquire_for_job(work_dir, run.run_id, ctx, device_name)
+        try:
+            return train(run, data_dir, RunPaths(run_dir, work_dir), progress=progress, owner=owner)
+        finally:
+            lock.release()
 
 
 def export_distributed_env() -> int:
@@ -283,7 +295,10 @@ def dispatch(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, launcher
     spec_dict = spec.to_dict()
     if backend != "slurm":  # on this machine, share the cores Snakemake gave the job among the ranks
         spec_dict["train"]["threads"] = max(1, threads // ranks_per_run(launcher))
-    args = (spec_dict, str(data_dir), str(run_dir), str(work_dir), backend != "slurm")
+    # On this machine the trainer watches the Snakemake process that runs this dispatcher (its
+    # parent) and stops at a checkpoint if it ends; a SLURM job is re-attached to instead.
+    owner = None if backend == "slurm" else process_identity(os.getppid())
+    args = (spec_dict, str(data_dir), str(run_dir), str(work_dir), backend != "slurm", owner)
     summary = submit_and_wait(TrainingJob(), args, spec.run_id, work_dir, launcher)
     if backend == "slurm" and not (Path(run_dir) / "summary.json").exists():
         # A restarted Snakemake removes an incomplete job's outputs before its dispatcher

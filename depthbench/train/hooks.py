@@ -212,9 +212,12 @@ class JsonlLogger(Hook):
 
 
 def default_hooks(trainer, val_windows, flops_per_token: float, peak: float | None, measured_peak: float | None,
-                  progress: bool, loggers: list[Hook]) -> list[Hook]:
+                  progress: bool, loggers: list[Hook], owner: str | None = None) -> list[Hook]:
     """The hooks of a run, in their order (see the module docstring). Output hooks (progress,
-    metrics.jsonl, trackers) only on rank 0."""
+    metrics.jsonl, trackers) only on rank 0. With `owner` (depthbench.train.owner.process_identity
+    of the process waiting for the run), the run stops at the first checkpoint after it ended."""
+    from depthbench.train.owner import OwnerHook
+
     tc, spec, ctx = trainer.tc, trainer.spec, trainer.ctx
     hooks: list[Hook] = [
         DynamicsHook(tc.dynamics_every),
@@ -224,6 +227,7 @@ def default_hooks(trainer, val_windows, flops_per_token: float, peak: float | No
                        (tc.log_every, tc.eval_every, tc.checkpoint_every), tc.total_steps),
         *([SnapshotHook(tc.snapshot_steps)] if tc.snapshot_steps else []),  # before the checkpoint of its step
         CheckpointHook(tc.checkpoint_every, tc.total_steps),
+        *([OwnerHook(owner, tc.checkpoint_every, tc.total_steps)] if owner else []),  # after the checkpoint it stops at
         RequeueHook(tc.total_steps),  # after the periodic checkpoint: a step saved there is not saved twice
     ]
     if ctx.is_main:

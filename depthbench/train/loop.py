@@ -58,11 +58,13 @@ def _fresh_model(spec: RunSpec, device: torch.device):
     return model, train_flops_per_token(model, spec.train.seq_len)
 
 
-def train(spec: RunSpec, data_dir: str | os.PathLike, paths: RunPaths, progress: bool = True, stop_after: int | None = None) -> dict[str, Any]:
+def train(spec: RunSpec, data_dir: str | os.PathLike, paths: RunPaths, progress: bool = True, stop_after: int | None = None,
+          owner: str | None = None) -> dict[str, Any]:
     """Train `spec` to completion (or divergence) and write its outputs; return the summary.
 
     `stop_after` ends the process-level loop early after that many steps (tests use it to
-    simulate an interruption); it is not part of the run's identity.
+    simulate an interruption); it is not part of the run's identity. With `owner` the run stops
+    at its next checkpoint once that process has ended (depthbench.train.owner.OwnerHook).
     """
     tc = spec.train
     check_loggers(tc.loggers)  # a missing tracker package fails before anything starts
@@ -91,7 +93,7 @@ def train(spec: RunSpec, data_dir: str | os.PathLike, paths: RunPaths, progress:
 
     peak, measured = device_peak_flops(device, dtype), measured_peak_flops(device, dtype)
     loggers = build_loggers(tc.loggers, paths.work_dir) if ctx.is_main else []
-    trainer.hooks = default_hooks(trainer, val_windows, flops_per_token, peak, measured, progress, loggers)
+    trainer.hooks = default_hooks(trainer, val_windows, flops_per_token, peak, measured, progress, loggers, owner)
     trainer.fit(stop_after)
 
     if trainer.status == STATUS_OK and trainer.step < tc.total_steps:  # interrupted on purpose (stop_after)
