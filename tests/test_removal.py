@@ -154,3 +154,22 @@ def test_claim_on_removable_layers_against_pre_ln(fractions, verdict):
     if verdict == "holds":
         assert "pre_ln 0.50" in ours and set(note.split(": ")[1].split(", ")) == {"hc", "attnres_full"}
     assert claim_m({}, {})[1].startswith("not testable")
+
+
+def test_layer_profile_takes_each_models_numbers_from_the_tables():
+    from depthbench.analysis.profile import layer_profile, layer_profile_html
+    from depthbench.probes.removal_run import effective_depth
+    from depthbench.tables import _with_run_columns
+    from tests.analysis_tables import synthetic_tables
+
+    t = synthetic_tables(archs=("pre_ln", "hc"), depths=(4, 8))
+    depth = _with_run_columns(effective_depth(t["removal"].drop(columns=["status"]).assign(status="ok"), 0.05),
+                              t["runs"], t["best_lr"])
+    profile = layer_profile(t["probes"], depth)
+    assert len(profile) == 4 and list(profile["arch"]) == ["pre_ln", "pre_ln", "hc", "hc"]
+    # synthetic curves: change = (k/L)^2 (pre_ln) or 2 (k/L)^2, so within 5%: k/L <= sqrt(0.05) or sqrt(0.025)
+    row = profile[(profile["arch"] == "pre_ln") & (profile["n_layer"] == 8)].iloc[0]
+    assert row["removable"] == 1 / 8 and row["causal_share"] == 0.05
+    assert row["lens_half_agreement"] == 0.5  # the synthetic lens agreement is l / L
+    assert profile[(profile["arch"] == "hc") & (profile["n_layer"] == 8)]["removable"].iloc[0] == 1 / 8
+    assert "removable (5% tol.)" in layer_profile_html(profile, 0.05)
