@@ -239,19 +239,28 @@ def test_checksum_command_refuses_weights_it_cannot_vouch_for(grid2, tmp_path):
         record_checksum(run)
 
 
+def _snakemake_record(root: Path, kind: str, path: Path) -> Path:
+    """The file Snakemake's own persistence names for its `kind` record about `path`."""
+    from snakemake.persistence.file import FilePersistence
+
+    folder = root / ".snakemake" / kind
+    folder.mkdir(parents=True, exist_ok=True)
+    persistence = FilePersistence.__new__(FilePersistence)  # only its naming, no workflow
+    persistence._max_len = None
+    return Path(persistence._record_path(str(folder), os.path.relpath(path, root)))
+
+
 def test_status_follows_snakemakes_checksum_exception_to_the_mtime_trigger(wiki_jsonl, tmp_path, capsys):
     """An input no larger than 1,000,000 bytes, newer than the outputs but with the SHA-256
     Snakemake recorded for it, redoes nothing; the same input with other bytes does. (The test of
     the workflow checks this against Snakemake itself.)"""
-    from depthbench.status import _record
-
     cfg, exp, res = _status_grid(wiki_jsonl, tmp_path)
     a, _ = exp.runs.values()
     run = _fake_run(res, a)
     meta = res / "data" / exp.data_id / "meta.json"
     key = os.path.relpath(meta, tmp_path)
     for name in ("summary.json", "model.safetensors", "metrics.jsonl"):
-        record = _record(tmp_path, "metadata", run / name)
+        record = _snakemake_record(tmp_path, "metadata", run / name)
         record.parent.mkdir(parents=True, exist_ok=True)
         record.write_text(json.dumps({"input_checksums": {key: "sha256:" + hashlib.sha256(meta.read_bytes()).hexdigest()}}))
     os.utime(meta)  # touch: newer than every output
@@ -263,14 +272,11 @@ def test_status_follows_snakemakes_checksum_exception_to_the_mtime_trigger(wiki_
 
 
 def test_status_reads_snakemakes_incomplete_markers(wiki_jsonl, tmp_path, capsys):
-    from depthbench.status import _record
-
     cfg, exp, res = _status_grid(wiki_jsonl, tmp_path)
     a, b = exp.runs.values()
     for spec in (a, b):
         _fake_run(res, spec)
-    marker = _record(tmp_path, "incomplete", res / "runs" / a.run_id / "model.safetensors")
-    marker.parent.mkdir(parents=True)
+    marker = _snakemake_record(tmp_path, "incomplete", res / "runs" / a.run_id / "model.safetensors")
     marker.write_text('{"external_jobid": null}')
     rows, out = _status(cfg, res, capsys)
     assert rows[a.run_id][:2] == ["incomplete", "-"] and rows[b.run_id][0] == "trained"
@@ -278,15 +284,9 @@ def test_status_reads_snakemakes_incomplete_markers(wiki_jsonl, tmp_path, capsys
 
 
 def test_a_long_path_is_split_as_snakemake_splits_its_record_names(tmp_path):
-    from snakemake.persistence.file import FilePersistence
-
     from depthbench.status import _record
 
-    path = Path("results") / "runs" / ("x" * 300) / "summary.json"
-    ours = _record(tmp_path, "incomplete", tmp_path / path)
-    folder = tmp_path / ".snakemake" / "incomplete"
-    folder.mkdir(parents=True)
-    persistence = FilePersistence.__new__(FilePersistence)  # only its naming, no workflow
-    persistence._max_len = None
-    theirs = persistence._record_path(str(folder), str(path))
-    assert str(ours) == theirs and len(ours.relative_to(tmp_path / ".snakemake" / "incomplete").parts) == 2
+    path = tmp_path / "results" / "runs" / ("x" * 300) / "summary.json"
+    ours = _record(tmp_path, "incomplete", path)
+    assert ours == _snakemake_record(tmp_path, "incomplete", path)
+    assert len(ours.relative_to(tmp_path / ".snakemake" / "incomplete").parts) == 2
