@@ -25,7 +25,8 @@ bf16 ones: on the models of tests/test_memory.py the "cuda" count is above the "
 token and stream) and equal to it for every other architecture, and the "cpu" count equals the
 bytes measured on the CPU. On CPU the training loop runs in fp32 and nothing is cast. The CPU
 C++ kernels of HC/mHC never run on CUDA, so the trace takes the eager path (`kernels.apply_to`
-patched to False while tracing). MoE experts take the target device's path
+patched to False while tracing) for either device: `device="cpu"` is the CPU's autocast policy
+on that path, which the tests measure, not the kernels' saved tensors. MoE experts take the target device's path
 (depthbench.models.moe): grouped products on the CPU and for bf16 on CUDA (Hopper or newer, the
 planner's GPUs), every expert on every token for fp32 on CUDA (E/k times the experts' saved
 bytes); on meta a stand-in for the grouped product saves what its backward saves (both operands
