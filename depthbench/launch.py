@@ -26,7 +26,7 @@ from depthbench.spec import RunSpec
 from depthbench.io import atomic_write_json
 from depthbench.runcheck import check_run
 from depthbench.schema import with_defaults
-from depthbench.slurm import LIVE_STATES, queue_state
+from depthbench.slurm import LIVE_STATES, check_gpus, queue_state
 from depthbench.train.owner import process_identity
 
 BACKENDS = ("inline", "local", "slurm")
@@ -292,6 +292,8 @@ def dispatch(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, launcher
     check_seq_len(data_dir, spec.train.seq_len)
     launcher = with_defaults("launcher", launcher)
     backend = launcher["backend"]
+    if backend == "slurm":
+        check_gpus(launcher)  # GPUs asked of a cluster without any: named here, not by sbatch
     spec_dict = spec.to_dict()
     if backend != "slurm":  # on this machine, share the cores Snakemake gave the job among the ranks
         spec_dict["train"]["threads"] = max(1, threads // ranks_per_run(launcher))

@@ -57,6 +57,41 @@ def partitions() -> set[str] | None:
     return {line.strip() for line in out.stdout.splitlines() if line.strip()}
 
 
+def gpu_gres(partition: str | None = None) -> list[str] | None:
+    """The generic resources (`sinfo %G`) of the cluster's nodes, of `partition` when given; None
+    when SLURM cannot be asked from this machine."""
+    if shutil.which("sinfo") is None:
+        return None
+    command = ["sinfo", "-h", "-o", "%G"] + (["-p", partition] if partition else [])
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return sorted({line.strip() for line in out.stdout.splitlines() if line.strip()})
+
+
+def check_gpus(launcher: dict) -> None:
+    """Refuse, before sbatch is called, a request for GPUs (`launcher.slurm.gpus_per_node` > 0)
+    on a cluster (or partition) whose nodes have no GPU gres, which sbatch would reject as an
+    invalid generic resource. Run by the dispatcher, not at validation, so that a GPU grid can
+    still be planned (`snakemake -n`) from a machine whose SLURM has no GPUs."""
+    s = launcher.get("slurm") or {}
+    gpus = s.get("gpus_per_node") or 0
+    if not gpus:
+        return
+    gres = gpu_gres(s.get("partition"))
+    if gres is None:
+        return
+    if not any(entry.split(":", 1)[0] == "gpu" for line in gres for entry in line.split(",")):
+        where = f"partition {s['partition']!r}" if s.get("partition") else "this cluster"
+        raise ConfigError("launcher.slurm.gpus_per_node",
+                          f"{gpus} GPUs per node requested, but the nodes of {where} have no GPU gres (sinfo: "
+                          f"{', '.join(gres) or 'none'}); for CPU runs set gpus_per_node: 0, e.g. "
+                          "--config 'launcher={backend: slurm, slurm: {gpus_per_node: 0}}'")
+
+
 def queue_state(job_id: str) -> str | None:
     """The job's state as the controller has it now (`squeue`, ended jobs included while it keeps
     them, MinJobAge): `GONE` once it has forgotten the job, None when SLURM cannot be asked."""
