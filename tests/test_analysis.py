@@ -14,6 +14,7 @@ import pytest
 from depthbench.analysis import claims as C
 from depthbench.analysis import registry
 from depthbench.analysis.report import build_report
+from depthbench.analysis.readers import grid_line
 from depthbench.models import ARCHITECTURES
 from depthbench.models.base import GENERIC_PROBES, DecoderLM
 from tests.analysis_tables import synthetic_tables
@@ -242,3 +243,13 @@ def test_report_opens_on_headline_claims_and_best_lr(tmp_path, full):
     assert "<b>(a)</b> Pre-LN" in first and "<b>(l)</b> GQA" in first
     assert page.count("<figcaption>") == 3 and "dead_zone.png was not drawn" in page
     assert "http" not in page.replace("http-equiv", "")  # nothing fetched: opens offline
+
+
+def test_titles_of_a_grid_with_pretrained_models_say_whose_budget_they_state():
+    """The grid line names the pretrained models and marks the budget, depths and LRs as the
+    trained grid's, so a figure of SmolLM2's 30 layers is not titled as if it were a 4-layer run."""
+    settings = {"budget": {"params": 3.9e5}, "shapes": [{"n_layer": 4}], "learning_rates": [4e-3], "seeds": [0]}
+    assert grid_line(settings) == "budget 3.9e+05 params; L = 4; LR 0.004; seeds 0"
+    line = grid_line({**settings, "pretrained": ["smollm2_135m_instruct"]})
+    assert line == "trained: budget 3.9e+05 params; L = 4; LR 0.004; seeds 0; pretrained: smollm2_135m_instruct"
+    assert grid_line({**settings, "pretrained": [{"name": "a"}, {"name": "b"}]}).endswith("pretrained: a, b")

@@ -118,4 +118,8 @@ def grid_line(config: dict) -> str:
     seeds = ",".join(str(s) for s in config.get("seeds", [0]))
     parts = [f"budget {budget:.3g} params" if budget else "", f"L = {depths}" if depths else "",
              f"LR {lrs}" if lrs else "", f"seeds {seeds}"]
-    return "; ".join(p for p in parts if p)
+    line = "; ".join(p for p in parts if p)
+    pretrained = [p["name"] if isinstance(p, dict) else str(p) for p in config.get("pretrained") or []]
+    if pretrained:  # the budget, depths and LRs are the trained grid's, not the pretrained models'
+        line = f"trained: {line}; pretrained: {', '.join(pretrained)}"
+    return line

@@ -56,6 +56,7 @@ FIGURE_SETTINGS = {
     "arch_options": config["model"]["arch_options"],
     "probes": {k: config["probes"][k] for k in ("causal_threshold", "permutation_threshold", "usefulness_threshold", "dead_zone_threshold")},
     "removal": {k: config["removal"][k] for k in ("enabled", "tolerance")},
+    "pretrained": [p["name"] for p in config.get("pretrained") or []],
 }
 
 
