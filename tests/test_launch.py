@@ -137,3 +137,23 @@ def test_a_seq_len_longer_than_a_split_is_refused_before_anything_is_submitted(t
         dispatch(spec, str(shards), str(tmp_path / "run"), str(tmp_path / "work"), {"backend": "local"})
     assert exc.value.field == "train.seq_len" and "training split" in str(exc.value)
     assert not (tmp_path / "work").exists() and not (tmp_path / "run").exists()  # no job, no folder
+
+
+def test_the_workflow_tokenizes_then_refuses_a_seq_len_the_split_cannot_fill_before_training(wiki_jsonl, tmp_path):
+    import yaml
+
+    config = tiny_config(wiki_jsonl)
+    config["train"]["seq_len"] = 100000  # longer than the tiny corpus's training split
+    config["probes"], config["nll"] = {"enabled": False}, {"enabled": False}
+    (run_id,) = expand_grid(load_config(copy.deepcopy(config))).runs
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    (tmp_path / "config").symlink_to(REPO / "config")  # the claims file
+    done = subprocess.run([sys.executable, "-m", "snakemake", f"results/runs/{run_id}/summary.json", "--cores", "1",
+                           "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path),
+                           "--configfile", str(tmp_path / "c.yaml")], capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    assert list((tmp_path / "results" / "data").glob("*/meta.json"))  # the token counts are known
+    log = (tmp_path / "results" / "logs" / "train" / f"{run_id}.log").read_text()
+    assert "config field 'train.seq_len': 100000 needs windows of seq_len + 1 = 100001 tokens" in log
+    assert "training split" in log and "valid: at most" in log
+    assert not (tmp_path / "results" / "work" / run_id / "submitit").exists()  # nothing was submitted
