@@ -240,7 +240,11 @@ def test_report_opens_on_headline_claims_and_best_lr(tmp_path, full):
     first = page.split('<h2 id="s0">')[0]
     assert first.count("data:image/png;base64,iVBORw0KGgo") == 1  # the headline, embedded
     assert "Claims of the source papers" in first and "Best learning rate per shape" in first and "vs budget" in first
-    assert "<b>(a)</b> Pre-LN" in first and "<b>(l)</b> GQA" in first
+    claims = full["claims"].set_index("claim_id")["verdict"]
+    for claim_id, verdict in claims.items():  # testable claims open the page; the rest are counted, all in full below
+        assert (f"<b>({claim_id[0]})</b>" in first) == (not verdict.startswith("not testable")), claim_id
+        assert f"<b>({claim_id[0]})</b>" in page
+    assert f"{int(claims.str.startswith('not testable').sum())} more not testable in this grid" in first
     assert page.count("<figcaption>") == 3 and "dead_zone.png was not drawn" in page
     assert "http" not in page.replace("http-equiv", "")  # nothing fetched: opens offline
 

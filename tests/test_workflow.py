@@ -121,12 +121,15 @@ def test_report_and_claims_hold_every_figure_with_its_caption(workflow):
         assert f'<figure id="{name}"><img alt="{name}" src="data:image/png;base64,iVBORw0KGgo' in html, name
     assert html.count("<figcaption>") == len(FIGURES) and "Config <tt>tiny</tt>" in html
     first = html.split('<h2 id="s0">')[0]  # what opens first: headline, best-LR and claims tables
-    assert first.count("data:image/png") == 1 and "Best learning rate per shape" in first and "<b>(a)</b>" in first
+    assert first.count("data:image/png") == 1 and "Best learning rate per shape" in first and "Layer profile" in first
     claims = pd.read_parquet(root / "results/tables/claims.parquet")
     assert len(claims) >= 12 and claims["verdict"].str.match(r"holds|does not hold at this scale|not testable in this grid: .+").all()
     by_id = claims.set_index("claim_id")
     assert by_id.loc["g_cost_grows_with_depth", "verdict"] == "holds"  # analytic: deeper at a fixed budget costs more
     assert by_id.loc["f_mhc_rank_below_hc", "verdict"].startswith("not testable")  # no hc/mhc in this grid
+    # the first screen shows the testable claims and counts the rest; all of them are in full below
+    assert "<b>(g)</b>" in first and "<b>(f)</b>" not in first and "<b>(f)</b>" in html
+    assert f"{int(claims['verdict'].str.startswith('not testable').sum())} more not testable in this grid" in first
     snakemake(root, "--report", "results/provenance.html")  # Snakemake's provenance view still works
 
 

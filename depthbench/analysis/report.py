@@ -105,7 +105,13 @@ def build_report(names: list[str], figure_dir: str | Path, tables: dict, setting
     tolerance = settings.get("removal", {}).get("tolerance", 0.05)
     profile_part = ("<h3>Layer profile: how much of each model's depth does work (best-LR runs and pretrained "
                     f"models)</h3>{layer_profile_html(profile, tolerance)}")
-    claims_part = f"<h3>Claims of the source papers (sources and methods: <a href='#claims'>Claims in full</a>)</h3>{claims_html(claims)}"
+    # the first screen holds the claims this grid can test; the rest are counted and listed in full below
+    testable = claims[~claims["verdict"].str.startswith("not testable")] if not claims.empty else claims
+    untested = len(claims) - len(testable)
+    claims_part = (f"<h3>Claims of the source papers (sources and methods: <a href='#claims'>Claims in full</a>)</h3>"
+                   + (claims_html(testable) if not testable.empty else "<p>No claim is testable in this grid.</p>")
+                   + (f'<p class="small">{untested} more not testable in this grid (what each lacks: '
+                      "<a href='#claims'>Claims in full</a>).</p>" if untested else ""))
     # with pretrained models the grid's question is their profile beside the trained runs'; the
     # claims, which need a trained grid of several shapes, follow
     pretrained = "status" in runs.columns and (runs["status"] == "pretrained").any()
