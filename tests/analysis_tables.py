@@ -68,6 +68,9 @@ def synthetic_tables(archs=("pre_ln", "hc", "attnres_block"), depths=(2, 4, 8), 
                                     "change": change, "status": "ok"})
     columns = ["run_id", "ranking", "draw", "k", "fraction", "removed", "domain", "loss", "full_loss", "change", "status"]
     tables["removal"] = _with_run_columns(pd.DataFrame(removal, columns=columns), runs, best)
+    from depthbench.probes.removal_run import effective_depth
+
+    tables["effective_depth"] = _with_run_columns(effective_depth(pd.DataFrame(removal, columns=columns), 0.05), runs, best)
     return tables
 
 

@@ -21,14 +21,43 @@ def _budget_deviation(best: pd.DataFrame, runs: pd.DataFrame, budget: float | No
     return None
 
 
+def _removable_by_shape(depth: pd.DataFrame) -> pd.DataFrame:
+    """Per best-LR cell (first seed): the largest fraction of layers a non-random ranking removes
+    within the tolerance (effective_depth.parquet), with the cell's d_model / n_layer."""
+    if not R.has(depth, "arch", "knobs", "ratio", "ranking", "effective_fraction"):
+        return pd.DataFrame()
+    if "is_best_lr" in depth.columns:
+        depth = R.first_seed(depth[depth["is_best_lr"].fillna(False).astype(bool)])
+    ranked = depth[(depth["ranking"] != "random") & (depth["status"] != "pretrained" if "status" in depth else True)]
+    return ranked.groupby(["arch", "knobs", "ratio"], as_index=False)["effective_fraction"].max()
+
+
 def headline(tables: dict, ctx: S.Context):
     """Top: loss at the best LR (seed spread as +-1 std bars, open markers where the best LR is
-    at the edge of the swept range) against d_model / n_layer; bottom: budget deviation."""
+    at the edge of the swept range) against d_model / n_layer; middle, where the grid has layer
+    removal: the fraction of layers removable within the tolerance (effective depth, the best
+    ranking); bottom: budget deviation."""
     best, runs = tables.get("best_lr", pd.DataFrame()), tables.get("runs", pd.DataFrame())
     if not R.has(best, "arch", "ratio", "final_val_loss"):
         why = "no run finished without diverging" if R.has(runs, "status") else "no runs in the tables"
         return S.message_figure(ctx, WHAT_HEADLINE, why)
-    fig, (ax, dev_ax) = S.panels(2, ctx, cols=1, scale=1.0, gridspec_kw={"height_ratios": [3, 1]}, sharex=True)
+    removable = _removable_by_shape(tables.get("effective_depth", pd.DataFrame()))
+    if removable.empty:
+        fig, (ax, dev_ax) = S.panels(2, ctx, cols=1, scale=1.0, gridspec_kw={"height_ratios": [3, 1]}, sharex=True)
+    else:
+        fig, (ax, rem_ax, dev_ax) = S.panels(3, ctx, cols=1, scale=1.15, gridspec_kw={"height_ratios": [3, 1.2, 1]},
+                                             sharex=True)
+        rem_curves = {S.label(arch, knobs): (arch, g.sort_values("ratio").set_index("ratio")["effective_fraction"])
+                      for (arch, knobs), g in removable.groupby(["arch", "knobs"], sort=False)}
+        rem_groups = S.coinciding({name: c for name, (_, c) in rem_curves.items()})
+        for name, (arch, c) in rem_curves.items():  # coinciding curves nest their markers, as below
+            st = S.arch_style(arch)
+            rank = next((g.index(name) for g in rem_groups if name in g), 0)
+            rem_ax.plot(c.index, c.values, **{**st, "markersize": st["markersize"] * (1.9 - 0.55 * rank)})
+        tolerance = ctx.thresholds.get("removal_tolerance", 0.05)
+        rem_ax.set_ylabel(f"layers removable\nwithin {tolerance:.0%} (fraction)")
+        rem_ax.set_ylim(-0.05, 1.0)
+        rem_ax.grid(alpha=0.3)
     deviation = _budget_deviation(best, runs, ctx.budget)
     curves, dev_curves = {}, {}
     for arch, knobs in best[["arch", "knobs"]].drop_duplicates().sort_values("arch", key=lambda a: a.map(R.archs(best).index)).itertuples(index=False):
@@ -67,6 +96,9 @@ def headline(tables: dict, ctx: S.Context):
     if dev_groups:  # equal shapes, not a drawing accident: say so under the budget panel
         notes.append("budget panel: " + "; ".join(" = ".join(g) for g in dev_groups)
                      + " have the same shapes (nested markers)")
+    if not removable.empty and rem_groups:
+        notes.append("removal panel: " + "; ".join(" = ".join(g) for g in rem_groups)
+                     + " can lose the same fraction of layers (nested markers)")
     if notes:
         S.fig_note(fig, "\n".join(notes))
     S.title(fig, ctx, WHAT_HEADLINE)

@@ -63,10 +63,12 @@ def _probe_fig(name, draw, caption, probes=frozenset(), arch_figure=None) -> Fig
 
 
 FIGURES: dict[str, Figure] = {f.name: f for f in [
-    Figure("headline", loss_figures.headline, LOSS, "figures", _LOSS,
+    Figure("headline", loss_figures.headline, LOSS, "figures", _LOSS + ("effective_depth",),
            "Validation loss at the best learning rate (seeds averaged; bars +-1 std where several seeds) against "
            "d_model / n_layer at a fixed parameter budget, one line per architecture; open circles: the best LR is at "
-           "the edge of the swept range (the true optimum may lie outside); dashed: the unigram floor. The lower panel "
+           "the edge of the swept range (the true optimum may lie outside); dashed: the unigram floor. Where the grid "
+           "removes layers, the middle panel is the fraction of layers that can be removed with the validation loss "
+           "within the tolerance (effective depth, the best ranking). The lower panel "
            "is each shape's parameter count relative to the budget. A curve that rises to the left means added depth "
            "is wasted."),
     Figure("loss_vs_lr", loss_figures.loss_vs_lr, LOSS, "figures", _LOSS,

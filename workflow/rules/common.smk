@@ -41,7 +41,9 @@ def figure_outputs(rule):
 
 def figure_inputs(rule):
     """The tables the rule's figures read, as {table: path}."""
-    return {t: f"{RESULTS}/tables/{t}.parquet" for t in tables_of(of_rule(GRID_FIGURES, rule))}
+    # the removal tables exist only where the grid removes layers; figures draw without them
+    return {t: f"{RESULTS}/tables/{t}.parquet" for t in tables_of(of_rule(GRID_FIGURES, rule))
+            if REMOVAL_ON or t not in ("removal", "effective_depth")}
 
 
 # What figures and claims state about the grid; figure rules rerun when it changes, nothing else.
