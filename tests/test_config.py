@@ -175,6 +175,7 @@ def test_identity_dict_round_trips_with_the_operational_settings(wiki_jsonl):
     assert restored.to_dict() == spec.to_dict()
 
 
+@pytest.mark.slow
 def test_cli_listing_into_a_closed_pipe_exits_cleanly():
     """`depthbench runs CONFIG | head -1`: the reader closes the pipe early; the command must not
     print a BrokenPipeError traceback or fail."""

@@ -220,6 +220,7 @@ ck.save_checkpoint(folder, 2, "r", state(2))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["data", "complete"])
 def test_kill_9_during_a_checkpoint_write_keeps_and_uses_the_previous_one(tmp_path, where):
     proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, str(tmp_path), where], cwd=REPO,

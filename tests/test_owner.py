@@ -45,6 +45,7 @@ def _wait_for(condition, seconds: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_second_holder_is_refused_at_once_naming_the_first_and_kill_9_releases_the_lock(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
@@ -68,6 +69,7 @@ def test_a_second_holder_is_refused_at_once_naming_the_first_and_kill_9_releases
     RunLock.acquire(tmp_path, "r").release()  # released: taken again in the same process
 
 
+@pytest.mark.slow
 def test_a_process_identity_tells_a_running_process_from_an_ended_one():
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     identity = process_identity(proc.pid)

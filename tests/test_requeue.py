@@ -61,6 +61,7 @@ SCRIPT = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM])
 def test_signal_checkpoints_the_current_step_and_the_resumed_run_is_bit_identical(tiny_data, uninterrupted, tmp_path, sig):
     spec_file = tmp_path / "spec.json"

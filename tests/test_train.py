@@ -166,6 +166,7 @@ def test_resumed_run_is_bit_identical_for_every_architecture_and_setting(tiny_da
     assert curve_full == curve_resumed
 
 
+@pytest.mark.slow
 def test_sigkilled_run_resumes_to_identical_weights(tiny_data, tmp_path):
     """A training process killed with SIGKILL and started again ends bit-identical."""
     _, exp, shards = tiny_data
