@@ -215,6 +215,25 @@ def probe_rows(probe_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFram
     return _with_run_columns(probes, runs, best)
 
 
+LENS_PROBES = {"lens_cross_entropy": "cross_entropy", "lens_kl_to_final": "kl_to_final",
+               "lens_top1_agreement": "top1_agreement"}
+
+
+def lens_table(probes: pd.DataFrame) -> pd.DataFrame:
+    """The logit lens (depthbench.probes.lens) of every probed model, one row per (run, layer):
+    cross_entropy, kl_to_final and top1_agreement beside the run's config columns, from the
+    trained probe rows (the merged probes table)."""
+    rows = probes[probes["probe"].isin(LENS_PROBES) & (probes["stage"] == "trained")]
+    keys = [c for c in rows.columns if c not in ("probe", "i", "j", "value", "stage")]
+    if rows.empty:
+        return pd.DataFrame(columns=[*keys, "layer", *LENS_PROBES.values()])
+    wide = rows.assign(layer=rows["i"]).pivot_table(index=[*keys, "layer"], columns="probe", values="value",
+                                                     dropna=False).reset_index()
+    wide = wide.rename(columns=LENS_PROBES).dropna(subset=list(LENS_PROBES.values()), how="all")
+    wide.columns.name = None
+    return wide.sort_values(["run_id", "layer"], ignore_index=True)
+
+
 def removal_tables(removal_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFrame,
                    tolerance: float) -> tuple[pd.DataFrame, pd.DataFrame]:
     """All runs' removal rows (depthbench.probes.removal_run) and their effective depths per

@@ -143,3 +143,18 @@ def test_lens_of_pretrained_families_ends_at_transformers_logits(family):
         first = torch.tanh(first / cap) * cap
     first_ce = float(torch.nn.functional.cross_entropy(first.reshape(-1, HF_V), idx[:, 1:].reshape(-1)))
     assert math.isclose(float(got["lens_cross_entropy"][0]), first_ce, rel_tol=1e-5)
+
+
+def test_lens_table_has_one_row_per_run_and_layer_with_the_three_scores():
+    from depthbench.tables import lens_table
+    from tests.analysis_tables import synthetic_tables
+
+    probes = synthetic_tables(archs=("pre_ln", "hc"), depths=(2, 4))["probes"]
+    table = lens_table(probes)
+    trained = probes[(probes["stage"] == "trained") & (probes["probe"] == "lens_cross_entropy")]
+    assert len(table) == len(trained) and set(table["run_id"]) == set(trained["run_id"])
+    for run_id, g in table.groupby("run_id"):
+        L = int(g["n_layer"].iloc[0])
+        assert list(g["layer"]) == list(range(L + 1))
+        assert g["top1_agreement"].tolist() == [l / L for l in range(L + 1)]  # the synthetic lens
+        assert g["cross_entropy"].notna().all() and g["kl_to_final"].notna().all()

@@ -66,6 +66,9 @@ def test_probes_stage_writes_a_tidy_table_with_config_columns_and_figures(workfl
                  "probe_shares", "token_similarity", "effective_rank", "usefulness"):
         assert (root / f"results/figures/{name}.png").stat().st_size > 10_000
     assert not (root / "results/figures/residual_product_rank.png").exists()  # no hc/mhc in this grid
+    lens = pd.read_parquet(root / "results/tables/logit_lens.parquet")
+    assert set(lens.run_id) == set(runs.run_id[runs.status == "ok"])
+    assert (lens.groupby("run_id").size() == lens.groupby("run_id").n_layer.first() + 1).all()
 
 
 FIGURES = ["headline", "loss_vs_lr", "loss_curves", "dynamics", "angular_distance", "angular_distance_all", "angular_adjacent", "logit_lens",

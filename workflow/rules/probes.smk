@@ -38,7 +38,8 @@ rule probes_table:
         runs=rules.tables.output.runs,
         best_lr=rules.tables.output.best_lr,
     output:
-        f"{RESULTS}/tables/probes.parquet",
+        probes=f"{RESULTS}/tables/probes.parquet",
+        lens=f"{RESULTS}/tables/logit_lens.parquet",
     log:
         f"{RESULTS}/logs/probes_table.log",
     benchmark:
