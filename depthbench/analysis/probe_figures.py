@@ -161,8 +161,10 @@ def logit_lens(tables: dict, ctx: S.Context):
         return S.message_figure(ctx, what, NO_PROBES)
     shapes = R.shapes(ce)
     cols = len(shapes)
+    # each panel its own cross-entropy scale: a pretrained model's embedding read through its
+    # head can sit at 100 nats, which would flatten every other curve of a shared axis
     fig, axes = S.plt.subplots(2, cols, figsize=(max(ctx.width, ctx.width * 0.55 * cols), ctx.height * 1.5),
-                               squeeze=False, sharex=True, sharey="row", layout="constrained")
+                               squeeze=False, sharex=True, layout="constrained")
     for c, (L, d) in enumerate(shapes):
         top, bottom = axes[0][c], axes[1][c]
         for arch in R.archs(ce):
@@ -172,12 +174,19 @@ def logit_lens(tables: dict, ctx: S.Context):
                 if not g.empty:
                     ax.plot(g["i"] / L, g["value"], label=arch, **st)
         top.set_title(f"L={L}, d={d}")
+        if c:
+            top.set_ylabel("nats")
+            bottom.sharey(axes[1][0])
         bottom.set_xlabel("layer l / L (h_0: the embedding)")
+        bottom.set_ylim(-0.03, 1.03)
         for ax in (top, bottom):
             ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("cross-entropy of the\nlayer's prediction (nats)")
     axes[1][0].set_ylabel("top-1 agreement with\nthe final prediction")
-    handles, labels = axes[0][-1].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right center", fontsize=S.FONT["legend"])
+    legend = {}
+    for ax in axes[0]:  # every architecture once, whichever panels it appears in
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    fig.legend(list(legend.values()), list(legend), loc="outside right center", fontsize=S.FONT["legend"])
     S.title(fig, ctx, what)
     return fig
