@@ -603,12 +603,24 @@ def test_every_table_stage_finishes_on_degenerate_grids(wiki_jsonl, tmp_path, ki
     _run_script("tables.py", input=_Files(summaries=summaries, metrics=metrics, data=str(data), pretrained=[]), output=out, log=log,
                 params=SimpleNamespace(experiment="tiny", run_ids=list(statuses), spec_hashes=hashes, budget_params=None))
     made = {}
-    for script, extra, target in (("cost_table.py", {"summaries": summaries, "pretrained": []}, "cost"),
-                                  ("probes_table.py", {"probes": probes}, "probes"), ("nll_table.py", {"nll": nll}, "nll")):
-        path = str(tables / f"{target}.parquet")
-        _run_script(script, input=_Files(**extra, runs=out.runs, best_lr=out.best_lr), output=_Files([path]), log=log,
-                    params=SimpleNamespace(spec_hashes=hashes, seq_len=32))
-        made[target] = pd.read_parquet(path)
+    removal = []  # a removal file per run: no rows for a diverged run (depthbench.probes.removal_run)
+    for s in specs:
+        r = res / "removal" / f"{s.run_id}.parquet"
+        r.parent.mkdir(exist_ok=True)
+        rows = [{"ranking": "last", "draw": 0, "k": k, "fraction": k / 2, "removed": "", "domain": "val", "loss": 2.0 + k,
+                 "full_loss": 2.0, "change": k / 2} for k in (0, 1)] if statuses[s.run_id] == "ok" else []
+        pd.DataFrame(rows, columns=["ranking", "draw", "k", "fraction", "removed", "domain", "loss", "full_loss",
+                                    "change"]).assign(run_id=s.run_id, status=statuses[s.run_id]).to_parquet(r)
+        removal.append(str(r))
+    for script, extra, target, outputs in (
+            ("cost_table.py", {"summaries": summaries, "pretrained": []}, "cost", ("cost",)),
+            ("probes_table.py", {"probes": probes}, "probes", ("probes", "lens")),
+            ("nll_table.py", {"nll": nll}, "nll", ("nll",)),
+            ("removal_table.py", {"removal": removal}, "removal", ("removal", "effective_depth"))):
+        paths = {name: str(tables / f"{name}.parquet") for name in outputs}
+        _run_script(script, input=_Files(**extra, runs=out.runs, best_lr=out.best_lr), output=_Files(**paths), log=log,
+                    params=SimpleNamespace(spec_hashes=hashes, seq_len=32, tolerance=0.05))
+        made.update({name: pd.read_parquet(path) for name, path in paths.items()})
     runs, best = pd.read_parquet(out.runs), pd.read_parquet(out.best_lr)
     assert sorted(runs.run_id) == sorted(statuses)
     n_ok = sum(v == "ok" for v in statuses.values())
@@ -619,6 +631,8 @@ def test_every_table_stage_finishes_on_degenerate_grids(wiki_jsonl, tmp_path, ki
     assert sorted(set(made["nll"].run_id)) == sorted(statuses) and "arch" in made["nll"]
     if n_ok:
         assert made["probes"][made["probes"].stage == "trained"].is_best_lr.all()
+    ok = sorted(r for r, v in statuses.items() if v == "ok")
+    assert sorted(set(made["removal"].get("run_id", []))) == ok and sorted(made["effective_depth"].get("run_id", [])) == ok
 
 
 # -- 8. depthbench status -------------------------------------------------------------------------------

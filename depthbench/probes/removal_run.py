@@ -79,10 +79,13 @@ def ranking_inputs(probes: pd.DataFrame, n_layer: int) -> tuple[torch.Tensor, to
 def removal_rows(adapter, probes: pd.DataFrame, data: dict[str, ScoredTokens], settings: dict) -> pd.DataFrame:
     """Every ranking's removal curve of the model on each domain of `data` (module docstring)."""
     L = adapter.n_layer
-    influence, distance, causal = ranking_inputs(probes, L)
-    sets = removal_sets(influence, distance, causal, L, layer_counts(L, settings["fractions"]), settings["seed"])
+    if L >= 2:
+        influence, distance, causal = ranking_inputs(probes, L)
+        sets = removal_sets(influence, distance, causal, L, layer_counts(L, settings["fractions"]), settings["seed"])
+    else:  # one layer: nothing can be removed with a layer kept; the full model's losses only
+        sets = []
     full, measured = removal_losses(adapter, sets, data)
-    rankings = sorted({r for r, _, _, _ in sets})
+    rankings = sorted({r for r, _, _, _ in sets}) or ["none"]
     rows = [{"ranking": r, "draw": 0, "k": 0, "removed": []} | full for r in rankings] + measured
     out = []
     for row in rows:
