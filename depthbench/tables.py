@@ -242,7 +242,9 @@ def removal_tables(removal_paths: Iterable[str], runs: pd.DataFrame, best: pd.Da
 
     frames = [pd.read_parquet(p) for p in removal_paths]
     removal = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["run_id", *COLUMNS, "status"])
-    return _with_run_columns(removal, runs, best), _with_run_columns(effective_depth(removal, tolerance), runs, best)
+    removal = _with_run_columns(removal, runs, best)
+    depth = effective_depth(removal[["run_id", "ranking", "k", "fraction", "domain", "loss", "full_loss", "n_layer"]], tolerance)
+    return removal, _with_run_columns(depth, runs, best)
 
 
 def dynamics_rows(run_ids: Iterable[str], metric_paths: Iterable[str]) -> pd.DataFrame:

@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 
 from depthbench.io import atomic_write
-from depthbench.probes.removal import ScoredTokens, layer_counts, removal_losses, removal_sets
+from depthbench.probes.removal import RANKINGS, ScoredTokens, layer_counts, removal_losses, removal_sets
 from depthbench.schema import schema_defaults
 
 COLUMNS = ["ranking", "draw", "k", "fraction", "removed", "domain", "loss", "full_loss", "change"]
@@ -82,10 +82,10 @@ def removal_rows(adapter, probes: pd.DataFrame, data: dict[str, ScoredTokens], s
     if L >= 2:
         influence, distance, causal = ranking_inputs(probes, L)
         sets = removal_sets(influence, distance, causal, L, layer_counts(L, settings["fractions"]), settings["seed"])
-    else:  # one layer: nothing can be removed with a layer kept; the full model's losses only
+    else:  # one layer: nothing can be removed with a layer kept; each ranking's curve is its k = 0 point
         sets = []
     full, measured = removal_losses(adapter, sets, data)
-    rankings = sorted({r for r, _, _, _ in sets}) or ["none"]
+    rankings = sorted(RANKINGS)
     rows = [{"ranking": r, "draw": 0, "k": 0, "removed": []} | full for r in rankings] + measured
     out = []
     for row in rows:
@@ -141,8 +141,11 @@ def effective_depth(removal: pd.DataFrame, tolerance: float) -> pd.DataFrame:
     rows = []
     for (run_id, ranking), g in val.groupby(["run_id", "ranking"], sort=True):
         curve = g.groupby("k")["loss"].mean()
-        n_layer = int(round(g["k"].max() / g["fraction"].max())) if g["fraction"].max() > 0 else 0
-        if n_layer == 0:
+        if "n_layer" in g.columns:  # merged with the runs' columns
+            n_layer = int(g["n_layer"].iloc[0])
+        elif g["fraction"].max() > 0:
+            n_layer = int(round(g["k"].max() / g["fraction"].max()))
+        else:
             continue
         full = float(g["full_loss"].iloc[0])
         fraction = effective_fraction({int(k): float(v) for k, v in curve.items() if k > 0}, full, n_layer, tolerance)
