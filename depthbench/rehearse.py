@@ -55,7 +55,7 @@ import torch
 from depthbench.launch import ranks_per_run
 from depthbench.models import build_model
 from depthbench.plan import CHECKPOINT_BYTES_PER_PARAM
-from depthbench.rss import PeakRSS, available_memory
+from depthbench.rss import PeakRSS
 from depthbench.train.checkpoint import list_checkpoints
 from depthbench.spec import RunSpec
 from depthbench.train.distributed import DistContext

@@ -23,7 +23,7 @@ import torch
 import yaml
 
 from depthbench.config import RunSpec, expand_grid, load_config
-from depthbench.errors import ConfigError, DataError, DepthBenchError
+from depthbench.errors import ConfigError, DataError
 from depthbench.io import atomic_write_text
 from depthbench.models.config import ModelConfig
 from depthbench.train.checkpoint import checksum_path, list_checkpoints, load_latest, save_checkpoint

@@ -4,7 +4,6 @@
 import json
 import math
 
-import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -12,7 +11,7 @@ from tokenizers import Tokenizer
 
 from depthbench.errors import ConfigError
 from depthbench.evals import sets as evalsets
-from depthbench.evals.nll import aggregate, encode_pair, rolling_windows, score_documents, tokenize_docs
+from depthbench.evals.nll import aggregate, encode_pair, rolling_windows, score_documents
 from depthbench.evals.run import build_sets, run_nll
 from depthbench.evals.sets import BUILTIN_SETS, EvalDoc, load_builtin, load_jsonl
 

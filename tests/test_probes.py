@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from depthbench.models import ModelConfig, build_model
-from depthbench.probes import core, workers
+from depthbench.probes import workers
 from depthbench.probes.core import (
     angular_distance,
     effective_rank,

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
-from pathlib import Path
 
 import pandas as pd
 import pytest

@@ -108,7 +108,7 @@ def build_report(names: list[str], figure_dir: str | Path, tables: dict, setting
     # the first screen holds the claims this grid can test; the rest are counted and listed in full below
     testable = claims[~claims["verdict"].str.startswith("not testable")] if not claims.empty else claims
     untested = len(claims) - len(testable)
-    claims_part = (f"<h3>Claims of the source papers (sources and methods: <a href='#claims'>Claims in full</a>)</h3>"
+    claims_part = ("<h3>Claims of the source papers (sources and methods: <a href='#claims'>Claims in full</a>)</h3>"
                    + (claims_html(testable) if not testable.empty else "<p>No claim is testable in this grid.</p>")
                    + (f'<p class="small">{untested} more not testable in this grid (what each lacks: '
                       "<a href='#claims'>Claims in full</a>).</p>" if untested else ""))

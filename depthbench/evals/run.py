@@ -8,10 +8,8 @@ source (the same subset for every run); `n_docs_source` keeps the source's full 
 
 from __future__ import annotations
 
-import json
 import math
 import time
-from pathlib import Path
 
 import numpy as np
 import pandas as pd

@@ -12,10 +12,8 @@ probes.at_steps the run's snapshots add rows of stage "snapshot" at their steps
 
 from __future__ import annotations
 
-import json
 import math
 import time
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
