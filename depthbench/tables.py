@@ -227,11 +227,14 @@ def lens_table(probes: pd.DataFrame) -> pd.DataFrame:
     keys = [c for c in rows.columns if c not in ("probe", "i", "j", "value", "stage")]
     if rows.empty:
         return pd.DataFrame(columns=[*keys, "layer", *LENS_PROBES.values()])
-    wide = rows.assign(layer=rows["i"]).pivot_table(index=[*keys, "layer"], columns="probe", values="value",
-                                                     dropna=False).reset_index()
-    wide = wide.rename(columns=LENS_PROBES).dropna(subset=list(LENS_PROBES.values()), how="all")
+    # pivoted on (run, layer) alone, the run's columns joined after: a pivot over every config
+    # column would form their product
+    wide = rows.assign(layer=rows["i"]).pivot(index=["run_id", "layer"], columns="probe", values="value").reset_index()
+    wide = wide.rename(columns=LENS_PROBES)
     wide.columns.name = None
-    return wide.sort_values(["run_id", "layer"], ignore_index=True)
+    columns = rows[keys].drop_duplicates("run_id")
+    return wide.merge(columns, on="run_id", how="left")[[*keys, "layer", *LENS_PROBES.values()]].sort_values(
+        ["run_id", "layer"], ignore_index=True)
 
 
 def removal_tables(removal_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFrame,

@@ -158,3 +158,24 @@ def test_lens_table_has_one_row_per_run_and_layer_with_the_three_scores():
         assert list(g["layer"]) == list(range(L + 1))
         assert g["top1_agreement"].tolist() == [l / L for l in range(L + 1)]  # the synthetic lens
         assert g["cross_entropy"].notna().all() and g["kl_to_final"].notna().all()
+
+
+def test_lens_table_of_many_runs_with_distinct_config_columns_stays_small():
+    """A pivot over every config column forms their product (18 runs of the default asked for
+    18.6 GiB); the table pivots on (run, layer) alone. Here 40 runs differ in 10 columns: a
+    product over them has 40^11 rows."""
+    import pandas as pd
+
+    from depthbench.tables import lens_table
+
+    rows = []
+    for r in range(40):
+        config = {f"c{c}": float(r * 10 + c) for c in range(10)}
+        for layer in range(3):
+            for probe, value in (("lens_cross_entropy", 5.0 - layer), ("lens_kl_to_final", 2.0 - layer),
+                                 ("lens_top1_agreement", layer / 2)):
+                rows.append({"run_id": f"run{r}", "probe": probe, "stage": "trained", "i": layer, "j": -1,
+                             "value": value, **config})
+    table = lens_table(pd.DataFrame(rows))
+    assert len(table) == 40 * 3 and table.groupby("run_id")["c3"].nunique().eq(1).all()
+    assert table.loc[table["layer"] == 2, "top1_agreement"].eq(1.0).all()
