@@ -113,3 +113,24 @@ def wait_until_gone(pid: int, seconds: float = 30.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def status_grid(config: dict, tmp_path: Path):
+    """(config file, experiment, results folder) for `depthbench status`: NLL off, and the shards'
+    meta.json written at an old mtime so that the summaries written after it are current."""
+    import yaml
+
+    from depthbench.config import expand_grid, load_config
+    from depthbench.data.shards import META_VERSION
+
+
+    config["nll"] = {"enabled": False}
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    exp = expand_grid(load_config(cfg))
+    res = tmp_path / "results"
+    meta = res / "data" / exp.data_id / "meta.json"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(json.dumps({"version": META_VERSION}))
+    os.utime(meta, (1e9, 1e9))
+    return cfg, exp, res

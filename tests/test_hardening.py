@@ -27,7 +27,7 @@ from depthbench.errors import ConfigError, DataError
 from depthbench.io import atomic_write_text
 from depthbench.models.config import ModelConfig
 from depthbench.train.checkpoint import checksum_path, list_checkpoints, load_latest, save_checkpoint
-from tests.conftest import REPO, tiny_config
+from tests.conftest import REPO, status_grid, tiny_config
 
 
 def _state(step: int) -> dict:
@@ -636,28 +636,11 @@ def test_every_table_stage_finishes_on_degenerate_grids(wiki_jsonl, tmp_path, ki
 
 
 # -- 8. depthbench status -------------------------------------------------------------------------------
-def _status_grid(config: dict, tmp_path: Path):
-    """(config file, experiment, results folder) for `depthbench status`: NLL off, and the shards'
-    meta.json written at an old mtime so that the summaries written after it are current."""
-    from depthbench.data.shards import META_VERSION
-
-    config["nll"] = {"enabled": False}
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(yaml.safe_dump(config))
-    exp = expand_grid(load_config(cfg))
-    res = tmp_path / "results"
-    meta = res / "data" / exp.data_id / "meta.json"
-    meta.parent.mkdir(parents=True)
-    meta.write_text(json.dumps({"version": META_VERSION}))
-    os.utime(meta, (1e9, 1e9))
-    return cfg, exp, res
-
-
 def test_status_reports_each_run_and_the_next_jobs(wiki_jsonl, tmp_path, capsys):
     from depthbench.cli import main
 
     config = tiny_config(wiki_jsonl, architectures=["pre_ln", "post_ln", "peri_ln"], learning_rates=[3e-3, 50.0])
-    cfg, exp, res = _status_grid(config, tmp_path)
+    cfg, exp, res = status_grid(config, tmp_path)
     ids = list(exp.runs)
     trained, diverged, partial, stale_time, copied, missing = ids
     for rid in ids[:5]:
@@ -687,7 +670,7 @@ def test_status_with_best_lr_evaluation_names_only_the_best_runs(wiki_jsonl, tmp
 
     config = tiny_config(wiki_jsonl, learning_rates=[3e-3, 1e-2])
     config["probes"] = {"runs": "best_lr"}
-    cfg, exp, res = _status_grid(config, tmp_path)
+    cfg, exp, res = status_grid(config, tmp_path)
     low, high = sorted(exp.runs, key=lambda rid: exp.runs[rid].lr)
     for rid in (low, high):
         _fake_summary(res, exp.runs[rid])

@@ -13,13 +13,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-import yaml
 from safetensors.torch import save_file
 
 from depthbench.config import expand_grid, load_config
 from depthbench.errors import DataError
 from depthbench.runcheck import WEIGHTS_DIGEST, CorruptWeights, check_run, record_checksum
-from tests.conftest import tiny_config
+from tests.conftest import status_grid, tiny_config
 
 INLINE = {"backend": "inline"}
 
@@ -161,20 +160,10 @@ def _status(cfg: Path, res: Path, capsys) -> tuple[dict, str]:
 
 
 def _status_grid(wiki_jsonl, tmp_path: Path):
-    from depthbench.data.shards import META_VERSION
-
+    """Two runs, probes and NLL off (tests.conftest.status_grid)."""
     config = tiny_config(wiki_jsonl, learning_rates=[3e-3, 1e-2])
-    config["nll"] = {"enabled": False}
     config["probes"] = {"enabled": False}
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(yaml.safe_dump(config))
-    exp = expand_grid(load_config(cfg))
-    res = tmp_path / "results"
-    meta = res / "data" / exp.data_id / "meta.json"
-    meta.parent.mkdir(parents=True)
-    meta.write_text(json.dumps({"version": META_VERSION}))
-    os.utime(meta, (1e9, 1e9))
-    return cfg, exp, res
+    return status_grid(config, tmp_path)
 
 
 def test_status_reports_corrupt_weights_with_the_forcerun_command(wiki_jsonl, tmp_path, capsys):
