@@ -18,13 +18,13 @@ it keeps the summary's modification time so that Snakemake redoes nothing becaus
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
 from depthbench.errors import DataError
 from depthbench.io import atomic_write_json
+from depthbench.train.listing import file_sha256
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_DIGEST = "weights_sha256"  # the summary.json key
@@ -32,14 +32,6 @@ WEIGHTS_DIGEST = "weights_sha256"  # the summary.json key
 
 class CorruptWeights(DataError):
     """The final weights do not hash to the digest recorded with them."""
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def recover_corrupt(run_dir: str | os.PathLike) -> str:

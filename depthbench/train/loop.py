@@ -27,7 +27,8 @@ from depthbench.data.shards import read_meta, split_files
 from depthbench.io import atomic_write, atomic_write_json
 from depthbench.models import build_model
 from depthbench.spec import RunSpec
-from depthbench.runcheck import WEIGHTS_DIGEST, file_sha256
+from depthbench.runcheck import WEIGHTS_DIGEST
+from depthbench.train.listing import file_sha256
 from depthbench.train import distributed, snapshots
 from depthbench.train.flops import device_peak_flops, measured_peak_flops, train_flops_per_token
 from depthbench.train.hooks import default_hooks
