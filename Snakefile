@@ -8,8 +8,8 @@ min_version("9.0")
 # The embedded default, unless a config is given with --configfile (presets are complete
 # configs: merging them over the default would leak its settings into them).
 if not workflow.config_settings.configfiles:
-    from depthbench.config import read_yaml_config
-    from depthbench.errors import ConfigError
+    from depthbench.spec.schema import read_yaml_config
+    from depthbench.util.errors import ConfigError
 
     try:  # Snakemake's own message for a YAML syntax error names neither the file nor the line
         read_yaml_config("config/config.yaml")
@@ -19,9 +19,11 @@ if not workflow.config_settings.configfiles:
     configfile: "config/config.yaml"
 
 
-from depthbench.config import expand_grid, short_hash, validate_schema
-from depthbench.errors import DepthBenchError
-from depthbench.schema import coerce_command_line
+from depthbench.grid.config import expand_grid
+from depthbench.spec.run import short_hash
+from depthbench.spec.schema import validate_schema
+from depthbench.util.errors import DepthBenchError
+from depthbench.spec.schema import coerce_command_line
 
 try:
     # --config's nested values arrive as strings ('1'): read them by the schema's types

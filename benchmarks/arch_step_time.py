@@ -35,9 +35,10 @@ import torch
 import yaml
 
 from depthbench import kernels
-from depthbench.models import ARCHITECTURES, ModelConfig, build_model, canonical_arch
-from depthbench.shapes import solve_width
-from depthbench.train.loop import build_optimizer
+from depthbench.models.registry import ARCHITECTURES, build_model, canonical_arch
+from depthbench.models.config import ModelConfig
+from depthbench.spec.shapes import solve_width
+from depthbench.train.recipe import build_optimizer
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ asserted.
 
 Made to start and stop on time on a bare GPU machine:
 - it imports the repository it sits in (its parent folder goes first on sys.path): no install;
-- the JSON is rewritten atomically (depthbench.io) after every measurement, so whatever the
+- the JSON is rewritten atomically (depthbench.util.io) after every measurement, so whatever the
   machine's time allows is kept;
 - a wall-clock budget (`--time-budget`, 480 s) is checked before each measurement: one that would
   not finish in what is left (estimated from the slowest measurement so far) is recorded as
@@ -43,10 +43,11 @@ sys.path.insert(0, str(REPO))  # the repository's depthbench, installed or not
 
 import torch  # noqa: E402
 
-from depthbench.io import atomic_write_json  # noqa: E402
-from depthbench.models import ModelConfig, build_model, registered_architectures  # noqa: E402
-from depthbench.shapes import solve_width  # noqa: E402
-from depthbench.train.config import TrainConfig  # noqa: E402
+from depthbench.util.io import atomic_write_json  # noqa: E402
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import build_model, registered_architectures
+from depthbench.spec.shapes import solve_width  # noqa: E402
+from depthbench.spec.training import TrainConfig  # noqa: E402
 from depthbench.train.flops import device_peak_flops, mfu, train_flops_per_token  # noqa: E402
 from depthbench.train.memory import HEADROOM, estimate_memory  # noqa: E402
 

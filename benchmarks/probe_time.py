@@ -18,9 +18,11 @@ import time
 
 import torch
 
-from depthbench.models import ModelConfig, build_model, registered_architectures
-from depthbench.probes.run import probe_model, probe_settings
-from depthbench.shapes import solve_width
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import build_model, registered_architectures
+from depthbench.probes.measure import probe_model
+from depthbench.probes.run import probe_settings
+from depthbench.spec.shapes import solve_width
 
 ARCHS = registered_architectures()
 

@@ -20,7 +20,8 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from depthbench.models import ModelConfig, build_model
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import build_model
 from depthbench.train.flops import measured_cpu_peak, train_flops_per_token
 
 

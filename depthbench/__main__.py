@@ -1,5 +1,5 @@
 import sys
 
-from depthbench.cli import main
+from depthbench.commands.cli import main
 
 sys.exit(main())

@@ -4,8 +4,8 @@ import sys
 
 import pandas as pd
 
-from depthbench.tables import cost_rows, write_parquet
-from depthbench.process import exit_without_teardown
+from depthbench.analysis.tables import cost_rows, write_parquet
+from depthbench.launch.process import exit_without_teardown
 
 sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
 runs, best = pd.read_parquet(snakemake.input.runs), pd.read_parquet(snakemake.input.best_lr)  # noqa: F821
@@ -16,4 +16,4 @@ shown = ["run_id", "params_total", "train_flops_per_token", "prefill_flops_4096"
 print(table[shown].to_string() if not table.empty else "no runs", file=sys.stderr)
 
 if __name__ == "__main__":  # a Snakemake job's own process (tests run these files inside theirs)
-    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.process)
+    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.launch.process)

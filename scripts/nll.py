@@ -2,9 +2,9 @@
 
 import sys
 
-from depthbench.spec import RunSpec
-from depthbench.launch import dispatch_nll
-from depthbench.process import exit_without_teardown
+from depthbench.spec.run import RunSpec
+from depthbench.launch.local import dispatch_nll
+from depthbench.launch.process import exit_without_teardown
 
 sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
 report = dispatch_nll(
@@ -20,4 +20,4 @@ report = dispatch_nll(
 print(report, file=sys.stderr)
 
 if __name__ == "__main__":  # a Snakemake job's own process (tests run these files inside theirs)
-    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.process)
+    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.launch.process)

@@ -4,7 +4,7 @@ depthbench.pretrained. One script for the six rules: it acts on the rule's name.
 import sys
 
 from depthbench.pretrained import loading, stages
-from depthbench.process import exit_without_teardown
+from depthbench.launch.process import exit_without_teardown
 
 sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
 rule, spec, out = snakemake.rule, snakemake.params.spec, snakemake.output[0]  # noqa: F821
@@ -30,4 +30,4 @@ else:
 print(rule, report, file=sys.stderr)
 
 if __name__ == "__main__":  # a Snakemake job's own process (tests run these files inside theirs)
-    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.process)
+    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.launch.process)

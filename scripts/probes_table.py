@@ -5,8 +5,8 @@ import sys
 
 import pandas as pd
 
-from depthbench.tables import lens_table, probe_rows, write_parquet
-from depthbench.process import exit_without_teardown
+from depthbench.analysis.tables import lens_table, probe_rows, write_parquet
+from depthbench.launch.process import exit_without_teardown
 
 sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
 runs = pd.read_parquet(snakemake.input.runs)  # noqa: F821
@@ -17,4 +17,4 @@ write_parquet(lens_table(table), snakemake.output.lens)  # noqa: F821
 print(f"{len(table)} probe rows from {table['run_id'].nunique()} runs", file=sys.stderr)
 
 if __name__ == "__main__":  # a Snakemake job's own process (tests run these files inside theirs)
-    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.process)
+    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.launch.process)

@@ -2,9 +2,9 @@
 
 import sys
 
-from depthbench.launch import dispatch_removal
-from depthbench.process import exit_without_teardown
-from depthbench.spec import RunSpec
+from depthbench.launch.local import dispatch_removal
+from depthbench.launch.process import exit_without_teardown
+from depthbench.spec.run import RunSpec
 
 sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
 report = dispatch_removal(
@@ -23,4 +23,4 @@ report = dispatch_removal(
 print(report, file=sys.stderr)
 
 if __name__ == "__main__":  # a Snakemake job's own process (tests run these files inside theirs)
-    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.process)
+    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.launch.process)

@@ -5,8 +5,8 @@ import sys
 
 import pandas as pd
 
-from depthbench.process import exit_without_teardown
-from depthbench.tables import removal_tables, write_parquet
+from depthbench.launch.process import exit_without_teardown
+from depthbench.analysis.tables import removal_tables, write_parquet
 
 sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
 runs = pd.read_parquet(snakemake.input.runs)  # noqa: F821
@@ -17,4 +17,4 @@ write_parquet(depth, snakemake.output.effective_depth)  # noqa: F821
 print(f"{len(removal)} removal rows, {len(depth)} effective depths from {removal['run_id'].nunique()} runs", file=sys.stderr)
 
 if __name__ == "__main__":  # a Snakemake job's own process (tests run these files inside theirs)
-    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.process)
+    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.launch.process)

@@ -4,9 +4,9 @@ import sys
 
 from depthbench.data.shards import unigram_floor
 from depthbench.pretrained.tables import pretrained_run_rows, with_pretrained
-from depthbench.tables import best_learning_rates, curve_rows, dynamics_rows, run_rows, write_parquet
+from depthbench.analysis.tables import best_learning_rates, curve_rows, dynamics_rows, run_rows, write_parquet
 from pathlib import Path
-from depthbench.process import exit_without_teardown
+from depthbench.launch.process import exit_without_teardown
 
 sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
 floor = unigram_floor(Path(snakemake.input.data).parent)  # noqa: F821
@@ -20,4 +20,4 @@ write_parquet(dynamics_rows(snakemake.params.run_ids, snakemake.input.metrics), 
 print(runs[["run_id", "status", "final_val_loss"]].to_string(), file=sys.stderr)
 
 if __name__ == "__main__":  # a Snakemake job's own process (tests run these files inside theirs)
-    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.process)
+    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.launch.process)

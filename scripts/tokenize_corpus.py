@@ -7,7 +7,7 @@ import os
 import sys
 
 from depthbench.data.prepare import build_index, build_piece, build_shards, merge_shards
-from depthbench.process import exit_without_teardown
+from depthbench.launch.process import exit_without_teardown
 
 sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
 rule, params = snakemake.rule, snakemake.params  # noqa: F821
@@ -27,4 +27,4 @@ else:
     print(json.dumps({k: meta[k] for k in ("train", "val", "unigram_val_loss", "seconds")}, indent=2), file=sys.stderr)
 
 if __name__ == "__main__":  # a Snakemake job's own process (tests run these files inside theirs)
-    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.process)
+    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.launch.process)

@@ -1,10 +1,10 @@
-"""Snakemake entry: dispatch the training of one run (logic in depthbench.launch)."""
+"""Snakemake entry: dispatch the training of one run (logic in depthbench.launch.local)."""
 
 import sys
 
-from depthbench.spec import RunSpec
-from depthbench.launch import dispatch
-from depthbench.process import exit_without_teardown
+from depthbench.spec.run import RunSpec
+from depthbench.launch.local import dispatch
+from depthbench.launch.process import exit_without_teardown
 
 sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821 (injected by Snakemake)
 # threads, checkpoint/log intervals, device, compile, loggers: from the config, not params (no
@@ -25,4 +25,4 @@ summary = dispatch(
 print(f"[{spec.run_id}] {summary['status']}: final val loss {summary['final_val_loss']}", file=sys.stderr)
 
 if __name__ == "__main__":  # a Snakemake job's own process (tests run these files inside theirs)
-    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.process)
+    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.launch.process)

@@ -28,7 +28,7 @@ def synthetic_tables(archs=("pre_ln", "hc", "attnres_block"), depths=(2, 4, 8), 
                              "status": "diverged" if bad else "ok", "final_val_loss": np.nan if bad else loss(arch, L, lr),
                              "unigram_floor": 5.5, "device": "cpu"})
     runs = pd.DataFrame(runs)
-    from depthbench.tables import best_learning_rates
+    from depthbench.analysis.tables import best_learning_rates
 
     best = best_learning_rates(runs)
     tables = {"runs": runs, "best_lr": best}
@@ -47,7 +47,7 @@ def synthetic_tables(archs=("pre_ln", "hc", "attnres_block"), depths=(2, 4, 8), 
     tables["curves"] = pd.DataFrame(curves)
     tables["dynamics"] = pd.DataFrame(dyn)
     probes = pd.DataFrame(probes)
-    from depthbench.tables import _with_run_columns  # the join the workflow applies
+    from depthbench.analysis.tables import _with_run_columns  # the join the workflow applies
 
     tables["probes"] = _with_run_columns(probes, runs, best)
     nll = pd.DataFrame([{"run_id": r.run_id, "level": "domain", "set": "", "domain": dom, "n_docs": 16,

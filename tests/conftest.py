@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-# depthbench.config, .data.corpus and .data.prepare are imported inside the fixtures: they need
+# depthbench.grid.config, .data.corpus and .data.prepare are imported inside the fixtures: they need
 # optional packages (jsonschema, tokenizers, the corpus) that a bare GPU machine may lack, where
 # tests/test_gpu.py must still collect and skip what it cannot run.
 
@@ -81,7 +81,8 @@ def tiny_config(corpus_path: Path, **overrides) -> dict:
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory, wiki_jsonl):
     """(config, experiment, data_dir) with tokenizer and shards built once for the session."""
-    from depthbench.config import expand_grid, load_config
+    from depthbench.grid.config import expand_grid
+    from depthbench.spec.schema import load_config
     from depthbench.data.prepare import build_shards, build_tokenizer
 
     root = tmp_path_factory.mktemp("data")
@@ -120,7 +121,8 @@ def status_grid(config: dict, tmp_path: Path):
     meta.json written at an old mtime so that the summaries written after it are current."""
     import yaml
 
-    from depthbench.config import expand_grid, load_config
+    from depthbench.grid.config import expand_grid
+    from depthbench.spec.schema import load_config
     from depthbench.data.shards import META_VERSION
 
 

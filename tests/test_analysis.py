@@ -15,7 +15,7 @@ from depthbench.analysis import claims as C
 from depthbench.analysis import registry
 from depthbench.analysis.report import build_report
 from depthbench.analysis.readers import grid_line
-from depthbench.models import ARCHITECTURES
+from depthbench.models.registry import ARCHITECTURES
 from depthbench.models.base import GENERIC_PROBES, DecoderLM
 from tests.analysis_tables import synthetic_tables
 

@@ -14,10 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from depthbench.config import load_config
-from depthbench.errors import ConfigError, DataError
+from depthbench.spec.schema import load_config
+from depthbench.util.errors import ConfigError, DataError
 from depthbench.train.checkpoint import checkpoint_path, checksum_path, list_checkpoints
-from depthbench.train.loop import RunPaths, train
+from depthbench.train.recipe import RunPaths
+from depthbench.train.loop import train
 from depthbench.train.snapshots import list_snapshots, resolve_steps, run_folder, snapshot_path, work_folder
 from tests.conftest import tiny_config
 
@@ -90,7 +91,7 @@ def test_snapshots_are_written_at_exactly_the_configured_steps(tiny_data, tmp_pa
 def test_snapshots_of_multi_stream_and_aggregating_models_load_back(tiny_data, tmp_path, arch):
     """Architectures with extra state (HC streams' static weights, AttnRes pseudo-queries): the
     snapshot holds every parameter, loads into a fresh model and the last equals the final one."""
-    from depthbench.config import expand_grid
+    from depthbench.grid.config import expand_grid
     from depthbench.probes.steps import load_snapshot
 
     config, _, shards = tiny_data
@@ -189,7 +190,7 @@ def test_every_snapshot_gets_the_final_models_probe_families(probed_run):
 
 
 def test_probes_table_keeps_final_rows_and_carries_the_steps(probed_run, tmp_path):
-    from depthbench.tables import probe_rows
+    from depthbench.analysis.tables import probe_rows
 
     spec, df = probed_run
     df.to_parquet(tmp_path / "p.parquet", index=False)
@@ -306,7 +307,7 @@ def test_workflow_keeps_probes_and_draws_the_snapshots(tmp_path, wiki_jsonl):
     nothing, and changing at_steps retrains (the steps are a param of the train rule)."""
     import yaml
 
-    from depthbench.config import expand_grid
+    from depthbench.grid.config import expand_grid
     from tests.workflow_runs import copy_workflow, job_counts, snakemake, write_config
 
     root = copy_workflow(tmp_path)

@@ -11,11 +11,13 @@ import pandas as pd
 import pytest
 import torch
 
-from depthbench.config import expand_grid, load_config, shape_table
-from depthbench.errors import ConfigError
-from depthbench.models import ModelConfig, build_model, count_parameters
-from depthbench.shapes import FF_BAND, solve_width
-from depthbench.tables import GROUP_COLUMNS, best_learning_rates, best_lr_run_ids, run_rows
+from depthbench.grid.config import expand_grid, shape_table
+from depthbench.spec.schema import load_config
+from depthbench.util.errors import ConfigError
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import build_model, count_parameters
+from depthbench.spec.shapes import FF_BAND, solve_width
+from depthbench.analysis.tables import GROUP_COLUMNS, best_learning_rates, best_lr_run_ids, run_rows
 from tests.conftest import tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,7 +84,7 @@ def test_explicit_shapes_stay_as_given_and_report_their_deviation(wiki_jsonl):
 
 
 def test_cli_shapes_prints_params_vs_budget(capsys):
-    from depthbench.cli import main
+    from depthbench.commands.cli import main
 
     budget = load_config(str(REPO / "config/config.yaml"))["budget"]["params"]
     assert main(["shapes", str(REPO / "config/config.yaml")]) == 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from depthbench.errors import CheckpointError
+from depthbench.util.errors import CheckpointError
 from depthbench.train.checkpoint import list_checkpoints, load_latest, save_checkpoint
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from depthbench.models import ModelConfig, build_model
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import build_model
 from depthbench.models.loss import chunked_cross_entropy
 
 
@@ -94,7 +95,8 @@ def test_the_model_loss_in_chunks_equals_the_plain_loss():
 
 
 def test_training_with_the_knob_gives_the_plain_curve(tiny_data, tmp_path):
-    from depthbench.train.loop import RunPaths, train
+    from depthbench.train.recipe import RunPaths
+    from depthbench.train.loop import train
 
     _, exp, data_dir = tiny_data
     curves = []
@@ -110,7 +112,7 @@ def test_training_with_the_knob_gives_the_plain_curve(tiny_data, tmp_path):
 def test_the_knob_default_is_the_schema_default():
     import yaml
 
-    from depthbench.train.config import TrainConfig
+    from depthbench.spec.training import TrainConfig
     from tests.conftest import REPO
 
     schema = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())

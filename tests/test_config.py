@@ -4,10 +4,12 @@ import copy
 
 import pytest
 
-from depthbench.config import expand_grid, load_config, shape_table
-from depthbench.errors import ConfigError
-from depthbench.models import ModelConfig, count_parameters
-from depthbench.shapes import solve_ratio, solve_width
+from depthbench.grid.config import expand_grid, shape_table
+from depthbench.spec.schema import load_config
+from depthbench.util.errors import ConfigError
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import count_parameters
+from depthbench.spec.shapes import solve_ratio, solve_width
 from tests.conftest import tiny_config
 
 
@@ -143,8 +145,8 @@ def test_shape_table_has_one_row_per_arch_and_shape(wiki_jsonl):
 def test_schema_architecture_enum_matches_the_registry():
     import yaml
 
-    from depthbench.config import SCHEMA_PATH
-    from depthbench.models.base import ALIASES, ARCHITECTURES, canonical_arch
+    from depthbench.spec.schema import SCHEMA_PATH
+    from depthbench.models.registry import ALIASES, ARCHITECTURES, canonical_arch
 
     canonical_arch("pre_ln")
     schema = yaml.safe_load(SCHEMA_PATH.read_text())
@@ -152,8 +154,8 @@ def test_schema_architecture_enum_matches_the_registry():
 
 
 def test_settings_added_later_enter_the_hash_only_when_changed():
-    from depthbench.spec import _hashed
-    from depthbench.train.config import TrainConfig
+    from depthbench.spec.run import _hashed
+    from depthbench.spec.training import TrainConfig
 
     values = TrainConfig().hashed_dict()
     values["a_future_setting"] = 1  # not a field of the dataclass: no default to match, hashed
@@ -164,7 +166,7 @@ def test_settings_added_later_enter_the_hash_only_when_changed():
 
 
 def test_identity_dict_round_trips_with_the_operational_settings(wiki_jsonl):
-    from depthbench.config import RunSpec
+    from depthbench.spec.run import RunSpec
 
     config = load_config(tiny_config(wiki_jsonl))
     spec = next(iter(expand_grid(config).runs.values()))
@@ -195,7 +197,7 @@ def test_cli_listing_into_a_closed_pipe_exits_cleanly():
 def test_per_architecture_settings_outside_the_grid_are_ignored_and_listed(wiki_jsonl):
     """learning_rates_by_arch and arch_options may name any registered architecture: an entry no
     architecture of the grid reads changes no run and `ignored_settings` names it."""
-    from depthbench.config import grid_learning_rates, ignored_settings
+    from depthbench.grid.config import grid_learning_rates, ignored_settings
 
     plain = make(wiki_jsonl)
     config = load_config(tiny_config(wiki_jsonl, learning_rates_by_arch={"hc": [1e-3], "sandwich_ln": [2e-3]},
@@ -211,7 +213,7 @@ def test_per_architecture_settings_outside_the_grid_are_ignored_and_listed(wiki_
 
 
 def test_an_unknown_architecture_in_learning_rates_by_arch_names_the_field(wiki_jsonl):
-    from depthbench.config import grid_learning_rates
+    from depthbench.grid.config import grid_learning_rates
 
     config = load_config(tiny_config(wiki_jsonl))
     config["learning_rates_by_arch"] = {"transformer_xl": [1e-3]}  # past the schema's enum
@@ -222,7 +224,7 @@ def test_an_unknown_architecture_in_learning_rates_by_arch_names_the_field(wiki_
 
 
 def test_validate_lists_the_ignored_settings(tmp_path, capsys):
-    from depthbench.cli import main
+    from depthbench.commands.cli import main
 
     config = tmp_path / "subset.yaml"
     text = open("config/config.yaml").read().replace(

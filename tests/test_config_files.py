@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from depthbench.cli import main
+from depthbench.commands.cli import main
 from tests.conftest import REPO
 
 BROKEN = "name: x\ntrain:\n  seq_len: [32\n  lr: 3\n"  # the flow sequence is not closed: line 4, column 5

@@ -10,8 +10,9 @@ from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from depthbench import kernels
-from depthbench.cost import analytic_cost, forward_flops_per_token, measured_cost
-from depthbench.models import ModelConfig, build_model
+from depthbench.models.cost import analytic_cost, forward_flops_per_token, measured_cost
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import build_model
 
 ARCHS = [
     ("pre_ln", {}), ("post_ln", {}), ("peri_ln", {}), ("lns", {}), ("deepnorm", {}), ("keel", {}),
@@ -145,7 +146,7 @@ def test_parameter_columns_add_up():
 
 @pytest.mark.parametrize("arch, options", [("attnres_block", {"n_blocks": 2}), ("attnres_block", {"n_blocks": 3}), ("attnres_full", {})])
 def test_attnres_source_counts_are_what_each_reader_mixes(arch, options, monkeypatch):
-    from depthbench.models import build_model
+    from depthbench.models.registry import build_model
     from depthbench.models.archs.attnres_full import DepthAttention
 
     model = build_model(small(arch, options))

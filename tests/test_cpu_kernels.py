@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from depthbench import kernels
-from depthbench.models import ModelConfig, build_model
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import build_model
 from depthbench.kernels import mhc_ops
 
 from kernel_checks import assert_compiled_calls_kernels_and_matches_eager, assert_independent_of_thread_count

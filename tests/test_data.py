@@ -7,7 +7,8 @@ import pandas as pd
 import pytest
 from tokenizers import Tokenizer
 
-from depthbench.config import data_id, expand_grid, load_config
+from depthbench.grid.config import data_id, expand_grid
+from depthbench.spec.schema import load_config
 from depthbench.data.corpus import is_validation, iter_documents, split_documents
 from depthbench.data.loader import ShuffledSampler, TokenWindows, TrainBatches
 from depthbench.data.prepare import build_shards, build_tokenizer
@@ -161,7 +162,7 @@ def test_hub_source_reads_through_the_same_interface_on_a_local_dataset_folder(t
 
 def test_a_seq_len_is_refused_naming_train_seq_len_exactly_when_a_split_has_no_window(tiny_data):
     from depthbench.data.shards import check_seq_len, split_files
-    from depthbench.errors import ConfigError
+    from depthbench.util.errors import ConfigError
 
     _, _, shards = tiny_data
     meta = read_meta(shards)

@@ -8,8 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from depthbench.launch import dispatch, slurm_parameters
-from depthbench.train.loop import RunPaths, train
+from depthbench.launch.local import dispatch, slurm_parameters
+from depthbench.train.recipe import RunPaths
+from depthbench.train.loop import train
 
 pytestmark = pytest.mark.slow
 
@@ -53,11 +54,11 @@ def test_two_gloo_ranks_match_one_rank(tiny_data, one_rank, tmp_path, parallel):
 def _interrupted_two_ranks(spec, data_dir, paths) -> None:
     """Train `spec` on 2 gloo ranks for 6 steps (asynchronous checkpoint at step 4, blocking one
     at 6 where the process stops)."""
-    from depthbench import launch
+    from depthbench.launch.local import local as launch
 
     class Interrupted(launch.TrainingJob):
         def __call__(self, spec, data_dir, run_dir, work_dir, progress=True):
-            from depthbench.config import RunSpec
+            from depthbench.spec.run import RunSpec
 
             launch.export_distributed_env()
             return train(RunSpec.from_dict(spec), data_dir, RunPaths(run_dir, work_dir), progress=False, stop_after=6)
@@ -135,7 +136,8 @@ def test_every_architecture_shards_with_fsdp2(tmp_path):
 
     import torch.distributed as dist
 
-    from depthbench.models import ModelConfig, build_model
+    from depthbench.models.config import ModelConfig
+    from depthbench.models.registry import build_model
     from depthbench.train.distributed import shard
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
@@ -224,7 +226,8 @@ def test_one_process_full_state_is_dcps_full_state_dict(arch):
     what DCP's get_model_state_dict(full_state_dict=True) gives: the same keys, the same values."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from depthbench.models import ModelConfig, build_model
+    from depthbench.models.config import ModelConfig
+    from depthbench.models.registry import build_model
     from depthbench.train.distributed import DistContext, full_model_state
 
     torch.manual_seed(0)
@@ -239,7 +242,8 @@ FSDP_STEPS, FSDP_BATCH = 3, 4
 
 
 def _stream_model(arch: str):
-    from depthbench.models import ModelConfig, build_model
+    from depthbench.models.config import ModelConfig
+    from depthbench.models.registry import build_model
 
     torch.manual_seed(0)
     options = {"sinkhorn_iterations": 5} if arch == "mhc" else {}

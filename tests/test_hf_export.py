@@ -13,12 +13,13 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from depthbench.cli import main
+from depthbench.commands.cli import main
 from depthbench.data.tokenizer import BPE_EOS, train_bpe
-from depthbench.errors import ConfigError, DataError
+from depthbench.util.errors import ConfigError, DataError
 from depthbench.hf.export import export_run
-from depthbench.models import ModelConfig, build_model
-from depthbench.train.config import TrainConfig
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import build_model
+from depthbench.spec.training import TrainConfig
 
 ARCHS = ["pre_ln", "post_ln", "peri_ln", "lns", "deepnorm", "keel", "hc", "mhc", "attnres_full", "attnres_block", "moda"]
 OPTIONS = {"attnres_block": {"n_blocks": 2}, "hc": {"n_streams": 2}, "mhc": {"n_streams": 2}}
@@ -154,7 +155,8 @@ def test_pre_ln_with_other_architectures_options_exports_as_llama(tmp_path, toke
 
 
 def test_default_grid_pre_ln_runs_are_plain_llama_and_cards_list_their_own_options():
-    from depthbench.config import expand_grid, load_config
+    from depthbench.grid.config import expand_grid
+    from depthbench.spec.schema import load_config
     from depthbench.hf.llama import is_plain_llama
 
     runs = expand_grid(load_config("config/config.yaml")).runs.values()

@@ -26,7 +26,8 @@ def _spec(tiny_data, steps, **train_kw):
 
 
 def _train(spec, data_dir, root):
-    from depthbench.train.loop import RunPaths, train
+    from depthbench.train.recipe import RunPaths
+    from depthbench.train.loop import train
 
     summary = train(spec, data_dir, RunPaths(root / "run", root / "work"), progress=False)
     lines = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -135,7 +136,8 @@ def test_divergence_is_found_at_the_next_check_step_and_names_the_first_bad_step
 
 
 def test_a_diverged_run_stops_at_its_check_step(tiny_data, tmp_path):
-    from depthbench.config import expand_grid, load_config
+    from depthbench.grid.config import expand_grid
+    from depthbench.spec.schema import load_config
 
     config, _, shards = tiny_data
     exp = expand_grid(load_config({**config, "learning_rates": [50.0]}))
@@ -268,7 +270,8 @@ def _ddp_steps(model, rank) -> str:
 def _ddp_worker(rank, store, out_dir):
     import torch.distributed as dist
 
-    from depthbench.models import ModelConfig, build_model
+    from depthbench.models.config import ModelConfig
+    from depthbench.models.registry import build_model
 
     torch.set_num_threads(1)  # two ranks on a shared machine: no oversubscribed thread pools
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
@@ -299,7 +302,8 @@ def test_ddp_trains_moe_and_moda_ffn_kv_without_find_unused_parameters(tmp_path)
 
 
 def test_the_unread_last_ffn_kv_projection_is_frozen_and_counted():
-    from depthbench.models import ModelConfig, build_model
+    from depthbench.models.config import ModelConfig
+    from depthbench.models.registry import build_model
 
     model = build_model(ModelConfig(arch="moda", vocab_size=64, d_model=32, n_layer=3, n_head=2, max_seq_len=16,
                                     arch_options={"variant": "ffn_kv"}))
@@ -319,7 +323,8 @@ def test_fsdp2_shards_the_chunked_loss_moe_and_the_frozen_projection(tmp_path, a
     unsharded model's loss and gradients."""
     import torch.distributed as dist
 
-    from depthbench.models import ModelConfig, build_model
+    from depthbench.models.config import ModelConfig
+    from depthbench.models.registry import build_model
     from depthbench.train.distributed import shard
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
@@ -359,7 +364,8 @@ def test_moe_compiles_as_one_graph_under_bf16_autocast():
 def test_the_memory_estimate_traces_an_moe_model_on_meta():
     """The estimate's meta trace cannot run data-dependent shapes (the former `.nonzero()`); the
     dense fallback it takes there bounds the grouped path's saved activations from above."""
-    from depthbench.models import ModelConfig, build_model
+    from depthbench.models.config import ModelConfig
+    from depthbench.models.registry import build_model
     from depthbench.train.memory import estimate_memory, trace_activations
 
     cfg = ModelConfig(arch="pre_ln", vocab_size=256, n_head=2, max_seq_len=32, n_layer=2, d_model=64, d_ff=160,

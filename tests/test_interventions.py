@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from depthbench.models import ModelConfig, build_model
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import build_model
 from depthbench.models.archs.attnres_block import block_ends
 from depthbench.models.archs.moda import DepthKeys, depth_layout
 from depthbench.models.layers import apply_rotary

@@ -14,9 +14,10 @@ import time
 
 import pytest
 
-from depthbench.config import expand_grid, load_config
-from depthbench.errors import ConfigError
-from depthbench.launch import dispatch, make_executor, slurm_parameters
+from depthbench.grid.config import expand_grid
+from depthbench.spec.schema import load_config
+from depthbench.util.errors import ConfigError
+from depthbench.launch.local import dispatch, make_executor, slurm_parameters
 from tests.conftest import REPO, tiny_config, wait_until_gone
 
 pytestmark = pytest.mark.slow
@@ -66,8 +67,8 @@ def test_interrupting_the_dispatcher_cancels_the_submitted_job(tiny_data, tmp_pa
     work = tmp_path / "work"
     script = (
         "import json, sys\n"
-        "from depthbench.config import RunSpec\n"
-        "from depthbench.launch import dispatch\n"
+        "from depthbench.grid.config import RunSpec\n"
+        "from depthbench.launch.local import dispatch\n"
         "spec = RunSpec.from_dict(json.load(open(sys.argv[1])))\n"
         "dispatch(spec, sys.argv[2], sys.argv[3], sys.argv[4], {'backend': 'local'})\n"
     )
@@ -102,7 +103,7 @@ def test_a_failing_inline_job_run_from_a_terminal_ends_with_its_error_and_no_deb
 
     script = (
         "import sys\n"
-        "from depthbench.launch import submit_and_wait\n"
+        "from depthbench.launch.local import submit_and_wait\n"
         "def fails():\n"
         "    raise ValueError('the job failed on purpose')\n"
         "submit_and_wait(fails, (), 'failing', sys.argv[1], {'backend': 'inline'})\n"

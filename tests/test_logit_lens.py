@@ -8,9 +8,11 @@ import math
 import pytest
 import torch
 
-from depthbench.models import ModelConfig, build_model, registered_architectures
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import build_model, registered_architectures
 from depthbench.probes import lens
-from depthbench.probes.run import probe_model, probe_settings
+from depthbench.probes.measure import probe_model
+from depthbench.probes.run import probe_settings
 
 V = 64
 
@@ -146,7 +148,7 @@ def test_lens_of_pretrained_families_ends_at_transformers_logits(family):
 
 
 def test_lens_table_has_one_row_per_run_and_layer_with_the_three_scores():
-    from depthbench.tables import lens_table
+    from depthbench.analysis.tables import lens_table
     from tests.analysis_tables import synthetic_tables
 
     probes = synthetic_tables(archs=("pre_ln", "hc"), depths=(2, 4))["probes"]
@@ -166,7 +168,7 @@ def test_lens_table_of_many_runs_with_distinct_config_columns_stays_small():
     product over them has 40^11 rows."""
     import pandas as pd
 
-    from depthbench.tables import lens_table
+    from depthbench.analysis.tables import lens_table
 
     rows = []
     for r in range(40):

@@ -16,9 +16,10 @@ from unittest import mock
 import pytest
 import torch
 
-from depthbench.models import ModelConfig, build_model
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import build_model
 from depthbench.models.registry import registered_architectures
-from depthbench.plan import format_plan, plan_experiment
+from depthbench.commands.plan import format_plan, plan_experiment
 from depthbench.train.memory import estimate_memory
 
 SHAPES = [dict(d_model=32, n_layer=2, n_head=2), dict(d_model=48, n_layer=4, n_head=4)]
@@ -174,7 +175,8 @@ def test_states_and_checkpointing_terms():
 
 
 def test_plan_prints_totals(tmp_path):
-    from depthbench.config import expand_grid, load_config
+    from depthbench.grid.config import expand_grid
+    from depthbench.spec.schema import load_config
 
     exp = expand_grid(load_config("config/config.yaml"))
     plans = plan_experiment(exp, mfu=0.5)
@@ -201,7 +203,8 @@ def test_gpu_presets_fit_80gb_with_the_checkpointing_auto_picks(preset):
     deepest shape needs checkpointing; every run fits with it but NOT_FITTING. The 400m preset is
     planned at its widest and deepest shapes (memory grows with depth at a fixed budget; the
     full grid takes minutes to trace), the 1p6b preset whole."""
-    from depthbench.config import expand_grid, load_config
+    from depthbench.grid.config import expand_grid
+    from depthbench.spec.schema import load_config
 
     config = load_config(f"config/presets/{preset}.yaml")
     if preset == "400m":

@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from depthbench.errors import ConfigError
-from depthbench.models import ARCHITECTURES, ModelConfig, build_model, count_parameters
-from depthbench.models.base import canonical_arch
+from depthbench.util.errors import ConfigError
+from depthbench.models.registry import ARCHITECTURES, build_model, count_parameters
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import canonical_arch
 from depthbench.models.config import evaluate_init_std, swiglu_hidden
 from depthbench.models.layers import apply_rotary
 
@@ -292,8 +293,8 @@ def test_the_schema_lists_exactly_the_registered_architectures_and_their_options
 
     import yaml
 
-    from depthbench.config import SCHEMA_PATH
-    from depthbench.models.base import ALIASES
+    from depthbench.spec.schema import SCHEMA_PATH
+    from depthbench.models.registry import ALIASES
 
     schema = yaml.safe_load(SCHEMA_PATH.read_text())["properties"]
     assert set(schema["architectures"]["items"]["enum"]) == set(ARCHITECTURES) | set(ALIASES)
@@ -305,7 +306,7 @@ def test_the_schema_lists_exactly_the_registered_architectures_and_their_options
                                                    ("attnres_block", {"n_blocks": 0}, "n_blocks"),
                                                    ("peri_ln", {"embed_norm": "yes"}, "embed_norm")])
 def test_invalid_architecture_options_name_the_field(arch, options, field):
-    from depthbench.errors import ConfigError
+    from depthbench.util.errors import ConfigError
 
     with pytest.raises(ConfigError, match=f"model.arch_options.{field}"):
         build_model(small(arch, arch_options=options))
@@ -317,7 +318,7 @@ def test_schema_takes_the_architecture_init_options(option, good, bad):
     ConfigError naming model.arch_options.<option> and listing the valid values."""
     from pathlib import Path
 
-    from depthbench.config import load_config
+    from depthbench.spec.schema import load_config
 
     default_config = Path(__file__).resolve().parents[1] / "config" / "config.yaml"
     config = load_config(default_config, {"model": {"arch_options": {option: good}}})

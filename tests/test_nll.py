@@ -9,7 +9,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from depthbench.errors import ConfigError
+from depthbench.util.errors import ConfigError
 from depthbench.evals import sets as evalsets
 from depthbench.evals.nll import aggregate, encode_pair, rolling_windows, score_documents
 from depthbench.evals.run import build_sets, run_nll
@@ -120,7 +120,8 @@ def test_rolling_windows_score_every_token_once_with_its_own_prefix(n_ctx, n_con
 
 @pytest.fixture(scope="module")
 def trained_run(tiny_data, tmp_path_factory):
-    from depthbench.train.loop import RunPaths, train
+    from depthbench.train.recipe import RunPaths
+    from depthbench.train.loop import train
 
     config, exp, data_dir = tiny_data
     spec = next(iter(exp.runs.values()))
@@ -142,7 +143,7 @@ def _independent_nll(model, ctx, cont):
 def test_nll_stage_agrees_with_an_independent_computation(trained_run, tiny_data, tmp_path):
     from safetensors.torch import load_file
 
-    from depthbench.models import build_model
+    from depthbench.models.registry import build_model
 
     spec, run_dir = trained_run
     custom = tmp_path / "custom.jsonl"
@@ -182,7 +183,7 @@ def test_nll_stage_agrees_with_an_independent_computation(trained_run, tiny_data
 def test_long_documents_are_scored_in_rolling_windows(trained_run):
     from safetensors.torch import load_file
 
-    from depthbench.models import build_model
+    from depthbench.models.registry import build_model
 
     spec, run_dir = trained_run
     model = build_model(spec.model)

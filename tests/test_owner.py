@@ -90,8 +90,8 @@ def test_a_second_trainer_of_a_running_run_refuses_at_once_naming_the_first(tiny
     first = subprocess.Popen(
         [sys.executable, "-c",
          "import json, sys\n"
-         "from depthbench.config import RunSpec\n"
-         "from depthbench.launch import dispatch\n"
+         "from depthbench.grid.config import RunSpec\n"
+         "from depthbench.launch.local import dispatch\n"
          "dispatch(RunSpec.from_dict(json.load(open(sys.argv[1]))), sys.argv[2], sys.argv[3], sys.argv[4], {'backend': 'local'})\n",
          str(spec_file), str(shards), str(run), str(work)], cwd=REPO)
     try:
@@ -102,7 +102,7 @@ def test_a_second_trainer_of_a_running_run_refuses_at_once_naming_the_first(tiny
         second = subprocess.run(
             [sys.executable, "-c",
              "import json, sys\n"
-             "from depthbench.launch import TrainingJob\n"
+             "from depthbench.launch.local import TrainingJob\n"
              "TrainingJob()(json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3], sys.argv[4])\n",
              str(spec_file), str(shards), str(run), str(work)], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert second.returncode != 0
@@ -125,8 +125,8 @@ def test_a_trainer_whose_snakemake_was_killed_stops_at_its_next_checkpoint_and_a
     run, work, log = tmp_path / "run", tmp_path / "work", tmp_path / "dispatcher.log"
     dispatcher = (
         "import json, sys\n"
-        "from depthbench.config import RunSpec\n"
-        "from depthbench.launch import dispatch\n"
+        "from depthbench.grid.config import RunSpec\n"
+        "from depthbench.launch.local import dispatch\n"
         "dispatch(RunSpec.from_dict(json.load(open(sys.argv[1]))), sys.argv[2], sys.argv[3], sys.argv[4], {'backend': 'inline'})\n"
     )
     snakemake = (  # starts the dispatcher as its child, tells its pid, waits

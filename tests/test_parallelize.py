@@ -21,8 +21,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from depthbench.errors import ConfigError
-from depthbench.models import ModelConfig, build_model
+from depthbench.util.errors import ConfigError
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import build_model
 from depthbench.train.memory import recompute_mask, trace_activations
 from depthbench.train.parallelize import compile_mode, mixed_precision_policy, wrap_units
 
@@ -216,7 +217,7 @@ def _fsdp_worker(rank, world, store, archs, out):
     order), on this rank's rows of the batch; rank 0 saves the mean losses and full weights."""
     import torch.distributed as dist
 
-    from depthbench.train.config import TrainConfig
+    from depthbench.spec.training import TrainConfig
     from depthbench.train.distributed import DistContext, full_model_state
     from depthbench.train.parallelize import parallelize
 
@@ -266,8 +267,9 @@ def test_a_run_with_checkpointing_trains_the_same_weights(tiny_data, tmp_path):
 
     from safetensors.torch import load_file
 
-    from depthbench.config import load_config
-    from depthbench.train.loop import RunPaths, train
+    from depthbench.spec.schema import load_config
+    from depthbench.train.recipe import RunPaths
+    from depthbench.train.loop import train
     from conftest import tiny_config
 
     _, exp, data_dir = tiny_data

@@ -2,8 +2,9 @@
 
 import pytest
 
-from depthbench.config import expand_grid, load_config
-from depthbench.plan import TOKENIZE_TOKENS_PER_S, SweepPlan, format_plan, tokenization_estimate
+from depthbench.grid.config import expand_grid
+from depthbench.spec.schema import load_config
+from depthbench.commands.plan import TOKENIZE_TOKENS_PER_S, SweepPlan, format_plan, tokenization_estimate
 
 
 @pytest.mark.parametrize("preset, pieces", [("400m", 7), ("1p6b", 32)])

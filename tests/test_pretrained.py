@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from depthbench.errors import ConfigError  # noqa: E402
+from depthbench.util.errors import ConfigError  # noqa: E402
 from depthbench.models.adapter import final_state, hidden_states, trunk_states  # noqa: E402
 from depthbench.models.base import GENERIC_PROBES  # noqa: E402
 from depthbench.pretrained.adapter import PretrainedAdapter  # noqa: E402

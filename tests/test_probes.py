@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from depthbench.models import ModelConfig, build_model
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import build_model
 from depthbench.probes import workers
 from depthbench.probes.core import (
     angular_distance,

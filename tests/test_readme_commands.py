@@ -14,9 +14,10 @@ import sys
 import pytest
 import yaml
 
-from depthbench.config import expand_grid, load_config
-from depthbench.errors import ConfigError
-from depthbench.schema import coerce_command_line, validate_schema
+from depthbench.grid.config import expand_grid
+from depthbench.spec.schema import load_config
+from depthbench.util.errors import ConfigError
+from depthbench.spec.schema import coerce_command_line, validate_schema
 from tests.conftest import REPO
 
 README = (REPO / "README.md").read_text()

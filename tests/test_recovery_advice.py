@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from depthbench.spec import RunSpec
+from depthbench.spec.run import RunSpec
 from tests.conftest import REPO, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -130,7 +130,7 @@ def test_summary_of_another_run_advice_retrains_it(workflow):
 
 
 def test_incomplete_marker_is_reported_as_snakemake_sees_it(workflow):
-    from depthbench.status import _record
+    from depthbench.commands.status import _record
 
     root, ids = workflow
     summary = root / "results" / "runs" / ids[0] / "summary.json"

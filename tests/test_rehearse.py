@@ -1,4 +1,4 @@
-"""`depthbench rehearse` (depthbench.rehearse, depthbench.rehearse_run, depthbench.rss).
+"""`depthbench rehearse` (depthbench.commands.rehearse.rehearsal, depthbench.commands.rehearse.command, depthbench.commands.rehearse.rss).
 
 The tiny rehearsal checks what the command promises: every shape resumes to the state it saved
 (a fingerprint taken before the save, compared after the live state was destroyed and resumed),
@@ -19,15 +19,17 @@ import pytest
 import torch
 import yaml
 
-from depthbench import rehearse as rh
-from depthbench import rehearse_run
-from depthbench.cli import main
-from depthbench.config import expand_grid, load_config
-from depthbench.models import ModelConfig, build_model
-from depthbench.rss import PeakRSS
-from depthbench.shapes import shape_of
-from depthbench.spec import RunSpec
-from depthbench.train.config import TrainConfig
+from depthbench.commands.rehearse import rehearsal as rh
+from depthbench.commands.rehearse import command as rehearse_run
+from depthbench.commands.cli import main
+from depthbench.grid.config import expand_grid
+from depthbench.spec.schema import load_config
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import build_model
+from depthbench.commands.rehearse.rss import PeakRSS
+from depthbench.spec.shapes import shape_of
+from depthbench.spec.run import RunSpec
+from depthbench.spec.training import TrainConfig
 from tests.conftest import REPO, tiny_config
 
 FACTOR = 1.5  # measured peak RSS / estimate must lie in [1 / FACTOR, FACTOR]

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from depthbench.models import registered_architectures
+from depthbench.models.registry import registered_architectures
 from depthbench.models.adapter import next_token_loss, trunk_states
 from depthbench.probes import core, interventions, removal
 from tests.test_logit_lens import perturbed, sample
@@ -159,7 +159,7 @@ def test_claim_on_removable_layers_against_pre_ln(fractions, verdict):
 def test_layer_profile_takes_each_models_numbers_from_the_tables():
     from depthbench.analysis.profile import layer_profile, layer_profile_html
     from depthbench.probes.removal_run import effective_depth
-    from depthbench.tables import _with_run_columns
+    from depthbench.analysis.tables import _with_run_columns
     from tests.analysis_tables import synthetic_tables
 
     t = synthetic_tables(archs=("pre_ln", "hc"), depths=(4, 8))

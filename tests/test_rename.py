@@ -11,11 +11,12 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
-from depthbench.config import expand_grid, load_config, shared_options_ids
-from depthbench.errors import DataError
-from depthbench.io import atomic_write_json
-from depthbench.rename import plan_renames, rename_runs
-from depthbench.tables import read_summary
+from depthbench.grid.config import expand_grid, shared_options_ids
+from depthbench.spec.schema import load_config
+from depthbench.util.errors import DataError
+from depthbench.util.io import atomic_write_json
+from depthbench.commands.rename import plan_renames, rename_runs
+from depthbench.train.runcheck import read_summary
 from depthbench.train import listing
 from depthbench.train.checkpoint import MANIFEST, checksum_path
 from tests.conftest import tiny_config
@@ -86,7 +87,7 @@ def test_rename_moves_every_path_and_rewrites_the_ids_inside(grid, results):
 
 
 def test_dry_run_lists_and_changes_nothing(grid, results, capsys):
-    from depthbench.cli import main
+    from depthbench.commands.cli import main
 
     new = next(iter(grid.runs))
     old = legacy(grid, new)

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from depthbench.train.checkpoint import list_checkpoints
-from depthbench.train.loop import RunPaths, train
+from depthbench.train.recipe import RunPaths
+from depthbench.train.loop import train
 from tests.conftest import REPO
 from tests.test_train import only_run, with_steps
 
@@ -54,7 +55,7 @@ def _same_weights(a, b) -> bool:
 
 SCRIPT = (
     "import json, sys\n"
-    "from depthbench.config import RunSpec\n"
+    "from depthbench.grid.config import RunSpec\n"
     "from depthbench.train.loop import RunPaths, train\n"
     "spec = RunSpec.from_dict(json.load(open(sys.argv[1])))\n"
     "train(spec, sys.argv[2], RunPaths(sys.argv[3], sys.argv[4]), progress=False)\n"

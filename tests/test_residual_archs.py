@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from depthbench import kernels
-from depthbench.errors import ConfigError
-from depthbench.models import ModelConfig, build_model, count_parameters
+from depthbench.util.errors import ConfigError
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import build_model, count_parameters
 from depthbench.models.archs.hc import HyperConnection
 from depthbench.models.archs.attnres_block import block_ends
 from depthbench.models.archs.attnres_full import DepthAttention, rms_unit
@@ -17,11 +18,11 @@ from depthbench.models.streams import mix_matrix
 from depthbench.kernels.mhc_ops import sinkhorn_knopp
 from depthbench.models.archs.moda import joint_depth_attention
 from depthbench.models.moe import MoESwiGLU
-from depthbench.shapes import solve_width
+from depthbench.spec.shapes import solve_width
 from depthbench.models.registry import registered_architectures
 from depthbench.train import distributed
-from depthbench.train.config import TrainConfig
-from depthbench.train.loop import RunPaths, param_groups, resolve_dtype
+from depthbench.spec.training import TrainConfig
+from depthbench.train.recipe import RunPaths, param_groups, resolve_dtype
 from depthbench.train.trainer import Hook, Trainer
 
 from bf16_checks import assert_bf16_matches_fp32, train_briefly

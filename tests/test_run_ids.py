@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from depthbench.config import expand_grid, load_config, load_schema, shared_options_ids
+from depthbench.grid.config import expand_grid, shared_options_ids
+from depthbench.spec.schema import load_config, load_schema
 from depthbench.models.registry import ARCHITECTURES, declared_options, registered_architectures
 
 
@@ -105,7 +106,7 @@ def test_shared_options_ids_are_the_ids_hashed_over_the_whole_section():
 
 @pytest.mark.parametrize("bad", [{"n_blocks": 0}, {"n_streams": 0}])
 def test_a_bad_declared_option_names_the_field(bad):
-    from depthbench.errors import ConfigError
+    from depthbench.util.errors import ConfigError
 
     arch = "attnres_block" if "n_blocks" in bad else "hc"
     with pytest.raises(ConfigError, match=f"model.arch_options.{next(iter(bad))}"):

@@ -1,4 +1,4 @@
-"""A finished run's files checked before any stage reads them (depthbench.runcheck): the final
+"""A finished run's files checked before any stage reads them (depthbench.train.runcheck): the final
 weights against the digest recorded with them, the summary against the run's identity, and
 `depthbench status` reporting what it finds with advice that names the command."""
 
@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import save_file
 
-from depthbench.config import expand_grid, load_config
-from depthbench.errors import DataError
-from depthbench.runcheck import WEIGHTS_DIGEST, CorruptWeights, check_run, record_checksum
+from depthbench.grid.config import expand_grid
+from depthbench.spec.schema import load_config
+from depthbench.util.errors import DataError
+from depthbench.train.runcheck import WEIGHTS_DIGEST, CorruptWeights, check_run, record_checksum
 from tests.conftest import status_grid, tiny_config
 
 INLINE = {"backend": "inline"}
@@ -32,7 +33,8 @@ def _flip_byte(path: Path, offset: int = -5) -> None:
 @pytest.fixture(scope="module")
 def trained(tiny_data, tmp_path_factory):
     """(spec, run folder named by its run id, data dir) of a short real run."""
-    from depthbench.train.loop import RunPaths, train
+    from depthbench.train.recipe import RunPaths
+    from depthbench.train.loop import train
 
     _, exp, data_dir = tiny_data
     spec = copy.deepcopy(next(iter(exp.runs.values())))
@@ -62,7 +64,7 @@ def test_a_flipped_byte_in_the_final_weights_is_refused_by_every_stage_before_an
     differently, and nothing is written."""
     from depthbench.evals.run import run_nll
     from depthbench.hf.export import export_run
-    from depthbench.launch import dispatch_nll, dispatch_probes
+    from depthbench.launch.local import dispatch_nll, dispatch_probes
     from depthbench.probes.run import run_probes
 
     spec, source, _ = trained
@@ -124,7 +126,7 @@ def _identity_cases(a, b, results: Path):
 
 def test_every_stage_checks_the_runs_identity_before_any_work(grid2, tmp_path):
     from depthbench.evals.run import run_nll
-    from depthbench.launch import dispatch_nll, dispatch_probes
+    from depthbench.launch.local import dispatch_nll, dispatch_probes
     from depthbench.probes.run import run_probes
 
     a, b = grid2.runs.values()
@@ -151,7 +153,7 @@ def test_export_checks_the_runs_identity_before_writing(grid2, tmp_path):
 
 # -- depthbench status ----------------------------------------------------------------------------------
 def _status(cfg: Path, res: Path, capsys) -> tuple[dict, str]:
-    from depthbench.cli import main
+    from depthbench.commands.cli import main
 
     assert main(["status", str(cfg), "--results", str(res)]) == 0
     out = capsys.readouterr().out
@@ -183,7 +185,7 @@ def test_unchecked_weights_are_reported_and_the_checksum_command_records_them(wi
     """A summary without a digest (trained before it was recorded) is not corrupt: status names it
     unchecked with the command, and the command records the digest without changing the summary's
     mtime (so Snakemake redoes nothing), after which status is clean."""
-    from depthbench.cli import main
+    from depthbench.commands.cli import main
 
     cfg, exp, res = _status_grid(wiki_jsonl, tmp_path)
     a, b = exp.runs.values()
@@ -273,7 +275,7 @@ def test_status_reads_snakemakes_incomplete_markers(wiki_jsonl, tmp_path, capsys
 
 
 def test_a_long_path_is_split_as_snakemake_splits_its_record_names(tmp_path):
-    from depthbench.status import _record
+    from depthbench.commands.status import _record
 
     path = tmp_path / "results" / "runs" / ("x" * 300) / "summary.json"
     ours = _record(tmp_path, "incomplete", path)

@@ -25,9 +25,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from depthbench.config import expand_grid, load_config
-from depthbench.launch import dispatch, submit_and_wait
-from depthbench.train.loop import RunPaths, train
+from depthbench.grid.config import expand_grid
+from depthbench.spec.schema import load_config
+from depthbench.launch.local import dispatch, submit_and_wait
+from depthbench.train.recipe import RunPaths
+from depthbench.train.loop import train
 from tests.conftest import REPO, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -104,8 +106,8 @@ def start_dispatch(spec, shards: Path, tmp: Path, launcher: dict) -> subprocess.
     spec_file.write_text(json.dumps(spec.to_dict()))
     script = (
         "import json, sys\n"
-        "from depthbench.config import RunSpec\n"
-        "from depthbench.launch import dispatch\n"
+        "from depthbench.grid.config import RunSpec\n"
+        "from depthbench.launch.local import dispatch\n"
         "spec = RunSpec.from_dict(json.load(open(sys.argv[1])))\n"
         "print(json.dumps(dispatch(spec, sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5]))['status']))\n"
     )
@@ -470,7 +472,7 @@ def test_launcher_slurm_fields_reach_sbatch(tmp_path):
 
 def test_a_job_killed_without_a_result_is_reported_not_waited_for(tmp_path, monkeypatch):
     """Without accounting submitit sees no job state and would wait forever; squeue shows it."""
-    from depthbench import launch
+    from depthbench.launch.local import local as launch
 
     def killed():  # what the kernel's OOM killer does to a job
         import os

@@ -1,5 +1,5 @@
 """A SLURM request for GPUs on a cluster whose nodes have no GPU gres is named by the dispatcher
-before sbatch sees it (depthbench.slurm.check_gpus), against a stand-in `sinfo` on PATH."""
+before sbatch sees it (depthbench.launch.slurm.check_gpus), against a stand-in `sinfo` on PATH."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import stat
 
 import pytest
 
-from depthbench.errors import ConfigError
-from depthbench.slurm import check_gpus
+from depthbench.util.errors import ConfigError
+from depthbench.launch.slurm import check_gpus
 
 SLURM = {"backend": "slurm", "slurm": {"gpus_per_node": 1}}
 
@@ -24,7 +24,7 @@ def _sinfo(tmp_path, monkeypatch, gres: str) -> None:
 
 
 def test_gpus_on_a_cluster_without_gpu_gres_are_refused_before_submission(tiny_data, tmp_path, monkeypatch):
-    import depthbench.launch as launch
+    import depthbench.launch.local as launch
 
     _, exp, data_dir = tiny_data
     _sinfo(tmp_path, monkeypatch, "(null)\\n")

@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from depthbench.config import data_id, expand_grid, load_config
+from depthbench.grid.config import data_id, expand_grid
+from depthbench.spec.schema import load_config
 from depthbench.data.loader import TokenWindows
 from depthbench.data.prepare import build_index, build_piece, build_shards, build_tokenizer, merge_shards
 from depthbench.data.shards import read_meta, split_files

@@ -9,12 +9,13 @@ import os
 import numpy as np
 import pytest
 
-from depthbench.config import expand_grid, load_config
+from depthbench.grid.config import expand_grid
+from depthbench.spec.schema import load_config
 from depthbench.data import ranges
 from depthbench.data.pieces import piece_plan
 from depthbench.data.prepare import build_index, build_piece, build_shards, build_tokenizer
 from depthbench.data.shards import read_meta
-from depthbench.errors import ConfigError
+from depthbench.util.errors import ConfigError
 from tests.conftest import tiny_config
 from tests.test_tokenize_pieces import _pieces, _tokens
 

@@ -16,10 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from depthbench.cost import analytic_cost
-from depthbench.models import ARCHITECTURES, canonical_arch
+from depthbench.models.cost import analytic_cost
+from depthbench.models.registry import ARCHITECTURES, canonical_arch
 from depthbench.models.archs.pre_ln import PreLN, PreLNBlock
-from depthbench.models.base import ArchOptions, register
+from depthbench.models.base import ArchOptions
+from depthbench.models.registry import register
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,8 @@ def toy():
 def test_a_toy_architecture_trains_probes_scores_and_costs(toy, tiny_data, tmp_path):
     from depthbench.evals.run import build_sets, run_nll
     from depthbench.probes.run import run_probes
-    from depthbench.train.loop import RunPaths, train
+    from depthbench.train.recipe import RunPaths
+    from depthbench.train.loop import train
 
     config, exp, data_dir = tiny_data
     spec = copy.deepcopy(next(iter(exp.runs.values())))

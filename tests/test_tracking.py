@@ -9,10 +9,12 @@ import zlib
 
 import pytest
 
-from depthbench.config import expand_grid, load_config
-from depthbench.errors import ConfigError
+from depthbench.grid.config import expand_grid
+from depthbench.spec.schema import load_config
+from depthbench.util.errors import ConfigError
 from depthbench.train.checkpoint import list_checkpoints
-from depthbench.train.loop import RunPaths, train
+from depthbench.train.recipe import RunPaths
+from depthbench.train.loop import train
 from tests.conftest import tiny_config
 from tests.test_train import only_run, with_steps
 

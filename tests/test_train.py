@@ -11,12 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from depthbench.config import RunSpec, expand_grid, load_config
-from depthbench.models import build_model
+from depthbench.spec.run import RunSpec
+from depthbench.grid.config import expand_grid
+from depthbench.spec.schema import load_config
+from depthbench.models.registry import build_model
 from depthbench.models.moe import MoESwiGLU
 from depthbench.models.registry import registered_architectures
 from depthbench.train.checkpoint import list_checkpoints
-from depthbench.train.loop import RunPaths, lr_at, param_groups, train
+from depthbench.train.recipe import RunPaths, lr_at, param_groups
+from depthbench.train.loop import train
 from depthbench.train.trainer import Trainer
 from tests.conftest import REPO
 
@@ -175,7 +178,7 @@ def test_sigkilled_run_resumes_to_identical_weights(tiny_data, tmp_path):
     spec_file.write_text(json.dumps(spec.to_dict()))
     script = (
         "import json, sys\n"
-        "from depthbench.config import RunSpec\n"
+        "from depthbench.grid.config import RunSpec\n"
         "from depthbench.train.loop import RunPaths, train\n"
         "spec = RunSpec.from_dict(json.load(open(sys.argv[1])))\n"
         "train(spec, sys.argv[2], RunPaths(sys.argv[3], sys.argv[4]), progress=False)\n"
@@ -255,7 +258,7 @@ def test_moe_knob_trains_with_its_balance_loss(tiny_data, tmp_path):
 
 
 def test_hc_static_weights_and_pseudo_queries_are_not_decayed(tiny_data):
-    from depthbench.models import ModelConfig
+    from depthbench.models.config import ModelConfig
 
     for arch, names in (("hc", ("static_mix", "static_read", "static_write")), ("attnres_full", ("query",)), ("mhc", ("b_res", "gains"))):
         model = build_model(ModelConfig(arch=arch, vocab_size=50, d_model=32, n_layer=2, n_head=4, max_seq_len=8))
@@ -269,7 +272,7 @@ def test_hc_static_weights_and_pseudo_queries_are_not_decayed(tiny_data):
 def test_dynamics_logging_leaves_training_unchanged_and_matches_backward(tiny_data, tmp_path):
     from depthbench.data.loader import TokenWindows, TrainBatches
     from depthbench.data.shards import read_meta
-    from depthbench.tables import dynamics_rows
+    from depthbench.analysis.tables import dynamics_rows
 
     _, exp, shards = tiny_data
     spec = with_steps(only_run(exp), 8)

@@ -108,7 +108,8 @@ def test_jsonl_logger_starts_fresh_or_drops_the_redone_lines(tmp_path):
 
 def test_a_new_logger_plugs_in_through_the_registry_and_sees_every_record(tiny_data, tmp_path, monkeypatch):
     from tests.test_train import only_run, with_steps
-    from depthbench.train.loop import RunPaths, train
+    from depthbench.train.recipe import RunPaths
+    from depthbench.train.loop import train
 
     class Recorder(Hook):
         def __init__(self, work_dir):
@@ -183,8 +184,8 @@ def test_measured_matmul_peak_is_positive_and_leaves_the_rng_alone():
 
 
 def test_batch_and_fsdp_checks_live_in_the_train_config():
-    from depthbench.errors import ConfigError
-    from depthbench.train.config import TrainConfig
+    from depthbench.util.errors import ConfigError
+    from depthbench.spec.training import TrainConfig
 
     TrainConfig(global_batch_size=16, micro_batch_size=4).check(world_size=4)
     with pytest.raises(ConfigError, match="train.micro_batch_size.*x 3 ranks"):

@@ -147,7 +147,7 @@ def test_regenerate_rebuilds_figures_without_training(workflow, tmp_path):
     shutil.copytree(root / "results", laptop / "results",
                     ignore=shutil.ignore_patterns("*.bin", "work", "figures", "tables", "report.html"))
     shutil.copy(root / "config/config.yaml", laptop / "config/config.yaml")
-    proc = subprocess.run([sys.executable, "-m", "depthbench.cli", "regenerate"], cwd=laptop, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "depthbench.commands.cli", "regenerate"], cwd=laptop, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rule in ("rule train:", "rule probe:", "rule nll:", "rule tokenize:"):
         assert rule not in proc.stdout + proc.stderr

@@ -17,7 +17,7 @@ import pandas as pd
 import yaml
 
 from depthbench.analysis import readers as R
-from depthbench.errors import DepthBenchError
+from depthbench.util.errors import DepthBenchError
 
 HOLDS, FAILS = "holds", "does not hold at this scale"
 NORM_FAMILY = ("pre_ln", "post_ln", "peri_ln", "lns", "deepnorm", "keel")

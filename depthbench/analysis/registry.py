@@ -162,7 +162,7 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
 def grid_figures(architectures: list[str], config: dict) -> list[str]:
     """The figures a grid gets, in registry order, from its architectures' declarations."""
     import depthbench.models.archs  # noqa: F401  (registers every architecture)
-    from depthbench.models import ARCHITECTURES
+    from depthbench.models.registry import ARCHITECTURES
 
     classes = [ARCHITECTURES[a] for a in dict.fromkeys(architectures)]
     names = []

@@ -12,13 +12,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import matplotlib
+
+if TYPE_CHECKING:
+    import pandas
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from depthbench.io import atomic_write  # noqa: E402
+from depthbench.util.io import atomic_write  # noqa: E402
 
 # Fixed order of every DepthBench architecture, so an architecture keeps its colour across
 # figures and grids (a grid's own sorted list would recolour pre_ln when hc is added).
@@ -126,7 +130,7 @@ def floor_line(ax, floor: float | None) -> None:
     ax.axhline(floor, color="0.4", linestyle="--", linewidth=1, label=f"unigram floor {floor:.2f}")
 
 
-def coinciding(curves: dict[str, "pd.Series"], rel: float = 0.002) -> list[list[str]]:
+def coinciding(curves: "dict[str, pandas.Series]", rel: float = 0.002) -> list[list[str]]:
     """Groups of labels whose curves (Series indexed by x) agree within rel of the value range
     at every common x: drawn, only the last one's colour would show, so figures say so."""
     names = list(curves)

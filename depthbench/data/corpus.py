@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import glob
 import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from depthbench.errors import ConfigError, DataError
+from depthbench.util.errors import ConfigError, DataError
 
 WIKI_OFFLINE_LICENCE = (
     "Wikipedia article lead sections (about 10,000 Level-4 vital articles) shipped in the PyPI "
@@ -23,6 +24,24 @@ WIKI_OFFLINE_LICENCE = (
 )
 
 _FORMAT_BUILDERS = {"jsonl": "json", "json": "json", "parquet": "parquet", "text": "text"}
+
+
+def resolve_files(pattern: str | list[str], field: str, base_dir: Path | None = None) -> list[str]:
+    """Expand a path, a glob or a list of them into existing files, or fail naming the field."""
+    patterns = [pattern] if isinstance(pattern, str) else list(pattern)
+    files: list[str] = []
+    for p in patterns:
+        p = os.path.expanduser(p)
+        if base_dir is not None and not os.path.isabs(p):
+            p = str(base_dir / p)
+        matches = sorted(glob.glob(p))
+        if not matches:
+            raise ConfigError(field, f"no file matches {p!r}; give an existing file, a glob or a list of files")
+        files.extend(matches)
+    return files
+
+
+EXTENSION_FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 
 
 def _mix64(x: int) -> int:
@@ -50,7 +69,7 @@ def wiki_offline_file(language: str) -> Path:
     return path
 
 
-def _iter_wiki_offline(corpus: dict) -> Iterator[str]:
+def iter_wiki_offline(corpus: dict) -> Iterator[str]:
     articles = json.loads(wiki_offline_file(corpus.get("language", "en-us")).read_text(encoding="utf-8"))
     for key in sorted(articles):
         article = articles[key]
@@ -59,7 +78,7 @@ def _iter_wiki_offline(corpus: dict) -> Iterator[str]:
             yield f"{article.get('title', key)}\n\n{extract}"
 
 
-def _iter_datasets(builder: str, text_field: str, field_name: str, **kwargs) -> Iterator[str]:
+def iter_datasets(builder: str, text_field: str, field_name: str, **kwargs) -> Iterator[str]:
     import datasets
 
     datasets.disable_progress_bars()
@@ -77,10 +96,9 @@ def _iter_datasets(builder: str, text_field: str, field_name: str, **kwargs) -> 
 
 def local_files(corpus: dict) -> tuple[list[str], str]:
     """The files of a local corpus and their format (given, or from the first file's suffix)."""
-    from depthbench.config import _EXT_FORMATS, resolve_files
 
     files = resolve_files(corpus["path"], "corpus.path")
-    return files, corpus.get("format") or _EXT_FORMATS[Path(files[0].removesuffix(".gz")).suffix]
+    return files, corpus.get("format") or EXTENSION_FORMATS[Path(files[0].removesuffix(".gz")).suffix]
 
 
 def iter_documents(corpus: dict) -> Iterator[str]:
@@ -88,18 +106,18 @@ def iter_documents(corpus: dict) -> Iterator[str]:
     source = corpus["source"]
     limit = corpus.get("max_documents")
     if source == "wiki_offline":
-        docs = _iter_wiki_offline(corpus)
+        docs = iter_wiki_offline(corpus)
     elif source == "local":
         files, fmt = local_files(corpus)
         # Local files never need the network: stop datasets from trying the hub.
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
         extra = {"sample_by": "paragraph"} if fmt == "text" else {}
-        docs = _iter_datasets(
+        docs = iter_datasets(
             _FORMAT_BUILDERS[fmt], corpus.get("text_field", "text"), "corpus.path",
             data_files=files, split="train", streaming=True, **extra,
         )
     elif source == "hub":
-        docs = _iter_datasets(
+        docs = iter_datasets(
             corpus["dataset"], corpus.get("text_field", "text"), "corpus.dataset",
             name=corpus.get("subset"), split=corpus.get("split", "train"), streaming=corpus.get("streaming", True),
         )

@@ -23,9 +23,9 @@ import itertools
 import os
 from typing import Iterator
 
-from depthbench.data.corpus import _iter_datasets, _iter_wiki_offline, iter_documents, local_files
+from depthbench.data.corpus import iter_datasets, iter_wiki_offline, iter_documents, local_files
 from depthbench.data.ranges import BYTE_RANGE_FORMATS, aligned_cut, range_documents
-from depthbench.errors import ConfigError
+from depthbench.util.errors import ConfigError
 
 
 def piece_by(corpus: dict, n_files: int | None = None) -> str:
@@ -85,7 +85,7 @@ def hub_data_files(corpus: dict) -> list[str]:
 
 def _hub_documents(corpus: dict, files: list[str]) -> Iterator[str]:
     split, where = corpus.get("split", "train"), _hub_kwargs(corpus)
-    return _iter_datasets(where["path"], corpus.get("text_field", "text"), "corpus.dataset", name=where["name"],
+    return iter_datasets(where["path"], corpus.get("text_field", "text"), "corpus.dataset", name=where["name"],
                           split=split, streaming=True, data_files={split: files})
 
 
@@ -121,7 +121,7 @@ def document_index(corpus: dict) -> dict:
     source, pieces, limit = corpus["source"], corpus.get("pieces", 1), corpus.get("max_documents")
     check_pieces(corpus)
     if source == "wiki_offline":
-        n = sum(1 for _ in _iter_wiki_offline(corpus))
+        n = sum(1 for _ in iter_wiki_offline(corpus))
         return {"source": source, "kind": "documents", "n_documents": n if limit is None else min(n, limit)}
     if source == "hub":
         kind, fmt = "files", None
@@ -174,7 +174,7 @@ def piece_plan(corpus: dict, index: dict) -> list[dict]:
 def piece_documents(corpus: dict, piece: dict) -> Iterator[tuple[int, str]]:
     """(global document index, text) of one piece, streamed."""
     if piece.get("kind") is None:
-        docs = itertools.islice(_iter_wiki_offline(corpus), piece["start"], piece["start"] + piece["n_documents"])
+        docs = itertools.islice(iter_wiki_offline(corpus), piece["start"], piece["start"] + piece["n_documents"])
     elif piece["kind"] == "bytes":
         docs = itertools.islice(itertools.chain.from_iterable(
             _unit_documents(corpus, u, "bytes", piece["format"]) for u in piece["units"]), piece["n_documents"])

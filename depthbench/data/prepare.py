@@ -25,8 +25,8 @@ from depthbench.data.tokenizer import (
     tokenizer_sha256,
     train_bpe,
 )
-from depthbench.errors import DataError
-from depthbench.io import atomic_write, atomic_write_json
+from depthbench.util.errors import DataError
+from depthbench.util.io import atomic_write, atomic_write_json
 
 
 def _check_corpus_contents(corpus: dict) -> None:

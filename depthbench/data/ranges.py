@@ -23,7 +23,7 @@ import os
 import re
 from typing import Iterator
 
-from depthbench.errors import DataError
+from depthbench.util.errors import DataError
 
 BYTE_RANGE_FORMATS = ("jsonl", "text")
 CHUNK = 1 << 20

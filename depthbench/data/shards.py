@@ -17,8 +17,8 @@ from typing import Iterable
 import numpy as np
 
 from depthbench.data.tokenizer import batched
-from depthbench.errors import ConfigError, DataError
-from depthbench.io import atomic_write_json
+from depthbench.util.errors import ConfigError, DataError
+from depthbench.util.io import atomic_write_json
 
 META_VERSION = 1
 

@@ -11,7 +11,7 @@ from typing import Iterable, Iterator
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from depthbench.errors import ConfigError, DataError
+from depthbench.util.errors import ConfigError, DataError
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 BPE_EOS = "<|endoftext|>"

@@ -15,10 +15,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from depthbench.schema import schema_defaults
+from depthbench.spec.schema import schema_defaults
 from depthbench.evals.nll import aggregate, score_documents, tokenize_docs
 from depthbench.evals.sets import load_builtin, load_jsonl
-from depthbench.io import atomic_write
+from depthbench.util.io import atomic_write
 
 def nll_settings(settings: dict) -> dict:
     """The schema's NLL defaults, then the operational thread count (1 unless the dispatcher
@@ -62,10 +62,10 @@ def build_sets(settings: dict, tokenizer_path: str, eos_token: str | None, out_p
 
 def run_nll(spec_dict: dict, run_dir: str, sets_path: str, out_path: str, settings: dict) -> dict:
     """Score one run's final weights on every set and write its Parquet rows."""
-    from depthbench.runcheck import check_run
-    from depthbench.spec import RunSpec
+    from depthbench.train.runcheck import check_run
+    from depthbench.spec.run import RunSpec
     from depthbench.train.checkpoint import load_final_model
-    from depthbench.train.loop import resolve_device
+    from depthbench.train.recipe import resolve_device
 
     settings = nll_settings(settings)
     torch.set_num_threads(int(settings["threads"]))

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from depthbench.errors import ConfigError
+from depthbench.util.errors import ConfigError
 
 DOMAINS = ("code", "stem", "math")
 

@@ -37,10 +37,10 @@ from pathlib import Path
 
 import torch
 
-from depthbench.errors import ConfigError, DataError
+from depthbench.util.errors import ConfigError, DataError
 from depthbench.hf.card import model_card
 from depthbench.hf.llama import is_plain_llama, llama_config_kwargs, to_llama_state_dict
-from depthbench.io import atomic_folder
+from depthbench.util.io import atomic_folder
 from depthbench.models.config import ModelConfig
 
 REMOTE_CODE = Path(__file__).parent / "remote_code"
@@ -63,8 +63,8 @@ class Run:
 
 def load_run(run_dir: str | os.PathLike, results_dir: str | os.PathLike | None = None) -> Run:
     """Everything an export reads about a run; DataError naming the missing file otherwise."""
-    from depthbench.models import canonical_arch
-    from depthbench.runcheck import check_run, verify_weights
+    from depthbench.models.registry import canonical_arch
+    from depthbench.train.runcheck import check_run, verify_weights
 
     run_dir = Path(run_dir)
     summary_path = run_dir / "summary.json"

@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from depthbench.errors import ConfigError
+from depthbench.util.errors import ConfigError
 from depthbench.models.config import ModelConfig
 
 # DepthBench name (per layer, after "blocks.N.") -> HF name (after "model.layers.N.")

@@ -25,7 +25,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from depthbench.io import atomic_write_text
+from depthbench.util.io import atomic_write_text
 
 TASK = "depthbench_nll"
 

@@ -96,7 +96,7 @@ class ModelAdapter(ABC):
         return {}
 
     def extra_flops_per_token(self, seq_len: int) -> float:
-        """Forward matmul FLOPs per token beyond 2 N_mm + attention (depthbench.cost)."""
+        """Forward matmul FLOPs per token beyond 2 N_mm + attention (depthbench.models.cost)."""
         return 0.0
 
     def depth_state_bytes_per_token(self, bytes_per_value: int = 2) -> int:

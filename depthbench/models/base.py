@@ -17,20 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from depthbench.errors import ConfigError
+from depthbench.util.errors import ConfigError
 from depthbench.models.adapter import ModelAdapter, swapped_parameters
 from depthbench.models.config import ModelConfig
 from depthbench.models.layers import CausalSelfAttention, RMSNorm, RotaryEmbedding, SwiGLU
 from depthbench.models.loss import chunked_cross_entropy
-from depthbench.models.registry import (  # noqa: F401  (architecture modules register through base)
-    ALIASES,
-    ARCHITECTURES,
-    build_model,
-    canonical_arch,
-    count_parameters,
-    register,
-    registered_architectures,
-)
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 

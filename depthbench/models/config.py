@@ -8,7 +8,7 @@ import operator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from depthbench.errors import ConfigError
+from depthbench.util.errors import ConfigError
 
 _BINOPS = {
     ast.Add: operator.add,

@@ -141,7 +141,7 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.T
 
 def _register_grouped_mm_flops() -> None:
     """FlopCounterMode's count for aten._grouped_mm (torch has none, so the products would count
-    zero and the FLOP checks of depthbench.cost would miss the experts): every row of a (M, K)
+    zero and the FLOP checks of depthbench.models.cost would miss the experts): every row of a (M, K)
     meets one (K, N) matrix, 2 M K N in all, the formula of mm."""
     from torch.utils.flop_counter import flop_registry, register_flop_formula
 

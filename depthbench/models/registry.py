@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from depthbench.errors import ConfigError
+from depthbench.util.errors import ConfigError
 from depthbench.models.config import ModelConfig
 
 if TYPE_CHECKING:

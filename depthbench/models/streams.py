@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from depthbench.errors import ConfigError
+from depthbench.util.errors import ConfigError
 from depthbench.kernels.stream_ops import BatchedMix, write_after_read
 from depthbench.models.base import GENERIC_PROBES, ArchOptions, DecoderLM
 

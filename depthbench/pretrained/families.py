@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from depthbench.errors import ConfigError
+from depthbench.util.errors import ConfigError
 
 
 @dataclass(frozen=True)

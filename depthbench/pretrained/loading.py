@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from depthbench.errors import ConfigError
-from depthbench.io import atomic_folder
+from depthbench.util.errors import ConfigError
+from depthbench.util.io import atomic_folder
 
 FORMATS = ("hf", "gguf")
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

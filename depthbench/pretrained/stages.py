@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from depthbench.io import atomic_write, atomic_write_json
+from depthbench.util.io import atomic_write, atomic_write_json
 from depthbench.pretrained.adapter import PretrainedAdapter
 from depthbench.pretrained.loading import load_model, load_tokenizer
 
@@ -94,7 +94,7 @@ def write_sample(model_dir: str, corpus: dict, settings: dict, seq_len: int, out
 
 # -- the run's summary ------------------------------------------------------------------------------
 def cost_fields(model) -> dict:
-    """What depthbench.cost.pretrained_cost needs, counted on the loaded transformers model:
+    """What depthbench.models.cost.pretrained_cost needs, counted on the loaded transformers model:
     `matmul_params`, the weights of every nn.Linear (the LM head included, also when it is tied
     to the embedding: its product is done either way), the embedding parameters (the input
     embedding, plus the LM head when it is a separate matrix) and the attention width
@@ -133,7 +133,8 @@ def write_summary(run_id: str, name: str, model_dir: str, source: str, out_path:
 def run_pretrained_probes(run_id: str, model_dir: str, sample_path: str, out_path: str, settings: dict) -> dict:
     """Every probe that applies (adapter.probes) on the sample, stage 'trained', as tidy rows in
     the probe stage's format (depthbench.probes.run), status 'pretrained'."""
-    from depthbench.probes.run import probe_model, probe_settings
+    from depthbench.probes.measure import probe_model
+    from depthbench.probes.run import probe_settings
 
     settings = probe_settings(settings)
     torch.set_num_threads(int(settings["threads"]))

@@ -1,4 +1,4 @@
-"""Rows of pretrained runs in the runs table, beside trained runs (depthbench.tables.run_rows).
+"""Rows of pretrained runs in the runs table, beside trained runs (depthbench.analysis.tables.run_rows).
 
 A pretrained run has no recipe: lr is NaN, seed -1, no knobs, no training steps, status
 'pretrained' (so that best_learning_rates, which takes status 'ok' runs only, leaves it out, and

@@ -19,9 +19,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from depthbench.io import atomic_write
+from depthbench.util.io import atomic_write
 from depthbench.probes.removal import RANKINGS, ScoredTokens, layer_counts, removal_losses, removal_sets
-from depthbench.schema import schema_defaults
+from depthbench.spec.schema import schema_defaults
 
 COLUMNS = ["ranking", "draw", "k", "fraction", "removed", "domain", "loss", "full_loss", "change"]
 
@@ -106,8 +106,8 @@ def run_removal(spec_dict: dict, data_dir: str, run_dir: str, probes_path: str, 
                 settings: dict, probe_settings: dict) -> dict:
     """The removal rows of one trained run (its final weights), written to `out_path`."""
     from depthbench.probes.run import validation_tokens
-    from depthbench.runcheck import check_run
-    from depthbench.spec import RunSpec
+    from depthbench.train.runcheck import check_run
+    from depthbench.spec.run import RunSpec
     from depthbench.train.checkpoint import load_final_model
 
     settings = removal_settings(settings)

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from depthbench.errors import DataError
-from depthbench.models import build_model
-from depthbench.spec import RunSpec
+from depthbench.util.errors import DataError
+from depthbench.models.registry import build_model
+from depthbench.probes.measure import probe_model
+from depthbench.spec.run import RunSpec
 from depthbench.train.snapshots import FOLDER, META_KEY, list_snapshots
 
 SNAPSHOT_STAGE = "snapshot"
@@ -42,7 +43,6 @@ def load_snapshot(spec: RunSpec, path: Path) -> torch.nn.Module:
 
 def snapshot_rows(spec: RunSpec, run_dir: str | Path, idx: torch.Tensor, settings: dict) -> list[dict]:
     """Tidy rows of every probe at every snapshot in run_dir/snapshots, with `step`."""
-    from depthbench.probes.run import probe_model
 
     rows: list[dict] = []
     for step, path in list_snapshots(Path(run_dir) / FOLDER):

@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
-from depthbench.errors import CheckpointError
-from depthbench.io import atomic_write, atomic_write_json
+from depthbench.util.errors import CheckpointError
+from depthbench.util.io import atomic_write, atomic_write_json
 from depthbench.train import listing  # DCP itself (depthbench.train.dcp_io) only where a checkpoint is written or read
 
 FORMAT = "depthbench-dcp-1"
@@ -340,7 +340,7 @@ def load_final_model(model_cfg, run_dir: str | os.PathLike):
     """The model of a finished run with its final weights (run_dir/model.safetensors), on CPU."""
     from safetensors.torch import load_file
 
-    from depthbench.models import build_model
+    from depthbench.models.registry import build_model
 
     model = build_model(model_cfg)
     model.load_state_dict(load_file(Path(run_dir) / "model.safetensors"))

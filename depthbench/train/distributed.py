@@ -55,7 +55,7 @@ def setup(strategy: str, device_name: str) -> tuple[DistContext, str]:
     """Join the process group described by the environment (when WORLD_SIZE > 1) and return the
     context and the device name this rank trains on."""
     if strategy not in STRATEGIES:
-        from depthbench.errors import ConfigError
+        from depthbench.util.errors import ConfigError
 
         raise ConfigError("train.parallel", f"{strategy!r}; valid: {list(STRATEGIES)}")
     rank, world, local_rank = world_from_env()

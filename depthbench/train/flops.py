@@ -40,9 +40,9 @@ GPU_BF16_PEAK: tuple[tuple[str, str, float], ...] = (
 
 
 def train_flops_per_token(model, seq_len: int) -> float:
-    """Training matmul FLOPs per token: 3 x the forward count of depthbench.cost (6 N_mm plus
+    """Training matmul FLOPs per token: 3 x the forward count of depthbench.models.cost (6 N_mm plus
     attention over the full T x T square plus the architecture's depth terms)."""
-    from depthbench.cost import forward_flops_per_token
+    from depthbench.models.cost import forward_flops_per_token
 
     return 3.0 * forward_flops_per_token(model, seq_len)
 

@@ -12,7 +12,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from depthbench.io import atomic_write_text
+from depthbench.util.io import atomic_write_text
 
 METADATA = ".metadata"  # DCP's name for its metadata file
 

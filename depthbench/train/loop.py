@@ -24,19 +24,19 @@ import torch
 
 from depthbench.data.loader import TokenWindows, TrainBatches
 from depthbench.data.shards import read_meta, split_files
-from depthbench.io import atomic_write, atomic_write_json
-from depthbench.models import build_model
-from depthbench.spec import RunSpec
-from depthbench.runcheck import WEIGHTS_DIGEST
+from depthbench.util.io import atomic_write, atomic_write_json
+from depthbench.models.registry import build_model
+from depthbench.spec.run import RunSpec
+from depthbench.train.runcheck import WEIGHTS_DIGEST
 from depthbench.train.listing import file_sha256
 from depthbench.train import distributed, snapshots
 from depthbench.train.flops import device_peak_flops, measured_peak_flops, train_flops_per_token
 from depthbench.train.hooks import default_hooks
-from depthbench.train.recipe import (  # noqa: F401 (re-exported: other modules and tests import them from here)
-    RunPaths, build_optimizer, evaluate, lr_at, param_groups, resolve_device, resolve_dtype, truncate_metrics,
+from depthbench.train.recipe import (
+    RunPaths, resolve_device, resolve_dtype,
 )
 from depthbench.train.tracking import build_loggers, check_loggers
-from depthbench.train.trainer import STATUS_DIVERGED, STATUS_OK, Trainer  # noqa: F401
+from depthbench.train.trainer import STATUS_OK, Trainer
 
 
 def _data(spec: RunSpec, data_dir, ctx: distributed.DistContext) -> tuple[TrainBatches, TokenWindows]:
@@ -153,8 +153,8 @@ def finish(spec: RunSpec, paths: RunPaths, model, status: str, step: int, wall: 
         "world_size": ctx.world_size,
         "parallel": ctx.strategy,
         "spec": spec.to_dict(),
-        "spec_hash": spec.spec_hash(),  # checked by the tables against the grid (depthbench.tables)
-        WEIGHTS_DIGEST: digest[0],  # checked by every stage that reads the weights (depthbench.runcheck)
+        "spec_hash": spec.spec_hash(),  # checked by the tables against the grid (depthbench.analysis.tables)
+        WEIGHTS_DIGEST: digest[0],  # checked by every stage that reads the weights (depthbench.train.runcheck)
     }
     atomic_write_json(paths.summary, summary)
     return summary

@@ -57,7 +57,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from depthbench.models import ModelConfig, build_model
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import build_model
 from depthbench.models.layers import HELD_LISTENERS
 
 HEADROOM = 0.10

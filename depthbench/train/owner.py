@@ -9,11 +9,11 @@ and the lock file. Every rank of a job refuses: the ranks agree on rank 0's outc
 system without `flock` a warning says so and the run goes on unlocked.
 
 The owner: the process that waits for the run's result, on the machine the trainer runs on (the
-Snakemake process that started the dispatching job, depthbench.launch). SIGKILL of Snakemake
+Snakemake process that started the dispatching job, depthbench.launch.local). SIGKILL of Snakemake
 leaves its jobs running with nobody waiting for them. `OwnerHook` checks after every periodic
 checkpoint whether the owner still exists, and when it does not, the trainer stops there. That
 checkpoint is complete, so a rerun of Snakemake resumes from it. SLURM jobs have no owner: a
-restarted Snakemake re-attaches to a job that is still running (depthbench.launch).
+restarted Snakemake re-attaches to a job that is still running (depthbench.launch.local).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from depthbench.errors import DepthBenchError
+from depthbench.util.errors import DepthBenchError
 from depthbench.train.trainer import Hook
 
 LOCK_NAME = "train.lock"

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from depthbench.errors import ConfigError
+from depthbench.util.errors import ConfigError
 from depthbench.train.memory import recompute_mask
 
 CHECKPOINTING = ("auto", "none", "full", "selective")

@@ -1,6 +1,6 @@
 """The training recipe: learning-rate schedule, AdamW and its decay groups, device and dtype,
 where a run writes, and the validation loss. The step loop that uses them is
-depthbench.train.trainer; depthbench.train.loop re-exports every name here.
+depthbench.train.trainer.
 
 Recipe: AdamW (decoupled weight decay on the weights of every Linear layer, LM head included, and
 on MoE expert matrices; none on the input embedding, norm gains, pseudo-queries or HC/mHC static
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from depthbench.data.loader import TokenWindows, eval_batches
-from depthbench.io import atomic_write
+from depthbench.util.io import atomic_write
 
 
 def lr_at(step: int, base_lr: float, total: int, warmup: int, min_ratio: float) -> float:

@@ -2,7 +2,7 @@
 it, then the process exits the way whoever sent the signal expects.
 
 SLURM signals a job before it ends it: `--signal=USR2@120` (the launcher's `signal_delay_s`,
-depthbench.launch.slurm_parameters) 120 s before the time limit, and SIGTERM on preemption,
+depthbench.launch.local.slurm_parameters) 120 s before the time limit, and SIGTERM on preemption,
 `scontrol requeue` or `scancel` (SIGKILL follows after the cluster's KillWait). Without this hook
 a requeued job loses everything since the last periodic checkpoint (up to `checkpoint_every`
 steps).

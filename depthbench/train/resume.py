@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from depthbench.errors import CheckpointError
+from depthbench.util.errors import CheckpointError
 
 
 def snapshot(trainer, blocking: bool = False) -> None:

@@ -34,8 +34,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from depthbench.errors import ConfigError
-from depthbench.io import atomic_folder, atomic_write
+from depthbench.util.errors import ConfigError
+from depthbench.util.io import atomic_folder, atomic_write
 from depthbench.train.trainer import Hook
 
 FOLDER = "snapshots"

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from depthbench.errors import ConfigError
+from depthbench.util.errors import ConfigError
 from depthbench.train.trainer import Hook
 
 SCALAR_NAMES = {"train_loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "val_loss": "val/loss",

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from depthbench.spec import RunSpec
+from depthbench.spec.run import RunSpec
 from depthbench.train import distributed, resume
 from depthbench.train.checkpoint import Checkpointer
 from depthbench.train.parallelize import parallelize

@@ -14,7 +14,7 @@ def train_threads(wildcards):
     return 1 if config["launcher"]["backend"] == "slurm" else config["train"]["threads"]
 
 
-from depthbench.launch import ranks_per_run
+from depthbench.launch.local import ranks_per_run
 
 RANKS_PER_RUN = ranks_per_run(config["launcher"])
 
@@ -73,7 +73,7 @@ def evaluated_runs(stage):
             return list(RUNS)
         import pandas as pd
 
-        from depthbench.tables import best_lr_run_ids
+        from depthbench.analysis.tables import best_lr_run_ids
 
         out = checkpoints.tables.get().output
         return best_lr_run_ids(pd.read_parquet(out.runs), pd.read_parquet(out.best_lr), RUNS)

@@ -28,7 +28,8 @@ class DepthBenchForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config):
         super().__init__(config)
-        from depthbench.models import ModelConfig, build_model
+        from depthbench.models.config import ModelConfig
+        from depthbench.models.registry import build_model
 
         self.depthbench = build_model(ModelConfig.from_dict(dict(config.depthbench_model)), initialize=False)
         self._reference = {}  # a plain dict, so the CPU copy is not registered as a submodule
@@ -55,7 +56,8 @@ class DepthBenchForCausalLM(PreTrainedModel, GenerationMixin):
         if not getattr(module, "_non_persistent_buffers_set", None) or module is self:
             return
         if not self._reference:
-            from depthbench.models import ModelConfig, build_model
+            from depthbench.models.config import ModelConfig
+            from depthbench.models.registry import build_model
 
             with torch.device("cpu"):
                 self._reference["model"] = build_model(ModelConfig.from_dict(dict(self.config.depthbench_model)), initialize=False)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from depthbench.models.archs.attnres_full import AttnResBlock, AttnResFull, AttnResOptions, DepthSources, rms_unit
-from depthbench.errors import ConfigError
-from depthbench.models.base import register
+from depthbench.util.errors import ConfigError
+from depthbench.models.registry import register
 
 
 def block_ends(n_layer: int, n_blocks: int) -> list[int]:

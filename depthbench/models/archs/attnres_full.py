@@ -38,7 +38,8 @@ import torch
 from torch import nn
 
 from depthbench.models.archs.attnres_mix import BufferedSources, SourceBuffer, WeightedSum, batched_mix, synced_buffer
-from depthbench.models.base import GENERIC_PROBES, ArchOptions, Block, DecoderLM, Rope, register
+from depthbench.models.base import GENERIC_PROBES, ArchOptions, Block, DecoderLM, Rope
+from depthbench.models.registry import register
 from depthbench.models.layers import RMSNorm, at_least_fp32
 
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from depthbench.models.base import ArchOptions, Block, DecoderLM, Rope, register
+from depthbench.models.base import ArchOptions, Block, DecoderLM, Rope
+from depthbench.models.registry import register
 from depthbench.models.layers import ConstantBuffers, RMSNorm
 
 INITS = ("deepnet", "torchscale")  # arch_options.init

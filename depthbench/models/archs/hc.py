@@ -32,9 +32,11 @@ from torch import nn
 
 from depthbench import kernels
 from depthbench.kernels.hc_ops import read
-from depthbench.models.base import Block, Rope, register
+from depthbench.models.base import Block, Rope
+from depthbench.models.registry import register
 from depthbench.models.layers import RMSNorm, normed_linear
-from depthbench.models.streams import MultiStreamLM, MultiStreamOptions, mix_matrix, write_after_read, write_streams
+from depthbench.models.streams import MultiStreamLM, MultiStreamOptions, mix_matrix, write_streams
+from depthbench.kernels.stream_ops import write_after_read
 
 DYNAMIC_SCALE_INIT = 0.01  # s_alpha and s_beta at init (HC paper; lucidrains/hyper-connections)
 KERNEL_MAX_STREAMS = 16  # hc.cpp's limit

@@ -6,7 +6,8 @@ the number of *sublayers*, 2L (summaries of the paper disagree between layers an
 
 import torch
 
-from depthbench.models.base import Block, DecoderLM, Rope, register
+from depthbench.models.base import Block, DecoderLM, Rope
+from depthbench.models.registry import register
 from depthbench.models.layers import RMSNorm
 
 

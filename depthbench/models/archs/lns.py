@@ -16,7 +16,8 @@ import math
 
 import torch
 
-from depthbench.models.base import Block, DecoderLM, Rope, register
+from depthbench.models.base import Block, DecoderLM, Rope
+from depthbench.models.registry import register
 from depthbench.models.layers import ConstantBuffers, RMSNorm
 
 

@@ -52,11 +52,13 @@ import torch
 from torch import nn
 
 from depthbench import kernels
-from depthbench.errors import ConfigError
+from depthbench.util.errors import ConfigError
 from depthbench.kernels.mhc_ops import fused_coefficients, read, sinkhorn_knopp
-from depthbench.models.base import Block, Rope, register
+from depthbench.models.base import Block, Rope
+from depthbench.models.registry import register
 from depthbench.models.layers import RMSNorm, at_least_fp32, normed_linear
-from depthbench.models.streams import MultiStreamLM, MultiStreamOptions, mix_matrix, write_after_read, write_streams
+from depthbench.models.streams import MultiStreamLM, MultiStreamOptions, mix_matrix, write_streams
+from depthbench.kernels.stream_ops import write_after_read
 
 RES_INITS = ("identity", "hc_static")  # arch_options.res_init
 IDENTITY_OFF_DIAGONAL_LOGIT = -8.0  # b_res off the diagonal under res_init = identity

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from depthbench.models.archs.moda_fused import DepthBuffer, fused_joint_attention
-from depthbench.models.base import GENERIC_PROBES, ArchOptions, Block, DecoderLM, Rope, register
+from depthbench.models.base import GENERIC_PROBES, ArchOptions, Block, DecoderLM, Rope
+from depthbench.models.registry import register
 from depthbench.models.layers import RMSNorm, apply_rotary, at_least_fp32, causal_mask
 
 

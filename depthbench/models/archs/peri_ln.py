@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from depthbench.errors import ConfigError
-from depthbench.models.base import ArchOptions, Block, DecoderLM, Rope, register
+from depthbench.util.errors import ConfigError
+from depthbench.models.base import ArchOptions, Block, DecoderLM, Rope
+from depthbench.models.registry import register
 from depthbench.models.layers import RMSNorm
 
 

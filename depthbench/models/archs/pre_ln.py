@@ -2,7 +2,8 @@
 
 import torch
 
-from depthbench.models.base import Block, DecoderLM, Rope, register
+from depthbench.models.base import Block, DecoderLM, Rope
+from depthbench.models.registry import register
 from depthbench.models.layers import RMSNorm
 
 

@@ -2,7 +2,7 @@
 lives, and the validation of a config against it: `load_config` reads a YAML file (naming the
 file and line of a syntax error), `validate_schema` fills defaults and names the first invalid
 field. A leaf module, so that the stages (probes, NLL) can read their defaults without importing
-the grid expansion (depthbench.config)."""
+the grid expansion (depthbench.grid.config)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from typing import Any
 
 import yaml
 
-from depthbench.errors import ConfigError
+from depthbench.util.errors import ConfigError
 
-SCHEMA_PATH = Path(__file__).resolve().parents[1] / "workflow" / "schemas" / "config.schema.yaml"
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
 
 
 @lru_cache(maxsize=1)

@@ -1,11 +1,11 @@
 """`depthbench rename-runs [CONFIG] [--results results] [--dry-run]`: give results trained under
 the ids of whole-section option hashing the ids of today.
 
-A run id hashes the options its architecture declares (depthbench.config.run_id_of). DepthBench
+A run id hashes the options its architecture declares (depthbench.grid.config.run_id_of). DepthBench
 versions before that hashed the whole `model.arch_options` section into every run id, so in the
 default config attnres_block's `n_blocks: 4` was part of every architecture's id. Those results
 are still valid (a pre_ln model never read n_blocks); only their ids differ. This command finds,
-for each run of CONFIG, the folder of its whole-section id (depthbench.config.shared_options_ids)
+for each run of CONFIG, the folder of its whole-section id (depthbench.grid.config.shared_options_ids)
 and moves everything named by the run id to the current one:
 
     runs/<id>/                 summary.json (run_id, spec, spec_hash rewritten), weights, metrics,
@@ -34,8 +34,8 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from depthbench.errors import DataError
-from depthbench.io import atomic_write, atomic_write_json
+from depthbench.util.errors import DataError
+from depthbench.util.io import atomic_write, atomic_write_json
 
 # Every place a grid run's id is a path component under the results folder (workflow/rules:
 # train.smk, probes.smk, nll.smk). The run folder is first here and moved last.
@@ -61,8 +61,8 @@ class RenamePlan:
 
 
 def plan_renames(exp, results: str | os.PathLike = "results") -> RenamePlan:
-    """What `rename_runs` would move for the grid `exp` (depthbench.config.Experiment)."""
-    from depthbench.config import shared_options_ids
+    """What `rename_runs` would move for the grid `exp` (depthbench.grid.config.Experiment)."""
+    from depthbench.grid.config import shared_options_ids
 
     results = Path(results)
     plan = RenamePlan()
@@ -97,7 +97,7 @@ def _legacy_spec(exp, spec, old: str):
 def _not_this_run(summary_path: Path, spec, legacy) -> str | None:
     """None when the summary (if any) is the grid's run: `legacy` (its spec under the old id, the
     whole section in its model config) or `spec` (already rewritten by an interrupted rename)."""
-    from depthbench.spec import RunSpec
+    from depthbench.spec.run import RunSpec
 
     if not summary_path.is_file():
         return None  # an unfinished run: its checkpoints move with it and resume under the new id
@@ -168,7 +168,7 @@ def _rewrite_ids(src: Path, old: str, new: str, spec) -> None:
 
 
 def _rewrite_summary(path: Path, new: str, spec) -> None:
-    from depthbench.spec import RunSpec
+    from depthbench.spec.run import RunSpec
 
     s = json.loads(path.read_text(encoding="utf-8"))
     s["run_id"] = new

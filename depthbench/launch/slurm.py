@@ -8,7 +8,7 @@ import re
 import shutil
 import subprocess
 
-from depthbench.errors import ConfigError
+from depthbench.util.errors import ConfigError
 
 # Job states in which a submitted job may still produce its result (squeue's long names).
 LIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "PREEMPTED", "REQUEUE_FED", "REQUEUE_HOLD",

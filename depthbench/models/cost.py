@@ -40,7 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from depthbench.models import ModelConfig, build_model
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import build_model
 
 PREFILL_TOKENS = 4096
 BF16_BYTES = 2

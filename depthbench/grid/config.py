@@ -10,52 +10,26 @@ grid adds runs instead of silently reusing old ones.
 from __future__ import annotations
 
 import copy
-import glob
 import itertools
 import json
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from depthbench.errors import ConfigError
-from depthbench.schema import (  # noqa: F401  (re-exported: the grid's callers load configs from here)
-    SCHEMA_PATH,
-    load_config,
-    load_schema,
-    read_yaml_config,
-    schema_defaults,
-    validate_schema,
-)
-from depthbench.models import ModelConfig, canonical_arch
+from depthbench.util.errors import ConfigError
+from depthbench.data.corpus import EXTENSION_FORMATS, resolve_files
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import canonical_arch
 from depthbench.models.registry import declared_options, registered_architectures
-from depthbench.shapes import Shape, shape_of, solve_ratio, solve_width
-from depthbench.spec import RunSpec, short_hash  # noqa: F401  (RunSpec: re-exported for callers of the grid)
-from depthbench.train.config import TrainConfig
+from depthbench.spec.shapes import Shape, shape_of, solve_ratio, solve_width
+from depthbench.spec.run import RunSpec, short_hash
+from depthbench.spec.training import TrainConfig
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- schema validation -------------------------------------------------------------------------
 # -- data and tokenizer identities ---------------------------------------------------------------
-def resolve_files(pattern: str | list[str], field: str, base_dir: Path | None = None) -> list[str]:
-    """Expand a path, a glob or a list of them into existing files, or fail naming the field."""
-    patterns = [pattern] if isinstance(pattern, str) else list(pattern)
-    files: list[str] = []
-    for p in patterns:
-        p = os.path.expanduser(p)
-        if base_dir is not None and not os.path.isabs(p):
-            p = str(base_dir / p)
-        matches = sorted(glob.glob(p))
-        if not matches:
-            raise ConfigError(field, f"no file matches {p!r}; give an existing file, a glob or a list of files")
-        files.extend(matches)
-    return files
-
-
-_EXT_FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
-
-
 def check_corpus(corpus: dict) -> None:
     source = corpus["source"]
     if source == "local":
@@ -64,8 +38,8 @@ def check_corpus(corpus: dict) -> None:
         files = resolve_files(corpus["path"], "corpus.path")
         if "format" not in corpus:
             ext = Path(files[0].removesuffix(".gz")).suffix
-            if ext not in _EXT_FORMATS:
-                raise ConfigError("corpus.format", f"cannot infer from {files[0]!r}; valid: {sorted(set(_EXT_FORMATS.values()))}")
+            if ext not in EXTENSION_FORMATS:
+                raise ConfigError("corpus.format", f"cannot infer from {files[0]!r}; valid: {sorted(set(EXTENSION_FORMATS.values()))}")
         from depthbench.data.corpus import check_local_corpus, local_files
 
         # contents, where cheap: the head of the first files (the tokenizer stage reads it all)
@@ -220,7 +194,7 @@ def expand_grid(config: dict) -> Experiment:
 
     pretrained_specs(config)  # every `pretrained` entry names a loadable checkpoint
     if config.get("launcher", {}).get("backend") == "slurm":  # before the tokenizer and shards are built
-        from depthbench.slurm import check_launcher
+        from depthbench.launch.slurm import check_launcher
 
         check_launcher(config["launcher"])
     tok_id = tokenizer_id(config)
@@ -276,7 +250,7 @@ def shared_options_ids(exp: Experiment) -> dict[str, str]:
     """{run id: the id the same run gets when every architecture's model config holds the whole
     `model.arch_options` section} for each run of `exp`: the ids of results trained by
     DepthBench versions that hashed the whole section into every run id, which
-    `depthbench rename-runs` (depthbench.rename) moves to the current ids."""
+    `depthbench rename-runs` (depthbench.commands.rename) moves to the current ids."""
     out = {}
     for run_id, spec in exp.runs.items():
         whole = spec.knobs.get("model.arch_options", exp.config.get("model", {}).get("arch_options", {}))

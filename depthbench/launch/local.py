@@ -4,7 +4,7 @@ The dispatching Snakemake job runs on the submitting host: it submits one submit
 waits for it, and cancels it if Snakemake is interrupted. The submitted function is
 `Checkpointable`: on SLURM a preemption or time-out requeues it, and the requeued job resumes
 from the run's latest checkpoint (the function is idempotent: it always starts by loading one).
-A SLURM job's live state comes from `squeue` (depthbench.slurm), so that re-attachment and a job
+A SLURM job's live state comes from `squeue` (depthbench.launch.slurm), so that re-attachment and a job
 lost without a result are seen on clusters without an accounting database (`sacct`). A failed
 job's stderr tail goes into the dispatcher's log (Snakemake's rule log) and its job record.
 """
@@ -22,11 +22,11 @@ from typing import Any
 import submitit
 import submitit.local.debug
 
-from depthbench.spec import RunSpec
-from depthbench.io import atomic_write_json
-from depthbench.runcheck import check_run
-from depthbench.schema import with_defaults
-from depthbench.slurm import LIVE_STATES, check_gpus, queue_state
+from depthbench.spec.run import RunSpec
+from depthbench.util.io import atomic_write_json
+from depthbench.train.runcheck import check_run
+from depthbench.spec.schema import with_defaults
+from depthbench.launch.slurm import LIVE_STATES, check_gpus, queue_state
 from depthbench.train.owner import process_identity
 
 BACKENDS = ("inline", "local", "slurm")
@@ -67,7 +67,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
         """Train the run, holding its lock (one trainer per run, depthbench.train.owner) from before
         anything is built until training returns; stop at a checkpoint once `owner` has ended."""
         from depthbench.train import distributed
-        from depthbench.train.loop import RunPaths, train
+        from depthbench.train.recipe import RunPaths
+        from depthbench.train.loop import train
         from depthbench.train.owner import acquire_for_job
 
         export_distributed_env()
@@ -313,7 +314,7 @@ def dispatch(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, launcher
 
 def dispatch_probes(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, out_path: str, settings: dict, launcher: dict, threads: int = 1) -> dict:
     """Submit the probe stage of `spec` like its training, wait, and return its report; the run's
-    identity and final weights are checked first (depthbench.runcheck), before any submission."""
+    identity and final weights are checked first (depthbench.train.runcheck), before any submission."""
     check_run(run_dir, spec)
     settings = _local_threads(settings, launcher, threads)
     args = (spec.to_dict(), str(data_dir), str(run_dir), str(out_path), settings)
@@ -322,7 +323,7 @@ def dispatch_probes(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, o
 
 def dispatch_nll(spec: RunSpec, run_dir: str, work_dir: str, sets_path: str, out_path: str, settings: dict, launcher: dict, threads: int = 1) -> dict:
     """Submit the NLL stage of `spec` like its training, wait, and return its report; the run's
-    identity and final weights are checked first (depthbench.runcheck), before any submission."""
+    identity and final weights are checked first (depthbench.train.runcheck), before any submission."""
     check_run(run_dir, spec)
     settings = _local_threads(settings, launcher, threads)
     args = (spec.to_dict(), str(run_dir), str(sets_path), str(out_path), settings)
@@ -332,7 +333,7 @@ def dispatch_nll(spec: RunSpec, run_dir: str, work_dir: str, sets_path: str, out
 def dispatch_removal(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, probes_path: str, sets_path: str,
                      out_path: str, settings: dict, probe_settings: dict, launcher: dict, threads: int = 1) -> dict:
     """Submit the removal stage of `spec` like its training, wait, and return its report; the
-    run's identity and final weights are checked first (depthbench.runcheck)."""
+    run's identity and final weights are checked first (depthbench.train.runcheck)."""
     check_run(run_dir, spec)
     settings = _local_threads(settings, launcher, threads)
     args = (spec.to_dict(), str(data_dir), str(run_dir), str(probes_path), str(sets_path), str(out_path), settings,

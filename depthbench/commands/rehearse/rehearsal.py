@@ -2,7 +2,7 @@
 machine, before a cluster sees it (issue 22, item 3).
 
 For each architecture, its widest shape (largest d_model) and its deepest (largest n_layer), as
-the shape solver resolves them for the workflow (depthbench.config.expand_grid):
+the shape solver resolves them for the workflow (depthbench.grid.config.expand_grid):
 
 1. **Memory guard.** The analytic estimate (depthbench.train.memory, fp32 on CPU, micro-batch
    1 x `tokens`) gives the rehearsal's footprint: the larger of the training step (weights,
@@ -16,7 +16,7 @@ the shape solver resolves them for the workflow (depthbench.config.expand_grid):
    1 x `tokens` random token ids drawn uniformly from the preset's vocabulary (seeded): the
    corpus is not needed, and the loss of random tokens is about ln(vocab), which is what step 0
    of a real run sees too. Peak memory: the process's RSS high-water mark from just before the
-   model is built to the end of the second step (depthbench.rss), next to the estimate.
+   model is built to the end of the second step (depthbench.commands.rehearse.rss), next to the estimate.
 3. **Checkpoint and resume** through `save_state` / `resume_state`, the two narrow calls into the
    trainer's checkpointing (adapt them, not this module, when it moves to
    torch.distributed.checkpoint): the state is fingerprinted (SHA-256 of every tensor's bytes:
@@ -52,12 +52,12 @@ from unittest import mock
 
 import torch
 
-from depthbench.launch import ranks_per_run
-from depthbench.models import build_model
-from depthbench.plan import CHECKPOINT_BYTES_PER_PARAM
-from depthbench.rss import PeakRSS
+from depthbench.launch.local import ranks_per_run
+from depthbench.models.registry import build_model
+from depthbench.commands.plan import CHECKPOINT_BYTES_PER_PARAM
+from depthbench.commands.rehearse.rss import PeakRSS
 from depthbench.train.checkpoint import list_checkpoints
-from depthbench.spec import RunSpec
+from depthbench.spec.run import RunSpec
 from depthbench.train.distributed import DistContext
 from depthbench.train.memory import FP32, HEADROOM, estimate_memory
 from depthbench.train.recipe import RunPaths
@@ -184,7 +184,8 @@ def _limited(passes: int):
 
 
 def run_probe_families(model, vocab: int, probe_tokens: int, passes: int, seed: int) -> dict:
-    from depthbench.probes.run import probe_model, probe_settings
+    from depthbench.probes.measure import probe_model
+    from depthbench.probes.run import probe_settings
 
     g = torch.Generator().manual_seed(seed + 1)
     idx = torch.randint(0, vocab, (PROBE_SEQUENCES, probe_tokens + 1), generator=g)

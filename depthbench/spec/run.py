@@ -3,7 +3,7 @@ reads. It imports only the dataclasses it holds, so that nothing here imports th
 or the training loop.
 
 Each run gets a readable id `{arch}_L{n_layer}-d{d_model}_lr{lr}_s{seed}_{hash}` (made by
-depthbench.config.expand_grid) where the hash covers `identity_dict`: everything that changes
+depthbench.grid.config.expand_grid) where the hash covers `identity_dict`: everything that changes
 training (model config, recipe, data), so that editing the grid adds runs instead of silently
 reusing old ones.
 """
@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from depthbench.models.config import ModelConfig
-from depthbench.shapes import Shape
-from depthbench.train.config import TrainConfig
+from depthbench.spec.shapes import Shape
+from depthbench.spec.training import TrainConfig
 
 
 def short_hash(obj: Any, n: int = 8) -> str:

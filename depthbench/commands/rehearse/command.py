@@ -2,7 +2,7 @@
 (each model freed before the next is built), the memory guard choosing the real or the meta
 check, a line per shape as it finishes, and rehearsal.json / rehearsal.csv under the output
 folder rewritten atomically after every shape (an interrupted rehearsal keeps what it measured).
-The steps themselves are in depthbench.rehearse.
+The steps themselves are in depthbench.commands.rehearse.rehearsal.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from depthbench.io import atomic_write, atomic_write_json
-from depthbench.rehearse import GIB, MODES, Target, cpu_footprint, rehearsal_targets, rehearse_meta, rehearse_real
-from depthbench.rss import available_memory
+from depthbench.util.io import atomic_write, atomic_write_json
+from depthbench.commands.rehearse.rehearsal import GIB, MODES, Target, cpu_footprint, rehearsal_targets, rehearse_meta, rehearse_real
+from depthbench.commands.rehearse.rss import available_memory
 from depthbench.train.memory import HEADROOM, estimate_memory
 
 REAL_COLUMNS = [("arch", "<13"), ("shape", "<8"), ("tag", "<10"), ("params", ">13,"), ("step_s", ">7.1f"),
@@ -41,7 +41,7 @@ def _target_row(target: Target) -> dict:
 
 def _rehearse_one(target: Target, exp, out: Path, mode: str, tokens: int, probe_tokens: int, probe_passes: int,
                   gpu_memory: float) -> dict:
-    """The memory guard, then the real or the meta check (depthbench.rehearse, steps 1-5)."""
+    """The memory guard, then the real or the meta check (depthbench.commands.rehearse.rehearsal, steps 1-5)."""
     launcher = exp.config.get("launcher", {})
     if mode == "meta":
         return {"mode": "meta", **rehearse_meta(target, launcher, gpu_memory)}
@@ -61,7 +61,7 @@ def rehearse_experiment(exp, out: str | Path, mode: str = "auto", archs: list[st
                         which: tuple[str, ...] = ("widest", "deepest"), tokens: int = 256,
                         probe_tokens: int = 32, probe_passes: int = 1, gpu_memory: float = 80e9,
                         config_path: str = "", log=lambda line: print(line, file=sys.stderr, flush=True)) -> dict:
-    """Rehearse every target of `exp` (depthbench.rehearse); the report that rehearsal.json holds."""
+    """Rehearse every target of `exp` (depthbench.commands.rehearse.rehearsal); the report that rehearsal.json holds."""
     if mode not in MODES:
         raise ValueError(f"--mode {mode!r}: valid: {list(MODES)}")
     out = Path(out)

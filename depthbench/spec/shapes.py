@@ -22,8 +22,9 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from depthbench.errors import ConfigError
-from depthbench.models import ModelConfig, count_parameters, swiglu_hidden
+from depthbench.util.errors import ConfigError
+from depthbench.models.config import ModelConfig, swiglu_hidden
+from depthbench.models.registry import count_parameters
 
 FF_RATIO = 8 / 3  # SwiGLU's d_ff / d_model (LLaMA)
 FF_BAND = 0.15  # d_ff / d_model stays within 15% of 8/3 while absorbing the budget residual

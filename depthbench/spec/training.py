@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from depthbench.errors import ConfigError
+from depthbench.util.errors import ConfigError
 
 
 @dataclass
@@ -61,7 +61,7 @@ class TrainConfig:
 
     def check(self, world_size: int = 1) -> None:
         """The checks of the training settings that the schema cannot express, in one place:
-        depthbench.config.expand_grid runs them for every run of the grid with one rank (before
+        depthbench.grid.config.expand_grid runs them for every run of the grid with one rank (before
         anything starts), the trainer again with the run's actual rank count (known only then)."""
         if self.parallel == "fsdp" and self.dynamics_every:
             raise ConfigError("train.dynamics_every", "training dynamics are measured with DDP or on one rank; set 0 with train.parallel: fsdp")

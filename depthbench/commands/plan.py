@@ -1,6 +1,6 @@
 """`depthbench plan CONFIG`: what a sweep costs before it is launched.
 
-Per run: training FLOPs (depthbench.cost's analytic count, 3 x forward per token, times the
+Per run: training FLOPs (depthbench.models.cost's analytic count, 3 x forward per token, times the
 run's tokens), GPU-hours at a stated MFU on a stated GPU (peak dense bf16 FLOP/s), per-GPU memory
 at the configured micro-batch without and with full activation checkpointing
 (depthbench.train.memory), the checkpointing mode `train.activation_checkpointing: auto` picks
@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from depthbench.cost import analytic_cost
-from depthbench.launch import ranks_per_run
+from depthbench.models.cost import analytic_cost
+from depthbench.launch.local import ranks_per_run
 from depthbench.train.memory import HEADROOM, estimate_memory
 
 DEFAULT_GPU = "H100 SXM"

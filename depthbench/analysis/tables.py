@@ -14,62 +14,15 @@ from typing import Iterable
 import numpy as np
 import pandas as pd
 
-from depthbench.errors import DataError, DepthBenchError
-from depthbench.io import atomic_write
+from depthbench.util.errors import DataError
+from depthbench.util.io import atomic_write
+from depthbench.train.runcheck import read_summary
 
 GROUP_COLUMNS = ["experiment", "arch", "n_layer", "d_model", "knobs"]
 
 
 def _read_json(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
-
-
-class StaleSummary(DataError):
-    """A self-consistent summary whose spec hash is not the grid's for its run id. The run id
-    hashes the same identity, so such a summary comes from another run (copied, its run id
-    edited to the folder's): Snakemake's triggers see no change, and only `--forcerun` retrains."""
-
-
-SUMMARY_KEYS = ("run_id", "status", "spec", "steps", "final_val_loss", "n_params")
-
-
-def read_summary(path: str | Path, expected: dict[str, str] | None = None) -> dict:
-    """A run's summary.json, checked against its identity; DataError naming the file otherwise.
-
-    The summary must parse, carry its folder's run id (in its own `run_id` and in its spec's), and
-    its spec must hash (RunSpec.spec_hash)
-    to the `spec_hash` it records and to `expected[run_id]`, the grid's hash of that run (the
-    table rules pass it as a param). A summary written before spec_hash existed is checked
-    through the hash of the spec it carries."""
-    from depthbench.spec import RunSpec
-
-    path = Path(path)
-    try:
-        s = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DataError(f"{path}: unreadable or truncated summary ({exc}); `snakemake --forcerun {path}` trains the run again") from None
-    missing = [k for k in SUMMARY_KEYS if not isinstance(s, dict) or k not in s]
-    if missing:
-        raise DataError(f"{path}: not a run summary (missing {missing}); `snakemake --forcerun {path}` trains the run again")
-    if s["run_id"] != path.parent.name:
-        raise DataError(f"{path}: belongs to run {s['run_id']!r}, not to its folder's run {path.parent.name!r} (copied?); "
-                        f"`snakemake --forcerun {path}` trains the run again")
-    if isinstance(s["spec"], dict) and s["spec"].get("run_id", s["run_id"]) != s["run_id"]:
-        raise DataError(f"{path}: records run id {s['run_id']!r} but its spec is run {s['spec']['run_id']!r} (edited?); "
-                        f"`snakemake --forcerun {path}` trains the run again")
-    try:
-        actual = RunSpec.from_dict(s["spec"]).spec_hash()
-    except (DepthBenchError, KeyError, TypeError, ValueError) as exc:
-        raise DataError(f"{path}: its spec is not a valid run spec ({exc}); "
-                        f"`snakemake --forcerun {path}` trains the run again") from None
-    if s.get("spec_hash", actual) != actual:
-        raise DataError(f"{path}: records spec hash {s['spec_hash']} but its spec hashes to {actual} (edited?); "
-                        f"`snakemake --forcerun {path}` trains the run again")
-    want = (expected or {}).get(s["run_id"], actual)
-    if want != actual:
-        raise StaleSummary(f"{path}: written for spec {actual}, but the grid's spec of {s['run_id']} is {want} "
-                           f"(copied from another run?); `snakemake --forcerun {path}` trains the run again")
-    return s
 
 
 def run_rows(summary_paths: Iterable[str], unigram_floor: float, experiment: str,
@@ -282,8 +235,8 @@ def cost_rows(summary_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFra
     """One row per run: analytic parameters, FLOPs and KV-cache bytes, and the measured cost;
     pretrained models (their summaries in `pretrained_paths`) with the analytic columns only, at
     the grid's training sequence length `seq_len`."""
-    from depthbench.spec import RunSpec
-    from depthbench.cost import analytic_cost, measured_cost, pretrained_cost
+    from depthbench.spec.run import RunSpec
+    from depthbench.models.cost import analytic_cost, measured_cost, pretrained_cost
     from depthbench.pretrained.stages import read_summary as read_pretrained_summary
 
     rows = []

@@ -4,7 +4,7 @@ CONFIG` lists the run ids of the grid; `depthbench validate CONFIG` checks a con
 outputs under results/ without training, probing or scoring anything; `depthbench status
 [CONFIG]` tells, per run, what is done, missing or stale and what snakemake would do next;
 `depthbench rehearse CONFIG` builds, steps, checkpoints, resumes and probes each architecture's
-widest and deepest shape at full size (depthbench.rehearse)."""
+widest and deepest shape at full size (depthbench.commands.rehearse.rehearsal)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import argparse
 import os
 import sys
 
-from depthbench.config import expand_grid, load_config, shape_table
-from depthbench.errors import DepthBenchError
+from depthbench.grid.config import expand_grid, shape_table
+from depthbench.spec.schema import load_config
+from depthbench.util.errors import DepthBenchError
 
 
 def _experiment(path: str):
@@ -44,7 +45,7 @@ def cmd_runs(args) -> None:
 
 
 def cmd_validate(args) -> None:
-    from depthbench.config import ignored_settings
+    from depthbench.grid.config import ignored_settings
 
     exp = _experiment(args.config)
     print(f"{args.config}: valid; {len(exp.runs)} runs, data {exp.data_id}, tokenizer {exp.tokenizer_id}")
@@ -53,7 +54,7 @@ def cmd_validate(args) -> None:
 
 
 def cmd_plan(args) -> None:
-    from depthbench.plan import format_plan, plan_experiment
+    from depthbench.commands.plan import format_plan, plan_experiment
 
     exp = _experiment(args.config)
     plans = plan_experiment(exp, mfu=args.mfu, peak=args.peak, gpu_memory=args.gpu_memory_gb * 1e9)
@@ -62,10 +63,10 @@ def cmd_plan(args) -> None:
 
 def cmd_rehearse(args) -> int:
     """Widest and deepest shape of every architecture at full size on this machine (see
-    depthbench.rehearse); exit status 1 when a shape failed or was refused."""
+    depthbench.commands.rehearse.rehearsal); exit status 1 when a shape failed or was refused."""
     import torch
 
-    from depthbench.rehearse_run import format_report, rehearse_experiment
+    from depthbench.commands.rehearse.command import format_report, rehearse_experiment
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     exp = _experiment(args.config)
@@ -113,23 +114,23 @@ def cmd_regenerate(args) -> None:
 
 def cmd_status(args) -> None:
     """Per run: trained / diverged / probed / scored / missing / stale, and the next snakemake
-    run's jobs, from the files under results/ (nothing is run; see depthbench.status)."""
-    from depthbench.status import format_status
+    run's jobs, from the files under results/ (nothing is run; see depthbench.commands.status)."""
+    from depthbench.commands.status import format_status
 
     print(format_status(_experiment(args.config), args.results))
 
 
 def cmd_checksum(args) -> None:
-    """Record the SHA-256 of an unchecked run's final weights in its summary.json (depthbench.runcheck)."""
-    from depthbench.runcheck import record_checksum
+    """Record the SHA-256 of an unchecked run's final weights in its summary.json (depthbench.train.runcheck)."""
+    from depthbench.train.runcheck import record_checksum
 
     for run_dir in args.run_dirs:
         print(f"{run_dir}: weights_sha256 {record_checksum(run_dir)}")
 
 
 def cmd_rename_runs(args) -> None:
-    """Move results trained under whole-section option hashing to today's run ids (depthbench.rename)."""
-    from depthbench.rename import format_plan, rename_runs
+    """Move results trained under whole-section option hashing to today's run ids (depthbench.commands.rename)."""
+    from depthbench.commands.rename import format_plan, rename_runs
 
     plan = rename_runs(_experiment(args.config), args.results, dry_run=args.dry_run)
     print(format_plan(plan, args.dry_run))

@@ -2,7 +2,7 @@
 
 Every stage that reads a trained run (probes, NLL, export, status) calls `check_run` first:
 
-- identity: `depthbench.tables.read_summary` (the summary parses, carries its folder's run id,
+- identity: `depthbench.analysis.tables.read_summary` (the summary parses, carries its folder's run id,
   and its spec hashes to the spec hash it records and, where the caller knows the grid, to the
   grid's spec hash of that run);
 - final weights: `model.safetensors` hashes (SHA-256 of the file's bytes) to the
@@ -22,9 +22,10 @@ import json
 import os
 from pathlib import Path
 
-from depthbench.errors import DataError
-from depthbench.io import atomic_write_json
+from depthbench.util.errors import DataError, DepthBenchError
+from depthbench.util.io import atomic_write_json
 from depthbench.train.listing import file_sha256
+from depthbench.spec.run import RunSpec
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_DIGEST = "weights_sha256"  # the summary.json key
@@ -65,7 +66,6 @@ def check_run(run_dir: str | os.PathLike, spec=None, weights: bool = True) -> di
     """The run's summary after checking its identity (against `spec`, the grid's RunSpec of this
     run, when given: its run id must be the folder's and its spec hash the summary's) and, with
     `weights`, its final weights; DataError naming the file."""
-    from depthbench.tables import read_summary
 
     run_dir = Path(run_dir)
     if spec is not None and spec.run_id != run_dir.name:
@@ -102,3 +102,49 @@ def record_checksum(run_dir: str | os.PathLike) -> str:
     atomic_write_json(summary_path, {**json.loads(summary_path.read_text()), WEIGHTS_DIGEST: digest})
     os.utime(summary_path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     return digest
+
+
+class StaleSummary(DataError):
+    """A self-consistent summary whose spec hash is not the grid's for its run id. The run id
+    hashes the same identity, so such a summary comes from another run (copied, its run id
+    edited to the folder's): Snakemake's triggers see no change, and only `--forcerun` retrains."""
+
+
+SUMMARY_KEYS = ("run_id", "status", "spec", "steps", "final_val_loss", "n_params")
+
+
+def read_summary(path: str | Path, expected: dict[str, str] | None = None) -> dict:
+    """A run's summary.json, checked against its identity; DataError naming the file otherwise.
+
+    The summary must parse, carry its folder's run id (in its own `run_id` and in its spec's), and
+    its spec must hash (RunSpec.spec_hash)
+    to the `spec_hash` it records and to `expected[run_id]`, the grid's hash of that run (the
+    table rules pass it as a param). A summary written before spec_hash existed is checked
+    through the hash of the spec it carries."""
+    path = Path(path)
+    try:
+        s = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{path}: unreadable or truncated summary ({exc}); `snakemake --forcerun {path}` trains the run again") from None
+    missing = [k for k in SUMMARY_KEYS if not isinstance(s, dict) or k not in s]
+    if missing:
+        raise DataError(f"{path}: not a run summary (missing {missing}); `snakemake --forcerun {path}` trains the run again")
+    if s["run_id"] != path.parent.name:
+        raise DataError(f"{path}: belongs to run {s['run_id']!r}, not to its folder's run {path.parent.name!r} (copied?); "
+                        f"`snakemake --forcerun {path}` trains the run again")
+    if isinstance(s["spec"], dict) and s["spec"].get("run_id", s["run_id"]) != s["run_id"]:
+        raise DataError(f"{path}: records run id {s['run_id']!r} but its spec is run {s['spec']['run_id']!r} (edited?); "
+                        f"`snakemake --forcerun {path}` trains the run again")
+    try:
+        actual = RunSpec.from_dict(s["spec"]).spec_hash()
+    except (DepthBenchError, KeyError, TypeError, ValueError) as exc:
+        raise DataError(f"{path}: its spec is not a valid run spec ({exc}); "
+                        f"`snakemake --forcerun {path}` trains the run again") from None
+    if s.get("spec_hash", actual) != actual:
+        raise DataError(f"{path}: records spec hash {s['spec_hash']} but its spec hashes to {actual} (edited?); "
+                        f"`snakemake --forcerun {path}` trains the run again")
+    want = (expected or {}).get(s["run_id"], actual)
+    if want != actual:
+        raise StaleSummary(f"{path}: written for spec {actual}, but the grid's spec of {s['run_id']} is {want} "
+                           f"(copied from another run?); `snakemake --forcerun {path}` trains the run again")
+    return s

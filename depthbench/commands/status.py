@@ -8,10 +8,10 @@ is missing or older than a summary), `missing` (no summary; `partial` when a che
 training resumes from it), `stale` (an output exists but is older than one of its inputs) and
 `incomplete` (Snakemake's marker under .snakemake/incomplete/ says its train job was interrupted:
 Snakemake refuses to go on without `--rerun-incomplete`, which retrains it). A summary that is
-unreadable, copied from another run or edited (see depthbench.tables.read_summary) is
+unreadable, copied from another run or edited (see depthbench.analysis.tables.read_summary) is
 `invalid`: Snakemake would not retrain it (nothing it tracks changed) and the tables would refuse
 it, so the fix is `snakemake --forcerun` on its summary. Final weights that do not hash to the digest their
-summary records are `corrupt` (depthbench.runcheck): every stage that reads them refuses them,
+summary records are `corrupt` (depthbench.train.runcheck): every stage that reads them refuses them,
 and `snakemake --forcerun` on them retrains the run, resuming from its last checkpoint.
 Weights whose summary records no digest are reported `unchecked` beside the run's state, with
 the `depthbench checksum RUN_DIR` command that records it. Checking the digests reads every
@@ -33,8 +33,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from depthbench.config import Experiment, short_hash
-from depthbench.errors import DataError
+from depthbench.grid.config import Experiment
+from depthbench.spec.run import short_hash
+from depthbench.util.errors import DataError
 from depthbench.train.checkpoint import list_checkpoints, verify_checkpoint
 
 RESULTS = "results"  # the workflow's output folder (the Snakefile's RESULTS), relative to the working directory
@@ -130,8 +131,8 @@ def _updated_input(root: Path, outputs: list[Path], inputs: list[Path]) -> Path 
 
 
 def _train_state(spec, run: Path, work: Path, meta: Path) -> tuple[str, list[str]]:
-    from depthbench.runcheck import WEIGHTS, WEIGHTS_DIGEST, CorruptWeights, verify_weights
-    from depthbench.tables import read_summary
+    from depthbench.train.runcheck import WEIGHTS, WEIGHTS_DIGEST, CorruptWeights, verify_weights
+    from depthbench.train.runcheck import read_summary
 
     summary = run / "summary.json"
     root = run.parent.parent.parent  # Snakemake's working directory, which holds results/
@@ -182,7 +183,7 @@ def _best_lr_runs(exp: Experiment, results: Path) -> set[str] | None:
         return None
     import pandas as pd
 
-    from depthbench.tables import best_lr_run_ids
+    from depthbench.analysis.tables import best_lr_run_ids
 
     return set(best_lr_run_ids(pd.read_parquet(runs), pd.read_parquet(best), exp.runs))
 

@@ -1,0 +1,1 @@
+"""The `depthbench` command line and its subcommands."""

@@ -1,0 +1,1 @@
+"""`depthbench rehearse`: one step of each planned job, measured (time, peak memory)."""

@@ -1,0 +1,1 @@
+"""Dispatch: running a job in-process, locally or on SLURM through submitit."""

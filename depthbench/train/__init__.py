@@ -1,0 +1,1 @@
+"""Training: the recipe, the step loop and its hooks, checkpoints, resumption, distribution."""

@@ -1,0 +1,1 @@
+"""Low-level helpers every layer uses: the error types and atomic file writes."""
