@@ -178,7 +178,7 @@ def run_model(report: Report, arch: str, n_layer: int, args, device: torch.devic
 
 
 def gpu_tests(report: Report, args) -> dict:
-    """tests/test_gpu.py in a subprocess with what is left of the budget (at most --tests-timeout)."""
+    """tests/integration/test_gpu.py in a subprocess with what is left of the budget (at most --tests-timeout)."""
     if importlib.util.find_spec("pytest") is None:
         return {"skipped": "pytest is not installed"}
     timeout = min(args.tests_timeout, report.left() - report.slowest)
@@ -186,7 +186,7 @@ def gpu_tests(report: Report, args) -> dict:
         return {"skipped": f"wall-clock budget: {report.left():.0f} s left"}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     try:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=-ra", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py"],
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=-ra", "-p", "no:cacheprovider", "-m", "gpu", "tests/integration/test_gpu.py"],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         return {"returncode": None, "timeout_s": timeout, "tail": (exc.stdout or b"")[-2000:].decode(errors="replace")}

@@ -12,7 +12,7 @@ import pytest
 
 # depthbench.grid.config, .data.corpus and .data.prepare are imported inside the fixtures: they need
 # optional packages (jsonschema, tokenizers, the corpus) that a bare GPU machine may lack, where
-# tests/test_gpu.py must still collect and skip what it cannot run.
+# tests/integration/test_gpu.py must still collect and skip what it cannot run.
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,9 +28,19 @@ LONGEST_FIRST = [
 ]
 
 
+# Tests by kind, a folder each: unit/ (in-process), workflow/ (Snakemake on a copy of the
+# repository), integration/ (subprocesses, ranks, SLURM, GPU). Each folder's tests carry its
+# name as a marker, so `-m unit` or `pytest tests/unit` runs one kind.
+KINDS = ("unit", "workflow", "integration")
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    for item in items:
+        kind = item.path.parent.name
+        if kind in KINDS:
+            item.add_marker(kind)
 
 
 def pytest_configure(config):

@@ -69,7 +69,7 @@ def built() -> bool:
 # What torch.compiler.assume_constant_result(built) does in torch 2.13 (torch._dynamo.decorators:
 # it sets this attribute and returns the function), without importing torch._dynamo: that import
 # (with sympy) took about 1.5 s of every workflow job that builds a model, compiling or not.
-# tests/test_cpu_kernels.py checks that the decorator still marks a function exactly so.
+# tests/unit/test_cpu_kernels.py checks that the decorator still marks a function exactly so.
 built._dynamo_marked_constant = True
 
 

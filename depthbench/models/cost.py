@@ -18,7 +18,7 @@ where one is an outer product (the gradient w_i dh of a weighted sum's sources, 
 inner size 1); element-wise work of the forward stays uncounted in the backward too. The count is exact:
 on the PyTorch paths (HC's and mHC's PyTorch code, MoDA's explicit attention, AttnRes's batched
 mix; the C++ kernels, fused attention and the `loop` mix do the same arithmetic) every term is a
-product `torch.utils.flop_counter` sees, and tests/test_cost.py holds every architecture to it at a
+product `torch.utils.flop_counter` sees, and tests/unit/test_cost.py holds every architecture to it at a
 relative 1e-9. Prefill of a 4096-token sequence is 4096 x forward(4096).
 
 KV cache (bytes per token at bf16, what persists across tokens in decoding): K and V of every

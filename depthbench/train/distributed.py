@@ -146,7 +146,7 @@ def full_model_state(model: nn.Module, ctx: DistContext) -> dict[str, torch.Tens
     """The model's full (unsharded) state dict, keys without wrapper prefixes."""
     if not ctx.enabled:
         # One process and no wrapper in the keys: DCP's full state dict is the module's own
-        # (tests/test_distributed.py compares them for every architecture); skipping it skips
+        # (tests/integration/test_distributed.py compares them for every architecture); skipping it skips
         # importing torch.distributed.checkpoint, about a second of every training job.
         state = model.state_dict()
         if not any(part in key for key in state for part in _WRAPPER_KEY_PARTS):

@@ -20,7 +20,7 @@ lower-precision list; each argument is cast on its own, so vecdot(x, x) keeps tw
 x); the losses take fp32 inputs. On CUDA the other ops of ATen's fp32 lists (exp, log, rsqrt,
 pow, sum, logsumexp, softmax, log-softmax; ATen/autocast_mode.h) also take fp32 inputs, where
 CPU autocast runs them in bf16. So a CUDA trace saves a few fp32 tensors where the CPU saves
-bf16 ones: on the models of tests/test_memory.py the "cuda" count is above the "cpu" count by
+bf16 ones: on the models of tests/unit/test_memory.py the "cuda" count is above the "cpu" count by
 0.14-0.22 % for hc and 0.02-0.03 % for mhc (the fp32 rsqrt of the bf16 vecdot, one value per
 token and stream) and equal to it for every other architecture, and the "cpu" count equals the
 bytes measured on the CPU. On CPU the training loop runs in fp32 and nothing is cast. The CPU

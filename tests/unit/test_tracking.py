@@ -16,7 +16,7 @@ from depthbench.train.checkpoint import list_checkpoints
 from depthbench.train.recipe import RunPaths
 from depthbench.train.loop import train
 from tests.conftest import tiny_config
-from tests.test_train import only_run, with_steps
+from tests.unit.test_train import only_run, with_steps
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("wandb")

@@ -53,7 +53,7 @@ def test_slurm_jobs_ask_for_the_configured_allocation(tmp_path):
                  "--mem=100GB", "--time=90", "--qos=high", "--signal=USR2@120"):
         assert f"#SBATCH {line}" in sbatch, line
     # without SLURM on this machine the executor refuses clearly instead of pretending (with
-    # SLURM, tests/test_slurm.py submits for real)
+    # SLURM, tests/integration/test_slurm.py submits for real)
     if shutil.which("srun") is None:
         with pytest.raises(RuntimeError, match="srun"):
             make_executor(launcher, tmp_path, threads=1)

@@ -19,7 +19,7 @@ from depthbench.models.registry import ARCHITECTURES
 from depthbench.models.base import GENERIC_PROBES, DecoderLM
 from tests.analysis_tables import synthetic_tables
 
-CLAIMS_FILE = Path(__file__).resolve().parents[1] / "config" / "claims.yaml"
+CLAIMS_FILE = Path(__file__).resolve().parents[2] / "config" / "claims.yaml"
 CTX = registry.context({"name": "syn", "budget": {"params": 8e5}, "shapes": [{"n_layer": 2}], "learning_rates": [2e-3], "seeds": [0]})
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "depthbench"
+PACKAGE = Path(__file__).resolve().parents[2] / "depthbench"
 
 # Lowest first: a module may import from its own subpackage and from the ones before it.
 LAYERS = ["util", "kernels", "models", "data", "spec", "train", "evals", "probes", "pretrained", "hf",

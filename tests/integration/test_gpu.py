@@ -7,7 +7,7 @@ from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model
 from depthbench.models.registry import registered_architectures
 
-from bf16_checks import assert_bf16_matches_fp32, train_briefly
+from tests.bf16_checks import assert_bf16_matches_fp32, train_briefly
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -13,7 +13,7 @@ import torch
 from depthbench.models.registry import registered_architectures
 from depthbench.models.adapter import next_token_loss, trunk_states
 from depthbench.probes import core, interventions, removal
-from tests.test_logit_lens import perturbed, sample
+from tests.unit.test_logit_lens import perturbed, sample
 
 
 def test_angular_block_keeps_the_final_layer_and_picks_the_closest_block():
@@ -110,8 +110,8 @@ def test_removal_of_pretrained_layers_equals_transformers_without_them(family):
     """Every supported family: the adapter's removal pass equals transformers' own forward of the
     model whose decoder-layer list lacks the removed layers (written here, sharing no code)."""
     from depthbench.pretrained.adapter import PretrainedAdapter
-    from tests.test_pretrained import V as HF_V
-    from tests.test_pretrained import tiny_model
+    from tests.unit.test_pretrained import V as HF_V
+    from tests.unit.test_pretrained import tiny_model
 
     model = tiny_model(family)
     adapter = PretrainedAdapter(model)

@@ -25,7 +25,7 @@ from depthbench.spec.training import TrainConfig
 from depthbench.train.recipe import RunPaths, param_groups, resolve_dtype
 from depthbench.train.trainer import Hook, Trainer
 
-from bf16_checks import assert_bf16_matches_fp32, train_briefly
+from tests.bf16_checks import assert_bf16_matches_fp32, train_briefly
 
 NEW = ["hc", "mhc", "attnres_full", "attnres_block", "moda"]
 
@@ -446,7 +446,7 @@ def test_moda_joint_softmax_equals_dense_reference():
 
 def test_moda_fused_path_equals_the_dense_reference():
     """The default fused joint attention (moda_fused.py) against the per-position reference, with
-    and without autograd, MHA and GQA; tests/test_fused_depth.py holds it to the explicit path."""
+    and without autograd, MHA and GQA; tests/unit/test_fused_depth.py holds it to the explicit path."""
     from depthbench.models.archs.moda import DepthKeys
     from depthbench.models.archs.moda_fused import fused_joint_attention
 

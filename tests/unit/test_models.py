@@ -320,7 +320,7 @@ def test_schema_takes_the_architecture_init_options(option, good, bad):
 
     from depthbench.spec.schema import load_config
 
-    default_config = Path(__file__).resolve().parents[1] / "config" / "config.yaml"
+    default_config = Path(__file__).resolve().parents[2] / "config" / "config.yaml"
     config = load_config(default_config, {"model": {"arch_options": {option: good}}})
     assert config["model"]["arch_options"][option] == good
     with pytest.raises(ConfigError, match=rf"model\.arch_options\.{option}.*{good}"):

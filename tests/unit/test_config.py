@@ -248,7 +248,7 @@ def test_an_overlay_narrows_the_default_grid(tmp_path):
 
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     subset = tmp_path / "subset.yaml"
     subset.write_text("architectures: [pre_ln, hc]\n")
     work = tmp_path / "work"  # an empty results/ whatever the checkout's holds; config/ for the claims file

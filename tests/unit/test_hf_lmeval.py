@@ -19,7 +19,7 @@ import pytest
 from depthbench.evals.run import build_sets, run_nll
 from depthbench.hf.export import export_run
 from depthbench.hf.lmeval import fits_window, lmeval_loglikelihoods, write_task
-from tests.test_hf_export import eager_models, fake_run, random_model, tokenizer_file  # noqa: F401 (fixtures)
+from tests.unit.test_hf_export import eager_models, fake_run, random_model, tokenizer_file  # noqa: F401 (fixtures)
 
 WINDOW = 32  # the fake run's training seq_len: the stage's window
 CUSTOM = [  # what the pair encoding must get right: whitespace moved, empty context, unicode, \n

@@ -20,7 +20,7 @@ from depthbench.spec.shapes import FF_BAND, solve_width
 from depthbench.analysis.tables import GROUP_COLUMNS, best_learning_rates, best_lr_run_ids, run_rows
 from tests.conftest import tiny_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ALL_ARCHS = ["pre_ln", "post_ln", "peri_ln", "lns", "deepnorm", "keel", "hc", "mhc", "attnres_full", "attnres_block", "moda"]
 BUDGETED = ["config/config.yaml", "config/presets/cpu_all.yaml", "config/presets/400m.yaml", "config/presets/1p6b.yaml"]
 

@@ -15,7 +15,7 @@ from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model
 from depthbench.kernels import mhc_ops
 
-from kernel_checks import assert_compiled_calls_kernels_and_matches_eager, assert_independent_of_thread_count
+from tests.kernel_checks import assert_compiled_calls_kernels_and_matches_eager, assert_independent_of_thread_count
 
 reason = kernels.unavailable_reason()
 pytestmark = pytest.mark.skipif(reason is not None, reason=f"CPU kernels cannot be built here: {reason}")

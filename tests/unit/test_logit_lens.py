@@ -126,8 +126,8 @@ def test_lens_of_pretrained_families_ends_at_transformers_logits(family):
     head and Gemma's soft cap as *ForCausalLM.forward applies them), and its l < L entries are the
     norm and head on transformers' hidden_states[l] for l < L (those are pre-norm for l < L)."""
     from depthbench.pretrained.adapter import PretrainedAdapter
-    from tests.test_pretrained import V as HF_V
-    from tests.test_pretrained import tiny_model
+    from tests.unit.test_pretrained import V as HF_V
+    from tests.unit.test_pretrained import tiny_model
 
     model = tiny_model(family)
     adapter = PretrainedAdapter(model)

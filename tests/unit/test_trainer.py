@@ -107,7 +107,7 @@ def test_jsonl_logger_starts_fresh_or_drops_the_redone_lines(tmp_path):
 
 
 def test_a_new_logger_plugs_in_through_the_registry_and_sees_every_record(tiny_data, tmp_path, monkeypatch):
-    from tests.test_train import only_run, with_steps
+    from tests.unit.test_train import only_run, with_steps
     from depthbench.train.recipe import RunPaths
     from depthbench.train.loop import train
 

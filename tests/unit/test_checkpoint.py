@@ -1,6 +1,6 @@
 """Sharded checkpoint folders (depthbench.train.checkpoint) in one process: what they hold, what a
-resume may not silently do. Faults and crafted files: tests/test_hardening.py; several ranks and
-strategies: tests/test_distributed.py; the requeue signal: tests/test_requeue.py."""
+resume may not silently do. Faults and crafted files: tests/unit/test_hardening.py; several ranks and
+strategies: tests/integration/test_distributed.py; the requeue signal: tests/integration/test_requeue.py."""
 
 import hashlib
 import json

@@ -17,7 +17,7 @@ from depthbench.data.prepare import build_index, build_piece, build_shards, buil
 from depthbench.data.shards import read_meta
 from depthbench.util.errors import ConfigError
 from tests.conftest import tiny_config
-from tests.test_tokenize_pieces import _pieces, _tokens
+from tests.unit.test_tokenize_pieces import _pieces, _tokens
 
 
 def _datasets_documents(path, fmt):
