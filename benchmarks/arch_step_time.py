@@ -42,7 +42,9 @@ from depthbench.train.recipe import build_optimizer
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--budget", type=float, default=8e5)
     p.add_argument("--n-layer", type=int, default=8)
     p.add_argument("--n-head", type=int, default=4)
@@ -53,9 +55,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=1)
-    p.add_argument("--archs", nargs="*", default=None,
-                   help="architectures, each optionally with arch_options: moda:attention_impl=explicit")
-    p.add_argument("--compile", action="store_true", help="torch.compile every model (train.compile: true)")
+    p.add_argument(
+        "--archs",
+        nargs="*",
+        default=None,
+        help="architectures, each optionally with arch_options: moda:attention_impl=explicit",
+    )
+    p.add_argument(
+        "--compile", action="store_true", help="torch.compile every model (train.compile: true)"
+    )
     p.add_argument("--json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -68,13 +76,37 @@ def main() -> None:
     y = torch.randint(0, args.vocab, (args.batch, args.seq))
     for label in archs:
         arch, _, spec = label.partition(":")
-        options = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in spec.split(","))} if spec else {}
-        base = ModelConfig(arch=arch, vocab_size=args.vocab, n_head=args.n_head, max_seq_len=args.seq, arch_options=options)
-        shape = solve_width(base, args.n_layer, args.budget, multiple=args.multiple, ff_multiple=32, tolerance=None)  # d_ff at 8/3: the shapes of the recorded timings
+        options = (
+            {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in spec.split(","))}
+            if spec
+            else {}
+        )
+        base = ModelConfig(
+            arch=arch,
+            vocab_size=args.vocab,
+            n_head=args.n_head,
+            max_seq_len=args.seq,
+            arch_options=options,
+        )
+        shape = solve_width(
+            base, args.n_layer, args.budget, multiple=args.multiple, ff_multiple=32, tolerance=None
+        )  # d_ff at 8/3: the shapes of the recorded timings
         torch.manual_seed(0)
-        model = build_model(ModelConfig(arch=arch, vocab_size=args.vocab, n_head=args.n_head, max_seq_len=args.seq,
-                                        n_layer=shape.n_layer, d_model=shape.d_model, d_ff=shape.d_ff, arch_options=options))
-        opt = build_optimizer(model, 1e-4, 0.1, (0.9, 0.95), 1e-8, torch.device("cpu"))  # as training does
+        model = build_model(
+            ModelConfig(
+                arch=arch,
+                vocab_size=args.vocab,
+                n_head=args.n_head,
+                max_seq_len=args.seq,
+                n_layer=shape.n_layer,
+                d_model=shape.d_model,
+                d_ff=shape.d_ff,
+                arch_options=options,
+            )
+        )
+        opt = build_optimizer(
+            model, 1e-4, 0.1, (0.9, 0.95), 1e-8, torch.device("cpu")
+        )  # as training does
 
         net = torch.compile(model) if args.compile else model
 
@@ -88,7 +120,13 @@ def main() -> None:
         step()  # warm-up; with --compile, the compilation
         first = time.perf_counter() - t
         steps[label] = step
-        info[label] = {"d_model": shape.d_model, "n_layer": shape.n_layer, "params": shape.n_params, "first_step_seconds": first}
+        info[label] = {
+            "d_model": shape.d_model,
+            "n_layer": shape.n_layer,
+            "params": shape.n_params,
+            "first_step_seconds": first,
+        }
+
     def timed(arch: str) -> float:
         t = time.perf_counter()
         for _ in range(args.steps):
@@ -109,19 +147,33 @@ def main() -> None:
         if archs == ["pre_ln"]:
             times["pre_ln"].append(timed("pre_ln"))
     ratios["pre_ln"] = [1.0]
-    print(f"budget {args.budget:,.0f} params, L={args.n_layer}, batch {args.batch}x{args.seq}, vocab {args.vocab}, "
-          f"threads {args.threads}, {'torch.compile' if args.compile else 'eager'}, "
-          f"CPU kernels {'on' if kernels.cpu_kernels() is not None else 'off'}")
+    print(
+        f"budget {args.budget:,.0f} params, L={args.n_layer}, batch {args.batch}x{args.seq}, vocab {args.vocab}, "
+        f"threads {args.threads}, {'torch.compile' if args.compile else 'eager'}, "
+        f"CPU kernels {'on' if kernels.cpu_kernels() is not None else 'off'}"
+    )
     width = max(14, *map(len, archs))
-    print(f"{'arch':<{width}} {'d_model':>7} {'params':>10} {'step ms':>9} {'vs pre_ln':>9} {'first step s':>12}")
+    print(
+        f"{'arch':<{width}} {'d_model':>7} {'params':>10} {'step ms':>9} {'vs pre_ln':>9} {'first step s':>12}"
+    )
     for arch in archs:
         med, ratio = statistics.median(times[arch]), statistics.median(ratios[arch])
         info[arch].update(step_seconds=med, ratio_to_pre_ln=ratio, ratios=ratios[arch])
-        print(f"{arch:<{width}} {info[arch]['d_model']:>7} {info[arch]['params']:>10,} {1000 * med:>9.1f} {ratio:>8.2f}x"
-              f" {info[arch]['first_step_seconds']:>12.1f}")
+        print(
+            f"{arch:<{width}} {info[arch]['d_model']:>7} {info[arch]['params']:>10,} {1000 * med:>9.1f} {ratio:>8.2f}x"
+            f" {info[arch]['first_step_seconds']:>12.1f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": vars(args), "cpu_kernels": kernels.cpu_kernels() is not None, "results": info}, f, indent=2)
+            json.dump(
+                {
+                    "config": vars(args),
+                    "cpu_kernels": kernels.cpu_kernels() is not None,
+                    "results": info,
+                },
+                f,
+                indent=2,
+            )
 
 
 def parse_spec(spec: str) -> str:

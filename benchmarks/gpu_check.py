@@ -57,9 +57,23 @@ GIB = 2**30
 
 def shape_config(arch: str, n_layer: int, args) -> ModelConfig:
     base = ModelConfig(arch=arch, vocab_size=args.vocab, n_head=args.n_head, max_seq_len=args.seq)
-    s = solve_width(base, n_layer, args.budget, multiple=args.multiple, ff_multiple=args.multiple, tolerance=None)  # d_ff at 8/3: the shapes of the recorded timings
-    return ModelConfig(arch=arch, vocab_size=args.vocab, n_head=args.n_head, max_seq_len=args.seq,
-                       n_layer=s.n_layer, d_model=s.d_model, d_ff=s.d_ff)
+    s = solve_width(
+        base,
+        n_layer,
+        args.budget,
+        multiple=args.multiple,
+        ff_multiple=args.multiple,
+        tolerance=None,
+    )  # d_ff at 8/3: the shapes of the recorded timings
+    return ModelConfig(
+        arch=arch,
+        vocab_size=args.vocab,
+        n_head=args.n_head,
+        max_seq_len=args.seq,
+        n_layer=s.n_layer,
+        d_model=s.d_model,
+        d_ff=s.d_ff,
+    )
 
 
 def device_memory(device: torch.device) -> int:
@@ -75,10 +89,16 @@ def fit_batch(cfg: ModelConfig, args, memory: int, bf16: bool) -> tuple[int, dic
     weight copies autocast keeps): two estimates, at 1 and 2 sequences, give both terms."""
     one, two = (estimate_memory(cfg, b, args.seq, bf16=bf16).total(False) for b in (1, 2))
     per_sequence, fixed = two - one, 2 * one - two
-    fits = int((memory / (1 + HEADROOM) - fixed) // per_sequence) if per_sequence > 0 else args.batch
+    fits = (
+        int((memory / (1 + HEADROOM) - fixed) // per_sequence) if per_sequence > 0 else args.batch
+    )
     batch = max(0, min(args.batch, fits))
-    return batch, {"batch_requested": args.batch, "batch": batch, "device_gib": memory / GIB,
-                   "estimate_gib": (fixed + max(batch, 1) * per_sequence) / GIB}
+    return batch, {
+        "batch_requested": args.batch,
+        "batch": batch,
+        "device_gib": memory / GIB,
+        "estimate_gib": (fixed + max(batch, 1) * per_sequence) / GIB,
+    }
 
 
 def measure(cfg: ModelConfig, args, device: torch.device, batch: int) -> dict:
@@ -117,10 +137,18 @@ def measure(cfg: ModelConfig, args, device: torch.device, batch: int) -> dict:
     sec = statistics.median(times)
     tokens = batch * args.seq
     flops = train_flops_per_token(model, args.seq)
-    return {"n_layer": cfg.n_layer, "d_model": cfg.d_model, "params": model.num_parameters(), "step_seconds": sec,
-            "tokens_per_s": tokens / sec, "seconds_per_token": sec / tokens,
-            "mfu": mfu(tokens / sec, flops, device_peak_flops(device, dtype), 1),
-            "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+    return {
+        "n_layer": cfg.n_layer,
+        "d_model": cfg.d_model,
+        "params": model.num_parameters(),
+        "step_seconds": sec,
+        "tokens_per_s": tokens / sec,
+        "seconds_per_token": sec / tokens,
+        "mfu": mfu(tokens / sec, flops, device_peak_flops(device, dtype), 1),
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda"
+        else None,
+    }
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -133,7 +161,10 @@ def guarded(run, device: torch.device) -> dict:
     try:
         return run()
     except Exception as exc:  # noqa: BLE001 (recorded, never raised)
-        return {"error": "out of memory" if is_out_of_memory(exc) else "failed", "detail": repr(exc)[:500]}
+        return {
+            "error": "out of memory" if is_out_of_memory(exc) else "failed",
+            "detail": repr(exc)[:500],
+        }
     finally:
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -158,7 +189,9 @@ class Report(dict):
         """work() -> dict with its wall seconds, or a skip record when the budget cannot hold it
         (estimated as the slowest measurement so far)."""
         if self.left() < self.slowest:
-            return {"skipped": f"wall-clock budget: {self.left():.0f} s left, about {self.slowest:.0f} s needed"}
+            return {
+                "skipped": f"wall-clock budget: {self.left():.0f} s left, about {self.slowest:.0f} s needed"
+            }
         t = time.monotonic()
         result = work()
         result["wall_s"] = round(time.monotonic() - t, 3)
@@ -174,6 +207,7 @@ def run_model(report: Report, arch: str, n_layer: int, args, device: torch.devic
         if batch == 0:
             return {"error": "out of memory (estimate)", "memory": memory}
         return {**guarded(lambda: measure(cfg, args, device, batch), device), "memory": memory}
+
     return report.timed(lambda: guarded(work, device))
 
 
@@ -184,18 +218,45 @@ def gpu_tests(report: Report, args) -> dict:
     timeout = min(args.tests_timeout, report.left() - report.slowest)
     if timeout < 10:
         return {"skipped": f"wall-clock budget: {report.left():.0f} s left"}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     try:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=-ra", "-p", "no:cacheprovider", "-m", "gpu", "tests/integration/test_gpu.py"],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-o",
+                "addopts=-ra",
+                "-p",
+                "no:cacheprovider",
+                "-m",
+                "gpu",
+                "tests/integration/test_gpu.py",
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired as exc:
-        return {"returncode": None, "timeout_s": timeout, "tail": (exc.stdout or b"")[-2000:].decode(errors="replace")}
+        return {
+            "returncode": None,
+            "timeout_s": timeout,
+            "tail": (exc.stdout or b"")[-2000:].decode(errors="replace"),
+        }
     print(done.stdout[-2000:], flush=True)
     return {"returncode": done.returncode, "tail": done.stdout[-2000:]}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--budget", type=float, default=4.1e8)
@@ -208,13 +269,21 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--time-budget", type=float, default=480.0, help="wall-clock seconds for the whole check")
+    p.add_argument(
+        "--time-budget", type=float, default=480.0, help="wall-clock seconds for the whole check"
+    )
     p.add_argument("--tests-timeout", type=float, default=150.0)
     p.add_argument("--compile", dest="compile", action="store_true", default=None)
     p.add_argument("--no-compile", dest="compile", action="store_false")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's; 1 with --smoke)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="CPU threads (default: torch's; 1 with --smoke)"
+    )
     p.add_argument("--skip-tests", action="store_true")
-    p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: exercises the whole script in seconds")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes on the CPU: exercises the whole script in seconds",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.budget, args.vocab, args.n_head, args.multiple = 2e5, 256, 2, 16
@@ -237,8 +306,14 @@ def main(argv=None) -> None:
         torch.set_float32_matmul_precision("high")
     import depthbench
 
-    report = Report(args.out, args.time_budget, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    torch=torch.__version__, depthbench=str(Path(depthbench.__file__).resolve().parent), config=vars(args))
+    report = Report(
+        args.out,
+        args.time_budget,
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        torch=torch.__version__,
+        depthbench=str(Path(depthbench.__file__).resolve().parent),
+        config=vars(args),
+    )
     report.put("pre_ln_widest", run_model(report, "pre_ln", args.widest, args, device))  # MFU first
     if not args.skip_tests:
         report.put("gpu_tests", gpu_tests(report, args))
@@ -246,7 +321,10 @@ def main(argv=None) -> None:
     report.put("pre_ln_deepest", deepest)
     widest = report["pre_ln_widest"]
     if "seconds_per_token" in widest and "seconds_per_token" in deepest:
-        report.put("deepest_vs_widest_time_per_token", deepest["seconds_per_token"] / widest["seconds_per_token"])
+        report.put(
+            "deepest_vs_widest_time_per_token",
+            deepest["seconds_per_token"] / widest["seconds_per_token"],
+        )
     ratios: dict = {}
     for arch in ARCHS[1:]:  # at the deepest shape, where the residual path matters most
         r = run_model(report, arch, args.deepest, args, device)

@@ -28,7 +28,9 @@ ARCHS = registered_architectures()
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--n-layer", type=int, default=32)
     p.add_argument("--budget", type=float, default=8e5)
@@ -42,18 +44,34 @@ def main() -> None:
     results = {}
     for arch in args.archs:
         base = ModelConfig(arch=arch, vocab_size=args.vocab, n_head=4, max_seq_len=args.seq)
-        s = solve_width(base, args.n_layer, args.budget, multiple=16, ff_multiple=32, tolerance=None)  # d_ff at 8/3: the shapes of the recorded timings
+        s = solve_width(
+            base, args.n_layer, args.budget, multiple=16, ff_multiple=32, tolerance=None
+        )  # d_ff at 8/3: the shapes of the recorded timings
         torch.manual_seed(0)
-        model = build_model(ModelConfig(arch=arch, vocab_size=args.vocab, n_head=4, max_seq_len=args.seq,
-                                        n_layer=s.n_layer, d_model=s.d_model, d_ff=s.d_ff)).eval()
+        model = build_model(
+            ModelConfig(
+                arch=arch,
+                vocab_size=args.vocab,
+                n_head=4,
+                max_seq_len=args.seq,
+                n_layer=s.n_layer,
+                d_model=s.d_model,
+                d_ff=s.d_ff,
+            )
+        ).eval()
         idx = torch.randint(0, args.vocab, (args.n_sequences, args.seq + 1))
         t = time.perf_counter()
-        settings = probe_settings({"threads": args.threads})  # as the probe stage runs with `threads: 2`
+        settings = probe_settings(
+            {"threads": args.threads}
+        )  # as the probe stage runs with `threads: 2`
         rows = probe_model(model, idx, "init", settings, full=False)
         rows += probe_model(model, idx, "trained", settings, full=True)
         seconds = time.perf_counter() - t
         results[arch] = {"d_model": s.d_model, "seconds": round(seconds, 2), "rows": len(rows)}
-        print(f"{arch:<14} L={s.n_layer} d={s.d_model:<4} {seconds:6.1f} s  ({len(rows)} rows)", flush=True)
+        print(
+            f"{arch:<14} L={s.n_layer} d={s.d_model:<4} {seconds:6.1f} s  ({len(rows)} rows)",
+            flush=True,
+        )
     worst = max(r["seconds"] for r in results.values())
     print(f"slowest: {worst:.1f} s on {args.threads} threads (target <= 120 s)")
     if args.json:

@@ -30,7 +30,9 @@ def broadcast(M: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--d", type=int, default=64)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--n", type=int, default=4)
@@ -43,7 +45,11 @@ def main() -> None:
     M0 = torch.randn(args.tokens, 1, n + 1, n)
     grad = torch.randn(args.tokens, 1, n + 1, d)
     results = {}
-    for name, fn in [("batched matmul (mix_matrix)", mix_matrix), ("n multiply-adds", multiply_adds), ("broadcast product", broadcast)]:
+    for name, fn in [
+        ("batched matmul (mix_matrix)", mix_matrix),
+        ("n multiply-adds", multiply_adds),
+        ("broadcast product", broadcast),
+    ]:
         M, H = M0.clone().requires_grad_(), H0.clone().requires_grad_()
         for _ in range(5):
             fn(M, H).backward(grad)

@@ -29,10 +29,19 @@ def hf_llama(cfg: ModelConfig):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_cfg = LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
-        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
-        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-        tie_word_embeddings=False, attention_bias=False, mlp_bias=False, initializer_range=0.02,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.d_ff,
+        num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head,
+        num_key_value_heads=cfg.n_kv_head,
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        initializer_range=0.02,
     )
     hf_cfg._attn_implementation = "sdpa"
     return LlamaForCausalLM(hf_cfg)
@@ -55,7 +64,9 @@ def make_step(model, logits_of, dtype):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--n-layer", type=int, default=8)
     p.add_argument("--n-head", type=int, default=4)
@@ -71,7 +82,13 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layer=args.n_layer, n_head=args.n_head, max_seq_len=args.seq)
+    cfg = ModelConfig(
+        vocab_size=args.vocab,
+        d_model=args.d_model,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        max_seq_len=args.seq,
+    )
     torch.manual_seed(0)
     ours = build_model(cfg)
     theirs = hf_llama(cfg)
@@ -97,15 +114,31 @@ def main() -> None:
             rates[name].append(tokens / (time.perf_counter() - t))
     peak = measured_cpu_peak(dtype)
     flops_tok = train_flops_per_token(ours, args.seq)
-    result = {"config": vars(args), "params": n_ours, "matmul_peak_flops": peak, "flops_per_token": flops_tok}
-    print(f"shape d_model={args.d_model} n_layer={args.n_layer} vocab={args.vocab} batch={args.batch}x{args.seq} "
-          f"dtype={args.dtype} threads={args.threads} params={n_ours:,}")
+    result = {
+        "config": vars(args),
+        "params": n_ours,
+        "matmul_peak_flops": peak,
+        "flops_per_token": flops_tok,
+    }
+    print(
+        f"shape d_model={args.d_model} n_layer={args.n_layer} vocab={args.vocab} batch={args.batch}x{args.seq} "
+        f"dtype={args.dtype} threads={args.threads} params={n_ours:,}"
+    )
     print(f"measured matmul peak: {peak / 1e9:.1f} GFLOP/s")
     for name, r in rates.items():
         med = statistics.median(r)
-        result[name] = {"tokens_per_s_median": med, "tokens_per_s_all": r, "mfu": med * flops_tok / peak}
-        print(f"{name:>18}: {med:10.0f} tokens/s  (min {min(r):.0f}, max {max(r):.0f})  MFU {100 * med * flops_tok / peak:.1f}%")
-    ratio = result["depthbench_pre_ln"]["tokens_per_s_median"] / result["hf_llama"]["tokens_per_s_median"]
+        result[name] = {
+            "tokens_per_s_median": med,
+            "tokens_per_s_all": r,
+            "mfu": med * flops_tok / peak,
+        }
+        print(
+            f"{name:>18}: {med:10.0f} tokens/s  (min {min(r):.0f}, max {max(r):.0f})  MFU {100 * med * flops_tok / peak:.1f}%"
+        )
+    ratio = (
+        result["depthbench_pre_ln"]["tokens_per_s_median"]
+        / result["hf_llama"]["tokens_per_s_median"]
+    )
     result["ratio"] = ratio
     print(f"ratio depthbench / transformers: {ratio:.2f}x (target >= 1.25x)")
     if args.json:

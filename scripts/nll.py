@@ -13,7 +13,10 @@ report = dispatch_nll(
     work_dir=snakemake.params.work_dir,  # noqa: F821
     sets_path=snakemake.input.sets,  # noqa: F821
     out_path=snakemake.output[0],  # noqa: F821
-    settings={**snakemake.params.settings, "tokens_per_batch": snakemake.config["nll"]["tokens_per_batch"]},  # noqa: F821
+    settings={
+        **snakemake.params.settings,
+        "tokens_per_batch": snakemake.config["nll"]["tokens_per_batch"],
+    },  # noqa: F821
     launcher=snakemake.config["launcher"],  # noqa: F821
     threads=snakemake.threads,  # noqa: F821
 )

@@ -12,19 +12,34 @@ params = snakemake.params  # noqa: F821
 if rule == "pretrained_convert":
     report = loading.convert(spec, out)
 elif rule == "pretrained_summary":
-    report = stages.write_summary(spec.run_id, spec.name, params.model_dir, spec.package or spec.path, out)
+    report = stages.write_summary(
+        spec.run_id, spec.name, params.model_dir, spec.package or spec.path, out
+    )
 elif rule == "pretrained_sample":
-    report = stages.write_sample(params.model_dir, params.corpus, params.settings, params.seq_len, out)
+    report = stages.write_sample(
+        params.model_dir, params.corpus, params.settings, params.seq_len, out
+    )
 elif rule == "pretrained_probe":
     settings = {**params.settings, "threads": snakemake.threads}  # noqa: F821
-    report = stages.run_pretrained_probes(spec.run_id, params.model_dir, snakemake.input.sample, out, settings)  # noqa: F821
+    report = stages.run_pretrained_probes(
+        spec.run_id, params.model_dir, snakemake.input.sample, out, settings
+    )  # noqa: F821
 elif rule == "pretrained_nll":
     settings = {**params.settings, "threads": snakemake.threads}  # noqa: F821
     report = stages.run_pretrained_nll(spec.run_id, params.model_dir, out, settings, params.window)
 elif rule == "pretrained_removal":
     settings = {**params.settings, "threads": snakemake.threads}  # noqa: F821
-    report = stages.run_pretrained_removal(spec.run_id, params.model_dir, snakemake.input.probes, params.corpus, out,  # noqa: F821
-                                           settings, params.probe_settings, params.nll_settings, params.seq_len)
+    report = stages.run_pretrained_removal(
+        spec.run_id,
+        params.model_dir,
+        snakemake.input.probes,
+        params.corpus,
+        out,  # noqa: F821
+        settings,
+        params.probe_settings,
+        params.nll_settings,
+        params.seq_len,
+    )
 else:
     raise ValueError(f"scripts/pretrained.py has no action for rule {rule!r}")
 print(rule, report, file=sys.stderr)

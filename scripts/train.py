@@ -22,7 +22,10 @@ summary = dispatch(
     launcher=snakemake.config["launcher"],  # noqa: F821 (not a param: changing it must not retrain)
     threads=snakemake.threads,  # noqa: F821
 )
-print(f"[{spec.run_id}] {summary['status']}: final val loss {summary['final_val_loss']}", file=sys.stderr)
+print(
+    f"[{spec.run_id}] {summary['status']}: final val loss {summary['final_val_loss']}",
+    file=sys.stderr,
+)
 
 if __name__ == "__main__":  # a Snakemake job's own process (tests run these files inside theirs)
     exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.launch.process)

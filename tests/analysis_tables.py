@@ -12,21 +12,42 @@ def _run_id(arch: str, L: int, lr: float, seed: int = 0) -> str:
     return f"{arch}_L{L}_lr{lr:g}_s{seed}"
 
 
-def synthetic_tables(archs=("pre_ln", "hc", "attnres_block"), depths=(2, 4, 8), lrs=(2e-3, 4e-3),
-                     diverged=lambda arch, L, lr: lr > 3e-3 and arch == "hc", loss=None) -> dict[str, pd.DataFrame]:
+def synthetic_tables(
+    archs=("pre_ln", "hc", "attnres_block"),
+    depths=(2, 4, 8),
+    lrs=(2e-3, 4e-3),
+    diverged=lambda arch, L, lr: lr > 3e-3 and arch == "hc",
+    loss=None,
+) -> dict[str, pd.DataFrame]:
     """A complete set of tables: runs (status from `diverged`), best_lr, curves, dynamics,
     probes (trained and init), nll and cost. loss(arch, L, lr) gives each run's final loss."""
-    loss = loss or (lambda arch, L, lr: 4.0 + 0.1 * abs(np.log2(lr / 2e-3)) - 0.02 * L * (arch != "pre_ln"))
+    loss = loss or (
+        lambda arch, L, lr: 4.0 + 0.1 * abs(np.log2(lr / 2e-3)) - 0.02 * L * (arch != "pre_ln")
+    )
     runs = []
     for arch in archs:
         for L in depths:
             d = int(64 * np.sqrt(8 / L) // 16 * 16)
             for lr in lrs:
                 bad = diverged(arch, L, lr)
-                runs.append({"run_id": _run_id(arch, L, lr), "experiment": "syn", "arch": arch, "n_layer": L, "d_model": d,
-                             "ratio": d / L, "params": int(BUDGET * (1 + 0.01 * (L - 4))), "lr": lr, "seed": 0, "knobs": "{}",
-                             "status": "diverged" if bad else "ok", "final_val_loss": np.nan if bad else loss(arch, L, lr),
-                             "unigram_floor": 5.5, "device": "cpu"})
+                runs.append(
+                    {
+                        "run_id": _run_id(arch, L, lr),
+                        "experiment": "syn",
+                        "arch": arch,
+                        "n_layer": L,
+                        "d_model": d,
+                        "ratio": d / L,
+                        "params": int(BUDGET * (1 + 0.01 * (L - 4))),
+                        "lr": lr,
+                        "seed": 0,
+                        "knobs": "{}",
+                        "status": "diverged" if bad else "ok",
+                        "final_val_loss": np.nan if bad else loss(arch, L, lr),
+                        "unigram_floor": 5.5,
+                        "device": "cpu",
+                    }
+                )
     runs = pd.DataFrame(runs)
     from depthbench.analysis.tables import best_learning_rates
 
@@ -35,14 +56,48 @@ def synthetic_tables(archs=("pre_ln", "hc", "attnres_block"), depths=(2, 4, 8), 
     curves, dyn, probes = [], [], []
     for r in runs.itertuples():
         for step in range(0, 101, 10):
-            curves.append({"run_id": r.run_id, "step": step, "tokens": step * 2048, "train_loss": 7 - step / 30,
-                           "val_loss": 7 - step / 30 if step % 50 == 0 else np.nan})
+            curves.append(
+                {
+                    "run_id": r.run_id,
+                    "step": step,
+                    "tokens": step * 2048,
+                    "train_loss": 7 - step / 30,
+                    "val_loss": 7 - step / 30 if step % 50 == 0 else np.nan,
+                }
+            )
         for step in (50, 100):
             for l in range(r.n_layer + 1):
-                dyn.append({"run_id": r.run_id, "step": step, "quantity": "residual_rms", "index": l, "name": "", "value": 1 + l * step / 100})
-                dyn.append({"run_id": r.run_id, "step": step, "quantity": "grad_norm_h", "index": l, "name": "", "value": 0.1 / (1 + l)})
+                dyn.append(
+                    {
+                        "run_id": r.run_id,
+                        "step": step,
+                        "quantity": "residual_rms",
+                        "index": l,
+                        "name": "",
+                        "value": 1 + l * step / 100,
+                    }
+                )
+                dyn.append(
+                    {
+                        "run_id": r.run_id,
+                        "step": step,
+                        "quantity": "grad_norm_h",
+                        "index": l,
+                        "name": "",
+                        "value": 0.1 / (1 + l),
+                    }
+                )
             for l in range(r.n_layer):
-                dyn.append({"run_id": r.run_id, "step": step, "quantity": "norm_factor", "index": -1, "name": f"blocks.{l}.attn_norm", "value": 1 / (1 + l)})
+                dyn.append(
+                    {
+                        "run_id": r.run_id,
+                        "step": step,
+                        "quantity": "norm_factor",
+                        "index": -1,
+                        "name": f"blocks.{l}.attn_norm",
+                        "value": 1 / (1 + l),
+                    }
+                )
         probes += _probe_rows(r)
     tables["curves"] = pd.DataFrame(curves)
     tables["dynamics"] = pd.DataFrame(dyn)
@@ -50,27 +105,81 @@ def synthetic_tables(archs=("pre_ln", "hc", "attnres_block"), depths=(2, 4, 8), 
     from depthbench.analysis.tables import _with_run_columns  # the join the workflow applies
 
     tables["probes"] = _with_run_columns(probes, runs, best)
-    nll = pd.DataFrame([{"run_id": r.run_id, "level": "domain", "set": "", "domain": dom, "n_docs": 16,
-                         "nats_per_token": 3.0, "bits_per_byte": 1.5 - 0.01 * r.n_layer} for r in runs.itertuples() for dom in ("code", "stem", "math")])
+    nll = pd.DataFrame(
+        [
+            {
+                "run_id": r.run_id,
+                "level": "domain",
+                "set": "",
+                "domain": dom,
+                "n_docs": 16,
+                "nats_per_token": 3.0,
+                "bits_per_byte": 1.5 - 0.01 * r.n_layer,
+            }
+            for r in runs.itertuples()
+            for dom in ("code", "stem", "math")
+        ]
+    )
     tables["nll"] = _with_run_columns(nll, runs, best)
-    cost = pd.DataFrame([{"run_id": r.run_id, "prefill_flops_4096": 1e9 * r.n_layer, "kv_cache_bytes_4096": 2**20 * r.n_layer,
-                          "measured_peak_memory_bytes": 5e8, "peak_memory_kind": "process_max_rss", "device_hours": 0.01,
-                          "device": "cpu"} for r in runs.itertuples()])
-    tables["cost"] = _with_run_columns(cost, runs, best).merge(runs[["run_id", "device"]].rename(columns={"device": "d2"}), on="run_id").drop(columns="d2")
+    cost = pd.DataFrame(
+        [
+            {
+                "run_id": r.run_id,
+                "prefill_flops_4096": 1e9 * r.n_layer,
+                "kv_cache_bytes_4096": 2**20 * r.n_layer,
+                "measured_peak_memory_bytes": 5e8,
+                "peak_memory_kind": "process_max_rss",
+                "device_hours": 0.01,
+                "device": "cpu",
+            }
+            for r in runs.itertuples()
+        ]
+    )
+    tables["cost"] = (
+        _with_run_columns(cost, runs, best)
+        .merge(runs[["run_id", "device"]].rename(columns={"device": "d2"}), on="run_id")
+        .drop(columns="d2")
+    )
     removal = []  # the loss rises with the fraction removed, faster for pre_ln
     for r in runs[runs.status == "ok"].itertuples():
         for ranking in ("angular_block", "block_influence", "causal", "last", "random"):
             for k in range(r.n_layer):
                 for domain in ("val", "code"):
                     change = (k / r.n_layer) ** 2 * (1.0 if r.arch == "pre_ln" else 2.0)
-                    removal.append({"run_id": r.run_id, "ranking": ranking, "draw": 0, "k": k, "fraction": k / r.n_layer,
-                                    "removed": "", "domain": domain, "loss": 4.0 * (1 + change), "full_loss": 4.0,
-                                    "change": change, "status": "ok"})
-    columns = ["run_id", "ranking", "draw", "k", "fraction", "removed", "domain", "loss", "full_loss", "change", "status"]
+                    removal.append(
+                        {
+                            "run_id": r.run_id,
+                            "ranking": ranking,
+                            "draw": 0,
+                            "k": k,
+                            "fraction": k / r.n_layer,
+                            "removed": "",
+                            "domain": domain,
+                            "loss": 4.0 * (1 + change),
+                            "full_loss": 4.0,
+                            "change": change,
+                            "status": "ok",
+                        }
+                    )
+    columns = [
+        "run_id",
+        "ranking",
+        "draw",
+        "k",
+        "fraction",
+        "removed",
+        "domain",
+        "loss",
+        "full_loss",
+        "change",
+        "status",
+    ]
     tables["removal"] = _with_run_columns(pd.DataFrame(removal, columns=columns), runs, best)
     from depthbench.probes.removal_run import effective_depth
 
-    tables["effective_depth"] = _with_run_columns(effective_depth(pd.DataFrame(removal, columns=columns), 0.05), runs, best)
+    tables["effective_depth"] = _with_run_columns(
+        effective_depth(pd.DataFrame(removal, columns=columns), 0.05), runs, best
+    )
     return tables
 
 
@@ -78,7 +187,9 @@ def _probe_rows(r) -> list[dict]:
     L, rows = r.n_layer, []
     stages = ("init", "init_no_prefix_avg") + (("trained",) if r.status == "ok" else ())
     for stage in stages:
-        add = lambda probe, i, j, v: rows.append({"run_id": r.run_id, "probe": probe, "stage": stage, "i": i, "j": j, "value": v})  # noqa: E731
+        add = lambda probe, i, j, v: rows.append(
+            {"run_id": r.run_id, "probe": probe, "stage": stage, "i": i, "j": j, "value": v}
+        )  # noqa: E731
         for l in range(L + 1):
             add("token_similarity", l, -1, 0.1 * l)
             add("effective_rank", l, -1, 20 - l)
@@ -112,8 +223,17 @@ def _probe_rows(r) -> list[dict]:
                 add("dead_zone_layers", -1, -1, float(L // 4))
     if r.status == "ok":  # probes over training (probes.at_steps); the last step is the final model
         for step in (10, 50, 100):
-            snap = lambda probe, i, j, v: rows.append({"run_id": r.run_id, "probe": probe, "stage": "snapshot", "step": step,  # noqa: E731
-                                                       "i": i, "j": j, "value": v})
+            snap = lambda probe, i, j, v: rows.append(
+                {
+                    "run_id": r.run_id,
+                    "probe": probe,
+                    "stage": "snapshot",
+                    "step": step,  # noqa: E731
+                    "i": i,
+                    "j": j,
+                    "value": v,
+                }
+            )
             for l in range(L + 1):
                 snap("token_similarity", l, -1, 0.1 * l * step / 100)
                 for k in range(L + 1 - l):

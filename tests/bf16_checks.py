@@ -29,7 +29,9 @@ SIGNIFICANT_SHARE = 1e-3
 TRAINED_LOSS_FRACTION = 0.8
 
 
-def train_briefly(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = 10, lr: float = 1e-2) -> float:
+def train_briefly(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = 10, lr: float = 1e-2
+) -> float:
     """`steps` fp32 AdamW steps on the one batch (x, y), in place; returns the fp32 loss after."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     for _ in range(steps):
@@ -59,7 +61,9 @@ def centred(logits: torch.Tensor) -> torch.Tensor:
     return logits - logits.mean(-1, keepdim=True)
 
 
-def assert_bf16_matches_fp32(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device_type: str = "cpu") -> dict:
+def assert_bf16_matches_fp32(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device_type: str = "cpu"
+) -> dict:
     """bf16 autocast vs fp32 on the same (trained) weights: loss within LOSS_ATOL, centred logits
     within LOGITS_RTOL (relative norm), the gradient within GRAD_RTOL and each significant
     tensor's within TENSOR_GRAD_RTOL, gradients fp32 and finite, and the residual stream
@@ -74,7 +78,8 @@ def assert_bf16_matches_fp32(model: torch.nn.Module, x: torch.Tensor, y: torch.T
         torch.set_float32_matmul_precision(precision)
     ref_loss = ref.loss.item()
     assert ref_loss < TRAINED_LOSS_FRACTION * math.log(vocab), (
-        f"fp32 loss {ref_loss:.3f} is not well below log V = {math.log(vocab):.3f}: the weights are not trained enough")
+        f"fp32 loss {ref_loss:.3f} is not well below log V = {math.log(vocab):.3f}: the weights are not trained enough"
+    )
     out, grads = _loss_and_grads(model, x, y, autocast=True, device_type=device_type)
     assert out.logits.dtype == torch.bfloat16, "the LM head did not run under autocast"
     assert all(h.dtype == torch.float32 for h in out.hidden), [h.dtype for h in out.hidden]
@@ -86,9 +91,17 @@ def assert_bf16_matches_fp32(model: torch.nn.Module, x: torch.Tensor, y: torch.T
     flat = lambda gs: torch.cat([gs[n].flatten().double() for n in sorted(ref_grads)])
     g_ref = flat(ref_grads)
     grad_err = ((flat(grads) - g_ref).norm() / g_ref.norm()).item()
-    tensor_errs = {n: ((grads[n] - g).norm() / g.norm()).item() for n, g in ref_grads.items()
-                   if g.norm() > SIGNIFICANT_SHARE * g_ref.norm()}
-    measured = {"loss": loss_err, "logits": logits_err, "grad": grad_err, "worst_tensor": max(tensor_errs.items(), key=lambda kv: kv[1])}
+    tensor_errs = {
+        n: ((grads[n] - g).norm() / g.norm()).item()
+        for n, g in ref_grads.items()
+        if g.norm() > SIGNIFICANT_SHARE * g_ref.norm()
+    }
+    measured = {
+        "loss": loss_err,
+        "logits": logits_err,
+        "grad": grad_err,
+        "worst_tensor": max(tensor_errs.items(), key=lambda kv: kv[1]),
+    }
     assert loss_err < LOSS_ATOL, measured
     assert logits_err < LOGITS_RTOL, measured
     assert grad_err < GRAD_RTOL, measured

@@ -22,9 +22,22 @@ REPO = Path(__file__).resolve().parents[1]
 # minutes on 2 cores, the next ones 80-100 s); a long module collected last would leave one core
 # idle at the end.
 LONGEST_FIRST = [
-    "test_workflow.py", "test_slurm.py", "test_workflow_plans.py", "test_distributed.py", "test_parallelize.py", "test_at_steps.py",
-    "test_pretrained_stages.py", "test_memory.py", "test_tokenize_pieces.py", "test_launch.py", "test_rehearse.py",
-    "test_budget.py", "test_train.py", "test_requeue.py", "test_hardening.py", "test_benchmarks.py",
+    "test_workflow.py",
+    "test_slurm.py",
+    "test_workflow_plans.py",
+    "test_distributed.py",
+    "test_parallelize.py",
+    "test_at_steps.py",
+    "test_pretrained_stages.py",
+    "test_memory.py",
+    "test_tokenize_pieces.py",
+    "test_launch.py",
+    "test_rehearse.py",
+    "test_budget.py",
+    "test_train.py",
+    "test_requeue.py",
+    "test_hardening.py",
+    "test_benchmarks.py",
 ]
 
 
@@ -36,7 +49,9 @@ KINDS = ("unit", "workflow", "integration")
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    items.sort(
+        key=lambda item: rank.get(item.path.name, len(rank))
+    )  # stable: the rest keep their order
     for item in items:
         kind = item.path.parent.name
         if kind in KINDS:
@@ -69,7 +84,12 @@ def wiki_jsonl(tmp_path_factory) -> Path:
 def tiny_config(corpus_path: Path, **overrides) -> dict:
     config = {
         "name": "tiny",
-        "corpus": {"name": "tiny", "source": "local", "path": str(corpus_path), "val_fraction": 0.1},
+        "corpus": {
+            "name": "tiny",
+            "source": "local",
+            "path": str(corpus_path),
+            "val_fraction": 0.1,
+        },
         "tokenizer": {"kind": "bpe", "vocab_size": 512},
         # A loose tolerance: at 1e5 parameters a 16-multiple of d_model cannot meet 1% at every
         # depth these smoke tests use; the budget itself is tested in test_budget.py.
@@ -79,8 +99,15 @@ def tiny_config(corpus_path: Path, **overrides) -> dict:
         "learning_rates": [3e-3],
         "model": {"n_head": 2},
         "train": {
-            "seq_len": 32, "global_batch_size": 8, "micro_batch_size": 4, "tokens_per_param": 0.05,
-            "eval_every": 5, "eval_batches": 2, "checkpoint_every": 4, "log_every": 2, "threads": 1,
+            "seq_len": 32,
+            "global_batch_size": 8,
+            "micro_batch_size": 4,
+            "tokens_per_param": 0.05,
+            "eval_every": 5,
+            "eval_batches": 2,
+            "checkpoint_every": 4,
+            "log_every": 2,
+            "threads": 1,
         },
     }
     for key, value in overrides.items():
@@ -134,7 +161,6 @@ def status_grid(config: dict, tmp_path: Path):
     from depthbench.grid.config import expand_grid
     from depthbench.spec.schema import load_config
     from depthbench.data.shards import META_VERSION
-
 
     config["nll"] = {"enabled": False}
     cfg = tmp_path / "config.yaml"

@@ -31,7 +31,9 @@ def assert_independent_of_thread_count(compute: Callable[[], tuple]) -> None:
             assert torch.equal(a, b), f"output {i} differs between 1 and {count} threads"
 
 
-def assert_compiled_calls_kernels_and_matches_eager(monkeypatch, model, idx, targets, calls_per_step: dict) -> None:
+def assert_compiled_calls_kernels_and_matches_eager(
+    monkeypatch, model, idx, targets, calls_per_step: dict
+) -> None:
     """The model's loss and gradients eager and under torch.compile agree, and both call the
     kernel entry points `calls_per_step` times each (a spy on the kernel module counts them)."""
     real = kernels.cpu_kernels()

@@ -18,9 +18,13 @@ SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 
 
 def snakemake(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([*SNAKEMAKE, "--cores", "2", *args], cwd=cwd, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [*SNAKEMAKE, "--cores", "2", *args], cwd=cwd, capture_output=True, text=True, timeout=900
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"snakemake {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(
+            f"snakemake {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     return proc
 
 
@@ -39,7 +43,14 @@ def job_counts(output: str) -> dict[str, int]:
 
 
 def copy_workflow(dest: Path) -> Path:
-    for name in ("Snakefile", "workflow", "scripts", "config", "slurm", "envs"):  # envs: the rules' conda: files
+    for name in (
+        "Snakefile",
+        "workflow",
+        "scripts",
+        "config",
+        "slurm",
+        "envs",
+    ):  # envs: the rules' conda: files
         src = REPO / name
         (shutil.copytree if src.is_dir() else shutil.copy)(src, dest / name)
     return dest
@@ -75,4 +86,3 @@ def edited_config(root: Path, config: dict) -> Iterator[None]:
         yield
     finally:
         path.write_bytes(original)
-

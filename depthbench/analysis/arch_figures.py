@@ -20,7 +20,9 @@ def residual_product_rank(tables: dict, ctx: S.Context):
     probes = tables.get("probes", pd.DataFrame())
     trained, init = (R.probe(probes, "residual_product_rank", s) for s in ("trained", "init"))
     if trained.empty and init.empty:
-        return S.message_figure(ctx, "residual-product rank (hc, mhc)", "no residual_product_rank rows")
+        return S.message_figure(
+            ctx, "residual-product rank (hc, mhc)", "no residual_product_rank rows"
+        )
     fig, (ax,) = S.panels(1, ctx)
     for arch in R.archs(pd.concat([trained, init])):
         st = S.arch_style(arch)
@@ -56,8 +58,15 @@ def depth_mixing(tables: dict, ctx: S.Context):
     im = None
     for ax, arch, L, rows in cells:
         M = R.matrix(rows, (int(rows["i"].max()) + 1, int(rows["j"].max()) + 1))[1:]
-        im = ax.imshow(M, origin="lower", aspect="auto", vmin=0, vmax=1, cmap="magma",
-                       extent=(-0.5, M.shape[1] - 0.5, 0.5, M.shape[0] + 0.5))
+        im = ax.imshow(
+            M,
+            origin="lower",
+            aspect="auto",
+            vmin=0,
+            vmax=1,
+            cmap="magma",
+            extent=(-0.5, M.shape[1] - 0.5, 0.5, M.shape[0] + 0.5),
+        )
         ax.set_title(f"{arch}, L={L}, d={int(rows['d_model'].iloc[0])}")
         ax.set_xlabel("source (0 = embedding)")
         ax.set_ylabel("reading sublayer s\n(top row: final)")
@@ -73,7 +82,9 @@ def dead_zone(tables: dict, ctx: S.Context):
     weights = R.probe(probes, "partial_sum_weight")
     lengths = R.probe(probes, "dead_zone_layers")
     if weights.empty:
-        return S.message_figure(ctx, "Block AttnRes dead zone", "no partial_sum_weight rows (attnres_block not trained)")
+        return S.message_figure(
+            ctx, "Block AttnRes dead zone", "no partial_sum_weight rows (attnres_block not trained)"
+        )
     threshold = ctx.thresholds.get("dead_zone_threshold", 0.05)
     fig, (ax, bx) = S.panels(2, ctx, cols=2)
     cmap = S.plt.get_cmap("viridis")
@@ -87,7 +98,9 @@ def dead_zone(tables: dict, ctx: S.Context):
             # layers 1..k, half a layer either side, clipped to the model (a dead zone of all L
             # layers must not shade past l/L = 1)
             ax.axvspan(0.5 / L, min(k.iloc[0] + 0.5, L) / L, color=color, alpha=0.12)
-    ax.axhline(threshold, color="firebrick", linestyle="--", linewidth=1, label=f"threshold {threshold}")
+    ax.axhline(
+        threshold, color="firebrick", linestyle="--", linewidth=1, label=f"threshold {threshold}"
+    )
     ax.set_xlim(0, 1.04)
     ax.set_xlabel("layer l / L")
     ax.set_ylabel("weight on the current partial sum")
@@ -96,7 +109,14 @@ def dead_zone(tables: dict, ctx: S.Context):
     S.legend(ax)
     g = lengths.groupby("n_layer")["value"].mean()
     bx.plot(g.index, g.values, marker="o", color="C9", label="ours")
-    bx.plot(list(PAPER_DEAD_ZONE), list(PAPER_DEAD_ZONE.values()), marker="s", linestyle=":", color="0.4", label="paper")
+    bx.plot(
+        list(PAPER_DEAD_ZONE),
+        list(PAPER_DEAD_ZONE.values()),
+        marker="s",
+        linestyle=":",
+        color="0.4",
+        label="paper",
+    )
     bx.set_xlabel("n_layer")
     bx.set_ylabel("dead-zone length (layers)")
     bx.set_title("dead-zone length vs depth")

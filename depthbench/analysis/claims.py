@@ -46,27 +46,39 @@ def _lacking(t: dict, archs, depths: int = 2, table: str = "best_lr") -> str | N
     have = set(df["arch"]) if R.has(df, "arch") else set()
     missing = [a for a in archs if a not in have]
     if missing:
-        return f"no {'/'.join(missing)} in {table}" + (" (not in the grid, or every run diverged)" if table == "best_lr" else "")
+        return f"no {'/'.join(missing)} in {table}" + (
+            " (not in the grid, or every run diverged)" if table == "best_lr" else ""
+        )
     n = df["n_layer"].nunique() if R.has(df, "n_layer") else 0
     return f"{n} depth(s) in {table}, needs {depths}" if n < depths else None
 
 
 def claim_a(t: dict, s: dict):
     archs = ("pre_ln", "hc", "attnres_full")
-    if (why := _lacking(t, archs)):
+    if why := _lacking(t, archs):
         return "", untestable(why), ""
     delta = {a: float(_best_loss(t, a).iloc[-1] - _best_loss(t, a).iloc[0]) for a in archs}
     ours = ", ".join(f"{a} {v:+.3f}" for a, v in delta.items()) + " nats (deepest - shallowest)"
-    return ours, verdict(delta["pre_ln"] > -EPS and delta["hc"] < -EPS and delta["attnres_full"] < -EPS), ""
+    return (
+        ours,
+        verdict(delta["pre_ln"] > -EPS and delta["hc"] < -EPS and delta["attnres_full"] < -EPS),
+        "",
+    )
 
 
 def claim_b(t: dict, s: dict):
     archs = ("attnres_block", "mhc")
-    if (why := _lacking(t, archs, depths=3)):
+    if why := _lacking(t, archs, depths=3):
         return "", untestable(why), ""
     best = {a: int(_best_loss(t, a).idxmin()) for a in archs}
-    interior = {a: _best_loss(t, a).index[0] < L < _best_loss(t, a).index[-1] for a, L in best.items()}
-    return ", ".join(f"{a} best at L={L}" for a, L in best.items()), verdict(all(interior.values())), ""
+    interior = {
+        a: _best_loss(t, a).index[0] < L < _best_loss(t, a).index[-1] for a, L in best.items()
+    }
+    return (
+        ", ".join(f"{a} best at L={L}" for a, L in best.items()),
+        verdict(all(interior.values())),
+        "",
+    )
 
 
 def _adjacent(t: dict) -> pd.DataFrame:
@@ -79,10 +91,21 @@ def claim_c(t: dict, s: dict):
     contrast = [a for a in ("hc", "attnres_full", "attnres_block") if a in set(d.get("arch", []))]
     norms = [a for a in NORM_FAMILY if a in set(d.get("arch", []))]
     if not contrast or not norms:
-        return "", untestable("needs trained angular-distance rows of hc or attnres and of a normalization-family architecture"), ""
+        return (
+            "",
+            untestable(
+                "needs trained angular-distance rows of hc or attnres and of a normalization-family architecture"
+            ),
+            "",
+        )
     L = int(d["n_layer"].iloc[0])
-    late = {a: float(d[(d["arch"] == a) & (d["i"] >= L // 2)]["value"].mean()) for a in contrast + norms}
-    ours = ", ".join(f"{a} {v:.3f}" for a, v in late.items()) + f" (mean d(l, l+1), l >= {L // 2}, L={L})"
+    late = {
+        a: float(d[(d["arch"] == a) & (d["i"] >= L // 2)]["value"].mean()) for a in contrast + norms
+    }
+    ours = (
+        ", ".join(f"{a} {v:.3f}" for a, v in late.items())
+        + f" (mean d(l, l+1), l >= {L // 2}, L={L})"
+    )
     holds = min(late[a] for a in contrast) > max(late[a] for a in norms)
     note = _block_jump(d, L, int(s.get("arch_options", {}).get("n_blocks", 8)))
     return ours, verdict(holds), note
@@ -107,20 +130,32 @@ def claim_d(t: dict, s: dict):
     probes = t.get("probes", pd.DataFrame())
     shares = {p: R.deepest(R.probe(probes, p)) for p in ("causal_share", "permutation_share")}
     archs = ("attnres_full", "hc", "pre_ln")
-    values = {p: df.groupby("arch")["value"].mean() if not df.empty else pd.Series(dtype=float) for p, df in shares.items()}
+    values = {
+        p: df.groupby("arch")["value"].mean() if not df.empty else pd.Series(dtype=float)
+        for p, df in shares.items()
+    }
     missing = sorted({a for v in values.values() for a in archs if a not in v.index})
     if missing:
         return "", untestable(f"no trained share rows of {', '.join(missing)}"), ""
     L = int(shares["causal_share"]["n_layer"].iloc[0])
-    ours = "; ".join(p.split("_")[0] + " " + " / ".join(f"{100 * values[p][a]:.0f}%" for a in archs) for p in values)
-    holds = all(min(values[p]["attnres_full"], values[p]["hc"]) > values[p]["pre_ln"] for p in values)
+    ours = "; ".join(
+        p.split("_")[0] + " " + " / ".join(f"{100 * values[p][a]:.0f}%" for a in archs)
+        for p in values
+    )
+    holds = all(
+        min(values[p]["attnres_full"], values[p]["hc"]) > values[p]["pre_ln"] for p in values
+    )
     return ours + f" (Full AttnRes / HC / Pre-LN at L={L})", verdict(holds), ""
 
 
 def claim_e(t: dict, s: dict):
     dz = R.probe(t.get("probes", pd.DataFrame()), "dead_zone_layers")
     if dz.empty or dz["n_layer"].nunique() < 2:
-        return "", untestable("needs dead_zone_layers rows of attnres_block at 2 or more depths"), ""
+        return (
+            "",
+            untestable("needs dead_zone_layers rows of attnres_block at 2 or more depths"),
+            "",
+        )
     g = dz.groupby("n_layer")["value"].mean().sort_index()
     ours = ", ".join(f"L={L}: {v:g}" for L, v in g.items())
     return ours, verdict(bool((np.diff(g.values) >= 0).all() and g.iloc[-1] > g.iloc[0])), ""
@@ -138,13 +173,23 @@ def claim_f(t: dict, s: dict):
 
 def claim_g(t: dict, s: dict):
     cost = t.get("cost", pd.DataFrame())
-    if not R.has(cost, "prefill_flops_4096", "kv_cache_bytes_4096") or cost["n_layer"].nunique() < 2:
+    if (
+        not R.has(cost, "prefill_flops_4096", "kv_cache_bytes_4096")
+        or cost["n_layer"].nunique() < 2
+    ):
         return "", untestable("needs cost rows at 2 or more depths"), ""
     arch = "pre_ln" if "pre_ln" in set(cost["arch"]) else R.archs(cost)[0]
-    g = cost[cost["arch"] == arch].groupby("n_layer")[["prefill_flops_4096", "kv_cache_bytes_4096", "ratio"]].mean().sort_index()
+    g = (
+        cost[cost["arch"] == arch]
+        .groupby("n_layer")[["prefill_flops_4096", "kv_cache_bytes_4096", "ratio"]]
+        .mean()
+        .sort_index()
+    )
     f, kv = g["prefill_flops_4096"], g["kv_cache_bytes_4096"]
-    ours = (f"{arch}: {f.iloc[0] / 1e12:.3g} -> {f.iloc[-1] / 1e12:.3g} TFLOPs, KV x{kv.iloc[-1] / kv.iloc[0]:.2f} "
-            f"from ratio {g['ratio'].iloc[0]:.1f} to {g['ratio'].iloc[-1]:.1f}")
+    ours = (
+        f"{arch}: {f.iloc[0] / 1e12:.3g} -> {f.iloc[-1] / 1e12:.3g} TFLOPs, KV x{kv.iloc[-1] / kv.iloc[0]:.2f} "
+        f"from ratio {g['ratio'].iloc[0]:.1f} to {g['ratio'].iloc[-1]:.1f}"
+    )
     return ours, verdict(bool((np.diff(f.values) > 0).all() and (np.diff(kv.values) > 0).all())), ""
 
 
@@ -152,20 +197,48 @@ def claim_h(t: dict, s: dict):
     nll = t.get("nll", pd.DataFrame())
     if not R.has(nll, "level", "domain", "bits_per_byte", "is_best_lr"):
         return "", untestable("no NLL table (nll disabled)"), ""
-    d = R.deepest(nll[(nll["level"] == "domain") & nll["is_best_lr"].fillna(False).astype(bool) & (nll["status"] == "ok")])
-    g = d[d["domain"].isin(["stem", "math"])].groupby(["arch", "domain"])["bits_per_byte"].mean().unstack() if not d.empty else pd.DataFrame()
+    d = R.deepest(
+        nll[
+            (nll["level"] == "domain")
+            & nll["is_best_lr"].fillna(False).astype(bool)
+            & (nll["status"] == "ok")
+        ]
+    )
+    g = (
+        d[d["domain"].isin(["stem", "math"])]
+        .groupby(["arch", "domain"])["bits_per_byte"]
+        .mean()
+        .unstack()
+        if not d.empty
+        else pd.DataFrame()
+    )
     missing = [a for a in ("pre_ln", "hc", "attnres_full") if a not in g.index]
     if missing or not {"stem", "math"} <= set(g.columns):
-        return "", untestable(f"no stem/math NLL at the deepest shape for {', '.join(missing) or 'the domains'}"), ""
-    ours = "; ".join(f"{dom}: " + ", ".join(f"{a} {g.loc[a, dom]:.3f}" for a in ("hc", "attnres_full", "pre_ln")) for dom in ("stem", "math"))
-    holds = all(g.loc[a, dom] < g.loc["pre_ln", dom] for a in ("hc", "attnres_full") for dom in ("stem", "math"))
+        return (
+            "",
+            untestable(
+                f"no stem/math NLL at the deepest shape for {', '.join(missing) or 'the domains'}"
+            ),
+            "",
+        )
+    ours = "; ".join(
+        f"{dom}: " + ", ".join(f"{a} {g.loc[a, dom]:.3f}" for a in ("hc", "attnres_full", "pre_ln"))
+        for dom in ("stem", "math")
+    )
+    holds = all(
+        g.loc[a, dom] < g.loc["pre_ln", dom]
+        for a in ("hc", "attnres_full")
+        for dom in ("stem", "math")
+    )
     return ours + " bits/byte", verdict(holds), ""
 
 
 def _final_rms(t: dict) -> pd.DataFrame:
     """Residual RMS of h_L at the last dynamics step of each best-LR run (first seed)."""
     dyn = t.get("dynamics", pd.DataFrame())
-    chosen = R.first_seed(R.best_runs(t.get("runs", pd.DataFrame()), t.get("best_lr", pd.DataFrame())))
+    chosen = R.first_seed(
+        R.best_runs(t.get("runs", pd.DataFrame()), t.get("best_lr", pd.DataFrame()))
+    )
     if not R.has(dyn, "quantity") or chosen.empty:
         return pd.DataFrame(columns=["run_id", "arch", "n_layer", "value"])
     rms = dyn[dyn["quantity"] == "residual_rms"]
@@ -187,7 +260,9 @@ def claim_i(t: dict, s: dict):
 
 
 def _tsim_growth(t: dict, arch: str, stage: str) -> float:
-    rows = R.deepest(R.probe(t.get("probes", pd.DataFrame()), "token_similarity", stage, best_only=False))
+    rows = R.deepest(
+        R.probe(t.get("probes", pd.DataFrame()), "token_similarity", stage, best_only=False)
+    )
     rows = rows[rows["arch"] == arch]
     rows = rows[rows["run_id"] == rows["run_id"].min()] if not rows.empty else rows
     v = rows.set_index("i")["value"].sort_index()
@@ -195,9 +270,18 @@ def _tsim_growth(t: dict, arch: str, stage: str) -> float:
 
 
 def claim_j(t: dict, s: dict):
-    post, pre, post_np = (_tsim_growth(t, a, st) for a, st in (("post_ln", "init"), ("pre_ln", "init"), ("post_ln", "init_no_prefix_avg")))
+    post, pre, post_np = (
+        _tsim_growth(t, a, st)
+        for a, st in (("post_ln", "init"), ("pre_ln", "init"), ("post_ln", "init_no_prefix_avg"))
+    )
     if np.isnan([post, pre, post_np]).any():
-        return "", untestable("needs init token-similarity rows of post_ln and pre_ln (with the prefix-average stage)"), ""
+        return (
+            "",
+            untestable(
+                "needs init token-similarity rows of post_ln and pre_ln (with the prefix-average stage)"
+            ),
+            "",
+        )
     ours = f"tsim(h_L) - tsim(h_0) at init: post_ln {post:+.3f}, pre_ln {pre:+.3f}, post_ln without prefix average {post_np:+.3f}"
     return ours, verdict(post > pre and post_np < post), ""
 
@@ -209,11 +293,25 @@ def claim_k(t: dict, s: dict):
         return "", untestable("no runs"), ""
     collapsed = runs[(runs["status"] == "ok") & ((runs["final_val_loss"] - floor).abs() < 0.1)]
     if collapsed.empty:
-        return "", untestable("no run collapsed to the unigram floor (config/presets/postnorm_collapse.yaml makes them)"), ""
+        return (
+            "",
+            untestable(
+                "no run collapsed to the unigram floor (config/presets/postnorm_collapse.yaml makes them)"
+            ),
+            "",
+        )
     if not R.has(dyn, "quantity"):
-        return f"{len(collapsed)} run(s) at the floor", untestable("no dynamics rows for the collapsed runs"), ""
+        return (
+            f"{len(collapsed)} run(s) at the floor",
+            untestable("no dynamics rows for the collapsed runs"),
+            "",
+        )
     d = dyn[dyn["run_id"].isin(set(collapsed["run_id"]))]
-    g = d[(d["quantity"] == "grad_norm_h") & (d["index"] == 1)].sort_values("step").groupby("run_id")["value"]
+    g = (
+        d[(d["quantity"] == "grad_norm_h") & (d["index"] == 1)]
+        .sort_values("step")
+        .groupby("run_id")["value"]
+    )
     fall = (g.last() / g.first()).min() if not g.size().empty else float("nan")
     nf = d[d["quantity"] == "norm_factor"]["value"].min()
     ours = f"{len(collapsed)} run(s) within 0.1 nats of the floor {floor:.2f}; ||dL/dh_1|| last/first {fall:.2g}; min norm factor {nf:.3g}"
@@ -225,16 +323,35 @@ def claim_l(t: dict, s: dict):
     if rms.empty or not R.has(runs, "n_kv_head", "n_head"):
         return "", untestable("no dynamics rows"), ""
     rms = rms.merge(runs[["run_id", "n_head", "n_kv_head"]], on="run_id", suffixes=("_x", ""))
-    rms["variant"] = np.where(rms["knobs"].str.contains("moe"), "moe", np.where(rms["n_kv_head"] < rms["n_head"], "gqa", "base"))
+    rms["variant"] = np.where(
+        rms["knobs"].str.contains("moe"),
+        "moe",
+        np.where(rms["n_kv_head"] < rms["n_head"], "gqa", "base"),
+    )
     found = [v for v in ("gqa", "moe") if v in set(rms["variant"])]
     if not found:
-        return "", untestable("no GQA runs (model.n_kv_head < n_head) and no MoE runs (model.moe) in the grid"), ""
-    piv = rms.assign(var=rms["value"] ** 2).groupby(["arch", "n_layer", "variant"])["var"].mean().unstack()
+        return (
+            "",
+            untestable(
+                "no GQA runs (model.n_kv_head < n_head) and no MoE runs (model.moe) in the grid"
+            ),
+            "",
+        )
+    piv = (
+        rms.assign(var=rms["value"] ** 2)
+        .groupby(["arch", "n_layer", "variant"])["var"]
+        .mean()
+        .unstack()
+    )
     parts, ok = [], True
     for v in found:
         both = piv[["base", v]].dropna() if "base" in piv else pd.DataFrame()
         if both.empty:
-            return "", untestable(f"no MHA/dense run of the same architecture and depth as the {v} runs"), ""
+            return (
+                "",
+                untestable(f"no MHA/dense run of the same architecture and depth as the {v} runs"),
+                "",
+            )
         parts.append(f"{v}/base variance {float((both[v] / both['base']).mean()):.2f}")
         ok &= bool((both[v] < both["base"]).all())
     return "; ".join(parts), verdict(ok), ""
@@ -250,8 +367,12 @@ def _removable(t: dict) -> pd.DataFrame:
     if "is_best_lr" in depth.columns:
         depth = R.first_seed(depth[depth["is_best_lr"].fillna(False).astype(bool)])
     depth = depth[depth["n_layer"] == depth.groupby("arch")["n_layer"].transform("max")]
-    ranked = depth[depth["ranking"] != "random"].groupby(["arch", "n_layer"])["effective_fraction"].max()
-    random = depth[depth["ranking"] == "random"].groupby(["arch", "n_layer"])["effective_fraction"].max()
+    ranked = (
+        depth[depth["ranking"] != "random"].groupby(["arch", "n_layer"])["effective_fraction"].max()
+    )
+    random = (
+        depth[depth["ranking"] == "random"].groupby(["arch", "n_layer"])["effective_fraction"].max()
+    )
     return pd.DataFrame({"removable": ranked, "random": random}).reset_index()
 
 
@@ -260,7 +381,11 @@ def claim_m(t: dict, s: dict):
     if removable.empty:
         return "", untestable("no effective-depth rows (removal or probes disabled)"), ""
     if "pre_ln" not in set(removable["arch"]) or len(removable) < 2:
-        return "", untestable("needs pre_ln and another architecture in the effective-depth rows"), ""
+        return (
+            "",
+            untestable("needs pre_ln and another architecture in the effective-depth rows"),
+            "",
+        )
     by_arch = removable.set_index("arch")
     if by_arch["n_layer"].nunique() > 1:
         return "", untestable("the architectures' deepest shapes differ in depth"), ""
@@ -273,11 +398,40 @@ def claim_m(t: dict, s: dict):
     return ours, verdict(len(keeps_more) == len(others)), note
 
 
-CLAIMS: dict[str, Callable] = dict(zip(
-    ["a_depth_helps_hc_attnres_not_pre_ln", "b_intermediate_best_depth", "c_late_angular_distance", "d_causal_permutation_shares",
-     "e_dead_zone_grows", "f_mhc_rank_below_hc", "g_cost_grows_with_depth", "h_deep_nll_stem_math", "i_pre_ln_rms_grows_lns_holds",
-     "j_post_ln_token_similarity", "k_collapse_signature", "l_gqa_moe_lower_variance", "m_fewer_layers_removable_than_pre_ln"],
-    [claim_a, claim_b, claim_c, claim_d, claim_e, claim_f, claim_g, claim_h, claim_i, claim_j, claim_k, claim_l, claim_m]))
+CLAIMS: dict[str, Callable] = dict(
+    zip(
+        [
+            "a_depth_helps_hc_attnres_not_pre_ln",
+            "b_intermediate_best_depth",
+            "c_late_angular_distance",
+            "d_causal_permutation_shares",
+            "e_dead_zone_grows",
+            "f_mhc_rank_below_hc",
+            "g_cost_grows_with_depth",
+            "h_deep_nll_stem_math",
+            "i_pre_ln_rms_grows_lns_holds",
+            "j_post_ln_token_similarity",
+            "k_collapse_signature",
+            "l_gqa_moe_lower_variance",
+            "m_fewer_layers_removable_than_pre_ln",
+        ],
+        [
+            claim_a,
+            claim_b,
+            claim_c,
+            claim_d,
+            claim_e,
+            claim_f,
+            claim_g,
+            claim_h,
+            claim_i,
+            claim_j,
+            claim_k,
+            claim_l,
+            claim_m,
+        ],
+    )
+)
 
 
 def load_claims(path: str | Path) -> list[dict]:
@@ -288,7 +442,9 @@ def load_claims(path: str | Path) -> list[dict]:
         if missing:
             raise DepthBenchError(f"{path}: claim {n} lacks {sorted(missing)}")
         if row["id"] not in CLAIMS:
-            raise DepthBenchError(f"{path}: claim id {row['id']!r} has no function; valid: {sorted(CLAIMS)}")
+            raise DepthBenchError(
+                f"{path}: claim id {row['id']!r} has no function; valid: {sorted(CLAIMS)}"
+            )
     return rows
 
 
@@ -306,6 +462,30 @@ def claims_table(rows: list[dict], tables: dict, settings: dict) -> pd.DataFrame
     out = []
     for row in rows:
         ours, v, note = CLAIMS[row["id"]](tables, settings)
-        out.append({"claim_id": row["id"], "claim": row["claim"], "source": row["source"], "paper": row["paper"],
-                    "ours": ours, "method": row["method"], "scale": scale(tables), "verdict": v, "note": note})
-    return pd.DataFrame(out, columns=["claim_id", "claim", "source", "paper", "ours", "method", "scale", "verdict", "note"])
+        out.append(
+            {
+                "claim_id": row["id"],
+                "claim": row["claim"],
+                "source": row["source"],
+                "paper": row["paper"],
+                "ours": ours,
+                "method": row["method"],
+                "scale": scale(tables),
+                "verdict": v,
+                "note": note,
+            }
+        )
+    return pd.DataFrame(
+        out,
+        columns=[
+            "claim_id",
+            "claim",
+            "source",
+            "paper",
+            "ours",
+            "method",
+            "scale",
+            "verdict",
+            "note",
+        ],
+    )

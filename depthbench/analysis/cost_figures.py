@@ -11,8 +11,10 @@ from depthbench.analysis import readers as R
 from depthbench.analysis import style as S
 
 CPU_NOTE = "CPU runs only: measured {what} not drawn\n({why})"
-WHY = {"peak memory": "on CPU it measures the Python process, not the model",
-       "device-hours": "CPU timings of tiny models are noise, not the model's cost"}
+WHY = {
+    "peak memory": "on CPU it measures the Python process, not the model",
+    "device-hours": "CPU timings of tiny models are noise, not the model's cost",
+}
 
 
 def _best(cost: pd.DataFrame) -> pd.DataFrame:
@@ -22,20 +24,36 @@ def _best(cost: pd.DataFrame) -> pd.DataFrame:
 
 
 def _gpu(df: pd.DataFrame) -> pd.DataFrame:
-    return df[df["device"].fillna("").astype(str).str.startswith("cuda")] if "device" in df else df.iloc[0:0]
+    return (
+        df[df["device"].fillna("").astype(str).str.startswith("cuda")]
+        if "device" in df
+        else df.iloc[0:0]
+    )
 
 
 def _lines(ax, data: pd.DataFrame, x: str, y: str, label_points: bool = False) -> dict:
     curves = {}
     order = R.archs(data)
-    for (arch, knobs), g in sorted(data.groupby(["arch", "knobs"]), key=lambda kv: order.index(kv[0][0])):
-        g = g.groupby(x, as_index=False).agg(**{y: (y, "mean"), "n_layer": ("n_layer", "first")}).sort_values(x)
+    for (arch, knobs), g in sorted(
+        data.groupby(["arch", "knobs"]), key=lambda kv: order.index(kv[0][0])
+    ):
+        g = (
+            g.groupby(x, as_index=False)
+            .agg(**{y: (y, "mean"), "n_layer": ("n_layer", "first")})
+            .sort_values(x)
+        )
         name = S.label(arch, knobs)
         ax.plot(g[x], g[y], label=name, **S.arch_style(arch))
         curves[name] = g.set_index(x)[y]
         if label_points:
             for _, r in g.iterrows():
-                ax.annotate(f"L{int(r['n_layer'])}", (r[x], r[y]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+                ax.annotate(
+                    f"L{int(r['n_layer'])}",
+                    (r[x], r[y]),
+                    fontsize=6,
+                    xytext=(3, 3),
+                    textcoords="offset points",
+                )
     return curves
 
 
@@ -47,14 +65,23 @@ def cost_vs_ratio(tables: dict, ctx: S.Context):
         return S.message_figure(ctx, "inference and memory cost vs shape", "no cost rows")
     fig, axes = S.panels(3, ctx, cols=3)
     analytic = cost.drop_duplicates(subset=["arch", "knobs", "n_layer", "d_model"]).assign(
-        tflops=lambda d: d["prefill_flops_4096"] / 1e12, kv=lambda d: d["kv_cache_bytes_4096"] / 2**20)
+        tflops=lambda d: d["prefill_flops_4096"] / 1e12,
+        kv=lambda d: d["kv_cache_bytes_4096"] / 2**20,
+    )
     notes = []
-    for ax, col, ylabel in ((axes[0], "tflops", "prefill TFLOPs per 4096-token sequence"), (axes[1], "kv", "KV cache per 4096 tokens (MiB, bf16)")):
+    for ax, col, ylabel in (
+        (axes[0], "tflops", "prefill TFLOPs per 4096-token sequence"),
+        (axes[1], "kv", "KV cache per 4096 tokens (MiB, bf16)"),
+    ):
         groups = S.coinciding(_lines(ax, analytic, "ratio", col))
         if groups:
             notes.append(f"{ylabel.split(' ')[0]}: {S.coincide_text(groups)}")
         ax.set_ylabel(ylabel)
-    gpu = _gpu(_best(cost)).dropna(subset=["measured_peak_memory_bytes"]) if "measured_peak_memory_bytes" in cost else pd.DataFrame()
+    gpu = (
+        _gpu(_best(cost)).dropna(subset=["measured_peak_memory_bytes"])
+        if "measured_peak_memory_bytes" in cost
+        else pd.DataFrame()
+    )
     if gpu.empty:
         S.note(axes[2], CPU_NOTE.format(what="peak memory", why=WHY["peak memory"]))
         axes[2].set_xticks([])
@@ -79,7 +106,9 @@ def loss_vs_cost(tables: dict, ctx: S.Context):
     training for GPU runs (points labelled by depth)."""
     data = _best(tables.get("cost", pd.DataFrame()))
     if data.empty:
-        return S.message_figure(ctx, "loss vs cost", "no cost rows of a best-LR run that did not diverge")
+        return S.message_figure(
+            ctx, "loss vs cost", "no cost rows of a best-LR run that did not diverge"
+        )
     data = data.assign(tflops=data["prefill_flops_4096"] / 1e12)
     fig, axes = S.panels(2, ctx, cols=2, sharey=True)
     _lines(axes[0], data, "tflops", "final_val_loss", label_points=True)

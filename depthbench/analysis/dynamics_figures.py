@@ -39,7 +39,11 @@ def dynamics(tables: dict, ctx: S.Context):
     dyn, runs, best = (tables.get(k, pd.DataFrame()) for k in ("dynamics", "runs", "best_lr"))
     chosen = R.first_seed(R.deepest(R.best_runs(runs, best)))
     if chosen.empty or not R.has(dyn, "run_id", "quantity", "step"):
-        why = "no dynamics rows (train.dynamics_every = 0)" if R.has(chosen, "run_id") else "no run finished without diverging"
+        why = (
+            "no dynamics rows (train.dynamics_every = 0)"
+            if R.has(chosen, "run_id")
+            else "no run finished without diverging"
+        )
         return S.message_figure(ctx, "training dynamics", why)
     chosen = chosen[chosen["run_id"].isin(set(dyn["run_id"]))]
     if chosen.empty:
@@ -47,7 +51,9 @@ def dynamics(tables: dict, ctx: S.Context):
     archs = R.archs(chosen)
     fig, axes = S.panels(3 * len(archs), ctx, cols=3, scale=0.9)
     steps = dyn.loc[dyn["run_id"].isin(set(chosen["run_id"])), "step"]
-    norm = mpl.colors.Normalize(vmin=float(steps.min()), vmax=float(max(steps.max(), steps.min() + 1)))
+    norm = mpl.colors.Normalize(
+        vmin=float(steps.min()), vmax=float(max(steps.max(), steps.min() + 1))
+    )
     cmap = S.plt.get_cmap("viridis")
     L = int(chosen["n_layer"].iloc[0])
     for r, arch in enumerate(archs):
@@ -57,9 +63,20 @@ def dynamics(tables: dict, ctx: S.Context):
             sub = _series(dyn, run["run_id"], quantity, L)
             for step, g in sub.groupby("step"):
                 g = g.sort_values("index")
-                ax.plot(g["index"], g["value"], color=cmap(norm(step)), marker=".", markersize=3, linewidth=1)
+                ax.plot(
+                    g["index"],
+                    g["value"],
+                    color=cmap(norm(step)),
+                    marker=".",
+                    markersize=3,
+                    linewidth=1,
+                )
             if sub.empty:
-                S.note(ax, f"no {quantity} values" + (" (h_l not on the gradient path)" if quantity == "grad_norm_h" else ""))
+                S.note(
+                    ax,
+                    f"no {quantity} values"
+                    + (" (h_l not on the gradient path)" if quantity == "grad_norm_h" else ""),
+                )
             elif scale == "log" and (sub["value"] > 0).all():
                 ax.set_yscale("log")
             if quantity == "norm_factor" and not sub.empty:
@@ -68,7 +85,14 @@ def dynamics(tables: dict, ctx: S.Context):
             ax.set_ylabel(ylabel, fontsize=S.FONT["tick"])
             ax.set_xlabel("layer l" + (" (L+1: final norm)" if quantity == "norm_factor" else ""))
             ax.grid(alpha=0.3)
-    fig.colorbar(mpl.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes, shrink=0.6, label="optimizer step")
+    fig.colorbar(
+        mpl.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes, shrink=0.6, label="optimizer step"
+    )
     d = int(chosen["d_model"].iloc[0])
-    S.title(fig, ctx, "training dynamics per layer over training", f"deepest shape L={L}, d={d}, best LR per architecture")
+    S.title(
+        fig,
+        ctx,
+        "training dynamics per layer over training",
+        f"deepest shape L={L}, d={d}, best LR per architecture",
+    )
     return fig

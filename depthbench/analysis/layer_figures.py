@@ -16,7 +16,9 @@ def _per_layer(ax, data: pd.DataFrame, L: int, first: int = 0) -> dict:
     """One line per architecture of value against layer i (i >= first) at depth L."""
     curves = {}
     for arch in R.archs(data):
-        g = data[(data["arch"] == arch) & (data["n_layer"] == L) & (data["i"] >= first)].sort_values("i")
+        g = data[
+            (data["arch"] == arch) & (data["n_layer"] == L) & (data["i"] >= first)
+        ].sort_values("i")
         if not g.empty:
             ax.plot(g["i"], g["value"], label=arch, **S.arch_style(arch))
             curves[arch] = g.set_index("i")["value"]
@@ -39,20 +41,33 @@ def usefulness(tables: dict, ctx: S.Context):
     threshold = ctx.thresholds["usefulness_threshold"]
     for ax, (L, d) in zip(axes, shapes):
         _per_layer(ax, data, L, first=1)
-        ax.axhline(threshold, color="firebrick", linestyle="--", linewidth=1, label=f"threshold {threshold}")
+        ax.axhline(
+            threshold,
+            color="firebrick",
+            linestyle="--",
+            linewidth=1,
+            label=f"threshold {threshold}",
+        )
         ax.axhline(1.0, color="0.5", linewidth=0.8)
         ax.set_title(f"L={L}, d={d}")
         ax.set_xlabel("layer l replaced by its affine fit")
     axes[0].set_ylabel("r_l = loss_affine / loss")
     S.legend(axes[-1])
-    missing = sorted(set(tables.get("probes", pd.DataFrame()).get("arch", pd.Series(dtype=str)).unique()) - set(data["arch"]))
+    missing = sorted(
+        set(tables.get("probes", pd.DataFrame()).get("arch", pd.Series(dtype=str)).unique())
+        - set(data["arch"])
+    )
     if missing:
         S.fig_note(fig, f"not defined for {', '.join(missing)} (no usefulness rows)")
     S.title(fig, ctx, "usefulness: per-layer ratio r_l (above the red line: layer useful)")
     return fig
 
 
-STAGES = (("init", "at init"), ("init_no_prefix_avg", "at init, prefix-average part removed"), ("trained", "trained"))
+STAGES = (
+    ("init", "at init"),
+    ("init_no_prefix_avg", "at init, prefix-average part removed"),
+    ("trained", "trained"),
+)
 
 
 def _stages_figure(tables: dict, ctx: S.Context, probe: str, ylabel: str, what: str):
@@ -73,16 +88,30 @@ def _stages_figure(tables: dict, ctx: S.Context, probe: str, ylabel: str, what: 
         ax.set_xlabel("layer l (h_l)")
     axes[0].set_ylabel(ylabel)
     S.legend(axes[0])
-    d = int(present[0].loc[present[0]["n_layer"] == L, "d_model"].iloc[0]) if (present[0]["n_layer"] == L).any() else None
+    d = (
+        int(present[0].loc[present[0]["n_layer"] == L, "d_model"].iloc[0])
+        if (present[0]["n_layer"] == L).any()
+        else None
+    )
     S.title(fig, ctx, what, f"deepest shape L={L}" + (f", d={d}" if d else ""))
     return fig
 
 
 def token_similarity(tables: dict, ctx: S.Context):
-    return _stages_figure(tables, ctx, "token_similarity", "mean pairwise cosine of tokens\n(within a sequence)",
-                          "token similarity per layer")
+    return _stages_figure(
+        tables,
+        ctx,
+        "token_similarity",
+        "mean pairwise cosine of tokens\n(within a sequence)",
+        "token similarity per layer",
+    )
 
 
 def effective_rank(tables: dict, ctx: S.Context):
-    return _stages_figure(tables, ctx, "effective_rank", "effective rank of the token matrix\n(Roy-Vetterli)",
-                          "effective rank per layer")
+    return _stages_figure(
+        tables,
+        ctx,
+        "effective_rank",
+        "effective rank of the token matrix\n(Roy-Vetterli)",
+        "effective rank per layer",
+    )

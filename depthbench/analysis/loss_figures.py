@@ -11,7 +11,9 @@ from depthbench.analysis import style as S
 WHAT_HEADLINE = "validation loss at the best LR vs shape (fixed budget)"
 
 
-def _budget_deviation(best: pd.DataFrame, runs: pd.DataFrame, budget: float | None) -> pd.Series | None:
+def _budget_deviation(
+    best: pd.DataFrame, runs: pd.DataFrame, budget: float | None
+) -> pd.Series | None:
     """Relative parameter deviation from the budget per best_lr row: the table's column
     `params_vs_budget` when present, else params / budget - 1 (the config's budget)."""
     if "params_vs_budget" in best.columns:
@@ -28,7 +30,10 @@ def _removable_by_shape(depth: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     if "is_best_lr" in depth.columns:
         depth = R.first_seed(depth[depth["is_best_lr"].fillna(False).astype(bool)])
-    ranked = depth[(depth["ranking"] != "random") & (depth["status"] != "pretrained" if "status" in depth else True)]
+    ranked = depth[
+        (depth["ranking"] != "random")
+        & (depth["status"] != "pretrained" if "status" in depth else True)
+    ]
     return ranked.groupby(["arch", "knobs", "ratio"], as_index=False)["effective_fraction"].max()
 
 
@@ -39,50 +44,92 @@ def headline(tables: dict, ctx: S.Context):
     ranking); bottom: budget deviation."""
     best, runs = tables.get("best_lr", pd.DataFrame()), tables.get("runs", pd.DataFrame())
     if not R.has(best, "arch", "ratio", "final_val_loss"):
-        why = "no run finished without diverging" if R.has(runs, "status") else "no runs in the tables"
+        why = (
+            "no run finished without diverging"
+            if R.has(runs, "status")
+            else "no runs in the tables"
+        )
         return S.message_figure(ctx, WHAT_HEADLINE, why)
     removable = _removable_by_shape(tables.get("effective_depth", pd.DataFrame()))
     if removable.empty:
-        fig, (ax, dev_ax) = S.panels(2, ctx, cols=1, scale=1.0, gridspec_kw={"height_ratios": [3, 1]}, sharex=True)
+        fig, (ax, dev_ax) = S.panels(
+            2, ctx, cols=1, scale=1.0, gridspec_kw={"height_ratios": [3, 1]}, sharex=True
+        )
     else:
-        fig, (ax, rem_ax, dev_ax) = S.panels(3, ctx, cols=1, scale=1.15, gridspec_kw={"height_ratios": [3, 1.2, 1]},
-                                             sharex=True)
-        rem_curves = {S.label(arch, knobs): (arch, g.sort_values("ratio").set_index("ratio")["effective_fraction"])
-                      for (arch, knobs), g in removable.groupby(["arch", "knobs"], sort=False)}
+        fig, (ax, rem_ax, dev_ax) = S.panels(
+            3, ctx, cols=1, scale=1.15, gridspec_kw={"height_ratios": [3, 1.2, 1]}, sharex=True
+        )
+        rem_curves = {
+            S.label(arch, knobs): (
+                arch,
+                g.sort_values("ratio").set_index("ratio")["effective_fraction"],
+            )
+            for (arch, knobs), g in removable.groupby(["arch", "knobs"], sort=False)
+        }
         rem_groups = S.coinciding({name: c for name, (_, c) in rem_curves.items()})
         for name, (arch, c) in rem_curves.items():  # coinciding curves nest their markers, as below
             st = S.arch_style(arch)
             rank = next((g.index(name) for g in rem_groups if name in g), 0)
-            rem_ax.plot(c.index, c.values, **{**st, "markersize": st["markersize"] * (1.9 - 0.55 * rank)})
+            rem_ax.plot(
+                c.index, c.values, **{**st, "markersize": st["markersize"] * (1.9 - 0.55 * rank)}
+            )
         tolerance = ctx.thresholds.get("removal_tolerance", 0.05)
         rem_ax.set_ylabel(f"layers removable\nwithin {tolerance:.0%} (fraction)")
         rem_ax.set_ylim(-0.05, 1.0)
         rem_ax.grid(alpha=0.3)
     deviation = _budget_deviation(best, runs, ctx.budget)
     curves, dev_curves = {}, {}
-    for arch, knobs in best[["arch", "knobs"]].drop_duplicates().sort_values("arch", key=lambda a: a.map(R.archs(best).index)).itertuples(index=False):
+    for arch, knobs in (
+        best[["arch", "knobs"]]
+        .drop_duplicates()
+        .sort_values("arch", key=lambda a: a.map(R.archs(best).index))
+        .itertuples(index=False)
+    ):
         g = best[(best["arch"] == arch) & (best["knobs"] == knobs)].sort_values("ratio")
         st, name = S.arch_style(arch), S.label(arch, knobs)
         std = g["final_val_loss_std"].fillna(0.0) if "final_val_loss_std" in g.columns else None
         ax.errorbar(g["ratio"], g["final_val_loss"], yerr=std, label=name, capsize=3, **st)
         if "lr_at_edge" in g.columns:
             edge = g[g["lr_at_edge"].fillna(False).astype(bool)]
-            ax.scatter(edge["ratio"], edge["final_val_loss"], s=120, facecolors="none", edgecolors=st["color"], linewidths=1.5)
+            ax.scatter(
+                edge["ratio"],
+                edge["final_val_loss"],
+                s=120,
+                facecolors="none",
+                edgecolors=st["color"],
+                linewidths=1.5,
+            )
         curves[name] = g.set_index("ratio")["final_val_loss"]
         if deviation is not None:
-            dev_curves[name] = (st, pd.Series(100 * deviation[g.index].to_numpy(), index=g["ratio"].to_numpy()))
+            dev_curves[name] = (
+                st,
+                pd.Series(100 * deviation[g.index].to_numpy(), index=g["ratio"].to_numpy()),
+            )
     # Architectures of equal shapes have equal deviations: each later one of a coinciding group
     # is drawn with a smaller marker over the earlier, so every colour stays visible.
     dev_groups = S.coinciding({name: c for name, (_, c) in dev_curves.items()})
     for name, (st, c) in dev_curves.items():
         rank = next((g.index(name) for g in dev_groups if name in g), 0)
-        dev_ax.plot(c.index, c.values, linestyle=":", **{**st, "markersize": st["markersize"] * (1.9 - 0.55 * rank)})
+        dev_ax.plot(
+            c.index,
+            c.values,
+            linestyle=":",
+            **{**st, "markersize": st["markersize"] * (1.9 - 0.55 * rank)},
+        )
     S.floor_line(ax, R.unigram_floor(runs))
     ax.set_ylabel("validation loss at best LR\n(nats/token)")
     ax.grid(alpha=0.3)
-    extra = "open circle: best LR at the edge of the swept LRs" if "lr_at_edge" in best.columns else "LR-at-edge not in best_lr table"
+    extra = (
+        "open circle: best LR at the edge of the swept LRs"
+        if "lr_at_edge" in best.columns
+        else "LR-at-edge not in best_lr table"
+    )
     n_seeds = int(best["n_seeds"].max()) if "n_seeds" in best.columns else 0
-    seeds = f"bars: +-1 std over {n_seeds} seeds" if n_seeds > 1 else ("one seed: no spread to draw" if n_seeds == 1 else "")
+    seeds = (
+        f"bars: +-1 std over {n_seeds} seeds"
+        if n_seeds > 1
+        else ("one seed: no spread to draw" if n_seeds == 1 else "")
+    )
     ax.set_title("; ".join(p for p in (extra, seeds) if p), fontsize=S.FONT["label"])
     S.legend(ax, ncol=2 if len(curves) > 5 else 1)
     if deviation is None:
@@ -94,11 +141,17 @@ def headline(tables: dict, ctx: S.Context):
     dev_ax.set_xlabel("d_model / n_layer (log scale; deeper and narrower to the left)")
     notes = [S.coincide_text(g) for g in (S.coinciding(curves),) if g]
     if dev_groups:  # equal shapes, not a drawing accident: say so under the budget panel
-        notes.append("budget panel: " + "; ".join(" = ".join(g) for g in dev_groups)
-                     + " have the same shapes (nested markers)")
+        notes.append(
+            "budget panel: "
+            + "; ".join(" = ".join(g) for g in dev_groups)
+            + " have the same shapes (nested markers)"
+        )
     if not removable.empty and rem_groups:
-        notes.append("removal panel: " + "; ".join(" = ".join(g) for g in rem_groups)
-                     + " can lose the same fraction of layers (nested markers)")
+        notes.append(
+            "removal panel: "
+            + "; ".join(" = ".join(g) for g in rem_groups)
+            + " can lose the same fraction of layers (nested markers)"
+        )
     if notes:
         S.fig_note(fig, "\n".join(notes))
     S.title(fig, ctx, WHAT_HEADLINE)
@@ -143,7 +196,11 @@ def loss_curves(tables: dict, ctx: S.Context):
     runs, best, curves = (tables.get(k, pd.DataFrame()) for k in ("runs", "best_lr", "curves"))
     chosen = R.first_seed(R.best_runs(runs, best))
     if chosen.empty or not R.has(curves, "run_id", "tokens"):
-        why = "no run finished without diverging" if R.has(runs, "status") else "no runs or curves in the tables"
+        why = (
+            "no run finished without diverging"
+            if R.has(runs, "status")
+            else "no runs or curves in the tables"
+        )
         return S.message_figure(ctx, "training and validation loss", why)
     archs = R.archs(chosen)
     fig, axes = S.panels(len(archs), ctx, cols=3, sharey=True)
@@ -156,8 +213,15 @@ def loss_curves(tables: dict, ctx: S.Context):
             tr = c.dropna(subset=["train_loss"]) if "train_loss" in c else c.iloc[0:0]
             ax.plot(tr["tokens"], tr["train_loss"], color=color, linewidth=0.8, alpha=0.6)
             va = c.dropna(subset=["val_loss"]) if "val_loss" in c else c.iloc[0:0]
-            ax.plot(va["tokens"], va["val_loss"], color=color, marker="o", markersize=4, linewidth=1.5,
-                    label=f"L={row.n_layer}, d={row.d_model}, LR {row.lr:g}")
+            ax.plot(
+                va["tokens"],
+                va["val_loss"],
+                color=color,
+                marker="o",
+                markersize=4,
+                linewidth=1.5,
+                label=f"L={row.n_layer}, d={row.d_model}, LR {row.lr:g}",
+            )
         S.floor_line(ax, R.unigram_floor(runs))
         ax.set_title(arch)
         ax.set_xlabel("training tokens")

@@ -13,17 +13,29 @@ def nll_vs_ratio(tables: dict, ctx: S.Context):
     """One panel per domain, one line per architecture (seeds averaged)."""
     nll = tables.get("nll", pd.DataFrame())
     if not R.has(nll, "level", "domain", "bits_per_byte", "is_best_lr"):
-        return S.message_figure(ctx, "teacher-forced NLL by domain", "no NLL rows (nll disabled or no runs)")
-    data = nll[(nll["level"] == "domain") & nll["is_best_lr"].fillna(False).astype(bool) & (nll["status"] == "ok")]
+        return S.message_figure(
+            ctx, "teacher-forced NLL by domain", "no NLL rows (nll disabled or no runs)"
+        )
+    data = nll[
+        (nll["level"] == "domain")
+        & nll["is_best_lr"].fillna(False).astype(bool)
+        & (nll["status"] == "ok")
+    ]
     if data.empty:
-        return S.message_figure(ctx, "teacher-forced NLL by domain", "no NLL rows of a run that did not diverge")
+        return S.message_figure(
+            ctx, "teacher-forced NLL by domain", "no NLL rows of a run that did not diverge"
+        )
     domains = sorted(data["domain"].unique())
     fig, axes = S.panels(len(domains), ctx, cols=3)
     for ax, domain in zip(axes, domains):
         part = data[data["domain"] == domain]
-        for (arch, knobs), g in sorted(part.groupby(["arch", "knobs"]), key=lambda kv: R.archs(part).index(kv[0][0])):
+        for (arch, knobs), g in sorted(
+            part.groupby(["arch", "knobs"]), key=lambda kv: R.archs(part).index(kv[0][0])
+        ):
             g = g.groupby("ratio", as_index=False)["bits_per_byte"].mean().sort_values("ratio")
-            ax.plot(g["ratio"], g["bits_per_byte"], label=S.label(arch, knobs), **S.arch_style(arch))
+            ax.plot(
+                g["ratio"], g["bits_per_byte"], label=S.label(arch, knobs), **S.arch_style(arch)
+            )
         S.log_ticks(ax, part["ratio"].round(1))
         n_docs = f" ({int(part['n_docs'].iloc[0])} docs)" if "n_docs" in part else ""
         ax.set_title(f"{domain}{n_docs}")

@@ -26,8 +26,15 @@ def _angular(tables: dict, ctx: S.Context, probe: str, what: str):
     im = None
     for ax, arch, L, rows in cells:
         M = R.matrix(rows, (L + 1, L + 1))[:L, 1:]  # l = 0..L-1, k = 1..L
-        im = ax.imshow(M.T, origin="lower", aspect="auto", vmin=0, vmax=vmax, cmap="viridis",
-                       extent=(-0.5, L - 0.5, 0.5, L + 0.5))
+        im = ax.imshow(
+            M.T,
+            origin="lower",
+            aspect="auto",
+            vmin=0,
+            vmax=vmax,
+            cmap="viridis",
+            extent=(-0.5, L - 0.5, 0.5, L + 0.5),
+        )
         ax.set_title(f"{arch}, L={L}, d={int(rows['d_model'].iloc[0])}")
         step = max(1, L // 4)
         ax.set_xticks(range(0, L, step))
@@ -61,7 +68,9 @@ def angular_adjacent(tables: dict, ctx: S.Context):
         for arch in R.archs(last):
             st = S.arch_style(arch)
             for data, ls, lab in ((last, "-", arch), (allt, "--", None)):
-                g = data[(data["arch"] == arch) & (data["n_layer"] == L) & (data["j"] == 1)].sort_values("i")
+                g = data[
+                    (data["arch"] == arch) & (data["n_layer"] == L) & (data["j"] == 1)
+                ].sort_values("i")
                 ax.plot(g["i"], g["value"], linestyle=ls, label=lab, **st)
         ax.set_title(f"L={L}, d={d}")
         ax.set_xlabel("layer l (pair h_l, h_l+1)")
@@ -73,14 +82,20 @@ def angular_adjacent(tables: dict, ctx: S.Context):
     return fig
 
 
-def _score_matrices(tables: dict, ctx: S.Context, probe: str, key: str, what: str, axes_names: tuple[str, str]):
+def _score_matrices(
+    tables: dict, ctx: S.Context, probe: str, key: str, what: str, axes_names: tuple[str, str]
+):
     """One score matrix per architecture at the deepest shape (or figures.matrix_n_layer), the
     last-3/4 block outlined, and cells above the threshold dotted."""
     data = R.probe(tables.get("probes", pd.DataFrame()), probe)
     if ctx.matrix_n_layer and not data.empty:
         if not (data["n_layer"] == ctx.matrix_n_layer).any():
-            return S.message_figure(ctx, what, f"no trained run at figures.matrix_n_layer = {ctx.matrix_n_layer} "
-                                    f"(depths with rows: {sorted(data['n_layer'].unique().tolist())})")
+            return S.message_figure(
+                ctx,
+                what,
+                f"no trained run at figures.matrix_n_layer = {ctx.matrix_n_layer} "
+                f"(depths with rows: {sorted(data['n_layer'].unique().tolist())})",
+            )
         data = data[data["n_layer"] == ctx.matrix_n_layer]
     data = R.deepest(data)
     if data.empty:
@@ -93,37 +108,67 @@ def _score_matrices(tables: dict, ctx: S.Context, probe: str, key: str, what: st
     im = None
     for ax, arch in zip(axes, archs):
         M = R.matrix(data[data["arch"] == arch], (L + 1, L + 1))[1:, 1:]
-        im = ax.imshow(M, origin="lower", cmap="magma", vmin=0, vmax=vmax, extent=(0.5, L + 0.5, 0.5, L + 0.5))
+        im = ax.imshow(
+            M, origin="lower", cmap="magma", vmin=0, vmax=vmax, extent=(0.5, L + 0.5, 0.5, L + 0.5)
+        )
         ys, xs = np.nonzero(np.nan_to_num(M) > threshold)
         ax.scatter(xs + 1, ys + 1, s=6, c="cyan", marker=".")
         q = L // 4 + 0.5  # the last 3/4 of depth: layers l > L/4
-        ax.add_patch(S.plt.Rectangle((q, q), L + 0.5 - q, L + 0.5 - q, fill=False, ec="lime", lw=1.2, ls="--"))
+        ax.add_patch(
+            S.plt.Rectangle(
+                (q, q), L + 0.5 - q, L + 0.5 - q, fill=False, ec="lime", lw=1.2, ls="--"
+            )
+        )
         ax.set_title(arch)
         ax.set_xlabel(axes_names[1])
         ax.set_ylabel(axes_names[0])
         ticks = range(1, L + 1, max(1, L // 4))
         ax.set_xticks(ticks)
         ax.set_yticks(ticks)
-    fig.colorbar(im, ax=axes, shrink=0.8, label=f"{what.split(' ')[0]} score (cyan dots: > {threshold})")
-    S.title(fig, ctx, f"{what}; green dashed: last 3/4 of depth", f"L={L}, d={d}" + ("" if ctx.matrix_n_layer else " (deepest shape)"))
+    fig.colorbar(
+        im, ax=axes, shrink=0.8, label=f"{what.split(' ')[0]} score (cyan dots: > {threshold})"
+    )
+    S.title(
+        fig,
+        ctx,
+        f"{what}; green dashed: last 3/4 of depth",
+        f"L={L}, d={d}" + ("" if ctx.matrix_n_layer else " (deepest shape)"),
+    )
     return fig
 
 
 def causal_matrix(tables: dict, ctx: S.Context):
-    return _score_matrices(tables, ctx, "causal_score", "causal_threshold", "causal score C(s, l)",
-                           ("skipped layer s", "layer l (l > s)"))
+    return _score_matrices(
+        tables,
+        ctx,
+        "causal_score",
+        "causal_threshold",
+        "causal score C(s, l)",
+        ("skipped layer s", "layer l (l > s)"),
+    )
 
 
 def permutation_matrix(tables: dict, ctx: S.Context):
-    return _score_matrices(tables, ctx, "permutation_score", "permutation_threshold",
-                           "permutation score P(a, b)", ("layer a", "layer b (b > a)"))
+    return _score_matrices(
+        tables,
+        ctx,
+        "permutation_score",
+        "permutation_threshold",
+        "permutation score P(a, b)",
+        ("layer a", "layer b (b > a)"),
+    )
 
 
 def probe_shares(tables: dict, ctx: S.Context):
     """Share of layer pairs in the last 3/4 of depth above threshold, against depth."""
     probes = tables.get("probes", pd.DataFrame())
-    parts = [(R.probe(probes, p), k, lab) for p, k, lab in (
-        ("causal_share", "causal_threshold", "causal score"), ("permutation_share", "permutation_threshold", "permutation score"))]
+    parts = [
+        (R.probe(probes, p), k, lab)
+        for p, k, lab in (
+            ("causal_share", "causal_threshold", "causal score"),
+            ("permutation_share", "permutation_threshold", "permutation score"),
+        )
+    ]
     if all(p[0].empty for p in parts):
         return S.message_figure(ctx, "causal and permutation shares vs depth", NO_PROBES)
     fig, axes = S.panels(2, ctx, cols=2)
@@ -163,8 +208,14 @@ def logit_lens(tables: dict, ctx: S.Context):
     cols = len(shapes)
     # each panel its own cross-entropy scale: a pretrained model's embedding read through its
     # head can sit at 100 nats, which would flatten every other curve of a shared axis
-    fig, axes = S.plt.subplots(2, cols, figsize=(max(ctx.width, ctx.width * 0.55 * cols), ctx.height * 1.5),
-                               squeeze=False, sharex=True, layout="constrained")
+    fig, axes = S.plt.subplots(
+        2,
+        cols,
+        figsize=(max(ctx.width, ctx.width * 0.55 * cols), ctx.height * 1.5),
+        squeeze=False,
+        sharex=True,
+        layout="constrained",
+    )
     for c, (L, d) in enumerate(shapes):
         top, bottom = axes[0][c], axes[1][c]
         for arch in R.archs(ce):
@@ -187,6 +238,8 @@ def logit_lens(tables: dict, ctx: S.Context):
     for ax in axes[0]:  # every architecture once, whichever panels it appears in
         for handle, label in zip(*ax.get_legend_handles_labels()):
             legend.setdefault(label, handle)
-    fig.legend(list(legend.values()), list(legend), loc="outside right center", fontsize=S.FONT["legend"])
+    fig.legend(
+        list(legend.values()), list(legend), loc="outside right center", fontsize=S.FONT["legend"]
+    )
     S.title(fig, ctx, what)
     return fig

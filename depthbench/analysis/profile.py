@@ -12,8 +12,19 @@ import pandas as pd
 
 from depthbench.analysis import readers as R
 
-COLUMNS = ["arch", "n_layer", "d_model", "status", "removable", "best_ranking", "random_removable", "causal_share",
-           "permutation_share", "late_angular_distance", "lens_half_agreement"]
+COLUMNS = [
+    "arch",
+    "n_layer",
+    "d_model",
+    "status",
+    "removable",
+    "best_ranking",
+    "random_removable",
+    "causal_share",
+    "permutation_share",
+    "late_angular_distance",
+    "lens_half_agreement",
+]
 
 
 def layer_profile(probes: pd.DataFrame, effective_depth: pd.DataFrame) -> pd.DataFrame:
@@ -25,16 +36,24 @@ def layer_profile(probes: pd.DataFrame, effective_depth: pd.DataFrame) -> pd.Dat
     rows: dict[tuple, dict] = {}
 
     def row(r) -> dict:
-        key = (r["arch"], int(r["n_layer"]), int(r["d_model"]) if r["d_model"] == r["d_model"] else -1)
-        return rows.setdefault(key, {"arch": key[0], "n_layer": key[1], "d_model": key[2],
-                                     "status": r.get("status", "ok")})
+        key = (
+            r["arch"],
+            int(r["n_layer"]),
+            int(r["d_model"]) if r["d_model"] == r["d_model"] else -1,
+        )
+        return rows.setdefault(
+            key,
+            {"arch": key[0], "n_layer": key[1], "d_model": key[2], "status": r.get("status", "ok")},
+        )
 
     if R.has(effective_depth, "arch", "n_layer", "d_model", "ranking", "effective_fraction"):
         depth = effective_depth
         if "is_best_lr" in depth.columns:
             depth = R.first_seed(depth[depth["is_best_lr"].fillna(False).astype(bool)])
         for _, g in depth.groupby(["arch", "n_layer", "d_model"], sort=False):
-            ranked = g[g["ranking"] != "random"].sort_values(["effective_fraction", "ranking"], ascending=[False, True])
+            ranked = g[g["ranking"] != "random"].sort_values(
+                ["effective_fraction", "ranking"], ascending=[False, True]
+            )
             out = row(g.iloc[0])
             if not ranked.empty:
                 out["removable"] = float(ranked["effective_fraction"].iloc[0])
@@ -60,27 +79,63 @@ def layer_profile(probes: pd.DataFrame, effective_depth: pd.DataFrame) -> pd.Dat
                 row(g.iloc[0])["lens_half_agreement"] = float(half.iloc[0])
     table = pd.DataFrame(list(rows.values()), columns=COLUMNS)
     order = R.archs(table)
-    return table.sort_values(["status", "arch", "n_layer"], key=lambda c: c.map(order.index) if c.name == "arch" else c,
-                             ignore_index=True)
+    return table.sort_values(
+        ["status", "arch", "n_layer"],
+        key=lambda c: c.map(order.index) if c.name == "arch" else c,
+        ignore_index=True,
+    )
 
 
 def layer_profile_html(profile: pd.DataFrame, tolerance: float) -> str:
     if profile.empty:
         return "<p>No layer profile: probes disabled, or every run diverged.</p>"
-    head = ["model", "L", "d", f"removable ({tolerance:.0%} tol.)", "random", "causal share", "perm. share", "late d(l,l+1)",
-            "lens top-1 at L/2"]
+    head = [
+        "model",
+        "L",
+        "d",
+        f"removable ({tolerance:.0%} tol.)",
+        "random",
+        "causal share",
+        "perm. share",
+        "late d(l,l+1)",
+        "lens top-1 at L/2",
+    ]
 
     def num(v, fmt="{:.2f}") -> str:
         return fmt.format(v) if isinstance(v, float) and not np.isnan(v) else "-"
 
     rows = []
     for r in profile.to_dict("records"):
-        model = html.escape(r["arch"]) + (" <i>(pretrained)</i>" if r["status"] == "pretrained" else "")
-        removable = num(r["removable"]) + (f' <span class="small">{html.escape(r["best_ranking"])}</span>'
-                                          if isinstance(r["best_ranking"], str) else "")
-        cells = [model, r["n_layer"], r["d_model"] if r["d_model"] >= 0 else "-", removable, num(r["random_removable"]),
-                 num(r["causal_share"]), num(r["permutation_share"]), num(r["late_angular_distance"], "{:.3f}"),
-                 num(r["lens_half_agreement"])]
-        rows.append("<tr>" + "".join(f'<td class="num">{c}</td>' if i else f"<td>{c}</td>" for i, c in enumerate(cells))
-                    + "</tr>")
-    return "<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>" + "".join(rows) + "</table>"
+        model = html.escape(r["arch"]) + (
+            " <i>(pretrained)</i>" if r["status"] == "pretrained" else ""
+        )
+        removable = num(r["removable"]) + (
+            f' <span class="small">{html.escape(r["best_ranking"])}</span>'
+            if isinstance(r["best_ranking"], str)
+            else ""
+        )
+        cells = [
+            model,
+            r["n_layer"],
+            r["d_model"] if r["d_model"] >= 0 else "-",
+            removable,
+            num(r["random_removable"]),
+            num(r["causal_share"]),
+            num(r["permutation_share"]),
+            num(r["late_angular_distance"], "{:.3f}"),
+            num(r["lens_half_agreement"]),
+        ]
+        rows.append(
+            "<tr>"
+            + "".join(
+                f'<td class="num">{c}</td>' if i else f"<td>{c}</td>" for i, c in enumerate(cells)
+            )
+            + "</tr>"
+        )
+    return (
+        "<table><tr>"
+        + "".join(f"<th>{h}</th>" for h in head)
+        + "</tr>"
+        + "".join(rows)
+        + "</table>"
+    )

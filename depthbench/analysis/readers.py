@@ -53,12 +53,16 @@ def first_seed(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["seed"] == lowest]
 
 
-def probe(probes: pd.DataFrame, name: str, stage: str = "trained", best_only: bool = True) -> pd.DataFrame:
+def probe(
+    probes: pd.DataFrame, name: str, stage: str = "trained", best_only: bool = True
+) -> pd.DataFrame:
     """Rows of one probe at one stage, one run per (arch, shape, knobs): the best-LR run (first
     seed) of trained rows. At init the learning rate plays no part, and diverged runs have init
     rows too, so init stages (and best_only=False) take the lowest-LR run, first seed."""
     if not has(probes, "probe", "stage", "value", *SHAPE_KEYS):
-        return pd.DataFrame(columns=["run_id", "probe", "stage", "i", "j", "value", *SHAPE_KEYS, "seed", "lr"])
+        return pd.DataFrame(
+            columns=["run_id", "probe", "stage", "i", "j", "value", *SHAPE_KEYS, "seed", "lr"]
+        )
     sub = probes[(probes["probe"] == name) & (probes["stage"] == stage)]
     if best_only and stage == "trained" and "is_best_lr" in sub.columns:
         return first_seed(sub[sub["is_best_lr"].fillna(False).astype(bool)])
@@ -92,7 +96,9 @@ def shapes(df: pd.DataFrame) -> list[tuple[int, str]]:
     out = []
     for n_layer, group in df.groupby("n_layer", sort=True):
         widths = sorted(int(d) for d in group["d_model"].dropna().unique())
-        out.append((int(n_layer), str(widths[0]) if len(widths) == 1 else f"{widths[0]}-{widths[-1]}"))
+        out.append(
+            (int(n_layer), str(widths[0]) if len(widths) == 1 else f"{widths[0]}-{widths[-1]}")
+        )
     return out
 
 
@@ -113,13 +119,21 @@ def grid_line(config: dict) -> str:
     lrs = ",".join(f"{v:g}" for v in config.get("learning_rates", []))
     by_arch = config.get("learning_rates_by_arch") or {}
     if by_arch:  # several grids: their span, and that they differ (the LR table has each cell's)
-        every = [float(v) for v in config.get("learning_rates", [])] + [float(v) for lrs_ in by_arch.values() for v in lrs_]
+        every = [float(v) for v in config.get("learning_rates", [])] + [
+            float(v) for lrs_ in by_arch.values() for v in lrs_
+        ]
         lrs = f"{min(every):g}..{max(every):g} per architecture"
     seeds = ",".join(str(s) for s in config.get("seeds", [0]))
-    parts = [f"budget {budget:.3g} params" if budget else "", f"L = {depths}" if depths else "",
-             f"LR {lrs}" if lrs else "", f"seeds {seeds}"]
+    parts = [
+        f"budget {budget:.3g} params" if budget else "",
+        f"L = {depths}" if depths else "",
+        f"LR {lrs}" if lrs else "",
+        f"seeds {seeds}",
+    ]
     line = "; ".join(p for p in parts if p)
-    pretrained = [p["name"] if isinstance(p, dict) else str(p) for p in config.get("pretrained") or []]
+    pretrained = [
+        p["name"] if isinstance(p, dict) else str(p) for p in config.get("pretrained") or []
+    ]
     if pretrained:  # the budget, depths and LRs are the trained grid's, not the pretrained models'
         line = f"trained: {line}; pretrained: {', '.join(pretrained)}"
     return line

@@ -45,16 +45,32 @@ def _verdict_class(v: str) -> str:
 def claims_html(claims: pd.DataFrame, full: bool = False) -> str:
     if claims.empty:
         return "<p>No claims table.</p>"
-    head = ["claim", "paper", "ours", "verdict"] + (["how ours is computed", "source", "note"] if full else [])
+    head = ["claim", "paper", "ours", "verdict"] + (
+        ["how ours is computed", "source", "note"] if full else []
+    )
     rows = []
     for r in claims.itertuples():
-        cells = [f"<b>({r.claim_id[0]})</b> {html.escape(r.claim)}",
-                 html.escape(r.paper), html.escape(r.ours or "-"),
-                 html.escape(r.verdict) + (f'<div class="small">{html.escape(r.note)}</div>' if r.note and not full else "")]
+        cells = [
+            f"<b>({r.claim_id[0]})</b> {html.escape(r.claim)}",
+            html.escape(r.paper),
+            html.escape(r.ours or "-"),
+            html.escape(r.verdict)
+            + (f'<div class="small">{html.escape(r.note)}</div>' if r.note and not full else ""),
+        ]
         if full:
             cells += [html.escape(r.method), html.escape(r.source), html.escape(r.note or "")]
-        rows.append(f'<tr class="{_verdict_class(r.verdict)}">' + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-    return "<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>" + "".join(rows) + "</table>"
+        rows.append(
+            f'<tr class="{_verdict_class(r.verdict)}">'
+            + "".join(f"<td>{c}</td>" for c in cells)
+            + "</tr>"
+        )
+    return (
+        "<table><tr>"
+        + "".join(f"<th>{h}</th>" for h in head)
+        + "</tr>"
+        + "".join(rows)
+        + "</table>"
+    )
 
 
 def best_lr_html(best: pd.DataFrame, budget: float | None) -> str:
@@ -62,24 +78,75 @@ def best_lr_html(best: pd.DataFrame, budget: float | None) -> str:
     if best.empty:
         return "<p>No best-LR table: every run diverged or none was trained.</p>"
     order = R.archs(best)
-    best = best.sort_values(["arch", "n_layer"], key=lambda c: c.map(order.index) if c.name == "arch" else c)
-    head = ["arch", "L", "d", "ratio", "params", "vs budget", "best LR", "val loss", "seeds", "LR at edge", "diverged / LRs"]
+    best = best.sort_values(
+        ["arch", "n_layer"], key=lambda c: c.map(order.index) if c.name == "arch" else c
+    )
+    head = [
+        "arch",
+        "L",
+        "d",
+        "ratio",
+        "params",
+        "vs budget",
+        "best LR",
+        "val loss",
+        "seeds",
+        "LR at edge",
+        "diverged / LRs",
+    ]
     rows = []
     for r in best.to_dict("records"):
         dev = r.get("params_vs_budget", r["params"] / budget - 1 if budget else float("nan"))
         std = r.get("final_val_loss_std", float("nan"))
         loss = f"{r['final_val_loss']:.4f}" + (f" &plusmn; {std:.4f}" if std == std else "")
         edge = r.get("lr_at_edge")
-        cells = [html.escape(r["arch"] if r["knobs"] == "{}" else f"{r['arch']} {r['knobs']}"), r["n_layer"], r["d_model"],
-                 f"{r['ratio']:.1f}", f"{int(r['params']):,}", f"{100 * dev:+.2f}%" if dev == dev else "-", f"{r['best_lr']:g}", loss,
-                 r.get("n_seeds", "-"), "yes" if edge is True else "no" if edge is False else "-",
-                 f"{r.get('n_diverged', '-')} / {r.get('n_lrs_tried', '-')}"]
-        rows.append("<tr>" + "".join(f'<td class="num">{c}</td>' if i else f"<td>{c}</td>" for i, c in enumerate(cells)) + "</tr>")
-    return "<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>" + "".join(rows) + "</table>"
+        cells = [
+            html.escape(r["arch"] if r["knobs"] == "{}" else f"{r['arch']} {r['knobs']}"),
+            r["n_layer"],
+            r["d_model"],
+            f"{r['ratio']:.1f}",
+            f"{int(r['params']):,}",
+            f"{100 * dev:+.2f}%" if dev == dev else "-",
+            f"{r['best_lr']:g}",
+            loss,
+            r.get("n_seeds", "-"),
+            "yes" if edge is True else "no" if edge is False else "-",
+            f"{r.get('n_diverged', '-')} / {r.get('n_lrs_tried', '-')}",
+        ]
+        rows.append(
+            "<tr>"
+            + "".join(
+                f'<td class="num">{c}</td>' if i else f"<td>{c}</td>" for i, c in enumerate(cells)
+            )
+            + "</tr>"
+        )
+    return (
+        "<table><tr>"
+        + "".join(f"<th>{h}</th>" for h in head)
+        + "</tr>"
+        + "".join(rows)
+        + "</table>"
+    )
 
 
 def runs_html(runs: pd.DataFrame) -> str:
-    cols = [c for c in ("run_id", "arch", "n_layer", "d_model", "params", "lr", "seed", "status", "final_val_loss", "tokens_seen", "device") if c in runs]
+    cols = [
+        c
+        for c in (
+            "run_id",
+            "arch",
+            "n_layer",
+            "d_model",
+            "params",
+            "lr",
+            "seed",
+            "status",
+            "final_val_loss",
+            "tokens_seen",
+            "device",
+        )
+        if c in runs
+    ]
     if runs.empty:
         return "<p>No runs.</p>"
     return runs[cols].to_html(index=False, float_format=lambda v: f"{v:.4g}", border=0)
@@ -99,19 +166,36 @@ def build_report(names: list[str], figure_dir: str | Path, tables: dict, setting
         fig, png = FIGURES[name], figure_dir / f"{name}.png"
         body = _img(png, name) if png.exists() else f"<p>{name}.png was not drawn.</p>"
         sections.setdefault(fig.section, []).append(
-            f'<figure id="{name}">{body}<figcaption><b>{name}.</b> {html.escape(fig.caption)}</figcaption></figure>')
+            f'<figure id="{name}">{body}<figcaption><b>{name}.</b> {html.escape(fig.caption)}</figcaption></figure>'
+        )
     nav = "".join(f'<a href="#s{i}">{html.escape(s)}</a>' for i, s in enumerate(sections))
-    profile = layer_profile(tables.get("probes", pd.DataFrame()), tables.get("effective_depth", pd.DataFrame()))
+    profile = layer_profile(
+        tables.get("probes", pd.DataFrame()), tables.get("effective_depth", pd.DataFrame())
+    )
     tolerance = settings.get("removal", {}).get("tolerance", 0.05)
-    profile_part = ("<h3>Layer profile: how much of each model's depth does work (best-LR runs and pretrained "
-                    f"models)</h3>{layer_profile_html(profile, tolerance)}")
+    profile_part = (
+        "<h3>Layer profile: how much of each model's depth does work (best-LR runs and pretrained "
+        f"models)</h3>{layer_profile_html(profile, tolerance)}"
+    )
     # the first screen holds the claims this grid can test; the rest are counted and listed in full below
-    testable = claims[~claims["verdict"].str.startswith("not testable")] if not claims.empty else claims
+    testable = (
+        claims[~claims["verdict"].str.startswith("not testable")] if not claims.empty else claims
+    )
     untested = len(claims) - len(testable)
-    claims_part = ("<h3>Claims of the source papers (sources and methods: <a href='#claims'>Claims in full</a>)</h3>"
-                   + (claims_html(testable) if not testable.empty else "<p>No claim is testable in this grid.</p>")
-                   + (f'<p class="small">{untested} more not testable in this grid (what each lacks: '
-                      "<a href='#claims'>Claims in full</a>).</p>" if untested else ""))
+    claims_part = (
+        "<h3>Claims of the source papers (sources and methods: <a href='#claims'>Claims in full</a>)</h3>"
+        + (
+            claims_html(testable)
+            if not testable.empty
+            else "<p>No claim is testable in this grid.</p>"
+        )
+        + (
+            f'<p class="small">{untested} more not testable in this grid (what each lacks: '
+            "<a href='#claims'>Claims in full</a>).</p>"
+            if untested
+            else ""
+        )
+    )
     # with pretrained models the grid's question is their profile beside the trained runs'; the
     # claims, which need a trained grid of several shapes, follow
     pretrained = "status" in runs.columns and (runs["status"] == "pretrained").any()
@@ -127,7 +211,10 @@ def build_report(names: list[str], figure_dir: str | Path, tables: dict, setting
     ]
     for i, (section, figs) in enumerate(sections.items()):
         parts.append(f'<h2 id="s{i}">{html.escape(section)}</h2>' + "".join(figs))
-    parts += [f"<h2 id='claims'>Claims in full</h2>{claims_html(claims, full=True)}", f"<h2>Runs</h2>{runs_html(runs)}",
-              '<p class="small">Tables: results/tables/*.parquet. Provenance (rules, code, logs): results/provenance.html via snakemake --report.</p>',
-              "</body></html>"]
+    parts += [
+        f"<h2 id='claims'>Claims in full</h2>{claims_html(claims, full=True)}",
+        f"<h2>Runs</h2>{runs_html(runs)}",
+        '<p class="small">Tables: results/tables/*.parquet. Provenance (rules, code, logs): results/provenance.html via snakemake --report.</p>',
+        "</body></html>",
+    ]
     return "\n".join(parts)

@@ -36,7 +36,9 @@ QUANTITIES = (
 def step_rows(probes: pd.DataFrame, name: str) -> pd.DataFrame:
     """Snapshot rows of one probe, one run per (arch, shape, knobs): the best-LR run, first seed."""
     if not R.has(probes, "probe", "stage", "step", "value", *R.SHAPE_KEYS):
-        return pd.DataFrame(columns=["run_id", "probe", "stage", "step", "i", "j", "value", *R.SHAPE_KEYS, "seed"])
+        return pd.DataFrame(
+            columns=["run_id", "probe", "stage", "step", "i", "j", "value", *R.SHAPE_KEYS, "seed"]
+        )
     sub = probes[(probes["probe"] == name) & (probes["stage"] == STAGE)]
     if "is_best_lr" in sub.columns:
         sub = sub[sub["is_best_lr"].fillna(False).astype(bool)]
@@ -51,7 +53,9 @@ def quantity_series(probes: pd.DataFrame) -> dict[str, pd.DataFrame]:
     return {
         "causal share": step_rows(probes, "causal_share")[keys + ["value"]],
         "permutation share": step_rows(probes, "permutation_share")[keys + ["value"]],
-        "adjacent angular distance": adjacent[adjacent["j"] == 1].groupby(keys, as_index=False)["value"].mean(),
+        "adjacent angular distance": adjacent[adjacent["j"] == 1]
+        .groupby(keys, as_index=False)["value"]
+        .mean(),
         "token similarity at h_L": tsim[tsim["i"] == tsim["n_layer"]][keys + ["value"]],
     }
 
@@ -79,11 +83,22 @@ def probes_over_training(tables: dict, ctx: S.Context):
             for arch in archs:
                 g = data[data["arch"] == arch].sort_values("step")
                 if not g.empty:
-                    ax.plot(g["step"].astype(float), g["value"], label=arch, linewidth=1.2, **S.arch_style(arch))
+                    ax.plot(
+                        g["step"].astype(float),
+                        g["value"],
+                        label=arch,
+                        linewidth=1.2,
+                        **S.arch_style(arch),
+                    )
                 if c == 3:
                     base = init[(init["arch"] == arch) & (init["n_layer"] == L)]["value"]
                     if not base.empty:
-                        ax.axhline(float(base.iloc[0]), color=S.arch_style(arch)["color"], linestyle=":", linewidth=1)
+                        ax.axhline(
+                            float(base.iloc[0]),
+                            color=S.arch_style(arch)["color"],
+                            linestyle=":",
+                            linewidth=1,
+                        )
             if data.empty:
                 S.note(ax, f"no {what} rows at L={L}")
                 continue
@@ -95,9 +110,21 @@ def probes_over_training(tables: dict, ctx: S.Context):
             ax.set_ylabel(ylabel.format(**ctx.thresholds), fontsize=S.FONT["tick"])
             ax.grid(alpha=0.3)
     handles = [Line2D([], [], label=a, **S.arch_style(a)) for a in archs]
-    handles.append(Line2D([], [], color="0.3", linestyle=":", label="token similarity at init (step 0)"))
-    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 6), fontsize=S.FONT["legend"])
-    S.title(fig, ctx, "probes over training (probes.at_steps)", "best LR per architecture and depth, first seed")
+    handles.append(
+        Line2D([], [], color="0.3", linestyle=":", label="token similarity at init (step 0)")
+    )
+    fig.legend(
+        handles=handles,
+        loc="outside lower center",
+        ncol=min(len(handles), 6),
+        fontsize=S.FONT["legend"],
+    )
+    S.title(
+        fig,
+        ctx,
+        "probes over training (probes.at_steps)",
+        "best LR per architecture and depth, first seed",
+    )
     return fig
 
 
@@ -121,14 +148,20 @@ def adjacent_distance_over_training(tables: dict, ctx: S.Context):
     fig, axes, cells = S.arch_depth_grid(rows, R.archs(rows), depths, ctx, "no snapshot rows")
     mesh = None
     for ax, arch, L, cell in cells:
-        M = cell.pivot_table(index="i", columns="step", values="value", aggfunc="mean").reindex(range(L))
+        M = cell.pivot_table(index="i", columns="step", values="value", aggfunc="mean").reindex(
+            range(L)
+        )
         steps = M.columns.to_numpy(dtype=float)
-        mesh = ax.pcolormesh(_edges(steps), np.arange(L + 1) - 0.5, M.to_numpy(), vmin=0, vmax=vmax, cmap="viridis")
+        mesh = ax.pcolormesh(
+            _edges(steps), np.arange(L + 1) - 0.5, M.to_numpy(), vmin=0, vmax=vmax, cmap="viridis"
+        )
         S.log_ticks(ax, steps)
         ax.set_yticks(range(0, L, max(1, L // 4)))
         ax.set_title(f"{arch}, L={L}, d={int(cell['d_model'].iloc[0])}")
         ax.set_xlabel("optimizer step (log)")
         ax.set_ylabel("layer l (pair h_l, h_l+1)")
-    fig.colorbar(mesh, ax=axes, shrink=0.8, label="d(l, l+1) = arccos(cos(h_l, h_l+1)) / pi, last token")
+    fig.colorbar(
+        mesh, ax=axes, shrink=0.8, label="d(l, l+1) = arccos(cos(h_l, h_l+1)) / pi, last token"
+    )
     S.title(fig, ctx, what, "best LR per architecture and depth, first seed")
     return fig

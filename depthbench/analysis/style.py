@@ -26,14 +26,32 @@ from depthbench.util.io import atomic_write  # noqa: E402
 
 # Fixed order of every DepthBench architecture, so an architecture keeps its colour across
 # figures and grids (a grid's own sorted list would recolour pre_ln when hc is added).
-ARCH_ORDER = ["pre_ln", "post_ln", "peri_ln", "lns", "deepnorm", "keel", "hc", "mhc",
-              "attnres_full", "attnres_block", "moda"]
+ARCH_ORDER = [
+    "pre_ln",
+    "post_ln",
+    "peri_ln",
+    "lns",
+    "deepnorm",
+    "keel",
+    "hc",
+    "mhc",
+    "attnres_full",
+    "attnres_block",
+    "moda",
+]
 COLORS = list(plt.get_cmap("tab10").colors) + ["black", "darkgoldenrod", "slategray"]
 MARKERS = "osD^v<>ph*X"
 FONT = {"title": 9, "label": 8, "tick": 7, "legend": 7, "note": 8}
-plt.rcParams.update({"font.size": FONT["label"], "axes.titlesize": FONT["title"],
-                     "axes.labelsize": FONT["label"], "xtick.labelsize": FONT["tick"],
-                     "ytick.labelsize": FONT["tick"], "legend.fontsize": FONT["legend"]})
+plt.rcParams.update(
+    {
+        "font.size": FONT["label"],
+        "axes.titlesize": FONT["title"],
+        "axes.labelsize": FONT["label"],
+        "xtick.labelsize": FONT["tick"],
+        "ytick.labelsize": FONT["tick"],
+        "legend.fontsize": FONT["legend"],
+    }
+)
 
 
 @dataclass
@@ -49,9 +67,14 @@ class Context:
     grid_line: str = ""
     budget: float | None = None
     matrix_n_layer: int | None = None  # depth of the score matrices (None: the deepest)
-    thresholds: dict = field(default_factory=lambda: {
-        "causal_threshold": 0.45, "permutation_threshold": 0.15, "usefulness_threshold": 1.1,
-        "dead_zone_threshold": 0.05})
+    thresholds: dict = field(
+        default_factory=lambda: {
+            "causal_threshold": 0.45,
+            "permutation_threshold": 0.15,
+            "usefulness_threshold": 1.1,
+            "dead_zone_threshold": 0.05,
+        }
+    )
 
 
 def arch_style(arch: str, offset: int = 0) -> dict:
@@ -70,7 +93,10 @@ def panels(n: int, ctx: Context, cols: int | None = None, scale: float = 1.0, **
     n = max(1, n)
     cols = min(n, cols or 3)
     rows = math.ceil(n / cols)
-    size = (max(ctx.width, ctx.width * 0.55 * cols) * scale, ctx.height * (0.55 + 0.45 * rows) * scale)
+    size = (
+        max(ctx.width, ctx.width * 0.55 * cols) * scale,
+        ctx.height * (0.55 + 0.45 * rows) * scale,
+    )
     fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False, layout="constrained", **kw)
     for ax in axes.flat[n:]:
         ax.set_visible(False)
@@ -80,18 +106,32 @@ def panels(n: int, ctx: Context, cols: int | None = None, scale: float = 1.0, **
 def title(fig, ctx: Context, text: str, depth: str = "") -> None:
     """Figure title: the config name and what is shown, then the grid line and depth shown."""
     second = " | ".join(p for p in (ctx.grid_line, depth) if p)
-    fig.suptitle(f"{ctx.experiment}: {text}" + (f"\n{second}" if second else ""), fontsize=FONT["title"] + 1)
+    fig.suptitle(
+        f"{ctx.experiment}: {text}" + (f"\n{second}" if second else ""), fontsize=FONT["title"] + 1
+    )
 
 
 def note(ax, text: str, y: float = 0.5) -> None:
     """A message inside a panel saying what is missing (or why lines coincide)."""
-    ax.text(0.5, y, text, transform=ax.transAxes, ha="center", va="center", fontsize=FONT["note"],
-            color="0.25", wrap=True, bbox={"boxstyle": "round", "fc": "0.95", "ec": "0.7"})
+    ax.text(
+        0.5,
+        y,
+        text,
+        transform=ax.transAxes,
+        ha="center",
+        va="center",
+        fontsize=FONT["note"],
+        color="0.25",
+        wrap=True,
+        bbox={"boxstyle": "round", "fc": "0.95", "ec": "0.7"},
+    )
 
 
 def fig_note(fig, text: str) -> None:
     """A note under the panels (e.g. which encodings coincide)."""
-    fig.text(0.5, -0.01, text, ha="center", va="top", fontsize=FONT["note"], color="0.25", wrap=True)
+    fig.text(
+        0.5, -0.01, text, ha="center", va="top", fontsize=FONT["note"], color="0.25", wrap=True
+    )
 
 
 def message_figure(ctx: Context, what: str, message: str):
@@ -110,7 +150,9 @@ def log_ticks(ax, values, axis: str = "x") -> None:
     getattr(ax, f"set_{axis}scale")("log")
     if ticks:
         getattr(ax, f"set_{axis}ticks")(ticks)
-        getattr(ax, f"set_{axis}ticklabels")([f"{v:g}" for v in ticks], rotation=45 if axis == "x" else 0)
+        getattr(ax, f"set_{axis}ticklabels")(
+            [f"{v:g}" for v in ticks], rotation=45 if axis == "x" else 0
+        )
     ax.minorticks_off()
 
 
@@ -142,7 +184,11 @@ def coinciding(curves: "dict[str, pandas.Series]", rel: float = 0.002) -> list[l
         for g in groups:
             a, b = curves[g[0]], curves[name]
             common = a.index.intersection(b.index)
-            if len(common) and len(common) == len(a) == len(b) and float((a[common] - b[common]).abs().max()) <= tol:
+            if (
+                len(common)
+                and len(common) == len(a) == len(b)
+                and float((a[common] - b[common]).abs().max()) <= tol
+            ):
                 g.append(name)
                 break
         else:
@@ -152,11 +198,16 @@ def coinciding(curves: "dict[str, pandas.Series]", rel: float = 0.002) -> list[l
 
 def coincide_text(groups: list[list[str]]) -> str:
     return "; ".join(" = ".join(g) for g in groups) + (
-        " coincide (within 0.2% of the range): their markers overlap" if groups else "")
+        " coincide (within 0.2% of the range): their markers overlap" if groups else ""
+    )
 
 
 def legend(ax_or_fig, **kw) -> None:
-    handles, labels = ax_or_fig.get_legend_handles_labels() if hasattr(ax_or_fig, "get_legend_handles_labels") else ([], [])
+    handles, labels = (
+        ax_or_fig.get_legend_handles_labels()
+        if hasattr(ax_or_fig, "get_legend_handles_labels")
+        else ([], [])
+    )
     if labels:
         ax_or_fig.legend(fontsize=FONT["legend"], **kw)
 

@@ -25,8 +25,13 @@ def _read_json(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
-def run_rows(summary_paths: Iterable[str], unigram_floor: float, experiment: str,
-             budget_params: float | None = None, expected: dict[str, str] | None = None) -> pd.DataFrame:
+def run_rows(
+    summary_paths: Iterable[str],
+    unigram_floor: float,
+    experiment: str,
+    budget_params: float | None = None,
+    expected: dict[str, str] | None = None,
+) -> pd.DataFrame:
     """One row per run. `budget_params` is the config's budget.params (None: no budget, so
     `params_vs_budget`, the relative deviation of the built model from it, is NaN); `expected`:
     the grid's spec hash per run id (see read_summary)."""
@@ -35,39 +40,46 @@ def run_rows(summary_paths: Iterable[str], unigram_floor: float, experiment: str
         s = read_summary(path, expected)
         spec = s["spec"]
         shape = spec["shape"]
-        rows.append({
-            "run_id": s["run_id"],
-            "experiment": experiment,
-            "arch": spec["arch"],
-            "n_layer": shape["n_layer"],
-            "d_model": shape["d_model"],
-            "ratio": shape["d_model"] / shape["n_layer"],
-            "d_ff": shape["d_ff"],
-            "n_head": shape["n_head"],
-            "n_kv_head": shape["n_kv_head"],
-            "params": s["n_params"],
-            "budget_params": float(budget_params) if budget_params else math.nan,
-            "params_vs_budget": s["n_params"] / budget_params - 1 if budget_params else math.nan,
-            "lr": spec["lr"],
-            "seed": spec["seed"],
-            "knobs": json.dumps(spec["knobs"], sort_keys=True),
-            # one column per sweep axis; as text, since an axis may mix numbers and rules
-            **{f"knob_{k.replace('.', '_')}": json.dumps(v) if not isinstance(v, str) else v for k, v in spec["knobs"].items()},
-            "weight_decay": spec["train"]["weight_decay"],
-            "seq_len": spec["train"]["seq_len"],
-            "global_batch_size": spec["train"]["global_batch_size"],
-            "status": s["status"],
-            "final_val_loss": s["final_val_loss"],
-            "steps": s["steps"],
-            "total_steps": s["total_steps"],
-            "tokens_seen": s["tokens_seen"],
-            "wall_seconds": s["wall_seconds"],
-            "tokens_per_s": s["tokens_per_s"],
-            "peak_memory_bytes": s.get("peak_memory_bytes"),
-            "device": s.get("device"),
-            "data_id": spec["data_id"],
-            "unigram_floor": unigram_floor,
-        })
+        rows.append(
+            {
+                "run_id": s["run_id"],
+                "experiment": experiment,
+                "arch": spec["arch"],
+                "n_layer": shape["n_layer"],
+                "d_model": shape["d_model"],
+                "ratio": shape["d_model"] / shape["n_layer"],
+                "d_ff": shape["d_ff"],
+                "n_head": shape["n_head"],
+                "n_kv_head": shape["n_kv_head"],
+                "params": s["n_params"],
+                "budget_params": float(budget_params) if budget_params else math.nan,
+                "params_vs_budget": s["n_params"] / budget_params - 1
+                if budget_params
+                else math.nan,
+                "lr": spec["lr"],
+                "seed": spec["seed"],
+                "knobs": json.dumps(spec["knobs"], sort_keys=True),
+                # one column per sweep axis; as text, since an axis may mix numbers and rules
+                **{
+                    f"knob_{k.replace('.', '_')}": json.dumps(v) if not isinstance(v, str) else v
+                    for k, v in spec["knobs"].items()
+                },
+                "weight_decay": spec["train"]["weight_decay"],
+                "seq_len": spec["train"]["seq_len"],
+                "global_batch_size": spec["train"]["global_batch_size"],
+                "status": s["status"],
+                "final_val_loss": s["final_val_loss"],
+                "steps": s["steps"],
+                "total_steps": s["total_steps"],
+                "tokens_seen": s["tokens_seen"],
+                "wall_seconds": s["wall_seconds"],
+                "tokens_per_s": s["tokens_per_s"],
+                "peak_memory_bytes": s.get("peak_memory_bytes"),
+                "device": s.get("device"),
+                "data_id": spec["data_id"],
+                "unigram_floor": unigram_floor,
+            }
+        )
     if not rows:  # an empty grid (or none of it trained): the columns every reader selects
         return pd.DataFrame(columns=RUN_CONFIG_COLUMNS + ["unigram_floor"])
     return pd.DataFrame(rows).sort_values(["arch", "n_layer", "lr", "seed"], ignore_index=True)
@@ -82,7 +94,17 @@ def curve_rows(run_ids: Iterable[str], metric_paths: Iterable[str]) -> pd.DataFr
             df = pd.DataFrame.from_records(records)
             df.insert(0, "run_id", run_id)
             frames.append(df)
-    columns = ["run_id", "step", "tokens", "train_loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu"]
+    columns = [
+        "run_id",
+        "step",
+        "tokens",
+        "train_loss",
+        "val_loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "mfu",
+    ]
     if not frames:
         return pd.DataFrame(columns=columns)
     out = pd.concat(frames, ignore_index=True)
@@ -93,8 +115,16 @@ def curve_rows(run_ids: Iterable[str], metric_paths: Iterable[str]) -> pd.DataFr
 
 
 BEST_LR_COLUMNS = GROUP_COLUMNS + [
-    "ratio", "params", "params_vs_budget", "best_lr", "final_val_loss", "final_val_loss_std", "n_seeds",
-    "n_lrs_tried", "n_diverged", "lr_at_edge",
+    "ratio",
+    "params",
+    "params_vs_budget",
+    "best_lr",
+    "final_val_loss",
+    "final_val_loss_std",
+    "n_seeds",
+    "n_lrs_tried",
+    "n_diverged",
+    "lr_at_edge",
 ]
 
 
@@ -113,15 +143,26 @@ def best_learning_rates(runs: pd.DataFrame) -> pd.DataFrame:
     if "params_vs_budget" not in ok:  # a runs table written before the budget columns
         ok = ok.assign(params_vs_budget=math.nan)
     per_lr = ok.groupby(GROUP_COLUMNS + ["lr"], as_index=False).agg(
-        final_val_loss=("final_val_loss", "mean"), final_val_loss_std=("final_val_loss", "std"),
-        n_seeds=("seed", "nunique"), ratio=("ratio", "first"), params=("params", "first"),
+        final_val_loss=("final_val_loss", "mean"),
+        final_val_loss_std=("final_val_loss", "std"),
+        n_seeds=("seed", "nunique"),
+        ratio=("ratio", "first"),
+        params=("params", "first"),
         params_vs_budget=("params_vs_budget", "first"),
     )
-    best = per_lr.loc[per_lr.groupby(GROUP_COLUMNS)["final_val_loss"].idxmin()].rename(columns={"lr": "best_lr"})
-    tried = runs.groupby(GROUP_COLUMNS).agg(
-        n_lrs_tried=("lr", "nunique"), n_diverged=("status", lambda s: int((s == "diverged").sum())),
-        lr_min=("lr", "min"), lr_max=("lr", "max"),
-    ).reset_index()
+    best = per_lr.loc[per_lr.groupby(GROUP_COLUMNS)["final_val_loss"].idxmin()].rename(
+        columns={"lr": "best_lr"}
+    )
+    tried = (
+        runs.groupby(GROUP_COLUMNS)
+        .agg(
+            n_lrs_tried=("lr", "nunique"),
+            n_diverged=("status", lambda s: int((s == "diverged").sum())),
+            lr_min=("lr", "min"),
+            lr_max=("lr", "max"),
+        )
+        .reset_index()
+    )
     out = best.merge(tried, on=GROUP_COLUMNS)
     out["lr_at_edge"] = (out["best_lr"] == out["lr_min"]) | (out["best_lr"] == out["lr_max"])
     return out[BEST_LR_COLUMNS].sort_values(["arch", "ratio"], ignore_index=True)
@@ -144,11 +185,26 @@ def write_parquet(df: pd.DataFrame, path: str | Path) -> None:
     atomic_write(path, lambda tmp: df.to_parquet(tmp, index=False))
 
 
-RUN_CONFIG_COLUMNS = ["run_id", "experiment", "arch", "n_layer", "d_model", "ratio", "params", "lr", "seed", "knobs", "final_val_loss", "status"]
+RUN_CONFIG_COLUMNS = [
+    "run_id",
+    "experiment",
+    "arch",
+    "n_layer",
+    "d_model",
+    "ratio",
+    "params",
+    "lr",
+    "seed",
+    "knobs",
+    "final_val_loss",
+    "status",
+]
 
 
 def _with_run_columns(rows: pd.DataFrame, runs: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
-    out = rows.drop(columns=["status"], errors="ignore").merge(runs[RUN_CONFIG_COLUMNS], on="run_id", how="left")
+    out = rows.drop(columns=["status"], errors="ignore").merge(
+        runs[RUN_CONFIG_COLUMNS], on="run_id", how="left"
+    )
     keys = best[["arch", "n_layer", "d_model", "knobs", "best_lr"]]
     out = out.merge(keys, on=["arch", "n_layer", "d_model", "knobs"], how="left")
     # a pretrained run is its model's only recipe: it stands for its model as the best LR does
@@ -163,13 +219,22 @@ def probe_rows(probe_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFram
     final model at its last step, "snapshot" rows the probes over training (probes.at_steps);
     <NA> for files written without it (pretrained models, older probe files)."""
     frames = [pd.read_parquet(p) for p in probe_paths]
-    probes = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["run_id", "probe", "stage", "i", "j", "value"])
-    probes["step"] = (probes["step"] if "step" in probes.columns else pd.Series(pd.NA, index=probes.index)).astype("Int64")
+    probes = (
+        pd.concat(frames, ignore_index=True)
+        if frames
+        else pd.DataFrame(columns=["run_id", "probe", "stage", "i", "j", "value"])
+    )
+    probes["step"] = (
+        probes["step"] if "step" in probes.columns else pd.Series(pd.NA, index=probes.index)
+    ).astype("Int64")
     return _with_run_columns(probes, runs, best)
 
 
-LENS_PROBES = {"lens_cross_entropy": "cross_entropy", "lens_kl_to_final": "kl_to_final",
-               "lens_top1_agreement": "top1_agreement"}
+LENS_PROBES = {
+    "lens_cross_entropy": "cross_entropy",
+    "lens_kl_to_final": "kl_to_final",
+    "lens_top1_agreement": "top1_agreement",
+}
 
 
 def lens_table(probes: pd.DataFrame) -> pd.DataFrame:
@@ -182,24 +247,37 @@ def lens_table(probes: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=[*keys, "layer", *LENS_PROBES.values()])
     # pivoted on (run, layer) alone, the run's columns joined after: a pivot over every config
     # column would form their product
-    wide = rows.assign(layer=rows["i"]).pivot(index=["run_id", "layer"], columns="probe", values="value").reset_index()
+    wide = (
+        rows.assign(layer=rows["i"])
+        .pivot(index=["run_id", "layer"], columns="probe", values="value")
+        .reset_index()
+    )
     wide = wide.rename(columns=LENS_PROBES)
     wide.columns.name = None
     columns = rows[keys].drop_duplicates("run_id")
-    return wide.merge(columns, on="run_id", how="left")[[*keys, "layer", *LENS_PROBES.values()]].sort_values(
-        ["run_id", "layer"], ignore_index=True)
+    return wide.merge(columns, on="run_id", how="left")[
+        [*keys, "layer", *LENS_PROBES.values()]
+    ].sort_values(["run_id", "layer"], ignore_index=True)
 
 
-def removal_tables(removal_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFrame,
-                   tolerance: float) -> tuple[pd.DataFrame, pd.DataFrame]:
+def removal_tables(
+    removal_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFrame, tolerance: float
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """All runs' removal rows (depthbench.probes.removal_run) and their effective depths per
     ranking, each with the runs' config columns and `is_best_lr`."""
     from depthbench.probes.removal_run import COLUMNS, effective_depth
 
     frames = [pd.read_parquet(p) for p in removal_paths]
-    removal = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["run_id", *COLUMNS, "status"])
+    removal = (
+        pd.concat(frames, ignore_index=True)
+        if frames
+        else pd.DataFrame(columns=["run_id", *COLUMNS, "status"])
+    )
     removal = _with_run_columns(removal, runs, best)
-    depth = effective_depth(removal[["run_id", "ranking", "k", "fraction", "domain", "loss", "full_loss", "n_layer"]], tolerance)
+    depth = effective_depth(
+        removal[["run_id", "ranking", "k", "fraction", "domain", "loss", "full_loss", "n_layer"]],
+        tolerance,
+    )
     return removal, _with_run_columns(depth, runs, best)
 
 
@@ -215,9 +293,27 @@ def dynamics_rows(run_ids: Iterable[str], metric_paths: Iterable[str]) -> pd.Dat
             for quantity in ("residual_rms", "grad_norm_h", "param_grad_norm"):
                 offset = 1 if quantity == "param_grad_norm" else 0  # layers 1..L; h_l from 0
                 for i, v in enumerate(dyn[quantity]):
-                    rows.append({"run_id": run_id, "step": step, "quantity": quantity, "index": i + offset, "name": "", "value": v})
+                    rows.append(
+                        {
+                            "run_id": run_id,
+                            "step": step,
+                            "quantity": quantity,
+                            "index": i + offset,
+                            "name": "",
+                            "value": v,
+                        }
+                    )
             for name, v in dyn["norm_factor"].items():
-                rows.append({"run_id": run_id, "step": step, "quantity": "norm_factor", "index": -1, "name": name, "value": v})
+                rows.append(
+                    {
+                        "run_id": run_id,
+                        "step": step,
+                        "quantity": "norm_factor",
+                        "index": -1,
+                        "name": name,
+                        "value": v,
+                    }
+                )
     return pd.DataFrame(rows, columns=["run_id", "step", "quantity", "index", "name", "value"])
 
 
@@ -229,9 +325,14 @@ def nll_rows(nll_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFrame) -
     return _with_run_columns(table, runs, best)  # config columns also when there are no rows
 
 
-def cost_rows(summary_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFrame,
-              expected: dict[str, str] | None = None, pretrained_paths: Iterable[str] = (),
-              seq_len: int | None = None) -> pd.DataFrame:
+def cost_rows(
+    summary_paths: Iterable[str],
+    runs: pd.DataFrame,
+    best: pd.DataFrame,
+    expected: dict[str, str] | None = None,
+    pretrained_paths: Iterable[str] = (),
+    seq_len: int | None = None,
+) -> pd.DataFrame:
     """One row per run: analytic parameters, FLOPs and KV-cache bytes, and the measured cost;
     pretrained models (their summaries in `pretrained_paths`) with the analytic columns only, at
     the grid's training sequence length `seq_len`."""
@@ -243,14 +344,27 @@ def cost_rows(summary_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFra
     for path in summary_paths:
         s = read_summary(path, expected)
         spec = RunSpec.from_dict(s["spec"])
-        rows.append({"run_id": s["run_id"], **analytic_cost(spec.model, spec.train.seq_len), **measured_cost(s)})
+        rows.append(
+            {
+                "run_id": s["run_id"],
+                **analytic_cost(spec.model, spec.train.seq_len),
+                **measured_cost(s),
+            }
+        )
     for path in pretrained_paths:
         s = read_pretrained_summary(path)
         if "matmul_params" not in s:  # written before the cost fields: say which file to redo
-            raise DataError(f"{path} has no cost fields (matmul_params): delete it, and the pretrained_summary rule writes it again")
+            raise DataError(
+                f"{path} has no cost fields (matmul_params): delete it, and the pretrained_summary rule writes it again"
+            )
         rows.append({"run_id": s["run_id"], **pretrained_cost(s, seq_len or s["context_length"])})
     out = pd.DataFrame(rows)
     if out.empty:
         return out
-    return _with_run_columns(out.drop(columns=["tokens_per_s", "wall_seconds", "device"]).merge(
-        runs[["run_id", "tokens_per_s", "wall_seconds", "device"]], on="run_id"), runs, best)
+    return _with_run_columns(
+        out.drop(columns=["tokens_per_s", "wall_seconds", "device"]).merge(
+            runs[["run_id", "tokens_per_s", "wall_seconds", "device"]], on="run_id"
+        ),
+        runs,
+        best,
+    )

@@ -30,8 +30,10 @@ def cmd_shapes(args) -> None:
         header += f" {'params_vs_budget':>17}"
     print(header)
     for r in rows:
-        line = (f"{r['arch']:<12} {r['n_layer']:>4} {r['d_model']:>8} {r['ratio']:>7.1f} {r['d_ff']:>6} "
-                f"{r['n_head']:>6} {r['n_kv_head']:>4} {r['params']:>15,}")
+        line = (
+            f"{r['arch']:<12} {r['n_layer']:>4} {r['d_model']:>8} {r['ratio']:>7.1f} {r['d_ff']:>6} "
+            f"{r['n_head']:>6} {r['n_kv_head']:>4} {r['params']:>15,}"
+        )
         if budget:
             line += f" {r['params_vs_budget']:>+17.4f}"
         extra = {k: v for k, v in r.items() if k.startswith("knob:")}
@@ -41,14 +43,20 @@ def cmd_shapes(args) -> None:
 def cmd_runs(args) -> None:
     exp = _experiment(args.config)
     for run_id, spec in exp.runs.items():
-        print(run_id, f"steps={spec.train.total_steps}", f"tokens={spec.train.total_steps * spec.train.tokens_per_step:,}")
+        print(
+            run_id,
+            f"steps={spec.train.total_steps}",
+            f"tokens={spec.train.total_steps * spec.train.tokens_per_step:,}",
+        )
 
 
 def cmd_validate(args) -> None:
     from depthbench.grid.config import ignored_settings
 
     exp = _experiment(args.config)
-    print(f"{args.config}: valid; {len(exp.runs)} runs, data {exp.data_id}, tokenizer {exp.tokenizer_id}")
+    print(
+        f"{args.config}: valid; {len(exp.runs)} runs, data {exp.data_id}, tokenizer {exp.tokenizer_id}"
+    )
     for line in ignored_settings(exp.config):
         print(f"  ignored (no architecture of the grid reads it): {line}")
 
@@ -71,17 +79,38 @@ def cmd_rehearse(args) -> int:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     exp = _experiment(args.config)
     archs = args.archs.split(",") if args.archs else None
-    report = rehearse_experiment(exp, args.out, mode="meta" if args.meta else args.mode, archs=archs,
-                                 which=tuple(args.shapes.split(",")), tokens=args.tokens,
-                                 probe_tokens=args.probe_tokens, probe_passes=args.probe_passes,
-                                 gpu_memory=args.gpu_memory_gb * 1e9, config_path=args.config)
+    report = rehearse_experiment(
+        exp,
+        args.out,
+        mode="meta" if args.meta else args.mode,
+        archs=archs,
+        which=tuple(args.shapes.split(",")),
+        tokens=args.tokens,
+        probe_tokens=args.probe_tokens,
+        probe_passes=args.probe_passes,
+        gpu_memory=args.gpu_memory_gb * 1e9,
+        config_path=args.config,
+    )
     print(format_report(report))
     return int(any(r.get("status") != "ok" for r in report["rows"]))
 
 
 # The rules that only read results/: everything else (tokenize, train, probe, nll) is not allowed.
-REGENERATE_RULES = ["tables", "cost_table", "probes_table", "nll_table", "removal_table", "figures", "probe_figures",
-                    "dynamics_figure", "nll_figures", "cost_figures", "claims", "report", "all"]
+REGENERATE_RULES = [
+    "tables",
+    "cost_table",
+    "probes_table",
+    "nll_table",
+    "removal_table",
+    "figures",
+    "probe_figures",
+    "dynamics_figure",
+    "nll_figures",
+    "cost_figures",
+    "claims",
+    "report",
+    "all",
+]
 
 
 def regenerate_commands(config: str | None, cores: int, provenance: str) -> list[list[str]]:
@@ -90,8 +119,14 @@ def regenerate_commands(config: str | None, cores: int, provenance: str) -> list
     base = [sys.executable, "-m", "snakemake", "--cores", str(cores)]
     if config:
         base += ["--configfile", config]
-    rebuild = base + ["--allowed-rules", *REGENERATE_RULES, "--forcerun", *[r for r in REGENERATE_RULES if r != "all"],
-                      "--rerun-triggers", "mtime"]
+    rebuild = base + [
+        "--allowed-rules",
+        *REGENERATE_RULES,
+        "--forcerun",
+        *[r for r in REGENERATE_RULES if r != "all"],
+        "--rerun-triggers",
+        "mtime",
+    ]
     return [rebuild, base + ["--report", provenance]]
 
 
@@ -109,7 +144,10 @@ def cmd_regenerate(args) -> None:
                 "file under results/runs, results/probes, results/nll or results/removal, that run's outputs were not "
                 "copied: regenerate never trains, probes or scores."
             )
-    print(f"tables in results/tables, figures in results/figures, report in results/report.html, provenance in {args.provenance}", file=sys.stderr)
+    print(
+        f"tables in results/tables, figures in results/figures, report in results/report.html, provenance in {args.provenance}",
+        file=sys.stderr,
+    )
 
 
 def cmd_status(args) -> None:
@@ -139,7 +177,9 @@ def cmd_rename_runs(args) -> None:
 def cmd_export(args) -> None:
     from depthbench.hf.export import export_run
 
-    info = export_run(args.run_dir, args.out_dir, results_dir=args.results, overwrite=args.overwrite)
+    info = export_run(
+        args.run_dir, args.out_dir, results_dir=args.results, overwrite=args.overwrite
+    )
     print(f"{info['run_id']} ({info['arch']}) -> {info['out_dir']} as {info['class']}")
 
 
@@ -147,61 +187,146 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="depthbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, help_text in (
-        ("shapes", cmd_shapes, "print L, d_model, ratio, d_ff, heads and exact parameters per shape"),
+        (
+            "shapes",
+            cmd_shapes,
+            "print L, d_model, ratio, d_ff, heads and exact parameters per shape",
+        ),
         ("runs", cmd_runs, "list the runs of the grid with their step and token budgets"),
         ("validate", cmd_validate, "validate a config and report the grid size"),
     ):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("config", nargs="?", default="config/config.yaml")
         p.set_defaults(fn=fn)
-    p = sub.add_parser("plan", help="per run and in total: FLOPs, tokens, GPU-hours, per-GPU memory, disk")
+    p = sub.add_parser(
+        "plan", help="per run and in total: FLOPs, tokens, GPU-hours, per-GPU memory, disk"
+    )
     p.add_argument("config", nargs="?", default="config/config.yaml")
-    p.add_argument("--mfu", type=float, default=0.4, help="model FLOP utilisation assumed (default 0.4)")
+    p.add_argument(
+        "--mfu", type=float, default=0.4, help="model FLOP utilisation assumed (default 0.4)"
+    )
     p.add_argument("--gpu", default="H100 SXM", help="GPU name shown (default H100 SXM)")
-    p.add_argument("--peak", type=float, default=989e12, help="the GPU's dense bf16 FLOP/s (default 989e12, H100 SXM)")
-    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU in GB (default 80)")
+    p.add_argument(
+        "--peak",
+        type=float,
+        default=989e12,
+        help="the GPU's dense bf16 FLOP/s (default 989e12, H100 SXM)",
+    )
+    p.add_argument(
+        "--gpu-memory-gb", type=float, default=80.0, help="memory per GPU in GB (default 80)"
+    )
     p.set_defaults(fn=cmd_plan)
-    p = sub.add_parser("rehearse", help="build, step twice, checkpoint, resume and probe each architecture's widest and "
-                       "deepest shape at full size; measured vs estimated memory")
+    p = sub.add_parser(
+        "rehearse",
+        help="build, step twice, checkpoint, resume and probe each architecture's widest and "
+        "deepest shape at full size; measured vs estimated memory",
+    )
     p.add_argument("config")
-    p.add_argument("--out", default="results/rehearsal", help="folder for rehearsal.json / .csv and the checkpoints (removed after each shape)")
-    p.add_argument("--mode", choices=["auto", "real", "meta"], default="auto",
-                   help="auto: real where the estimate fits available memory, else meta; real: refuse what does not fit")
-    p.add_argument("--meta", action="store_true", help="same as --mode meta: build on the meta device, print per-GPU estimates")
-    p.add_argument("--archs", default="", help="comma-separated architectures, in the order to run (default: all of the config)")
-    p.add_argument("--shapes", default="widest,deepest", help="widest, deepest, or both (default; also written widest,deepest)")
+    p.add_argument(
+        "--out",
+        default="results/rehearsal",
+        help="folder for rehearsal.json / .csv and the checkpoints (removed after each shape)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=["auto", "real", "meta"],
+        default="auto",
+        help="auto: real where the estimate fits available memory, else meta; real: refuse what does not fit",
+    )
+    p.add_argument(
+        "--meta",
+        action="store_true",
+        help="same as --mode meta: build on the meta device, print per-GPU estimates",
+    )
+    p.add_argument(
+        "--archs",
+        default="",
+        help="comma-separated architectures, in the order to run (default: all of the config)",
+    )
+    p.add_argument(
+        "--shapes",
+        default="widest,deepest",
+        help="widest, deepest, or both (default; also written widest,deepest)",
+    )
     p.add_argument("--tokens", type=int, default=256, help="micro-batch 1 x TOKENS (default 256)")
-    p.add_argument("--probe-tokens", type=int, default=32, help="tokens of each of the 2 probe sequences (default 32)")
-    p.add_argument("--probe-passes", type=int, default=1, help="items per intervention probe (0: all; default 1)")
-    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU in GB for the meta verdict (default 80)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: the machine's cores)")
+    p.add_argument(
+        "--probe-tokens",
+        type=int,
+        default=32,
+        help="tokens of each of the 2 probe sequences (default 32)",
+    )
+    p.add_argument(
+        "--probe-passes",
+        type=int,
+        default=1,
+        help="items per intervention probe (0: all; default 1)",
+    )
+    p.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        default=80.0,
+        help="memory per GPU in GB for the meta verdict (default 80)",
+    )
+    p.add_argument(
+        "--threads", type=int, default=0, help="torch threads (default: the machine's cores)"
+    )
     p.set_defaults(fn=cmd_rehearse)
-    p = sub.add_parser("regenerate", help="rebuild tables, figures and the HTML report from results/ without training")
-    p.add_argument("config", nargs="?", default=None, help="the config of the results (default: the embedded one)")
+    p = sub.add_parser(
+        "regenerate",
+        help="rebuild tables, figures and the HTML report from results/ without training",
+    )
+    p.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help="the config of the results (default: the embedded one)",
+    )
     p.add_argument("--cores", type=int, default=2)
-    p.add_argument("--provenance", default="results/provenance.html", help="where Snakemake's provenance report goes")
+    p.add_argument(
+        "--provenance",
+        default="results/provenance.html",
+        help="where Snakemake's provenance report goes",
+    )
     p.set_defaults(fn=cmd_regenerate)
-    p = sub.add_parser("status", help="per run: trained, diverged, probed, scored, missing or stale, and what snakemake would do next")
+    p = sub.add_parser(
+        "status",
+        help="per run: trained, diverged, probed, scored, missing or stale, and what snakemake would do next",
+    )
     p.add_argument("config", nargs="?", default="config/config.yaml")
     p.add_argument("--results", default="results", help="the results folder (default: results)")
     p.set_defaults(fn=cmd_status)
 
-    p = sub.add_parser("checksum", help="record the SHA-256 of the final weights of runs trained before it was kept "
-                       "(status: unchecked); a run that has one is verified instead")
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's folder, results/runs/<run_id>")
+    p = sub.add_parser(
+        "checksum",
+        help="record the SHA-256 of the final weights of runs trained before it was kept "
+        "(status: unchecked); a run that has one is verified instead",
+    )
+    p.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="a run's folder, results/runs/<run_id>"
+    )
     p.set_defaults(fn=cmd_checksum)
 
-    p = sub.add_parser("rename-runs", help="move run folders trained when every run id hashed the whole "
-                       "model.arch_options section to today's ids (refuses on conflicts; --dry-run lists)")
+    p = sub.add_parser(
+        "rename-runs",
+        help="move run folders trained when every run id hashed the whole "
+        "model.arch_options section to today's ids (refuses on conflicts; --dry-run lists)",
+    )
     p.add_argument("config", nargs="?", default="config/config.yaml")
     p.add_argument("--results", default="results", help="the results folder (default: results)")
     p.add_argument("--dry-run", action="store_true", help="list what would move and change nothing")
     p.set_defaults(fn=cmd_rename_runs)
 
-    p = sub.add_parser("export", help="write a finished run as a transformers model directory (LlamaForCausalLM for pre_ln)")
+    p = sub.add_parser(
+        "export",
+        help="write a finished run as a transformers model directory (LlamaForCausalLM for pre_ln)",
+    )
     p.add_argument("run_dir", help="the run's folder, results/runs/<run_id>")
     p.add_argument("out_dir", help="the model directory to write")
-    p.add_argument("--results", default=None, help="the results folder with tokenizers/ and data/ (default: RUN_DIR/../..)")
+    p.add_argument(
+        "--results",
+        default=None,
+        help="the results folder with tokenizers/ and data/ (default: RUN_DIR/../..)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     p.set_defaults(fn=cmd_export)
     args = parser.parse_args(argv)
@@ -210,8 +335,12 @@ def main(argv: list[str] | None = None) -> int:
     except DepthBenchError as exc:
         print(f"depthbench: {exc}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # the reader stopped early (`depthbench runs CONFIG | head`): not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush is silent
+    except (
+        BrokenPipeError
+    ):  # the reader stopped early (`depthbench runs CONFIG | head`): not an error
+        os.dup2(
+            os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()
+        )  # so the exit-time flush is silent
         return 0
     return code or 0
 

@@ -65,20 +65,32 @@ def tokenization_estimate(exp) -> TokenizationEstimate | None:
     corpus = exp.config["corpus"]
     if corpus["source"] == "shards":
         return None
-    training = max((s.train.total_steps * s.train.tokens_per_step for s in exp.runs.values()), default=0)
+    training = max(
+        (s.train.total_steps * s.train.tokens_per_step for s in exp.runs.values()), default=0
+    )
     val_fraction = corpus.get("val_fraction", 0.05)
     tokens = training / (1 - val_fraction)
     pieces = corpus.get("pieces", 1)
-    return TokenizationEstimate(tokens, training, val_fraction, pieces, tokens / (TOKENIZE_TOKENS_PER_S * pieces))
+    return TokenizationEstimate(
+        tokens, training, val_fraction, pieces, tokens / (TOKENIZE_TOKENS_PER_S * pieces)
+    )
 
 
 def format_tokenization(t: TokenizationEstimate) -> str:
     hours = t.seconds / 3600
-    how = (f"in {t.pieces} parallel pieces: {hours:,.1f} h ({hours * t.pieces:,.1f} h in one job), plus one indexing "
-           "pass (tokenize_index)") if t.pieces > 1 else f"in one job: {hours:,.1f} h"
-    return (f"tokenization: {t.tokens:.3e} tokens (one epoch of the longest run, {t.training_tokens:.3e} training tokens, "
-            f"with the {t.val_fraction:g} validation share; the whole corpus is tokenized, so a larger corpus takes longer) "
-            f"at {TOKENIZE_TOKENS_PER_S:,.0f} tokens/s per process (measured, README) {how}")
+    how = (
+        (
+            f"in {t.pieces} parallel pieces: {hours:,.1f} h ({hours * t.pieces:,.1f} h in one job), plus one indexing "
+            "pass (tokenize_index)"
+        )
+        if t.pieces > 1
+        else f"in one job: {hours:,.1f} h"
+    )
+    return (
+        f"tokenization: {t.tokens:.3e} tokens (one epoch of the longest run, {t.training_tokens:.3e} training tokens, "
+        f"with the {t.val_fraction:g} validation share; the whole corpus is tokenized, so a larger corpus takes longer) "
+        f"at {TOKENIZE_TOKENS_PER_S:,.0f} tokens/s per process (measured, README) {how}"
+    )
 
 
 class SweepPlan(list):
@@ -89,7 +101,9 @@ class SweepPlan(list):
         self.tokenization = tokenization
 
 
-def plan_experiment(exp, mfu: float = 0.4, peak: float = DEFAULT_PEAK, gpu_memory: float = DEFAULT_GPU_MEMORY) -> SweepPlan:
+def plan_experiment(
+    exp, mfu: float = 0.4, peak: float = DEFAULT_PEAK, gpu_memory: float = DEFAULT_GPU_MEMORY
+) -> SweepPlan:
     """One RunPlan per run; memory traces are shared by runs of the same model and batch."""
     if not 0 < mfu <= 1:
         raise ValueError(f"--mfu {mfu}: must be in (0, 1]")
@@ -99,34 +113,53 @@ def plan_experiment(exp, mfu: float = 0.4, peak: float = DEFAULT_PEAK, gpu_memor
     for run_id, spec in exp.runs.items():
         tc = spec.train
         tokens = tc.total_steps * tc.tokens_per_step
-        key = json.dumps([spec.model.to_dict(), tc.micro_batch_size, tc.seq_len], sort_keys=True, default=str)
+        key = json.dumps(
+            [spec.model.to_dict(), tc.micro_batch_size, tc.seq_len], sort_keys=True, default=str
+        )
         if key not in cache:
             cost = analytic_cost(spec.model, tc.seq_len)
-            est = estimate_memory(spec.model, tc.micro_batch_size, tc.seq_len, bf16=True, world=world, fsdp=tc.parallel == "fsdp")
+            est = estimate_memory(
+                spec.model,
+                tc.micro_batch_size,
+                tc.seq_len,
+                bf16=True,
+                world=world,
+                fsdp=tc.parallel == "fsdp",
+            )
             cache[key] = (cost, est)
         cost, est = cache[key]
         flops = cost["train_flops_per_token"] * tokens
         params = cost["params_total"]
-        plans.append(RunPlan(
-            run_id=run_id, tokens=tokens, flops=flops,
-            gpu_hours=flops / (mfu * peak) / 3600.0,  # GPU-hours: total work / per-GPU rate
-            memory=est.total(False) * (1 + HEADROOM), memory_checkpointed=est.total(True) * (1 + HEADROOM),
-            needs_checkpointing=est.needs_checkpointing(gpu_memory), fits=est.fits(gpu_memory),
-            disk=params * (CHECKPOINT_BYTES_PER_PARAM + WEIGHTS_BYTES_PER_PARAM),
-            checkpointing=est.checkpointing_for(gpu_memory),
-            memory_auto=est.total(est.checkpointing_for(gpu_memory)) * (1 + HEADROOM),
-        ))
+        plans.append(
+            RunPlan(
+                run_id=run_id,
+                tokens=tokens,
+                flops=flops,
+                gpu_hours=flops / (mfu * peak) / 3600.0,  # GPU-hours: total work / per-GPU rate
+                memory=est.total(False) * (1 + HEADROOM),
+                memory_checkpointed=est.total(True) * (1 + HEADROOM),
+                needs_checkpointing=est.needs_checkpointing(gpu_memory),
+                fits=est.fits(gpu_memory),
+                disk=params * (CHECKPOINT_BYTES_PER_PARAM + WEIGHTS_BYTES_PER_PARAM),
+                checkpointing=est.checkpointing_for(gpu_memory),
+                memory_auto=est.total(est.checkpointing_for(gpu_memory)) * (1 + HEADROOM),
+            )
+        )
     return plans
 
 
 def format_plan(plans: list[RunPlan], gpu: str, mfu: float, gpu_memory: float) -> str:
     gib = 2**30
-    lines = [f"{'run':<44} {'tokens':>15} {'FLOPs':>10} {'GPU-h':>8} {'mem GiB':>8} {'ckpt GiB':>8} {'AC':>9} "
-             f"{'AC GiB':>8} {'fits':>4} {'disk GiB':>8}"]
+    lines = [
+        f"{'run':<44} {'tokens':>15} {'FLOPs':>10} {'GPU-h':>8} {'mem GiB':>8} {'ckpt GiB':>8} {'AC':>9} "
+        f"{'AC GiB':>8} {'fits':>4} {'disk GiB':>8}"
+    ]
     for p in plans:
-        lines.append(f"{p.run_id:<44} {p.tokens:>15,} {p.flops:>10.3e} {p.gpu_hours:>8.1f} {p.memory / gib:>8.1f} "
-                     f"{p.memory_checkpointed / gib:>8.1f} {p.checkpointing:>9} {p.memory_auto / gib:>8.1f} "
-                     f"{'yes' if p.fits else 'NO':>4} {p.disk / gib:>8.2f}")
+        lines.append(
+            f"{p.run_id:<44} {p.tokens:>15,} {p.flops:>10.3e} {p.gpu_hours:>8.1f} {p.memory / gib:>8.1f} "
+            f"{p.memory_checkpointed / gib:>8.1f} {p.checkpointing:>9} {p.memory_auto / gib:>8.1f} "
+            f"{'yes' if p.fits else 'NO':>4} {p.disk / gib:>8.2f}"
+        )
     total_h = sum(p.gpu_hours for p in plans)
     lines.append(
         f"total: {len(plans)} runs, {sum(p.tokens for p in plans):,} tokens, {sum(p.flops for p in plans):.3e} FLOPs, "
@@ -134,7 +167,8 @@ def format_plan(plans: list[RunPlan], gpu: str, mfu: float, gpu_memory: float) -
         f"{sum(p.needs_checkpointing for p in plans)} runs need activation checkpointing on a {gpu_memory / 1e9:g} GB GPU "
         f"({sum(p.checkpointing == 'selective' for p in plans)} selective, {sum(p.checkpointing == 'full' for p in plans)} full), "
         f"{sum(not p.fits for p in plans)} do not fit even with it "
-        f"(memory includes {HEADROOM:.0%} headroom; AC = the mode train.activation_checkpointing: auto picks, AC GiB its memory)")
+        f"(memory includes {HEADROOM:.0%} headroom; AC = the mode train.activation_checkpointing: auto picks, AC GiB its memory)"
+    )
     if getattr(plans, "tokenization", None) is not None:
         lines.append(format_tokenization(plans.tokenization))
     return "\n".join(lines)

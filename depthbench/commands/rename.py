@@ -40,9 +40,16 @@ from depthbench.util.io import atomic_write, atomic_write_json
 # Every place a grid run's id is a path component under the results folder (workflow/rules:
 # train.smk, probes.smk, nll.smk). The run folder is first here and moved last.
 RUN_PATHS = (
-    "runs/{}", "work/{}", "probes/{}.parquet", "nll/{}.parquet",
-    "logs/train/{}.log", "logs/probe/{}.log", "logs/nll/{}.log",
-    "benchmarks/train/{}.tsv", "benchmarks/probe/{}.tsv", "benchmarks/nll/{}.tsv",
+    "runs/{}",
+    "work/{}",
+    "probes/{}.parquet",
+    "nll/{}.parquet",
+    "logs/train/{}.log",
+    "logs/probe/{}.log",
+    "logs/nll/{}.log",
+    "benchmarks/train/{}.tsv",
+    "benchmarks/probe/{}.tsv",
+    "benchmarks/nll/{}.tsv",
 )
 
 
@@ -50,7 +57,9 @@ RUN_PATHS = (
 class Rename:
     old: str
     new: str
-    moves: list[tuple[Path, Path]] = field(default_factory=list)  # (source, target), run folder first
+    moves: list[tuple[Path, Path]] = field(
+        default_factory=list
+    )  # (source, target), run folder first
 
 
 @dataclass
@@ -81,7 +90,9 @@ def plan_renames(exp, results: str | os.PathLike = "results") -> RenamePlan:
             continue
         run_dir = results / "runs" / old
         if run_dir.is_dir():
-            why = _not_this_run(run_dir / "summary.json", exp.runs[new], _legacy_spec(exp, exp.runs[new], old))
+            why = _not_this_run(
+                run_dir / "summary.json", exp.runs[new], _legacy_spec(exp, exp.runs[new], old)
+            )
             if why:
                 plan.stale.append(f"{run_dir}: {why}; left as it is")
                 continue
@@ -90,7 +101,9 @@ def plan_renames(exp, results: str | os.PathLike = "results") -> RenamePlan:
 
 
 def _legacy_spec(exp, spec, old: str):
-    whole = spec.knobs.get("model.arch_options", exp.config.get("model", {}).get("arch_options", {}))
+    whole = spec.knobs.get(
+        "model.arch_options", exp.config.get("model", {}).get("arch_options", {})
+    )
     return replace(spec, run_id=old, model=replace(spec.model, arch_options=dict(whole)))
 
 
@@ -122,8 +135,10 @@ def format_plan(plan: RenamePlan, dry_run: bool) -> str:
     lines += [f"stale: {line}" for line in plan.stale]
     lines += [f"conflict: {line}" for line in plan.conflicts]
     n_files = sum(len(r.moves) for r in plan.renames)
-    lines.append(f"{len(plan.renames)} runs ({n_files} paths) {verb}, {len(plan.stale)} stale left alone, "
-                 f"{len(plan.conflicts)} conflicts" + (" (dry run: nothing changed)" if dry_run else ""))
+    lines.append(
+        f"{len(plan.renames)} runs ({n_files} paths) {verb}, {len(plan.stale)} stale left alone, "
+        f"{len(plan.conflicts)} conflicts" + (" (dry run: nothing changed)" if dry_run else "")
+    )
     return "\n".join(lines)
 
 
@@ -132,8 +147,10 @@ def rename_runs(exp, results: str | os.PathLike = "results", dry_run: bool = Fal
     run ids inside the files and move every path (see the module docstring)."""
     plan = plan_renames(exp, results)
     if plan.conflicts:
-        raise DataError("depthbench rename-runs: refused, nothing changed; each target below exists beside its "
-                        "source (move one of them away):\n  " + "\n  ".join(plan.conflicts))
+        raise DataError(
+            "depthbench rename-runs: refused, nothing changed; each target below exists beside its "
+            "source (move one of them away):\n  " + "\n  ".join(plan.conflicts)
+        )
     if dry_run:
         return plan
     for r in plan.renames:
@@ -176,7 +193,9 @@ def _rewrite_summary(path: Path, new: str, spec) -> None:
     s["spec"]["model"]["arch_options"] = dict(spec.model.arch_options)
     s["spec_hash"] = RunSpec.from_dict(s["spec"]).spec_hash()
     if s["spec_hash"] != spec.spec_hash():
-        raise DataError(f"{path}: its spec under {new} hashes to {s['spec_hash']}, the grid's to {spec.spec_hash()}")
+        raise DataError(
+            f"{path}: its spec under {new} hashes to {s['spec_hash']}, the grid's to {spec.spec_hash()}"
+        )
     atomic_write_json(path, s)
 
 
@@ -189,7 +208,9 @@ def _rewrite_parquet(path: Path, new: str) -> None:
         return
     i = table.column_names.index("run_id")
     column = pa.array([new] * table.num_rows, type=table.schema.field(i).type)
-    atomic_write(path, lambda tmp: pq.write_table(table.set_column(i, table.schema.field(i), column), tmp))
+    atomic_write(
+        path, lambda tmp: pq.write_table(table.set_column(i, table.schema.field(i), column), tmp)
+    )
 
 
 def _rewrite_checkpoints(work: Path, new: str) -> None:
@@ -224,4 +245,6 @@ def _rewrite_snapshots(folder: Path, new: str) -> None:
             continue
         metadata[META_KEY] = json.dumps({**meta, "run_id": new}, sort_keys=True)
         tensors = load_file(str(path))
-        _keeping_mtime(path, lambda: atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata)))
+        _keeping_mtime(
+            path, lambda: atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+        )

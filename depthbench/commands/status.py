@@ -45,7 +45,9 @@ RESULTS = "results"  # the workflow's output folder (the Snakefile's RESULTS), r
 class RunStatus:
     run_id: str
     state: str  # trained | diverged | missing | partial | stale | invalid | corrupt | incomplete
-    probed: str = "-"  # yes | no | stale | later | - (probes disabled, or not at its cell's best LR)
+    probed: str = (
+        "-"  # yes | no | stale | later | - (probes disabled, or not at its cell's best LR)
+    )
     scored: str = "-"  # yes | no | stale | later | - (nll disabled, or not at its cell's best LR)
     reasons: list[str] = field(default_factory=list)
     jobs: list[str] = field(default_factory=list)  # what the next snakemake run does for it
@@ -70,7 +72,11 @@ def _newer_input(output: Path, inputs: list[Path]) -> Path | None:
 
 def _nll_sets_path(exp: Experiment, results: Path) -> Path:
     # as in workflow/rules/nll.smk: the sets file is named by the hash of the NLL settings
-    settings = {k: v for k, v in exp.config["nll"].items() if k not in ("enabled", "runs", "tokens_per_batch")}
+    settings = {
+        k: v
+        for k, v in exp.config["nll"].items()
+        if k not in ("enabled", "runs", "tokens_per_batch")
+    }
     return results / "evals" / exp.tokenizer_id / f"nll_sets_{short_hash(settings)}.parquet"
 
 
@@ -85,14 +91,16 @@ def _record(root: Path, kind: str, path: Path) -> Path:
     import base64
 
     key = base64.urlsafe_b64encode(os.path.relpath(path, root).encode()).decode()
-    parts = [key[i:i + 254] for i in range(0, len(key), 254)]
+    parts = [key[i : i + 254] for i in range(0, len(key), 254)]
     return root.joinpath(".snakemake", kind, *["@" + p for p in parts[:-1]], parts[-1])
 
 
 def _incomplete(root: Path, outputs: list[Path]) -> list[Path]:
     """The outputs Snakemake marked incomplete: a job that wrote them started and never finished
     (killed). A marked output that is gone is simply missing, as for Snakemake."""
-    return [path for path in outputs if _record(root, "incomplete", path).exists() and path.exists()]
+    return [
+        path for path in outputs if _record(root, "incomplete", path).exists() and path.exists()
+    ]
 
 
 def _same_checksum(root: Path, outputs: list[Path], path: Path) -> bool:
@@ -139,10 +147,14 @@ def _train_state(spec, run: Path, work: Path, meta: Path) -> tuple[str, list[str
     outputs = [summary, run / WEIGHTS, run / "metrics.jsonl"]  # the train rule's
     marked = _incomplete(root, outputs)
     if marked:
-        return "incomplete", [f"{', '.join(map(str, marked))}: marked incomplete by Snakemake (its train job was interrupted); "
-                              "`snakemake --rerun-incomplete` trains the run again (the slurm profile sets it)"]
+        return "incomplete", [
+            f"{', '.join(map(str, marked))}: marked incomplete by Snakemake (its train job was interrupted); "
+            "`snakemake --rerun-incomplete` trains the run again (the slurm profile sets it)"
+        ]
     if not summary.exists():
-        good = [s for s, p in list_checkpoints(work / "checkpoints") if verify_checkpoint(p) is None]
+        good = [
+            s for s, p in list_checkpoints(work / "checkpoints") if verify_checkpoint(p) is None
+        ]
         return ("partial", [f"checkpoint at step {good[-1]}"]) if good else ("missing", [])
     try:
         s = read_summary(summary, {spec.run_id: spec.spec_hash()})
@@ -155,21 +167,33 @@ def _train_state(spec, run: Path, work: Path, meta: Path) -> tuple[str, list[str
         checked = verify_weights(run, s)
     except CorruptWeights as exc:
         return "corrupt", [str(exc)]
-    reasons = [] if checked else [f"{run / WEIGHTS}: unchecked (its summary records no {WEIGHTS_DIGEST}: trained before "
-                                  f"the digest was kept); `depthbench checksum {run}` records it"]
+    reasons = (
+        []
+        if checked
+        else [
+            f"{run / WEIGHTS}: unchecked (its summary records no {WEIGHTS_DIGEST}: trained before "
+            f"the digest was kept); `depthbench checksum {run}` records it"
+        ]
+    )
     newer = _updated_input(root, outputs, [meta])
     if newer is not None:
         return "stale", [f"{summary} is older than its input {newer}"]
     return ("trained" if s["status"] == "ok" else "diverged"), reasons
 
 
-def _stage_state(root: Path, output: Path, inputs: list[Path], retrain: bool) -> tuple[str, str | None]:
+def _stage_state(
+    root: Path, output: Path, inputs: list[Path], retrain: bool
+) -> tuple[str, str | None]:
     if not output.exists():
         return "no", None
     if retrain:
         return "stale", f"{output} will be redone after training"
     newer = _updated_input(root, [output], inputs)
-    return ("stale", f"{output} is older than its input {newer}") if newer is not None else ("yes", None)
+    return (
+        ("stale", f"{output} is older than its input {newer}")
+        if newer is not None
+        else ("yes", None)
+    )
 
 
 def _best_lr_runs(exp: Experiment, results: Path) -> set[str] | None:
@@ -198,11 +222,19 @@ def run_statuses(exp: Experiment, results: str | os.PathLike = RESULTS) -> list[
         run = results / "runs" / run_id
         state, reasons = _train_state(spec, run, results / "work" / run_id, meta)
         st = RunStatus(run_id, state, reasons=reasons)
-        retrain = state in ("missing", "partial", "stale", "incomplete", "corrupt")  # corrupt: once its advice is taken
+        retrain = state in (
+            "missing",
+            "partial",
+            "stale",
+            "incomplete",
+            "corrupt",
+        )  # corrupt: once its advice is taken
         if state == "incomplete":
             st.jobs.append("train (--rerun-incomplete)")
         elif state == "corrupt":
-            st.jobs.append(f"none: `snakemake --forcerun {run / 'model.safetensors'}` trains it again")
+            st.jobs.append(
+                f"none: `snakemake --forcerun {run / 'model.safetensors'}` trains it again"
+            )
         elif state == "invalid":
             st.jobs.append(f"none: `snakemake --forcerun {run / 'summary.json'}` trains it again")
         elif retrain:
@@ -217,7 +249,9 @@ def run_statuses(exp: Experiment, results: str | os.PathLike = RESULTS) -> list[
             if exp.config[stage]["runs"] == "best_lr":
                 if best is None:
                     setattr(st, attr, "later")
-                    st.reasons.append(f"{job}: chosen once every run has trained (its cell's best LR)")
+                    st.reasons.append(
+                        f"{job}: chosen once every run has trained (its cell's best LR)"
+                    )
                     continue
                 if run_id not in best:
                     continue
@@ -225,13 +259,17 @@ def run_statuses(exp: Experiment, results: str | os.PathLike = RESULTS) -> list[
             setattr(st, attr, value)
             if reason:
                 st.reasons.append(reason)
-            if value != "yes" and state != "corrupt":  # its stages fail until the run is trained again
+            if (
+                value != "yes" and state != "corrupt"
+            ):  # its stages fail until the run is trained again
                 st.jobs.append(job)
         out.append(st)
     return out
 
 
-def plan(exp: Experiment, statuses: list[RunStatus], results: str | os.PathLike = RESULTS) -> list[str]:
+def plan(
+    exp: Experiment, statuses: list[RunStatus], results: str | os.PathLike = RESULTS
+) -> list[str]:
     """What the next `snakemake` run would do, one line per stage."""
     results = Path(results)
     lines = []
@@ -243,17 +281,29 @@ def plan(exp: Experiment, statuses: list[RunStatus], results: str | os.PathLike 
             lines.append(f"{job}: {len(ids)} run{'s' * (len(ids) != 1)}")
     invalid = [s.run_id for s in statuses if s.state == "invalid"]
     if invalid:
-        lines.append(f"tables: fail on {len(invalid)} invalid summar{'ies' if len(invalid) != 1 else 'y'} (see above)")
+        lines.append(
+            f"tables: fail on {len(invalid)} invalid summar{'ies' if len(invalid) != 1 else 'y'} (see above)"
+        )
     corrupt = [s.run_id for s in statuses if s.state == "corrupt"]
     if corrupt:
-        lines.append(f"probe, nll, export: fail on {len(corrupt)} run{'s' * (len(corrupt) != 1)} with corrupt weights (see above)")
+        lines.append(
+            f"probe, nll, export: fail on {len(corrupt)} run{'s' * (len(corrupt) != 1)} with corrupt weights (see above)"
+        )
     incomplete = [s.run_id for s in statuses if s.state == "incomplete"]
     if incomplete:
-        lines.append(f"refused without --rerun-incomplete: {len(incomplete)} run{'s' * (len(incomplete) != 1)} (see above)")
+        lines.append(
+            f"refused without --rerun-incomplete: {len(incomplete)} run{'s' * (len(incomplete) != 1)} (see above)"
+        )
     # the aggregate outputs every grid has (the figures' own names depend on the grid)
-    finals = [results / "tables" / f"{name}.parquet" for name in ("runs", "curves", "best_lr", "dynamics", "cost")]
+    finals = [
+        results / "tables" / f"{name}.parquet"
+        for name in ("runs", "curves", "best_lr", "dynamics", "cost")
+    ]
     finals += [results / "figures" / "headline.png"]
-    newest = max((t for s in statuses for t in [_mtime(results / "runs" / s.run_id / "summary.json")] if t), default=None)
+    newest = max(
+        (t for s in statuses for t in [_mtime(results / "runs" / s.run_id / "summary.json")] if t),
+        default=None,
+    )
     oldest = min((_mtime(p) or 0.0 for p in finals), default=0.0)
     if lines or not oldest or (newest is not None and newest > oldest):
         lines.append("tables, figures and report: rebuilt")
@@ -265,13 +315,17 @@ def format_status(exp: Experiment, results: str | os.PathLike = RESULTS) -> str:
     width = max([len(s.run_id) for s in statuses] + [6])
     lines = [f"{'run':<{width}}  {'train':<10}  {'probed':<6}  {'scored':<6}  next"]
     for s in statuses:
-        lines.append(f"{s.run_id:<{width}}  {s.state:<10}  {s.probed:<6}  {s.scored:<6}  {', '.join(s.jobs) or '-'}")
+        lines.append(
+            f"{s.run_id:<{width}}  {s.state:<10}  {s.probed:<6}  {s.scored:<6}  {', '.join(s.jobs) or '-'}"
+        )
         lines += [f"{'':<{width}}  ^ {reason}" for reason in s.reasons]
     counts: dict[str, int] = {}
     for s in statuses:
         counts[s.state] = counts.get(s.state, 0) + 1
     lines.append("")
-    lines.append(f"{len(statuses)} runs: " + ", ".join(f"{n} {state}" for state, n in sorted(counts.items())))
+    lines.append(
+        f"{len(statuses)} runs: " + ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+    )
     lines.append("next snakemake run (from files; `snakemake -n` for the exact plan):")
     lines += [f"  {line}" for line in plan(exp, statuses, results)]
     return "\n".join(lines)

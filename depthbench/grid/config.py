@@ -39,14 +39,20 @@ def check_corpus(corpus: dict) -> None:
         if "format" not in corpus:
             ext = Path(files[0].removesuffix(".gz")).suffix
             if ext not in EXTENSION_FORMATS:
-                raise ConfigError("corpus.format", f"cannot infer from {files[0]!r}; valid: {sorted(set(EXTENSION_FORMATS.values()))}")
+                raise ConfigError(
+                    "corpus.format",
+                    f"cannot infer from {files[0]!r}; valid: {sorted(set(EXTENSION_FORMATS.values()))}",
+                )
         from depthbench.data.corpus import check_local_corpus, local_files
 
         # contents, where cheap: the head of the first files (the tokenizer stage reads it all)
         check_local_corpus(corpus, *local_files(corpus), full=False)
     elif source == "hub":
         if "dataset" not in corpus:
-            raise ConfigError("corpus.dataset", "required when corpus.source is 'hub' (e.g. HuggingFaceFW/fineweb-edu)")
+            raise ConfigError(
+                "corpus.dataset",
+                "required when corpus.source is 'hub' (e.g. HuggingFaceFW/fineweb-edu)",
+            )
     elif source == "shards":
         for key in ("train_paths", "val_paths", "dtype", "eos_id"):
             if key not in corpus:
@@ -69,11 +75,17 @@ def check_nll(nll: dict) -> None:
     names = list(nll.get("sets", []))
     for i, custom in enumerate(nll.get("custom", [])):
         if custom["name"] in names:
-            raise ConfigError(f"nll.custom[{i}].name", f"{custom['name']!r} is already a set name; names must be unique")
+            raise ConfigError(
+                f"nll.custom[{i}].name",
+                f"{custom['name']!r} is already a set name; names must be unique",
+            )
         names.append(custom["name"])
         resolve_files(custom["path"], f"nll.custom[{i}].path")
     if not names:
-        raise ConfigError("nll.sets", "no evaluation set: list built-in sets, add nll.custom sets, or set nll.enabled: false")
+        raise ConfigError(
+            "nll.sets",
+            "no evaluation set: list built-in sets, add nll.custom sets, or set nll.enabled: false",
+        )
 
 
 def check_tokenizer(tokenizer: dict, corpus: dict) -> int:
@@ -83,18 +95,26 @@ def check_tokenizer(tokenizer: dict, corpus: dict) -> int:
         if "vocab_size" not in tokenizer:
             raise ConfigError("tokenizer.vocab_size", "required for kind 'bpe' (e.g. 4096)")
         if corpus["source"] == "shards":
-            raise ConfigError("tokenizer.kind", "pre-tokenized shards need the tokenizer that made them: use 'file', 'olmo_eval' or 'hub'")
+            raise ConfigError(
+                "tokenizer.kind",
+                "pre-tokenized shards need the tokenizer that made them: use 'file', 'olmo_eval' or 'hub'",
+            )
         return int(tokenizer["vocab_size"])
     if kind in ("file", "olmo_eval"):
         from depthbench.data.tokenizer import tokenizer_file_vocab_size, resolve_tokenizer_file
 
         path = resolve_tokenizer_file(tokenizer)
-        return tokenizer_file_vocab_size(path, "tokenizer.path" if kind == "file" else "tokenizer.kind")
+        return tokenizer_file_vocab_size(
+            path, "tokenizer.path" if kind == "file" else "tokenizer.kind"
+        )
     # hub: the vocabulary is only known online; it must be stated.
     if "name" not in tokenizer:
         raise ConfigError("tokenizer.name", "required for kind 'hub'")
     if "vocab_size" not in tokenizer:
-        raise ConfigError("tokenizer.vocab_size", "required for kind 'hub' (the model is sized before anything is downloaded)")
+        raise ConfigError(
+            "tokenizer.vocab_size",
+            "required for kind 'hub' (the model is sized before anything is downloaded)",
+        )
     return int(tokenizer["vocab_size"])
 
 
@@ -102,7 +122,9 @@ def tokenizer_id(config: dict) -> str:
     tok = config["tokenizer"]
     ident: dict[str, Any] = {"tokenizer": tok}
     if tok["kind"] == "bpe":  # trained on the corpus, so the corpus is part of its identity
-        ident["corpus"] = {k: v for k, v in config["corpus"].items() if k not in ("pieces", "piece_by")}  # pieces do not change its text
+        ident["corpus"] = {
+            k: v for k, v in config["corpus"].items() if k not in ("pieces", "piece_by")
+        }  # pieces do not change its text
     if tok["kind"] in ("file", "olmo_eval"):
         from depthbench.data.tokenizer import resolve_tokenizer_file
 
@@ -117,8 +139,12 @@ def data_id(config: dict) -> str:
     # corpus.pieces: 1 (the default) is left out, so data ids from before pieces existed stay;
     # more pieces change the training windows (none crosses a piece file), hence the data id.
     one = config["corpus"].get("pieces", 1) == 1  # piece_by means nothing with one piece
-    corpus = {k: v for k, v in config["corpus"].items() if not (k in ("pieces", "piece_by") and one)}
-    return f"{config['corpus']['name']}-{short_hash({'corpus': corpus, 'tok': tokenizer_id(config)})}"
+    corpus = {
+        k: v for k, v in config["corpus"].items() if not (k in ("pieces", "piece_by") and one)
+    }
+    return (
+        f"{config['corpus']['name']}-{short_hash({'corpus': corpus, 'tok': tokenizer_id(config)})}"
+    )
 
 
 @dataclass
@@ -148,11 +174,17 @@ def _apply_knobs(model: dict, train: dict, knobs: dict[str, Any]) -> None:
         section, _, name = key.partition(".")
         if section == "model" and name in _MODEL_KNOBS:
             model[name] = value
-        elif section == "train" and name in TrainConfig.__dataclass_fields__ and name not in ("lr", "seed", "total_steps"):
+        elif (
+            section == "train"
+            and name in TrainConfig.__dataclass_fields__
+            and name not in ("lr", "seed", "total_steps")
+        ):
             train[name] = value
         else:
             valid = [f"model.{k}" for k in sorted(_MODEL_KNOBS)] + [
-                f"train.{k}" for k in TrainConfig.__dataclass_fields__ if k not in ("lr", "seed", "total_steps")
+                f"train.{k}"
+                for k in TrainConfig.__dataclass_fields__
+                if k not in ("lr", "seed", "total_steps")
             ]
             raise ConfigError(f"sweep.{key}", f"not a sweepable setting; valid: {valid}")
 
@@ -170,18 +202,40 @@ def resolve_shapes(config: dict, base: ModelConfig, field_prefix: str = "shapes"
             if "n_layer" not in entry:
                 raise ConfigError(field, "an explicit d_model needs n_layer too")
             try:
-                shapes.append(shape_of(base, entry["n_layer"], entry["d_model"], entry.get("d_ff"), ff_multiple))
+                shapes.append(
+                    shape_of(
+                        base, entry["n_layer"], entry["d_model"], entry.get("d_ff"), ff_multiple
+                    )
+                )
             except ConfigError as exc:
                 raise ConfigError(f"{field}.d_model", str(exc).split(": ", 1)[-1]) from None
             continue
         if params is None:
-            raise ConfigError("budget.params", f"{field} has no d_model, so a parameter budget is needed to solve its width")
+            raise ConfigError(
+                "budget.params",
+                f"{field} has no d_model, so a parameter budget is needed to solve its width",
+            )
         if ("n_layer" in entry) == ("ratio" in entry):
-            raise ConfigError(field, "give exactly one of n_layer or ratio (or n_layer with d_model)")
+            raise ConfigError(
+                field, "give exactly one of n_layer or ratio (or n_layer with d_model)"
+            )
         if "n_layer" in entry:
-            shapes.append(solve_width(base, entry["n_layer"], params, multiple, ff_multiple, entry.get("d_ff"), field=field, **fit))
+            shapes.append(
+                solve_width(
+                    base,
+                    entry["n_layer"],
+                    params,
+                    multiple,
+                    ff_multiple,
+                    entry.get("d_ff"),
+                    field=field,
+                    **fit,
+                )
+            )
         else:
-            shapes.append(solve_ratio(base, entry["ratio"], params, multiple, ff_multiple, field=field, **fit))
+            shapes.append(
+                solve_ratio(base, entry["ratio"], params, multiple, ff_multiple, field=field, **fit)
+            )
     return shapes
 
 
@@ -193,7 +247,9 @@ def expand_grid(config: dict) -> Experiment:
     from depthbench.pretrained.loading import pretrained_specs
 
     pretrained_specs(config)  # every `pretrained` entry names a loadable checkpoint
-    if config.get("launcher", {}).get("backend") == "slurm":  # before the tokenizer and shards are built
+    if (
+        config.get("launcher", {}).get("backend") == "slurm"
+    ):  # before the tokenizer and shards are built
         from depthbench.launch.slurm import check_launcher
 
         check_launcher(config["launcher"])
@@ -220,18 +276,33 @@ def expand_grid(config: dict) -> Experiment:
                 **{**model_section, "arch_options": options},
             )
             for shape in resolve_shapes(config, base):
-                model_cfg = replace(base, n_layer=shape.n_layer, d_model=shape.d_model, d_ff=shape.d_ff)
+                model_cfg = replace(
+                    base, n_layer=shape.n_layer, d_model=shape.d_model, d_ff=shape.d_ff
+                )
                 for lr in lrs_by_arch[arch_name]:
                     for seed in config.get("seeds", [0]):
-                        train = TrainConfig.from_dict({**train_dict, "lr": float(lr), "seed": int(seed)})
+                        train = TrainConfig.from_dict(
+                            {**train_dict, "lr": float(lr), "seed": int(seed)}
+                        )
                         train.check()  # one rank here; the trainer checks again with the run's ranks
-                        steps = max(1, round(train.tokens_per_param * shape.n_params / train.tokens_per_step))
+                        steps = max(
+                            1,
+                            round(train.tokens_per_param * shape.n_params / train.tokens_per_step),
+                        )
                         if train.max_steps is not None:
                             steps = min(steps, train.max_steps)
                         train.total_steps = int(steps)
                         spec = RunSpec(
-                            run_id="", arch=arch, shape=shape, lr=float(lr), seed=int(seed),
-                            knobs=knobs, model=model_cfg, train=train, data_id=d_id, tokenizer_id=tok_id,
+                            run_id="",
+                            arch=arch,
+                            shape=shape,
+                            lr=float(lr),
+                            seed=int(seed),
+                            knobs=knobs,
+                            model=model_cfg,
+                            train=train,
+                            data_id=d_id,
+                            tokenizer_id=tok_id,
                         )
                         spec.run_id = run_id_of(spec)
                         exp.runs[spec.run_id] = spec
@@ -253,7 +324,9 @@ def shared_options_ids(exp: Experiment) -> dict[str, str]:
     `depthbench rename-runs` (depthbench.commands.rename) moves to the current ids."""
     out = {}
     for run_id, spec in exp.runs.items():
-        whole = spec.knobs.get("model.arch_options", exp.config.get("model", {}).get("arch_options", {}))
+        whole = spec.knobs.get(
+            "model.arch_options", exp.config.get("model", {}).get("arch_options", {})
+        )
         shared = replace(spec, model=replace(spec.model, arch_options=copy.deepcopy(whole)))
         out[run_id] = run_id_of(shared)
     return out
@@ -282,8 +355,10 @@ def grid_learning_rates(config: dict) -> dict[str, list[float]]:
                 "or their aliases",
             ) from None
     default = [float(v) for v in config["learning_rates"]]
-    return {name: [float(v) for v in by_arch.get(name, by_arch.get(canonical, default))]
-            for name, canonical in listed.items()}
+    return {
+        name: [float(v) for v in by_arch.get(name, by_arch.get(canonical, default))]
+        for name, canonical in listed.items()
+    }
 
 
 def ignored_settings(config: dict) -> list[str]:
@@ -293,17 +368,24 @@ def ignored_settings(config: dict) -> list[str]:
     grid declares. They are valid and change no run id; `depthbench validate` lists them."""
     listed = {name: canonical_arch(name) for name in config["architectures"]}
     grid = set(listed) | set(listed.values())
-    out = [f"learning_rates_by_arch.{key}: {key!r} is not in architectures {list(listed)}"
-           for key in (config.get("learning_rates_by_arch") or {}) if key not in grid and canonical_arch(key) not in grid]
+    out = [
+        f"learning_rates_by_arch.{key}: {key!r} is not in architectures {list(listed)}"
+        for key in (config.get("learning_rates_by_arch") or {})
+        if key not in grid and canonical_arch(key) not in grid
+    ]
     sections = [("model.arch_options", config.get("model", {}).get("arch_options") or {})]
-    sections += [(f"sweep.model.arch_options[{i}]", point or {})
-                 for i, point in enumerate(config.get("sweep", {}).get("model.arch_options", []))]
+    sections += [
+        (f"sweep.model.arch_options[{i}]", point or {})
+        for i, point in enumerate(config.get("sweep", {}).get("model.arch_options", []))
+    ]
     declared = {arch: set(declared_options(arch, {})) for arch in set(listed.values())}
     for field_name, options in sections:
         for key in options:
             if not any(key in names for names in declared.values()):
                 users = [a for a in registered_architectures() if key in declared_options(a, {})]
-                out.append(f"{field_name}.{key}: only {users} read it, none of them in architectures {list(listed)}")
+                out.append(
+                    f"{field_name}.{key}: only {users} read it, none of them in architectures {list(listed)}"
+                )
     return out
 
 

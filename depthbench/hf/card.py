@@ -17,15 +17,19 @@ def _fmt(value, spec: str = "") -> str:
 
 def _loading(class_name: str) -> str:
     if class_name == "LlamaForCausalLM":
-        return ("A plain `LlamaForCausalLM` (DepthBench's pre_ln is Llama): no remote code.\n\n"
-                "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-                "model = AutoModelForCausalLM.from_pretrained(path)\ntokenizer = AutoTokenizer.from_pretrained(path)\n```\n")
-    return ("Remote code (`modeling_depthbench.py`) wrapping DepthBench's own `DecoderLM`: it needs the "
-            "`depthbench` package installed beside transformers, and `trust_remote_code=True`. Token ids only, "
-            "right padding only, no KV cache (generation reruns the sequence each step).\n\n"
+        return (
+            "A plain `LlamaForCausalLM` (DepthBench's pre_ln is Llama): no remote code.\n\n"
             "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-            "model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)\n"
-            "tokenizer = AutoTokenizer.from_pretrained(path)\n```\n")
+            "model = AutoModelForCausalLM.from_pretrained(path)\ntokenizer = AutoTokenizer.from_pretrained(path)\n```\n"
+        )
+    return (
+        "Remote code (`modeling_depthbench.py`) wrapping DepthBench's own `DecoderLM`: it needs the "
+        "`depthbench` package installed beside transformers, and `trust_remote_code=True`. Token ids only, "
+        "right padding only, no KV cache (generation reruns the sequence each step).\n\n"
+        "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)\n"
+        "tokenizer = AutoTokenizer.from_pretrained(path)\n```\n"
+    )
 
 
 def model_card(run, class_name: str) -> str:

@@ -69,23 +69,35 @@ def load_run(run_dir: str | os.PathLike, results_dir: str | os.PathLike | None =
     run_dir = Path(run_dir)
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
-        raise DataError(f"{summary_path}: no such file; RUN_DIR must be a finished run's folder (results/runs/<run_id>)")
-    summary = check_run(run_dir, weights=False)  # its identity: run id of its folder, spec hash of its spec
+        raise DataError(
+            f"{summary_path}: no such file; RUN_DIR must be a finished run's folder (results/runs/<run_id>)"
+        )
+    summary = check_run(
+        run_dir, weights=False
+    )  # its identity: run id of its folder, spec hash of its spec
     if summary.get("status") != "ok":
-        raise DataError(f"{summary_path}: status {summary.get('status')!r}; only runs with status 'ok' can be exported")
+        raise DataError(
+            f"{summary_path}: status {summary.get('status')!r}; only runs with status 'ok' can be exported"
+        )
     verify_weights(run_dir, summary)  # before anything is written
     spec = summary["spec"]
     results = Path(results_dir) if results_dir else run_dir.resolve().parent.parent
     tok = results / "tokenizers" / spec["tokenizer_id"] / "tokenizer.json"
     if not tok.is_file():
-        raise DataError(f"{tok}: no such file (the run's tokenizer, tokenizer_id {spec['tokenizer_id']}); pass --results "
-                        "with the results folder that holds tokenizers/ and data/")
+        raise DataError(
+            f"{tok}: no such file (the run's tokenizer, tokenizer_id {spec['tokenizer_id']}); pass --results "
+            "with the results folder that holds tokenizers/ and data/"
+        )
     meta_path = results / "data" / spec["data_id"] / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     last = math.nan
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
-        losses = [r["train_loss"] for r in map(json.loads, filter(str.strip, metrics.read_text().splitlines())) if "train_loss" in r]
+        losses = [
+            r["train_loss"]
+            for r in map(json.loads, filter(str.strip, metrics.read_text().splitlines()))
+            if "train_loss" in r
+        ]
         last = losses[-1] if losses else math.nan
     cfg = ModelConfig.from_dict(spec["model"])
     return Run(run_dir, summary, spec, cfg, canonical_arch(cfg.arch), tok, meta, last)
@@ -138,14 +150,20 @@ def write_model(run: Run, out: Path, specials: dict[str, tuple[str, int]]) -> st
 
         config = DepthBenchConfig(depthbench_model=run.model.to_dict(), **ids)
         config.architectures = ["DepthBenchForCausalLM"]
-        config.auto_map = {"AutoConfig": "configuration_depthbench.DepthBenchConfig",
-                           "AutoModelForCausalLM": "modeling_depthbench.DepthBenchForCausalLM"}
+        config.auto_map = {
+            "AutoConfig": "configuration_depthbench.DepthBenchConfig",
+            "AutoModelForCausalLM": "modeling_depthbench.DepthBenchForCausalLM",
+        }
         for name in REMOTE_FILES:
             shutil.copyfile(REMOTE_CODE / name, out / name)
         tensors, class_name = {PREFIX + k: v for k, v in state.items()}, "DepthBenchForCausalLM"
     config.dtype = torch.float32
     config.save_pretrained(out)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     return class_name
 
 
@@ -154,24 +172,41 @@ def write_generation_config(out: Path, specials: dict[str, tuple[str, int]], rem
 
     # No KV cache in the remote-code model: each step reruns the sequence.
     GenerationConfig(
-        eos_token_id=specials["eos"][1], bos_token_id=specials["bos"][1], pad_token_id=specials["pad"][1],
-        do_sample=False, max_new_tokens=64, use_cache=not remote,
+        eos_token_id=specials["eos"][1],
+        bos_token_id=specials["bos"][1],
+        pad_token_id=specials["pad"][1],
+        do_sample=False,
+        max_new_tokens=64,
+        use_cache=not remote,
     ).save_pretrained(out)
 
 
-def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, results_dir: str | os.PathLike | None = None,
-               overwrite: bool = False) -> dict:
+def export_run(
+    run_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    results_dir: str | os.PathLike | None = None,
+    overwrite: bool = False,
+) -> dict:
     """Write the export of `run_dir` to `out_dir` (built in a temporary folder beside it and
     renamed into place, so a failed export leaves nothing half-written)."""
     run = load_run(run_dir, results_dir)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise ConfigError("OUT_DIR", f"{out} exists and is not empty; pass --overwrite or choose a new folder")
+        raise ConfigError(
+            "OUT_DIR", f"{out} exists and is not empty; pass --overwrite or choose a new folder"
+        )
     with atomic_folder(out) as tmp:
         specials = write_tokenizer(run, tmp)
         class_name = write_model(run, tmp, specials)
-        if class_name != "LlamaForCausalLM":  # a folder without the remote-code config.json (see above)
+        if (
+            class_name != "LlamaForCausalLM"
+        ):  # a folder without the remote-code config.json (see above)
             write_tokenizer(run, tmp / TOKENIZER_FOLDER)
         write_generation_config(tmp, specials, remote=class_name != "LlamaForCausalLM")
         (tmp / "README.md").write_text(model_card(run, class_name))
-    return {"run_id": run.spec["run_id"], "arch": run.arch, "class": class_name, "out_dir": str(out)}
+    return {
+        "run_id": run.spec["run_id"],
+        "arch": run.arch,
+        "class": class_name,
+        "out_dir": str(out),
+    }

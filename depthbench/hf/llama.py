@@ -28,7 +28,11 @@ _LAYER_NAMES = {
     "attn.wo.weight": "self_attn.o_proj.weight",
     "ffn.w2.weight": "mlp.down_proj.weight",
 }
-_TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
+_TOP_NAMES = {
+    "embed.weight": "model.embed_tokens.weight",
+    "final_norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
 _LAYER = re.compile(r"^blocks\.(\d+)\.(.+)$")
 
 
@@ -38,7 +42,11 @@ def is_plain_llama(cfg: ModelConfig, arch: str) -> bool:
     model never reads."""
     from depthbench.models.registry import declared_options
 
-    return arch == "pre_ln" and not cfg.moe.get("n_experts", 0) and not declared_options(arch, cfg.arch_options)
+    return (
+        arch == "pre_ln"
+        and not cfg.moe.get("n_experts", 0)
+        and not declared_options(arch, cfg.arch_options)
+    )
 
 
 def llama_config_kwargs(cfg: ModelConfig) -> dict:
@@ -62,7 +70,9 @@ def llama_config_kwargs(cfg: ModelConfig) -> dict:
     }
 
 
-def to_llama_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def to_llama_state_dict(
+    state: dict[str, torch.Tensor], cfg: ModelConfig
+) -> dict[str, torch.Tensor]:
     """DepthBench pre_ln weights under LlamaForCausalLM's names; every input key is used once."""
     q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
     out: dict[str, torch.Tensor] = {}
@@ -72,7 +82,9 @@ def to_llama_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dic
             continue
         match = _LAYER.match(key)
         if not match:
-            raise ConfigError("model.safetensors", f"parameter {key!r} has no LlamaForCausalLM counterpart")
+            raise ConfigError(
+                "model.safetensors", f"parameter {key!r} has no LlamaForCausalLM counterpart"
+            )
         prefix, name = f"model.layers.{match.group(1)}.", match.group(2)
         if name == "attn.wqkv.weight":
             q, k, v = value.split((q_dim, kv_dim, kv_dim), dim=0)
@@ -85,8 +97,13 @@ def to_llama_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dic
         elif name in _LAYER_NAMES:
             out[prefix + _LAYER_NAMES[name]] = value
         else:
-            raise ConfigError("model.safetensors", f"parameter {key!r} has no LlamaForCausalLM counterpart")
+            raise ConfigError(
+                "model.safetensors", f"parameter {key!r} has no LlamaForCausalLM counterpart"
+            )
     expected = 3 + 9 * cfg.n_layer
     if len(out) != expected:
-        raise ConfigError("model.safetensors", f"{len(out)} Llama tensors from the run's weights, expected {expected}")
+        raise ConfigError(
+            "model.safetensors",
+            f"{len(out)} Llama tensors from the run's weights, expected {expected}",
+        )
     return out

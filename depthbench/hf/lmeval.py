@@ -39,11 +39,16 @@ def write_task(docs: pd.DataFrame, task_dir: str | os.PathLike, name: str = TASK
     """Write `docs` (columns set, domain, doc_id, context, continuation) as a local lm-eval task."""
     missing = {"set", "domain", "doc_id", "context", "continuation"} - set(docs.columns)
     if missing:
-        raise ValueError(f"NLL set table lacks columns {sorted(missing)}: build it with depthbench.evals.run.build_sets")
+        raise ValueError(
+            f"NLL set table lacks columns {sorted(missing)}: build it with depthbench.evals.run.build_sets"
+        )
     task_dir = Path(task_dir)
     data = task_dir / f"{name}.jsonl"
     rows = docs[["set", "domain", "doc_id", "context", "continuation"]].to_dict("records")
-    atomic_write_text(data, "".join(json.dumps({"row": i, **r}, ensure_ascii=False) + "\n" for i, r in enumerate(rows)))
+    atomic_write_text(
+        data,
+        "".join(json.dumps({"row": i, **r}, ensure_ascii=False) + "\n" for i, r in enumerate(rows)),
+    )
     task = {
         "task": name,
         "dataset_path": "json",
@@ -55,14 +60,22 @@ def write_task(docs: pd.DataFrame, task_dir: str | os.PathLike, name: str = TASK
         "target_delimiter": "",
         "fewshot_delimiter": "",
         "num_fewshot": 0,
-        "metric_list": [{"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False}],
+        "metric_list": [
+            {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False}
+        ],
     }
     atomic_write_text(task_dir / f"{name}.yaml", yaml.safe_dump(task, sort_keys=False))
     return task_dir
 
 
-def lmeval_loglikelihoods(model_dir: str | os.PathLike, task_dir: str | os.PathLike, max_length: int,
-                          batch_size: int = 8, name: str = TASK, device: str = "cpu") -> pd.DataFrame:
+def lmeval_loglikelihoods(
+    model_dir: str | os.PathLike,
+    task_dir: str | os.PathLike,
+    max_length: int,
+    batch_size: int = 8,
+    name: str = TASK,
+    device: str = "cpu",
+) -> pd.DataFrame:
     """Per-document log-likelihood (nats) of the task's continuations under the exported model,
     computed by lm-eval's HF backend in float32 on `device`; rows in the task's document order."""
     from lm_eval.evaluator import evaluate
@@ -71,8 +84,15 @@ def lmeval_loglikelihoods(model_dir: str | os.PathLike, task_dir: str | os.PathL
 
     model_dir = Path(model_dir)
     remote = (model_dir / "modeling_depthbench.py").exists()
-    lm = HFLM(pretrained=str(model_dir), backend="causal", dtype="float32", device=device, batch_size=batch_size,
-              max_length=max_length, trust_remote_code=remote)
+    lm = HFLM(
+        pretrained=str(model_dir),
+        backend="causal",
+        dtype="float32",
+        device=device,
+        batch_size=batch_size,
+        max_length=max_length,
+        trust_remote_code=remote,
+    )
     # lm-eval's evaluate() on the loaded task (what simple_evaluate calls, without its environment
     # report: torch's collect_env runs pip and other subprocesses for a minute on 2 cores).
     # include_defaults=False: only our task is indexed, not lm-eval's ~14,000 built-in YAMLs (2 min).
@@ -80,14 +100,16 @@ def lmeval_loglikelihoods(model_dir: str | os.PathLike, task_dir: str | os.PathL
     tasks["tasks"][name].set_fewshot_seed(seed=0)
     results = evaluate(lm=lm, task_dict=tasks, log_samples=True, bootstrap_iters=0)
     samples = results["samples"][name]
-    out = pd.DataFrame({
-        "row": [s["doc"]["row"] for s in samples],
-        "doc_id": [s["doc"]["doc_id"] for s in samples],
-        "set": [s["doc"]["set"] for s in samples],
-        "loglikelihood": [float(s["resps"][0][0][0]) for s in samples],
-        # lm-eval's own encoding of each request (its prefix token for an empty context)
-        "token_ids": [_encode(lm, *s["arguments"][0]) for s in samples],
-    })
+    out = pd.DataFrame(
+        {
+            "row": [s["doc"]["row"] for s in samples],
+            "doc_id": [s["doc"]["doc_id"] for s in samples],
+            "set": [s["doc"]["set"] for s in samples],
+            "loglikelihood": [float(s["resps"][0][0][0]) for s in samples],
+            # lm-eval's own encoding of each request (its prefix token for an empty context)
+            "token_ids": [_encode(lm, *s["arguments"][0]) for s in samples],
+        }
+    )
     return out.sort_values("row").reset_index(drop=True)
 
 

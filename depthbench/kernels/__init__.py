@@ -57,7 +57,12 @@ _state: dict[str, ModuleType | None] = {}
 
 def enabled() -> bool:
     """False when DEPTHBENCH_CPU_KERNELS is set to 0 / false / no / off."""
-    return os.environ.get("DEPTHBENCH_CPU_KERNELS", "1").strip().lower() not in {"0", "false", "no", "off"}
+    return os.environ.get("DEPTHBENCH_CPU_KERNELS", "1").strip().lower() not in {
+        "0",
+        "false",
+        "no",
+        "off",
+    }
 
 
 def built() -> bool:
@@ -119,15 +124,26 @@ def _build() -> ModuleType | None:
                 build_dir.mkdir(parents=True, exist_ok=True)
                 _remove_stale_lock(build_dir)
                 try:
-                    return load(name="depthbench_cpu_kernels", sources=[str(s) for s in _SOURCES],
-                                extra_cflags=flags, build_directory=str(build_dir), verbose=False)
+                    return load(
+                        name="depthbench_cpu_kernels",
+                        sources=[str(s) for s in _SOURCES],
+                        extra_cflags=flags,
+                        build_directory=str(build_dir),
+                        verbose=False,
+                    )
                 except Exception:
                     if "-fopenmp" not in flags:
                         raise
-                    log.info("DepthBench CPU kernels: the build with -fopenmp failed; building them serial")
+                    log.info(
+                        "DepthBench CPU kernels: the build with -fopenmp failed; building them serial"
+                    )
         except Exception as exc:  # a failed compile: fall back, and say why
-            reason = f"build failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
-    log.warning("DepthBench CPU kernels unavailable (%s); using the PyTorch code, which is slower", reason)
+            reason = (
+                f"build failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
+            )
+    log.warning(
+        "DepthBench CPU kernels unavailable (%s); using the PyTorch code, which is slower", reason
+    )
     return None
 
 
@@ -136,7 +152,9 @@ def build_directory(flags: list[str] | None = None) -> Path:
     architecture, checkout and version of the sources and flags, so versions never overwrite each
     other. The checkout's path counts because torch's build file names the sources by absolute
     path: two checkouts sharing a directory would rebuild in turn, each waiting on the other's lock."""
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    root = Path(
+        os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    )
     digest = hashlib.sha256(str(Path(__file__).resolve().parent).encode())
     for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
@@ -153,5 +171,7 @@ def _remove_stale_lock(build_dir: Path) -> None:
     except FileNotFoundError:
         return
     if age > STALE_LOCK_SECONDS:
-        log.warning("removing %s, left %.0f minutes ago by a build that did not finish", lock, age / 60)
+        log.warning(
+            "removing %s, left %.0f minutes ago by a build that did not finish", lock, age / 60
+        )
         lock.unlink(missing_ok=True)

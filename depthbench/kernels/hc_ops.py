@@ -14,8 +14,9 @@ from depthbench import kernels
 
 
 @torch.library.custom_op("depthbench::hc_read", mutates_args=(), device_types="cpu")
-def fused_read(H: torch.Tensor, weight: torch.Tensor, static: torch.Tensor, scale: torch.Tensor,
-               eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fused_read(
+    H: torch.Tensor, weight: torch.Tensor, static: torch.Tensor, scale: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """HC's read in one C++ kernel (depthbench/kernels/hc.cpp): from the streams H (N, n, d), the
     folded dynamic weight (n + 2, d) (projection times the norm's gain), the static weights
     (n, n + 2) and the per-column dynamic scales (n + 2), the sublayer input x (N, d), the mixed
@@ -34,17 +35,37 @@ def _(H, weight, static, scale, eps):
 
 
 @torch.library.custom_op("depthbench::hc_read_backward", mutates_args=(), device_types="cpu")
-def fused_read_backward(H: torch.Tensor, weight: torch.Tensor, static: torch.Tensor, scale: torch.Tensor,
-                        eps: float, grad_x: torch.Tensor, grad_mixed: torch.Tensor,
-                        grad_coeff: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def fused_read_backward(
+    H: torch.Tensor,
+    weight: torch.Tensor,
+    static: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    grad_x: torch.Tensor,
+    grad_mixed: torch.Tensor,
+    grad_coeff: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     grad_H, grad_weight, grad_static, grad_scale = kernels.cpu_kernels().hc_read_backward(
-        H, weight, static, scale, eps, grad_x.contiguous(), grad_mixed.contiguous(), grad_coeff.contiguous())
+        H,
+        weight,
+        static,
+        scale,
+        eps,
+        grad_x.contiguous(),
+        grad_mixed.contiguous(),
+        grad_coeff.contiguous(),
+    )
     return grad_H, grad_weight, grad_static, grad_scale
 
 
 @fused_read_backward.register_fake
 def _(H, weight, static, scale, eps, grad_x, grad_mixed, grad_coeff):
-    return torch.empty_like(H), torch.empty_like(weight), torch.empty_like(static), torch.empty_like(scale)
+    return (
+        torch.empty_like(H),
+        torch.empty_like(weight),
+        torch.empty_like(static),
+        torch.empty_like(scale),
+    )
 
 
 def _save_for_read_backward(ctx, inputs, output):
@@ -58,7 +79,10 @@ def _read_backward(ctx, grad_x, grad_mixed, grad_coeff):
     grad_x = H.new_zeros(N, d) if grad_x is None else grad_x
     grad_mixed = H.new_zeros(N, n, d) if grad_mixed is None else grad_mixed
     grad_coeff = H.new_zeros(N, n, n + 2) if grad_coeff is None else grad_coeff
-    return (*fused_read_backward(H, weight, static, scale, ctx.eps, grad_x, grad_mixed, grad_coeff), None)
+    return (
+        *fused_read_backward(H, weight, static, scale, ctx.eps, grad_x, grad_mixed, grad_coeff),
+        None,
+    )
 
 
 fused_read.register_autograd(_read_backward, setup_context=_save_for_read_backward)
@@ -78,8 +102,16 @@ class _EagerRead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_x, grad_mixed, grad_coeff):
         H, weight, static, scale = ctx.saved_tensors
-        grads = kernels.cpu_kernels().hc_read_backward(H, weight, static, scale, ctx.eps, grad_x.contiguous(),
-                                                       grad_mixed.contiguous(), grad_coeff.contiguous())
+        grads = kernels.cpu_kernels().hc_read_backward(
+            H,
+            weight,
+            static,
+            scale,
+            ctx.eps,
+            grad_x.contiguous(),
+            grad_mixed.contiguous(),
+            grad_coeff.contiguous(),
+        )
         return (*grads, None)
 
 

@@ -47,7 +47,9 @@ class _AlternatingNormalization(torch.autograd.Function):
 
 
 @torch.library.custom_op("depthbench::mhc_coefficients", mutates_args=(), device_types="cpu")
-def fused_coefficients(u: torch.Tensor, n: int, iterations: int) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_coefficients(
+    u: torch.Tensor, n: int, iterations: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """u (N, 2n + n^2) -> coeff (N, n + 1, n) = [H_pre; H_res], post (N, n) = H_post in one C++
     kernel (depthbench/kernels/mhc.cpp): the sigmoids, the stabilised exp, the Sinkhorn
     iterations and the layout, which eager PyTorch runs as some 25 small kernels forward and more
@@ -62,11 +64,15 @@ def _(u, n, iterations):
     return u.new_empty(u.shape[0], n + 1, n), u.new_empty(u.shape[0], n)
 
 
-@torch.library.custom_op("depthbench::mhc_coefficients_backward", mutates_args=(), device_types="cpu")
-def fused_coefficients_backward(u: torch.Tensor, grad_coeff: torch.Tensor, grad_post: torch.Tensor, n: int,
-                                iterations: int) -> torch.Tensor:
+@torch.library.custom_op(
+    "depthbench::mhc_coefficients_backward", mutates_args=(), device_types="cpu"
+)
+def fused_coefficients_backward(
+    u: torch.Tensor, grad_coeff: torch.Tensor, grad_post: torch.Tensor, n: int, iterations: int
+) -> torch.Tensor:
     return kernels.cpu_kernels().mhc_coefficients_backward(
-        u, grad_coeff.contiguous(), grad_post.contiguous(), n, iterations)
+        u, grad_coeff.contiguous(), grad_post.contiguous(), n, iterations
+    )
 
 
 @fused_coefficients_backward.register_fake
@@ -87,12 +93,20 @@ def _coefficients_backward(ctx, grad_coeff, grad_post):
     return fused_coefficients_backward(u, grad_coeff, grad_post, n, ctx.iterations), None, None
 
 
-fused_coefficients.register_autograd(_coefficients_backward, setup_context=_save_for_coefficients_backward)
+fused_coefficients.register_autograd(
+    _coefficients_backward, setup_context=_save_for_coefficients_backward
+)
 
 
 @torch.library.custom_op("depthbench::mhc_read", mutates_args=(), device_types="cpu")
-def fused_read(H: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float,
-               iterations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def fused_read(
+    H: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    iterations: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC's read in one C++ kernel (depthbench/kernels/mhc.cpp): from the streams H (N, n, d),
     the folded projection weight (2n + n^2, n d) (Phi^T times the norm's gain) and the per-column
     gain and bias of u = gain * (N(flatten(H)) Phi) + bias (2n + n^2 each), the sublayer input x
@@ -100,32 +114,66 @@ def fused_read(H: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     the projections h weight^T (N, 2n + n^2), returned for the backward only (no gradient flows
     back through them). Backward recomputes the rest from the inputs. A torch custom op, so that
     torch.compile keeps it as one call."""
-    x, mixed, coeff, post, proj = kernels.cpu_kernels().mhc_read_forward(H, weight, scale, bias, eps, iterations)
+    x, mixed, coeff, post, proj = kernels.cpu_kernels().mhc_read_forward(
+        H, weight, scale, bias, eps, iterations
+    )
     return x, mixed, coeff, post, proj
 
 
 @fused_read.register_fake
 def _(H, weight, scale, bias, eps, iterations):
     N, n, d = H.shape
-    return (H.new_empty(N, d), H.new_empty(N, n, d), H.new_empty(N, n + 1, n), H.new_empty(N, n),
-            H.new_empty(N, 2 * n + n * n))
+    return (
+        H.new_empty(N, d),
+        H.new_empty(N, n, d),
+        H.new_empty(N, n + 1, n),
+        H.new_empty(N, n),
+        H.new_empty(N, 2 * n + n * n),
+    )
 
 
 @torch.library.custom_op("depthbench::mhc_read_backward", mutates_args=(), device_types="cpu")
-def fused_read_backward(H: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float,
-                        iterations: int, coeff: torch.Tensor, proj: torch.Tensor, grad_x: torch.Tensor,
-                        grad_mixed: torch.Tensor,
-                        grad_coeff: torch.Tensor,
-                        grad_post: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def fused_read_backward(
+    H: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    iterations: int,
+    coeff: torch.Tensor,
+    proj: torch.Tensor,
+    grad_x: torch.Tensor,
+    grad_mixed: torch.Tensor,
+    grad_coeff: torch.Tensor,
+    grad_post: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     grads = kernels.cpu_kernels().mhc_read_backward(
-        H, weight, scale, bias, eps, iterations, coeff, proj, grad_x.contiguous(), grad_mixed.contiguous(),
-        grad_coeff.contiguous(), grad_post.contiguous())
+        H,
+        weight,
+        scale,
+        bias,
+        eps,
+        iterations,
+        coeff,
+        proj,
+        grad_x.contiguous(),
+        grad_mixed.contiguous(),
+        grad_coeff.contiguous(),
+        grad_post.contiguous(),
+    )
     return tuple(grads)
 
 
 @fused_read_backward.register_fake
-def _(H, weight, scale, bias, eps, iterations, coeff, proj, grad_x, grad_mixed, grad_coeff, grad_post):
-    return torch.empty_like(H), torch.empty_like(weight), torch.empty_like(scale), torch.empty_like(bias)
+def _(
+    H, weight, scale, bias, eps, iterations, coeff, proj, grad_x, grad_mixed, grad_coeff, grad_post
+):
+    return (
+        torch.empty_like(H),
+        torch.empty_like(weight),
+        torch.empty_like(scale),
+        torch.empty_like(bias),
+    )
 
 
 def _save_for_read_backward(ctx, inputs, output):
@@ -140,8 +188,20 @@ def _read_backward(ctx, grad_x, grad_mixed, grad_coeff, grad_post, grad_proj):
     grad_mixed = H.new_zeros(N, n, d) if grad_mixed is None else grad_mixed
     grad_coeff = H.new_zeros(N, n + 1, n) if grad_coeff is None else grad_coeff
     grad_post = H.new_zeros(N, n) if grad_post is None else grad_post
-    grads = fused_read_backward(H, weight, scale, bias, ctx.eps, ctx.iterations, coeff, proj, grad_x, grad_mixed,
-                                grad_coeff, grad_post)
+    grads = fused_read_backward(
+        H,
+        weight,
+        scale,
+        bias,
+        ctx.eps,
+        ctx.iterations,
+        coeff,
+        proj,
+        grad_x,
+        grad_mixed,
+        grad_coeff,
+        grad_post,
+    )
     return (*grads, None, None)
 
 
@@ -155,7 +215,9 @@ class _EagerRead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, H, weight, scale, bias, eps, iterations):
-        x, mixed, coeff, post, proj = kernels.cpu_kernels().mhc_read_forward(H, weight, scale, bias, eps, iterations)
+        x, mixed, coeff, post, proj = kernels.cpu_kernels().mhc_read_forward(
+            H, weight, scale, bias, eps, iterations
+        )
         ctx.eps, ctx.iterations = eps, iterations
         ctx.save_for_backward(H, weight, scale, bias, coeff, proj)
         ctx.mark_non_differentiable(proj)
@@ -165,8 +227,19 @@ class _EagerRead(torch.autograd.Function):
     def backward(ctx, grad_x, grad_mixed, grad_coeff, grad_post, grad_proj):
         H, weight, scale, bias, coeff, proj = ctx.saved_tensors
         grads = kernels.cpu_kernels().mhc_read_backward(
-            H, weight, scale, bias, ctx.eps, ctx.iterations, coeff, proj, grad_x.contiguous(), grad_mixed.contiguous(),
-            grad_coeff.contiguous(), grad_post.contiguous())
+            H,
+            weight,
+            scale,
+            bias,
+            ctx.eps,
+            ctx.iterations,
+            coeff,
+            proj,
+            grad_x.contiguous(),
+            grad_mixed.contiguous(),
+            grad_coeff.contiguous(),
+            grad_post.contiguous(),
+        )
         return (*grads, None, None)
 
 
@@ -207,4 +280,3 @@ def sinkhorn_knopp(log_m: torch.Tensor, iterations: int = 20) -> torch.Tensor:
     else:
         m = _AlternatingNormalization.apply(m, iterations)
     return m.movedim(0, -1).movedim(0, -1)
-

@@ -28,9 +28,12 @@ def _(mixed, weights, out):
 
 
 @torch.library.custom_op("depthbench::stream_write_backward", mutates_args=(), device_types="cpu")
-def fused_write_backward(grad: torch.Tensor, weights: torch.Tensor,
-                         out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_weights, grad_out = kernels.cpu_kernels().stream_write_backward(grad.contiguous(), weights, out)
+def fused_write_backward(
+    grad: torch.Tensor, weights: torch.Tensor, out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_weights, grad_out = kernels.cpu_kernels().stream_write_backward(
+        grad.contiguous(), weights, out
+    )
     return grad_weights, grad_out
 
 
@@ -68,8 +71,9 @@ class _EagerWrite(torch.autograd.Function):
         return grad, *kernels.cpu_kernels().stream_write_backward(grad.contiguous(), weights, out)
 
 
-def write_after_read(mixed: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
-                     shape: tuple[int, ...]) -> torch.Tensor:
+def write_after_read(
+    mixed: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, shape: tuple[int, ...]
+) -> torch.Tensor:
     """The write H = mixed + weights^T out after a fused read: mixed (N, n, d) straight from the
     read kernel (not a view), weights (N, n), out (N, d), cast to the streams' dtype (under
     autocast the sublayer returns bf16; addcmul would promote it the same way). In place in eager

@@ -62,8 +62,15 @@ class TrainingJob(submitit.helpers.Checkpointable):
     """The function submitit runs. `checkpoint` (inherited) resubmits it with the same
     arguments; training state is on disk, so the resubmitted job continues the run."""
 
-    def __call__(self, spec: dict, data_dir: str, run_dir: str, work_dir: str, progress: bool = True,
-                 owner: str | None = None) -> dict:
+    def __call__(
+        self,
+        spec: dict,
+        data_dir: str,
+        run_dir: str,
+        work_dir: str,
+        progress: bool = True,
+        owner: str | None = None,
+    ) -> dict:
         """Train the run, holding its lock (one trainer per run, depthbench.train.owner) from before
         anything is built until training returns; stop at a checkpoint once `owner` has ended."""
         from depthbench.train import distributed
@@ -73,7 +80,9 @@ class TrainingJob(submitit.helpers.Checkpointable):
 
         export_distributed_env()
         run = RunSpec.from_dict(spec)
-        ctx, device_name = distributed.setup(run.train.parallel, run.train.device)  # train() finds it joined
+        ctx, device_name = distributed.setup(
+            run.train.parallel, run.train.device
+        )  # train() finds it joined
         lock = acquire_for_job(work_dir, run.run_id, ctx, device_name)
         try:
             return train(run, data_dir, RunPaths(run_dir, work_dir), progress=progress, owner=owner)
@@ -94,7 +103,9 @@ def export_distributed_env() -> int:
         # CUDA_VISIBLE_DEVICES is left alone (asking torch about CUDA here could initialise it
         # before the variable takes effect): each rank picks its GPU by LOCAL_RANK in
         # depthbench.train.distributed.setup, whether SLURM shows a task all GPUs or one.
-        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+        submitit.helpers.TorchDistributedEnvironment().export(
+            set_cuda_visible_devices=False, overwrite=True
+        )
     return n_tasks
 
 
@@ -124,10 +135,15 @@ def make_executor(launcher: dict, folder: Path, threads: int):
         return InlineExecutor(folder=folder)
     if backend == "local":
         executor = submitit.LocalExecutor(folder=folder)
-        executor.update_parameters(timeout_min=int(launcher["slurm"]["time_min"]), tasks_per_node=int(launcher["local_ranks"]))
+        executor.update_parameters(
+            timeout_min=int(launcher["slurm"]["time_min"]),
+            tasks_per_node=int(launcher["local_ranks"]),
+        )
         return executor
     if backend == "slurm":
-        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=launcher["slurm"]["max_num_timeout"])
+        executor = submitit.SlurmExecutor(
+            folder=folder, max_num_timeout=launcher["slurm"]["max_num_timeout"]
+        )
         executor.update_parameters(**slurm_parameters(launcher))
         return executor
     raise ValueError(f"launcher.backend {backend!r}; valid: {BACKENDS}")
@@ -185,7 +201,9 @@ def _wait(job, poll_s: float = 2.0) -> None:
         state = queue_state(job.job_id)
         if state is not None and state not in LIVE_STATES:
             ended_at = ended_at or time.time()
-            if time.time() - ended_at > LOST_JOB_GRACE_S:  # the result file may lag on a shared file system
+            if (
+                time.time() - ended_at > LOST_JOB_GRACE_S
+            ):  # the result file may lag on a shared file system
                 raise RuntimeError(f"SLURM job {job.job_id} ended {state} without a result")
         time.sleep(poll_s)
 
@@ -202,7 +220,9 @@ class ProbeJob:
     """The probe stage of one run, run by submitit like training (not checkpointable: a probe
     job is short and simply runs again)."""
 
-    def __call__(self, spec: dict, data_dir: str, run_dir: str, out_path: str, settings: dict) -> dict:
+    def __call__(
+        self, spec: dict, data_dir: str, run_dir: str, out_path: str, settings: dict
+    ) -> dict:
         from depthbench.probes.run import run_probes
 
         return run_probes(spec, data_dir, run_dir, out_path, settings)
@@ -211,7 +231,9 @@ class ProbeJob:
 class NLLJob:
     """The NLL stage of one run (short, not checkpointable: it simply runs again)."""
 
-    def __call__(self, spec: dict, run_dir: str, sets_path: str, out_path: str, settings: dict) -> dict:
+    def __call__(
+        self, spec: dict, run_dir: str, sets_path: str, out_path: str, settings: dict
+    ) -> dict:
         from depthbench.evals.run import run_nll
 
         return run_nll(spec, run_dir, sets_path, out_path, settings)
@@ -220,15 +242,33 @@ class NLLJob:
 class RemovalJob:
     """The removal stage of one run (short, not checkpointable: it simply runs again)."""
 
-    def __call__(self, spec: dict, data_dir: str, run_dir: str, probes_path: str, sets_path: str, out_path: str,
-                 settings: dict, probe_settings: dict) -> dict:
+    def __call__(
+        self,
+        spec: dict,
+        data_dir: str,
+        run_dir: str,
+        probes_path: str,
+        sets_path: str,
+        out_path: str,
+        settings: dict,
+        probe_settings: dict,
+    ) -> dict:
         from depthbench.probes.removal_run import run_removal
 
-        return run_removal(spec, data_dir, run_dir, probes_path, sets_path, out_path, settings, probe_settings)
+        return run_removal(
+            spec, data_dir, run_dir, probes_path, sets_path, out_path, settings, probe_settings
+        )
 
 
-def submit_and_wait(fn, args: tuple, label: str, work_dir: str, launcher: dict, record_name: str = "job.json",
-                    reattach: bool = True) -> Any:
+def submit_and_wait(
+    fn,
+    args: tuple,
+    label: str,
+    work_dir: str,
+    launcher: dict,
+    record_name: str = "job.json",
+    reattach: bool = True,
+) -> Any:
     """Submit `fn(*args)` with the configured backend, wait for it and return its result.
 
     On SLURM, a job recorded by an earlier dispatch that is still queued or running is
@@ -263,8 +303,12 @@ def submit_and_wait(fn, args: tuple, label: str, work_dir: str, launcher: dict, 
             # Submitting from inside a SLURM allocation would inherit its SLURM_* variables.
             with submitit.helpers.clean_env():
                 job = executor.submit(fn, *args)
-            atomic_write_json(record, {"job_id": str(job.job_id), "backend": backend, "folder": str(folder)})
-            print(f"[{label}] submitted {backend} job {job.job_id}; logs in {folder}", file=sys.stderr)
+            atomic_write_json(
+                record, {"job_id": str(job.job_id), "backend": backend, "folder": str(folder)}
+            )
+            print(
+                f"[{label}] submitted {backend} job {job.job_id}; logs in {folder}", file=sys.stderr
+            )
         else:
             print(f"[{label}] re-attached to running SLURM job {job.job_id}", file=sys.stderr)
         try:
@@ -275,17 +319,30 @@ def submit_and_wait(fn, args: tuple, label: str, work_dir: str, launcher: dict, 
             # the job's own stderr into this dispatcher's log (Snakemake's rule log): the run
             # failed, which is not a divergence (that ends with a summary, status diverged)
             tail = _stderr_tail(job)
-            atomic_write_json(record, {"job_id": str(job.job_id), "backend": backend, "folder": str(folder),
-                                       "state": "failed", "error": str(exc)[-4000:]})
-            print(f"[{label}] {backend} job {job.job_id} failed: {type(exc).__name__}\n"
-                  f"--- end of the job's stderr ---\n{tail}\n---", file=sys.stderr)
+            atomic_write_json(
+                record,
+                {
+                    "job_id": str(job.job_id),
+                    "backend": backend,
+                    "folder": str(folder),
+                    "state": "failed",
+                    "error": str(exc)[-4000:],
+                },
+            )
+            print(
+                f"[{label}] {backend} job {job.job_id} failed: {type(exc).__name__}\n"
+                f"--- end of the job's stderr ---\n{tail}\n---",
+                file=sys.stderr,
+            )
             raise
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
-def dispatch(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, launcher: dict, threads: int = 1) -> dict:
+def dispatch(
+    spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, launcher: dict, threads: int = 1
+) -> dict:
     """Submit the training of `spec`, wait for it and return its summary. A `train.seq_len` that
     the shards cannot fill is refused here, before anything is submitted."""
     from depthbench.data.shards import check_seq_len
@@ -296,7 +353,9 @@ def dispatch(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, launcher
     if backend == "slurm":
         check_gpus(launcher)  # GPUs asked of a cluster without any: named here, not by sbatch
     spec_dict = spec.to_dict()
-    if backend != "slurm":  # on this machine, share the cores Snakemake gave the job among the ranks
+    if (
+        backend != "slurm"
+    ):  # on this machine, share the cores Snakemake gave the job among the ranks
         spec_dict["train"]["threads"] = max(1, threads // ranks_per_run(launcher))
     # On this machine the trainer watches the Snakemake process that runs this dispatcher (its
     # parent) and stops at a checkpoint if it ends; a SLURM job is re-attached to instead.
@@ -307,42 +366,97 @@ def dispatch(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, launcher
         # A restarted Snakemake removes an incomplete job's outputs before its dispatcher
         # re-attaches: a job that wrote them in between lost them. Train again (from the last
         # checkpoint, to the same weights) to write them.
-        print(f"[{spec.run_id}] the job's outputs were removed after it wrote them; training again", file=sys.stderr)
-        summary = submit_and_wait(TrainingJob(), args, spec.run_id, work_dir, launcher, reattach=False)
+        print(
+            f"[{spec.run_id}] the job's outputs were removed after it wrote them; training again",
+            file=sys.stderr,
+        )
+        summary = submit_and_wait(
+            TrainingJob(), args, spec.run_id, work_dir, launcher, reattach=False
+        )
     return summary
 
 
-def dispatch_probes(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, out_path: str, settings: dict, launcher: dict, threads: int = 1) -> dict:
+def dispatch_probes(
+    spec: RunSpec,
+    data_dir: str,
+    run_dir: str,
+    work_dir: str,
+    out_path: str,
+    settings: dict,
+    launcher: dict,
+    threads: int = 1,
+) -> dict:
     """Submit the probe stage of `spec` like its training, wait, and return its report; the run's
     identity and final weights are checked first (depthbench.train.runcheck), before any submission."""
     check_run(run_dir, spec)
     settings = _local_threads(settings, launcher, threads)
     args = (spec.to_dict(), str(data_dir), str(run_dir), str(out_path), settings)
-    return submit_and_wait(ProbeJob(), args, f"probe {spec.run_id}", work_dir, launcher, record_name="probe_job.json")
+    return submit_and_wait(
+        ProbeJob(), args, f"probe {spec.run_id}", work_dir, launcher, record_name="probe_job.json"
+    )
 
 
-def dispatch_nll(spec: RunSpec, run_dir: str, work_dir: str, sets_path: str, out_path: str, settings: dict, launcher: dict, threads: int = 1) -> dict:
+def dispatch_nll(
+    spec: RunSpec,
+    run_dir: str,
+    work_dir: str,
+    sets_path: str,
+    out_path: str,
+    settings: dict,
+    launcher: dict,
+    threads: int = 1,
+) -> dict:
     """Submit the NLL stage of `spec` like its training, wait, and return its report; the run's
     identity and final weights are checked first (depthbench.train.runcheck), before any submission."""
     check_run(run_dir, spec)
     settings = _local_threads(settings, launcher, threads)
     args = (spec.to_dict(), str(run_dir), str(sets_path), str(out_path), settings)
-    return submit_and_wait(NLLJob(), args, f"nll {spec.run_id}", work_dir, launcher, record_name="nll_job.json")
+    return submit_and_wait(
+        NLLJob(), args, f"nll {spec.run_id}", work_dir, launcher, record_name="nll_job.json"
+    )
 
 
-def dispatch_removal(spec: RunSpec, data_dir: str, run_dir: str, work_dir: str, probes_path: str, sets_path: str,
-                     out_path: str, settings: dict, probe_settings: dict, launcher: dict, threads: int = 1) -> dict:
+def dispatch_removal(
+    spec: RunSpec,
+    data_dir: str,
+    run_dir: str,
+    work_dir: str,
+    probes_path: str,
+    sets_path: str,
+    out_path: str,
+    settings: dict,
+    probe_settings: dict,
+    launcher: dict,
+    threads: int = 1,
+) -> dict:
     """Submit the removal stage of `spec` like its training, wait, and return its report; the
     run's identity and final weights are checked first (depthbench.train.runcheck)."""
     check_run(run_dir, spec)
     settings = _local_threads(settings, launcher, threads)
-    args = (spec.to_dict(), str(data_dir), str(run_dir), str(probes_path), str(sets_path), str(out_path), settings,
-            probe_settings)
-    return submit_and_wait(RemovalJob(), args, f"removal {spec.run_id}", work_dir, launcher, record_name="removal_job.json")
+    args = (
+        spec.to_dict(),
+        str(data_dir),
+        str(run_dir),
+        str(probes_path),
+        str(sets_path),
+        str(out_path),
+        settings,
+        probe_settings,
+    )
+    return submit_and_wait(
+        RemovalJob(),
+        args,
+        f"removal {spec.run_id}",
+        work_dir,
+        launcher,
+        record_name="removal_job.json",
+    )
 
 
 def _local_threads(settings: dict, launcher: dict, threads: int) -> dict:
     settings = dict(settings)
-    if with_defaults("launcher", launcher)["backend"] != "slurm":  # on this machine: the cores Snakemake gave
+    if (
+        with_defaults("launcher", launcher)["backend"] != "slurm"
+    ):  # on this machine: the cores Snakemake gave
         settings["threads"] = threads
     return settings

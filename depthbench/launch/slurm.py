@@ -11,8 +11,20 @@ import subprocess
 from depthbench.util.errors import ConfigError
 
 # Job states in which a submitted job may still produce its result (squeue's long names).
-LIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "PREEMPTED", "REQUEUE_FED", "REQUEUE_HOLD",
-               "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT")
+LIVE_STATES = (
+    "PENDING",
+    "CONFIGURING",
+    "RUNNING",
+    "COMPLETING",
+    "REQUEUED",
+    "PREEMPTED",
+    "REQUEUE_FED",
+    "REQUEUE_HOLD",
+    "RESIZING",
+    "SUSPENDED",
+    "SIGNALING",
+    "STAGE_OUT",
+)
 # An sbatch long option name: submitit writes each `extra` entry as `#SBATCH --<key>=<value>`.
 _OPTION = re.compile(r"^[a-z][a-z0-9_-]*$")
 
@@ -25,18 +37,30 @@ def check_launcher(launcher: dict) -> None:
     s = launcher.get("slurm") or {}
     for field in ("partition", "account"):
         value = s.get(field)
-        if value is not None and (not isinstance(value, str) or _has_control(value) or not value.strip()):
-            raise ConfigError(f"launcher.slurm.{field}", f"{value!r} must be a single-line, non-empty name")
+        if value is not None and (
+            not isinstance(value, str) or _has_control(value) or not value.strip()
+        ):
+            raise ConfigError(
+                f"launcher.slurm.{field}", f"{value!r} must be a single-line, non-empty name"
+            )
     for key, value in (s.get("extra") or {}).items():
         if not isinstance(key, str) or not _OPTION.match(key):
-            raise ConfigError("launcher.slurm.extra", f"option name {key!r} must be an sbatch long option such as "
-                                                      "'qos' or 'constraint' (lower-case letters, digits, '-', '_')")
+            raise ConfigError(
+                "launcher.slurm.extra",
+                f"option name {key!r} must be an sbatch long option such as "
+                "'qos' or 'constraint' (lower-case letters, digits, '-', '_')",
+            )
         if isinstance(value, (dict, list)) or _has_control(str(value)):
-            raise ConfigError(f"launcher.slurm.extra.{key}", f"{value!r} must be a single-line value (no newline)")
+            raise ConfigError(
+                f"launcher.slurm.extra.{key}", f"{value!r} must be a single-line value (no newline)"
+            )
     partition = s.get("partition")
     known = partitions()
     if partition and known is not None and partition not in known:
-        raise ConfigError("launcher.slurm.partition", f"unknown partition {partition!r}; this cluster has {sorted(known)}")
+        raise ConfigError(
+            "launcher.slurm.partition",
+            f"unknown partition {partition!r}; this cluster has {sorted(known)}",
+        )
 
 
 def _has_control(text: str) -> bool:
@@ -49,7 +73,9 @@ def partitions() -> set[str] | None:
     if shutil.which("sinfo") is None:
         return None
     try:
-        out = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["sinfo", "-h", "-o", "%R"], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     if out.returncode != 0:
@@ -86,18 +112,24 @@ def check_gpus(launcher: dict) -> None:
         return
     if not any(entry.split(":", 1)[0] == "gpu" for line in gres for entry in line.split(",")):
         where = f"partition {s['partition']!r}" if s.get("partition") else "this cluster"
-        raise ConfigError("launcher.slurm.gpus_per_node",
-                          f"{gpus} GPUs per node requested, but the nodes of {where} have no GPU gres (sinfo: "
-                          f"{', '.join(gres) or 'none'}); for CPU runs set gpus_per_node: 0, e.g. "
-                          "--config 'launcher={backend: slurm, slurm: {gpus_per_node: 0}}'")
+        raise ConfigError(
+            "launcher.slurm.gpus_per_node",
+            f"{gpus} GPUs per node requested, but the nodes of {where} have no GPU gres (sinfo: "
+            f"{', '.join(gres) or 'none'}); for CPU runs set gpus_per_node: 0, e.g. "
+            "--config 'launcher={backend: slurm, slurm: {gpus_per_node: 0}}'",
+        )
 
 
 def queue_state(job_id: str) -> str | None:
     """The job's state as the controller has it now (`squeue`, ended jobs included while it keeps
     them, MinJobAge): `GONE` once it has forgotten the job, None when SLURM cannot be asked."""
     try:
-        out = subprocess.run(["squeue", "-h", "-t", "all", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True,
-                             timeout=60)
+        out = subprocess.run(
+            ["squeue", "-h", "-t", "all", "-j", str(job_id), "-o", "%T"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     if out.returncode != 0:

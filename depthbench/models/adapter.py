@@ -159,4 +159,8 @@ def final_state(adapter: ModelAdapter, state: Any, first: int) -> Any:
 def next_token_loss(adapter: ModelAdapter, state: Any, targets: torch.Tensor) -> float:
     """Mean next-token cross-entropy (fp32) of the logits of a final state against `targets`."""
     logits = adapter.logits(state)
-    return float(torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)))
+    return float(
+        torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        )
+    )

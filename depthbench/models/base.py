@@ -28,19 +28,33 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 # Probes every architecture supports (depthbench.probes.run writes rows under these names); an
 # architecture adds its own in `DecoderLM.probes` (hc/mhc: residual_product_rank, attnres:
 # depth_weight, ...) and may drop one it cannot define (moda: the prefix-average intervention).
-GENERIC_PROBES = frozenset({
-    "token_similarity", "prefix_average", "effective_rank", "angular_distance", "causal_score",
-    "permutation_score", "usefulness_ratio", "logit_lens",
-})
+GENERIC_PROBES = frozenset(
+    {
+        "token_similarity",
+        "prefix_average",
+        "effective_rank",
+        "angular_distance",
+        "causal_score",
+        "permutation_score",
+        "usefulness_ratio",
+        "logit_lens",
+    }
+)
 
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor | None  # None when the loss was computed in chunks (DecoderLM.loss_chunk_tokens)
+    logits: (
+        torch.Tensor | None
+    )  # None when the loss was computed in chunks (DecoderLM.loss_chunk_tokens)
     loss: torch.Tensor | None = None  # cross-entropy only
     hidden: list[torch.Tensor] | None = None  # h_0 .. h_L when requested
-    aux_loss: torch.Tensor | None = None  # weighted auxiliary losses (MoE load balancing); add to loss to train
-    internals: dict[str, list[torch.Tensor]] | None = None  # per-sublayer records for probes, when requested
+    aux_loss: torch.Tensor | None = (
+        None  # weighted auxiliary losses (MoE load balancing); add to loss to train
+    )
+    internals: dict[str, list[torch.Tensor]] | None = (
+        None  # per-sublayer records for probes, when requested
+    )
 
 
 @dataclass(frozen=True)
@@ -63,7 +77,9 @@ class ArchOptions:
     def require(self, name: str, valid: tuple) -> None:
         """ConfigError naming `model.arch_options.<name>` unless its value is one of `valid`."""
         if getattr(self, name) not in valid:
-            raise ConfigError(f"model.arch_options.{name}", f"{getattr(self, name)!r}; valid: {list(valid)}")
+            raise ConfigError(
+                f"model.arch_options.{name}", f"{getattr(self, name)!r}; valid: {list(valid)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -88,7 +104,9 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ffn = make_ffn(cfg)
 
-    def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None) -> torch.Tensor:  # pragma: no cover
+    def forward(
+        self, x: torch.Tensor, rope: Rope, internals: dict | None = None
+    ) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError("each architecture's Block defines its residual update")
 
 
@@ -202,7 +220,9 @@ class DecoderLM(nn.Module, ModelAdapter):
         """The state after layer `layer` whose output features are `outputs` (see layer_features)."""
         return outputs.reshape(state.shape).to(state.dtype)
 
-    def trunk(self, h0: torch.Tensor, rope: Rope, hidden: list | None, internals: dict | None) -> torch.Tensor:
+    def trunk(
+        self, h0: torch.Tensor, rope: Rope, hidden: list | None, internals: dict | None
+    ) -> torch.Tensor:
         """Run the L layers on h_0 and return h_L, appending h_0..h_L to `hidden` if given."""
         state = self.init_state(h0)
         if hidden is not None:
@@ -235,10 +255,14 @@ class DecoderLM(nn.Module, ModelAdapter):
             logits = self.lm_head(x)
             if targets is not None:
                 # Cross-entropy in fp32 whatever the autocast dtype.
-                loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+                loss = F.cross_entropy(
+                    logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)
+                )
         aux = [b.ffn.aux_loss for b in self.blocks if getattr(b.ffn, "aux_loss", None) is not None]
         aux_loss = torch.stack(aux).sum() if aux else None
-        return ModelOutput(logits=logits, loss=loss, hidden=hidden, aux_loss=aux_loss, internals=internals)
+        return ModelOutput(
+            logits=logits, loss=loss, hidden=hidden, aux_loss=aux_loss, internals=internals
+        )
 
     # -- the model adapter (depthbench.models.adapter) ------------------------------------------
     @property
@@ -246,10 +270,15 @@ class DecoderLM(nn.Module, ModelAdapter):
         return self.cfg.n_layer
 
     def begin(self, idx: torch.Tensor) -> Trunk:
-        return Trunk(self.init_state(self.embed_tokens(idx)), self.rope(idx.shape[1], self.position_offset))
+        return Trunk(
+            self.init_state(self.embed_tokens(idx)), self.rope(idx.shape[1], self.position_offset)
+        )
 
     def step(self, state: Trunk, layer: int) -> Trunk:
-        return Trunk(self.layer_step(self.fork_state(state.value), self.blocks[layer - 1], state.rope), state.rope)
+        return Trunk(
+            self.layer_step(self.fork_state(state.value), self.blocks[layer - 1], state.rope),
+            state.rope,
+        )
 
     def residual(self, state: Trunk) -> torch.Tensor:
         return self.read_stream(state.value)
@@ -268,7 +297,10 @@ class DecoderLM(nn.Module, ModelAdapter):
         return x, y, Trunk(after, state.rope)
 
     def replace(self, state: Trunk, layer: int, outputs: torch.Tensor) -> Trunk:
-        return Trunk(self.from_layer_features(self.fork_state(state.value), layer, outputs, state.rope), state.rope)
+        return Trunk(
+            self.from_layer_features(self.fork_state(state.value), layer, outputs, state.rope),
+            state.rope,
+        )
 
     def swapped(self, a: int, b: int):
         return swapped_parameters(list(self.blocks), a, b)

@@ -62,9 +62,12 @@ def evaluate_init_std(rule: float | int | str, d_model: int, n_layer: int) -> fl
         except (ArithmeticError, ValueError, RecursionError, MemoryError) as exc:
             # 10**10**10 overflows, sqrt(-1) is a domain error, 1/(d_model-d_model) divides by 0
             # (the interpreter works in floats, so no rule can build a huge integer)
-            what = {ZeroDivisionError: "divides by zero", OverflowError: "overflows"}.get(type(exc), str(exc) or type(exc).__name__)
+            what = {ZeroDivisionError: "divides by zero", OverflowError: "overflows"}.get(
+                type(exc), str(exc) or type(exc).__name__
+            )
             raise ConfigError(
-                "model.init_std", f"{rule!r} at d_model={d_model}, n_layer={n_layer}: {what}; it must evaluate to a positive number"
+                "model.init_std",
+                f"{rule!r} at d_model={d_model}, n_layer={n_layer}: {what}; it must evaluate to a positive number",
             ) from None
     else:
         raise ConfigError("model.init_std", f"expected a number or a rule string, got {rule!r}")
@@ -111,7 +114,15 @@ class ModelConfig:
         self.check()
 
     def check(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "max_seq_len"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "n_layer",
+            "n_head",
+            "n_kv_head",
+            "d_ff",
+            "max_seq_len",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"model.{name}", f"must be a positive integer, got {value!r}")
@@ -135,7 +146,9 @@ class ModelConfig:
         if self.moe.get("n_experts", 0):
             n, k = self.moe["n_experts"], self.moe.get("top_k", 2)
             if not 1 <= k <= n:
-                raise ConfigError("model.moe.top_k", f"must be between 1 and n_experts {n}, got {k}")
+                raise ConfigError(
+                    "model.moe.top_k", f"must be between 1 and n_experts {n}, got {k}"
+                )
 
     @property
     def head_dim(self) -> int:

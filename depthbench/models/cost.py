@@ -104,7 +104,12 @@ def measured_cost(summary: dict[str, Any]) -> dict[str, Any]:
     world = int(summary.get("world_size") or 1)
     return {
         "measured_peak_memory_bytes": summary.get("peak_memory_bytes"),
-        "peak_memory_kind": summary.get("peak_memory_kind") or ("cuda_allocator" if str(summary.get("device", "")).startswith("cuda") else "process_max_rss"),
+        "peak_memory_kind": summary.get("peak_memory_kind")
+        or (
+            "cuda_allocator"
+            if str(summary.get("device", "")).startswith("cuda")
+            else "process_max_rss"
+        ),
         "step_seconds": wall / steps if steps else float("nan"),
         "tokens_per_s": summary.get("tokens_per_s"),
         "wall_seconds": wall,
@@ -128,14 +133,23 @@ def pretrained_cost(summary: dict[str, Any], train_seq_len: int) -> dict[str, An
     kv = 2 * L * summary["n_kv_head"] * summary["head_dim"] * BF16_BYTES
     total = summary["n_params"]
     return {
-        "params_total": total, "params_embedding": summary["params_embedding"],
-        "params_non_embedding": total - summary["params_embedding"], "params_active": total,
+        "params_total": total,
+        "params_embedding": summary["params_embedding"],
+        "params_non_embedding": total - summary["params_embedding"],
+        "params_active": total,
         "params_extra_vs_pre_ln": 0,
-        "train_flops_per_token": 3.0 * forward(T), "forward_flops_per_token": forward(T),
+        "train_flops_per_token": 3.0 * forward(T),
+        "forward_flops_per_token": forward(T),
         "prefill_flops_4096": PREFILL_TOKENS * forward(PREFILL_TOKENS),
-        "kv_cache_bytes_per_token": kv, "kv_cache_bytes_4096": PREFILL_TOKENS * kv,
+        "kv_cache_bytes_per_token": kv,
+        "kv_cache_bytes_4096": PREFILL_TOKENS * kv,
         "depth_state_bytes_per_token": 0,
-        "measured_peak_memory_bytes": None, "peak_memory_kind": None, "step_seconds": float("nan"),
-        "world_size": None, "device_hours": float("nan"), "tokens_per_s": float("nan"), "wall_seconds": float("nan"),
+        "measured_peak_memory_bytes": None,
+        "peak_memory_kind": None,
+        "step_seconds": float("nan"),
+        "world_size": None,
+        "device_hours": float("nan"),
+        "tokens_per_s": float("nan"),
+        "wall_seconds": float("nan"),
         "device": None,
     }

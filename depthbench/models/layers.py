@@ -102,7 +102,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, seq_len: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables for positions offset .. offset + seq_len - 1 (offset > 0 when decoding)."""
         if offset + seq_len > self.cos.shape[0]:
-            raise ValueError(f"sequence length {offset + seq_len} exceeds max_seq_len {self.cos.shape[0]}")
+            raise ValueError(
+                f"sequence length {offset + seq_len} exceeds max_seq_len {self.cos.shape[0]}"
+            )
         return self.cos[offset : offset + seq_len], self.sin[offset : offset + seq_len]
 
 
@@ -138,7 +140,9 @@ def causal_mask(n_query: int, n_key: int, device) -> torch.Tensor | None:
     square, which SDPA handles with is_causal)."""
     if n_query == n_key:
         return None
-    return torch.ones(n_query, n_key, dtype=torch.bool, device=device).tril(diagonal=n_key - n_query)
+    return torch.ones(n_query, n_key, dtype=torch.bool, device=device).tril(
+        diagonal=n_key - n_query
+    )
 
 
 class CausalSelfAttention(nn.Module):
@@ -180,7 +184,12 @@ class CausalSelfAttention(nn.Module):
         # softmax(q k^T / sqrt(hd) + causal mask) v; SDPA picks the flash / memory-efficient
         # kernel on GPU. enable_gqa lets each group of query heads share one K/V head.
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv_head != self.n_head
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            enable_gqa=self.n_kv_head != self.n_head,
         )
         return self.wo(y.transpose(1, 2).reshape(B, T, self.q_dim))
 

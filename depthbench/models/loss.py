@@ -28,34 +28,47 @@ IGNORE_INDEX = -100
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):  # not on meta
+    if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(
+        x.device.type
+    ):  # not on meta
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
 
 
 class _ChunkedLMHeadCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, dtype: torch.dtype):
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        chunk: int,
+        dtype: torch.dtype,
+    ):
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         valid = targets != IGNORE_INDEX
         n = valid.sum().clamp(min=1).to(torch.float32)  # a device tensor: no host read
         w = weight.to(dtype)
         # chunk sums added in float64 (float32 on MPS): as accurate for 1-token chunks as one reduction
-        loss = torch.zeros((), dtype=torch.float32 if x.device.type == "mps" else torch.float64, device=x.device)
+        loss = torch.zeros(
+            (), dtype=torch.float32 if x.device.type == "mps" else torch.float64, device=x.device
+        )
         grad_x = torch.empty_like(x) if need_grad else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_grad else None
+        grad_w = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_grad else None
+        )
         for start in range(0, x.shape[0], chunk):
-            xc, yc = x[start:start + chunk].to(dtype), targets[start:start + chunk]
+            xc, yc = x[start : start + chunk].to(dtype), targets[start : start + chunk]
             logits = (xc @ w.t()).float()
             lse = torch.logsumexp(logits, dim=-1)
-            keep = valid[start:start + chunk]
+            keep = valid[start : start + chunk]
             picked = logits.gather(1, yc.clamp(min=0)[:, None]).squeeze(1)
             loss = loss + torch.where(keep, lse - picked, 0.0).sum().to(loss.dtype)
             if need_grad:
                 g = logits.sub_(lse[:, None]).exp_()  # softmax, in place: one (chunk, V) buffer
                 g.scatter_add_(1, yc.clamp(min=0)[:, None], torch.full_like(lse[:, None], -1.0))
                 g = (g * (keep[:, None] / n)).to(dtype)
-                grad_x[start:start + chunk] = g @ w
+                grad_x[start : start + chunk] = g @ w
                 grad_w += (g.t() @ xc).float()
         if need_grad:
             ctx.save_for_backward(grad_x, grad_w)
@@ -65,16 +78,25 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         grad_x, grad_w = ctx.saved_tensors
-        return (grad_x * grad_loss.to(grad_x.dtype), (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None)
+        return (
+            grad_x * grad_loss.to(grad_x.dtype),
+            (grad_w * grad_loss).to(ctx.weight_dtype),
+            None,
+            None,
+            None,
+        )
 
 
-def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+def chunked_cross_entropy(
+    x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int
+) -> torch.Tensor:
     """Mean cross-entropy (fp32) of the logits x W^T against `targets`, `chunk` tokens at a time.
     x: (..., d) final hidden states; weight: (V, d), the LM head; targets: x's leading shape."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1 tokens, got {chunk}")
     flat = x.reshape(-1, x.shape[-1])
     dtype = _compute_dtype(flat)
-    with torch.autocast(flat.device.type, enabled=False):  # casts made explicitly (see module docstring)
+    with torch.autocast(
+        flat.device.type, enabled=False
+    ):  # casts made explicitly (see module docstring)
         return _ChunkedLMHeadCE.apply(flat, weight, targets.reshape(-1), chunk, dtype)
-

@@ -76,7 +76,8 @@ class MoESwiGLU(nn.Module):
             out = self._dense(flat, top_e, top_p, dtype)
         # routing-slot counts per expert by a fixed-shape scatter (bincount syncs on CUDA)
         counts = torch.zeros(self.n_experts, device=flat.device).index_add_(
-            0, top_e.reshape(-1), torch.ones(top_e.numel(), device=flat.device))
+            0, top_e.reshape(-1), torch.ones(top_e.numel(), device=flat.device)
+        )
         fraction = counts / top_e.numel()
         self.aux_loss = self.aux_loss_coef * self.n_experts * (fraction * probs.mean(0)).sum()
         return out.view(shape)
@@ -85,9 +86,12 @@ class MoESwiGLU(nn.Module):
         """Every slot's expert output, (N, k, d), by two grouped products over slots sorted by expert."""
         N, k = top_e.shape
         slot_expert = top_e.reshape(-1)
-        order = torch.sort(slot_expert, stable=True).indices  # slots grouped by expert, token order within
+        order = torch.sort(
+            slot_expert, stable=True
+        ).indices  # slots grouped by expert, token order within
         counts = torch.zeros(self.n_experts, dtype=torch.int64, device=flat.device).index_add_(
-            0, slot_expert, torch.ones_like(slot_expert))
+            0, slot_expert, torch.ones_like(slot_expert)
+        )
         offs = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
         xs = flat.index_select(0, order // k).to(dtype)
         gate, up = _grouped_mm(xs, self.w13.to(dtype), offs).chunk(2, dim=-1)
@@ -108,7 +112,9 @@ class MoESwiGLU(nn.Module):
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the expert products run in: autocast's where it is on (as `@` would be cast)."""
-    if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):  # not on meta
+    if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(
+        x.device.type
+    ):  # not on meta
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
 

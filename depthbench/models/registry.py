@@ -58,7 +58,9 @@ def declared_options(arch: str, options: dict) -> dict:
     of a declared option is a ConfigError naming it."""
     import dataclasses
 
-    return dataclasses.asdict(ARCHITECTURES[canonical_arch(arch)].Options.from_mapping(options or {}))
+    return dataclasses.asdict(
+        ARCHITECTURES[canonical_arch(arch)].Options.from_mapping(options or {})
+    )
 
 
 def build_model(cfg: ModelConfig, initialize: bool = True) -> "DecoderLM":

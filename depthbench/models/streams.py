@@ -26,7 +26,10 @@ class MultiStreamOptions(ArchOptions):
 
     def __post_init__(self) -> None:
         if not isinstance(self.n_streams, int) or self.n_streams < 1:
-            raise ConfigError("model.arch_options.n_streams", f"must be a positive integer, got {self.n_streams!r}")
+            raise ConfigError(
+                "model.arch_options.n_streams",
+                f"must be a positive integer, got {self.n_streams!r}",
+            )
 
 
 def write_streams(mixed: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

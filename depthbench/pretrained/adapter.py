@@ -64,7 +64,9 @@ def _recording(layers: nn.ModuleList) -> Iterator[list]:
     def recorder(i: int):
         def forward(hidden_states, *args, **kwargs):
             if args:  # every family passes all but the hidden state by keyword
-                raise TypeError(f"decoder layer {i + 1} was called with {len(args)} positional arguments beyond the hidden state")
+                raise TypeError(
+                    f"decoder layer {i + 1} was called with {len(args)} positional arguments beyond the hidden state"
+                )
             calls[i] = (hidden_states, kwargs)
             return hidden_states
 
@@ -96,7 +98,9 @@ class PretrainedAdapter(nn.Module, ModelAdapter):
         base, layers, _, _ = self.family.parts(model)
         self.n_layer = int(model.config.num_hidden_layers)
         if len(layers) != self.n_layer:
-            raise ValueError(f"{type(model).__name__}: {len(layers)} decoder layers but config.num_hidden_layers = {self.n_layer}")
+            raise ValueError(
+                f"{type(model).__name__}: {len(layers)} decoder layers but config.num_hidden_layers = {self.n_layer}"
+            )
         self.d_model = int(model.config.hidden_size)
 
     # -- parts of the wrapped model (looked up on each call: they move with deepcopy and .to) -------
@@ -117,7 +121,9 @@ class PretrainedAdapter(nn.Module, ModelAdapter):
             self.base(input_ids=idx, use_cache=False)
         missing = [i + 1 for i, c in enumerate(calls) if c is None]
         if missing:
-            raise RuntimeError(f"{type(self.model).__name__}: the base model did not call decoder layers {missing}")
+            raise RuntimeError(
+                f"{type(self.model).__name__}: the base model did not call decoder layers {missing}"
+            )
         return HFState(calls[0][0], tuple(kwargs for _, kwargs in calls))
 
     def step(self, state: HFState, layer: int) -> HFState:
@@ -133,7 +139,11 @@ class PretrainedAdapter(nn.Module, ModelAdapter):
     def lens_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         _, _, norm, head = self.family.parts(self.model)
         logits = head(norm(hidden))
-        cap = getattr(self.model.config, "final_logit_softcapping", None) if self.family.softcap else None
+        cap = (
+            getattr(self.model.config, "final_logit_softcapping", None)
+            if self.family.softcap
+            else None
+        )
         if cap:  # Gemma 2/3: c tanh(z / c), as *ForCausalLM.forward applies it
             logits = torch.tanh(logits / cap) * cap
         return logits

@@ -33,7 +33,12 @@ class Family:
     def parts(self, model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module, nn.Module]:
         """(base model, decoder layers, final norm, LM head) of a model of this family."""
         base = getattr(model, self.base)
-        return base, getattr(base, self.layers), getattr(base, self.final_norm), model.get_output_embeddings()
+        return (
+            base,
+            getattr(base, self.layers),
+            getattr(base, self.final_norm),
+            model.get_output_embeddings(),
+        )
 
 
 # transformers class name -> family. Llama covers Llama 2 and 3, SmolLM/SmolLM2 and TinyLlama.

@@ -50,23 +50,42 @@ class PretrainedSpec:
     @classmethod
     def from_entry(cls, entry: dict, index: int) -> "PretrainedSpec":
         field = f"pretrained[{index}]"
-        spec = cls(entry.get("name", ""), entry.get("format", "hf"), entry.get("path"), entry.get("package"), entry.get("gguf_file"), field)
+        spec = cls(
+            entry.get("name", ""),
+            entry.get("format", "hf"),
+            entry.get("path"),
+            entry.get("package"),
+            entry.get("gguf_file"),
+            field,
+        )
         spec.check()
         return spec
 
     def check(self) -> None:
         """ConfigError naming the field unless the entry can be loaded (the files exist)."""
         if not _NAME.match(self.name or ""):
-            raise ConfigError(f"{self.field}.name", f"{self.name!r}; letters, digits, '_', '.' and '-', starting with a letter or digit")
+            raise ConfigError(
+                f"{self.field}.name",
+                f"{self.name!r}; letters, digits, '_', '.' and '-', starting with a letter or digit",
+            )
         if self.format not in FORMATS:
             raise ConfigError(f"{self.field}.format", f"{self.format!r}; valid: {list(FORMATS)}")
         if (self.path is None) == (self.package is None):
-            raise ConfigError(self.field, "give exactly one of path (a folder or hub name) or package (an installed Python package)")
+            raise ConfigError(
+                self.field,
+                "give exactly one of path (a folder or hub name) or package (an installed Python package)",
+            )
         if self.format == "gguf":
             if not self.gguf_file:
-                raise ConfigError(f"{self.field}.gguf_file", "required with format gguf: the .gguf file's name inside the folder")
+                raise ConfigError(
+                    f"{self.field}.gguf_file",
+                    "required with format gguf: the .gguf file's name inside the folder",
+                )
             if importlib.util.find_spec("gguf") is None:
-                raise ConfigError(f"{self.field}.format", "gguf needs the packages in requirements-pretrained.txt (bash scripts/setup.sh pretrained)")
+                raise ConfigError(
+                    f"{self.field}.format",
+                    "gguf needs the packages in requirements-pretrained.txt (bash scripts/setup.sh pretrained)",
+                )
             local = Path(self.source()) / self.gguf_file
             if not _HUB_NAME.match(self.source()) and not local.is_file():
                 raise ConfigError(f"{self.field}.gguf_file", f"{local} does not exist")
@@ -79,12 +98,16 @@ class PretrainedSpec:
         if self.package is not None:
             found = importlib.util.find_spec(self.package)  # located, not imported
             if found is None or not found.submodule_search_locations:
-                raise ConfigError(f"{self.field}.package", f"Python package {self.package!r} is not installed")
+                raise ConfigError(
+                    f"{self.field}.package", f"Python package {self.package!r} is not installed"
+                )
             return str(list(found.submodule_search_locations)[0])
         path = os.path.expanduser(self.path)
         if os.path.isdir(path) or _HUB_NAME.match(self.path):
             return path if os.path.isdir(path) else self.path
-        raise ConfigError(f"{self.field}.path", f"{self.path!r} is neither a folder nor a hub name (owner/name)")
+        raise ConfigError(
+            f"{self.field}.path", f"{self.path!r} is neither a folder nor a hub name (owner/name)"
+        )
 
     def load_kwargs(self) -> dict:
         return {"gguf_file": self.gguf_file} if self.format == "gguf" else {}
@@ -96,7 +119,9 @@ def pretrained_specs(config: dict) -> dict[str, PretrainedSpec]:
     for i, entry in enumerate(config.get("pretrained") or []):
         spec = PretrainedSpec.from_entry(entry, i)
         if spec.run_id in specs:
-            raise ConfigError(f"pretrained[{i}].name", f"{spec.name!r} is used twice; names must be unique")
+            raise ConfigError(
+                f"pretrained[{i}].name", f"{spec.name!r} is used twice; names must be unique"
+            )
         specs[spec.run_id] = spec
     return specs
 

@@ -41,7 +41,9 @@ class PlainEncoder:
 
 def eos_id(tokenizer) -> int:
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"{tokenizer.name_or_path}: the tokenizer has no EOS token to separate documents with")
+        raise ValueError(
+            f"{tokenizer.name_or_path}: the tokenizer has no EOS token to separate documents with"
+        )
     return int(tokenizer.eos_token_id)
 
 
@@ -83,7 +85,10 @@ def token_sample(tokens: np.ndarray, n_sequences: int, seq_len: int, seed: int) 
 def write_sample(model_dir: str, corpus: dict, settings: dict, seq_len: int, out_path: str) -> dict:
     """The probe sample of a pretrained run, (N, seq_len + 1) token ids, as a .npy file."""
     tokenizer = load_tokenizer(model_dir)
-    sample = token_sample(validation_tokens(corpus, tokenizer), settings["n_sequences"], seq_len, settings["seed"])
+    sample = token_sample(
+        validation_tokens(corpus, tokenizer), settings["n_sequences"], seq_len, settings["seed"]
+    )
+
     def write(tmp: str) -> None:
         with open(tmp, "wb") as f:  # a file object: np.save would add .npy to a path
             np.save(f, sample)
@@ -110,18 +115,24 @@ def cost_fields(model) -> dict:
     }
 
 
-
 def write_summary(run_id: str, name: str, model_dir: str, source: str, out_path: str) -> dict:
     """summary.json of a pretrained run: what the runs table needs (depthbench.pretrained.tables)."""
     adapter = PretrainedAdapter(load_model(model_dir))
     summary = {
-        "run_id": run_id, "name": name, "status": STATUS, "source": source,
-        "transformers_class": type(adapter.model).__name__, "arch": adapter.arch_name,
-        "n_layer": adapter.n_layer, "d_model": adapter.d_model,
+        "run_id": run_id,
+        "name": name,
+        "status": STATUS,
+        "source": source,
+        "transformers_class": type(adapter.model).__name__,
+        "arch": adapter.arch_name,
+        "n_layer": adapter.n_layer,
+        "d_model": adapter.d_model,
         "d_ff": getattr(adapter.model.config, "intermediate_size", None),
         "n_head": adapter.model.config.num_attention_heads,
-        "n_kv_head": getattr(adapter.model.config, "num_key_value_heads", None) or adapter.model.config.num_attention_heads,
-        "n_params": adapter.num_parameters(), "vocab_size": adapter.model.config.vocab_size,
+        "n_kv_head": getattr(adapter.model.config, "num_key_value_heads", None)
+        or adapter.model.config.num_attention_heads,
+        "n_params": adapter.num_parameters(),
+        "vocab_size": adapter.model.config.vocab_size,
         "context_length": context_length(adapter.model),
         **cost_fields(adapter.model),
     }
@@ -130,7 +141,9 @@ def write_summary(run_id: str, name: str, model_dir: str, source: str, out_path:
 
 
 # -- probes and NLL -----------------------------------------------------------------------------------
-def run_pretrained_probes(run_id: str, model_dir: str, sample_path: str, out_path: str, settings: dict) -> dict:
+def run_pretrained_probes(
+    run_id: str, model_dir: str, sample_path: str, out_path: str, settings: dict
+) -> dict:
     """Every probe that applies (adapter.probes) on the sample, stage 'trained', as tidy rows in
     the probe stage's format (depthbench.probes.run), status 'pretrained'."""
     from depthbench.probes.measure import probe_model
@@ -140,7 +153,9 @@ def run_pretrained_probes(run_id: str, model_dir: str, sample_path: str, out_pat
     torch.set_num_threads(int(settings["threads"]))
     idx = torch.from_numpy(np.load(sample_path)).long().to(device())
     start = time.time()
-    rows = probe_model(PretrainedAdapter(load_model(model_dir)).to(idx.device), idx, "trained", settings, full=True)
+    rows = probe_model(
+        PretrainedAdapter(load_model(model_dir)).to(idx.device), idx, "trained", settings, full=True
+    )
     df = pd.DataFrame(rows, columns=["probe", "stage", "i", "j", "value"])
     df.insert(0, "run_id", run_id)
     df["status"] = STATUS
@@ -158,33 +173,68 @@ def evaluation_documents(tokenizer, settings: dict) -> pd.DataFrame:
     for docs in load_all(settings):
         n_source = len(docs)
         if settings["max_docs_per_set"] and n_source > settings["max_docs_per_set"]:
-            keep = sorted(np.random.default_rng(settings["seed"]).choice(n_source, size=settings["max_docs_per_set"], replace=False))
+            keep = sorted(
+                np.random.default_rng(settings["seed"]).choice(
+                    n_source, size=settings["max_docs_per_set"], replace=False
+                )
+            )
             docs = [docs[i] for i in keep]
-        frames.append(tokenize_docs(docs, PlainEncoder(tokenizer), prefix_id(tokenizer)).assign(n_docs_source=n_source))
+        frames.append(
+            tokenize_docs(docs, PlainEncoder(tokenizer), prefix_id(tokenizer)).assign(
+                n_docs_source=n_source
+            )
+        )
     return pd.concat(frames, ignore_index=True)
 
 
-def run_pretrained_removal(run_id: str, model_dir: str, probes_path: str, corpus: dict, out_path: str, settings: dict,
-                           probe_settings: dict, nll_settings: dict, seq_len: int) -> dict:
+def run_pretrained_removal(
+    run_id: str,
+    model_dir: str,
+    probes_path: str,
+    corpus: dict,
+    out_path: str,
+    settings: dict,
+    probe_settings: dict,
+    nll_settings: dict,
+    seq_len: int,
+) -> dict:
     """The removal rows of a pretrained run (depthbench.probes.removal_run): rankings from its probe
     rows, losses on validation windows of the corpus outside its probe sample and on the NLL
     documents, both tokenized with its own tokenizer, windows of `seq_len` tokens."""
     from depthbench.evals.run import nll_settings as with_nll_defaults
     from depthbench.probes.removal import ScoredTokens
-    from depthbench.probes.removal_run import domain_documents, held_apart_windows, removal_rows, removal_settings
+    from depthbench.probes.removal_run import (
+        domain_documents,
+        held_apart_windows,
+        removal_rows,
+        removal_settings,
+    )
 
     settings = removal_settings(settings)
     torch.set_num_threads(int(settings["threads"]))
-    tokenizer, adapter = load_tokenizer(model_dir), PretrainedAdapter(load_model(model_dir)).to(device())
+    tokenizer, adapter = (
+        load_tokenizer(model_dir),
+        PretrainedAdapter(load_model(model_dir)).to(device()),
+    )
     seq_len = min(seq_len, context_length(adapter.model))
     start = time.time()
-    val = held_apart_windows(validation_tokens(corpus, tokenizer), seq_len, probe_settings["n_sequences"],
-                             probe_settings["seed"], settings["n_sequences"], settings["seed"])
+    val = held_apart_windows(
+        validation_tokens(corpus, tokenizer),
+        seq_len,
+        probe_settings["n_sequences"],
+        probe_settings["seed"],
+        settings["n_sequences"],
+        settings["seed"],
+    )
     data = {"val": ScoredTokens.windows(val.to(device()))}
     docs = evaluation_documents(tokenizer, with_nll_defaults(nll_settings))
-    for domain, group in domain_documents(docs, settings["docs_per_domain"], settings["seed"]).items():
+    for domain, group in domain_documents(
+        docs, settings["docs_per_domain"], settings["seed"]
+    ).items():
         scored = ScoredTokens.documents(group, seq_len)
-        data[domain] = ScoredTokens(scored.inputs.to(device()), scored.targets.to(device()), scored.scored.to(device()))
+        data[domain] = ScoredTokens(
+            scored.inputs.to(device()), scored.targets.to(device()), scored.scored.to(device())
+        )
     df = removal_rows(adapter, pd.read_parquet(probes_path), data, settings)
     df.insert(0, "run_id", run_id)
     df["status"] = STATUS
@@ -192,7 +242,9 @@ def run_pretrained_removal(run_id: str, model_dir: str, probes_path: str, corpus
     return {"run_id": run_id, "rows": len(df), "seconds": round(time.time() - start, 2)}
 
 
-def run_pretrained_nll(run_id: str, model_dir: str, out_path: str, settings: dict, window: int) -> dict:
+def run_pretrained_nll(
+    run_id: str, model_dir: str, out_path: str, settings: dict, window: int
+) -> dict:
     """NLL in bits per byte on the evaluation sets (depthbench.evals.run's selection, the same
     seeded subsets), tokenized with the model's tokenizer and scored in windows of `window`
     tokens at most (capped by the model's context): the rows of depthbench.evals.run.run_nll."""
@@ -201,16 +253,26 @@ def run_pretrained_nll(run_id: str, model_dir: str, out_path: str, settings: dic
 
     settings = nll_settings(settings)
     torch.set_num_threads(int(settings["threads"]))
-    tokenizer, adapter = load_tokenizer(model_dir), PretrainedAdapter(load_model(model_dir)).to(device())
+    tokenizer, adapter = (
+        load_tokenizer(model_dir),
+        PretrainedAdapter(load_model(model_dir)).to(device()),
+    )
     window = min(window, context_length(adapter.model))
     start = time.time()
     docs = evaluation_documents(tokenizer, settings)
-    table = aggregate(score_documents(adapter, docs, window, int(settings["tokens_per_batch"]), device()))
+    table = aggregate(
+        score_documents(adapter, docs, window, int(settings["tokens_per_batch"]), device())
+    )
     table["window"] = window
     first = docs.drop_duplicates("set")
-    by_set, by_domain = first.set_index("set")["n_docs_source"], first.groupby("domain")["n_docs_source"].sum()
+    by_set, by_domain = (
+        first.set_index("set")["n_docs_source"],
+        first.groupby("domain")["n_docs_source"].sum(),
+    )
     is_set = table["level"] == "set"
-    table["n_docs_source"] = np.where(is_set, table["set"].map(by_set), table["domain"].map(by_domain)).astype("int64")
+    table["n_docs_source"] = np.where(
+        is_set, table["set"].map(by_set), table["domain"].map(by_domain)
+    ).astype("int64")
     table.insert(0, "run_id", run_id)
     table["status"] = STATUS
     atomic_write(out_path, lambda tmp: table.to_parquet(tmp, index=False))

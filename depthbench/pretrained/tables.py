@@ -20,16 +20,33 @@ def pretrained_run_rows(summary_paths: Iterable[str], experiment: str) -> pd.Dat
     rows = []
     for path in summary_paths:
         s = json.loads(Path(path).read_text())
-        rows.append({
-            "run_id": s["run_id"], "experiment": experiment, "arch": s["arch"],
-            "n_layer": s["n_layer"], "d_model": s["d_model"], "ratio": s["d_model"] / s["n_layer"],
-            "d_ff": s["d_ff"], "n_head": s["n_head"], "n_kv_head": s["n_kv_head"], "params": s["n_params"],
-            "lr": math.nan, "seed": -1, "knobs": "{}", "status": s["status"],
-            "final_val_loss": math.nan, "steps": 0, "total_steps": 0, "tokens_seen": 0,
-            "pretrained_name": s["name"], "pretrained_source": s["source"], "transformers_class": s["transformers_class"],
-            # the unigram floor is the DepthBench tokenizer's: it does not apply to another vocabulary
-            "unigram_floor": math.nan,
-        })
+        rows.append(
+            {
+                "run_id": s["run_id"],
+                "experiment": experiment,
+                "arch": s["arch"],
+                "n_layer": s["n_layer"],
+                "d_model": s["d_model"],
+                "ratio": s["d_model"] / s["n_layer"],
+                "d_ff": s["d_ff"],
+                "n_head": s["n_head"],
+                "n_kv_head": s["n_kv_head"],
+                "params": s["n_params"],
+                "lr": math.nan,
+                "seed": -1,
+                "knobs": "{}",
+                "status": s["status"],
+                "final_val_loss": math.nan,
+                "steps": 0,
+                "total_steps": 0,
+                "tokens_seen": 0,
+                "pretrained_name": s["name"],
+                "pretrained_source": s["source"],
+                "transformers_class": s["transformers_class"],
+                # the unigram floor is the DepthBench tokenizer's: it does not apply to another vocabulary
+                "unigram_floor": math.nan,
+            }
+        )
     return pd.DataFrame(rows)
 
 

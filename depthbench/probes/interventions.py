@@ -18,7 +18,13 @@ from contextlib import contextmanager
 
 import torch
 
-from depthbench.models.adapter import ModelAdapter, final_state, next_token_loss, run_from, trunk_states
+from depthbench.models.adapter import (
+    ModelAdapter,
+    final_state,
+    next_token_loss,
+    run_from,
+    trunk_states,
+)
 from depthbench.models.layers import at_least_fp32
 from depthbench.probes.workers import map_over_model_copies
 
@@ -50,7 +56,9 @@ def causal_scores(adapter: ModelAdapter, idx: torch.Tensor, workers: int = 1) ->
 
     C = torch.full((L + 1, L + 1), float("nan"))
     # skipping layer L changes no later layer: L - 1 resumed passes
-    for s, diff in enumerate(map_over_model_copies(adapter, list(range(1, L)), skipped, workers), start=1):
+    for s, diff in enumerate(
+        map_over_model_copies(adapter, list(range(1, L)), skipped, workers), start=1
+    ):
         C[s, s + 1 :] = diff / denom[s:]
     return C
 
@@ -95,7 +103,9 @@ def apply_affine(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def layer_fits(adapter: ModelAdapter, idx: torch.Tensor) -> tuple[list, list[tuple[torch.Tensor, torch.Tensor]]]:
+def layer_fits(
+    adapter: ModelAdapter, idx: torch.Tensor
+) -> tuple[list, list[tuple[torch.Tensor, torch.Tensor]]]:
     """One baseline pass: the states entering each layer and, per layer, its input features and
     the affine map fitted from them to its output features (adapter.layer_io)."""
     states, fits = [adapter.begin(idx)], []
@@ -122,7 +132,9 @@ def usefulness_ratios(adapter: ModelAdapter, idx: torch.Tensor, workers: int = 1
 
     layers = list(range(1, adapter.n_layer + 1))
     ratios = torch.full((adapter.n_layer + 1,), float("nan"))
-    for layer, ratio in zip(layers, map_over_model_copies(adapter, layers, replaced_ratio, workers)):
+    for layer, ratio in zip(
+        layers, map_over_model_copies(adapter, layers, replaced_ratio, workers)
+    ):
         ratios[layer] = ratio
     return ratios
 
@@ -134,7 +146,9 @@ def without_prefix_average(model):
     whose attention sublayers are the standard `CausalSelfAttention` (those that declare the
     'prefix_average' probe; not moda, whose attention is joint over depth)."""
     if "prefix_average" not in model.probes:
-        raise ValueError(f"{model.arch_name}: the prefix-average intervention needs the standard attention sublayer")
+        raise ValueError(
+            f"{model.arch_name}: the prefix-average intervention needs the standard attention sublayer"
+        )
 
     def make_forward(attn):
         def forward(x, rope):
@@ -145,7 +159,9 @@ def without_prefix_average(model):
             scores = (q @ k.transpose(-1, -2)) / math.sqrt(attn.head_dim)
             causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
             P = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-            U = causal.to(P.dtype) / torch.arange(1, T + 1, device=x.device, dtype=P.dtype).unsqueeze(1)
+            U = causal.to(P.dtype) / torch.arange(
+                1, T + 1, device=x.device, dtype=P.dtype
+            ).unsqueeze(1)
             y = (P - U) @ v
             return attn.wo(y.transpose(1, 2).reshape(B, T, attn.q_dim))
 

@@ -32,9 +32,11 @@ def check_lens_at_last_layer(adapter: ModelAdapter, state_last, lens_last: torch
     own = adapter.logits(state_last).float()
     if not torch.allclose(lens_last, own, rtol=LENS_RTOL, atol=LENS_ATOL):
         worst = float((lens_last - own).abs().max())
-        raise RuntimeError(f"{adapter.arch_name}: the logit lens at the last layer differs from the model's logits "
-                           f"by up to {worst:.3g} (tolerance {LENS_ATOL} + {LENS_RTOL} |z|): the adapter's residual "
-                           "h_L is not the input of its final norm, or lens_logits is not its final norm and head")
+        raise RuntimeError(
+            f"{adapter.arch_name}: the logit lens at the last layer differs from the model's logits "
+            f"by up to {worst:.3g} (tolerance {LENS_ATOL} + {LENS_RTOL} |z|): the adapter's residual "
+            "h_L is not the input of its final norm, or lens_logits is not its final norm and head"
+        )
 
 
 @torch.no_grad()
@@ -51,10 +53,17 @@ def logit_lens(adapter: ModelAdapter, idx: torch.Tensor) -> dict[str, torch.Tens
     final_p = final_logp.exp()
     ce, kl, top1 = [], [], []
     for layer, state in enumerate(states):
-        z = lens_last if layer == len(states) - 1 else adapter.lens_logits(adapter.residual(state)).float()
+        z = (
+            lens_last
+            if layer == len(states) - 1
+            else adapter.lens_logits(adapter.residual(state)).float()
+        )
         logp = F.log_softmax(z.reshape(-1, z.shape[-1]), dim=-1)
         ce.append(F.nll_loss(logp, targets))
         kl.append((final_p * (final_logp - logp)).sum(-1).mean())
         top1.append((logp.argmax(-1) == final_top1).float().mean())
-    return {"lens_cross_entropy": torch.stack(ce), "lens_kl_to_final": torch.stack(kl),
-            "lens_top1_agreement": torch.stack(top1)}
+    return {
+        "lens_cross_entropy": torch.stack(ce),
+        "lens_kl_to_final": torch.stack(kl),
+        "lens_top1_agreement": torch.stack(top1),
+    }

@@ -32,12 +32,20 @@ def _scalar(probe: str, stage: str, value: float) -> dict:
 def _per_layer_rows(stage: str, hidden: list[torch.Tensor]) -> list[dict]:
     """Token similarity (with and without position 0) and effective rank at every layer: the
     per-layer curves drawn at init, at init without the prefix-average part, and trained."""
-    return (_rows("token_similarity", stage, torch.tensor(core.token_similarity_by_layer(hidden)))
-            + _rows("token_similarity_no_pos0", stage, torch.tensor(core.token_similarity_by_layer(hidden, skip_first=True)))
-            + _rows("effective_rank", stage, torch.tensor(core.effective_rank_by_layer(hidden))))
+    return (
+        _rows("token_similarity", stage, torch.tensor(core.token_similarity_by_layer(hidden)))
+        + _rows(
+            "token_similarity_no_pos0",
+            stage,
+            torch.tensor(core.token_similarity_by_layer(hidden, skip_first=True)),
+        )
+        + _rows("effective_rank", stage, torch.tensor(core.effective_rank_by_layer(hidden)))
+    )
 
 
-def _matrix_probe(rows: list[dict], name: str, stage: str, matrix: torch.Tensor, threshold: float) -> None:
+def _matrix_probe(
+    rows: list[dict], name: str, stage: str, matrix: torch.Tensor, threshold: float
+) -> None:
     rows += _rows(f"{name}_score", stage, matrix)
     rows.append(_scalar(f"{name}_share", stage, core.share_above(matrix, threshold)))
 
@@ -56,28 +64,63 @@ def probe_model(adapter, idx: torch.Tensor, stage: str, settings: dict, full: bo
             rows += _per_layer_rows("init_no_prefix_avg", core.residual_stream(adapter, inputs))
     records = adapter.records(inputs) if applies & {"residual_product_rank", "depth_weight"} else {}
     if "residual_product_rank" in applies:  # at init too: the trained rank means little without it
-        rows.append(_scalar("residual_product_rank", stage, core.residual_product_rank(records["stream_mixing"])))
+        rows.append(
+            _scalar(
+                "residual_product_rank", stage, core.residual_product_rank(records["stream_mixing"])
+            )
+        )
     if not full:
         return rows
-    rows += _rows("angular_distance_last", stage, core.angular_distance(hidden, last_token_only=True))
-    rows += _rows("angular_distance_all", stage, core.angular_distance(hidden, last_token_only=False))
+    rows += _rows(
+        "angular_distance_last", stage, core.angular_distance(hidden, last_token_only=True)
+    )
+    rows += _rows(
+        "angular_distance_all", stage, core.angular_distance(hidden, last_token_only=False)
+    )
     # ShortGPT's block influence BI_l = 1 - mean cos(h_(l-1), h_l), one of the removal rankings
-    rows += _rows("block_influence", stage, torch.tensor([float("nan")] + removal.block_influence(hidden).tolist()))
+    rows += _rows(
+        "block_influence",
+        stage,
+        torch.tensor([float("nan")] + removal.block_influence(hidden).tolist()),
+    )
     if "logit_lens" in applies:
         for name, per_layer in lens.logit_lens(adapter, idx).items():
             rows += _rows(name, stage, per_layer)
     workers = int(settings["threads"])  # the passes of one probe are shared among that many workers
-    _matrix_probe(rows, "causal", stage, interventions.causal_scores(adapter, inputs, workers), settings["causal_threshold"])
-    _matrix_probe(rows, "permutation", stage, interventions.permutation_scores(adapter, idx, workers), settings["permutation_threshold"])
+    _matrix_probe(
+        rows,
+        "causal",
+        stage,
+        interventions.causal_scores(adapter, inputs, workers),
+        settings["causal_threshold"],
+    )
+    _matrix_probe(
+        rows,
+        "permutation",
+        stage,
+        interventions.permutation_scores(adapter, idx, workers),
+        settings["permutation_threshold"],
+    )
     if "usefulness_ratio" in applies:
         r = interventions.usefulness_ratios(adapter, idx, workers)
         rows += _rows("usefulness_ratio", stage, r)
-        rows.append(_scalar("useful_fraction", stage, float((r[1:] > settings["usefulness_threshold"]).float().mean())))
+        rows.append(
+            _scalar(
+                "useful_fraction",
+                stage,
+                float((r[1:] > settings["usefulness_threshold"]).float().mean()),
+            )
+        )
     if "depth_weight" in applies:
         for s, w in enumerate(records["depth_weights"], start=1):
-            rows += [{"probe": "depth_weight", "stage": stage, "i": s, "j": i, "value": v} for i, v in enumerate(w.tolist())]
+            rows += [
+                {"probe": "depth_weight", "stage": stage, "i": s, "j": i, "value": v}
+                for i, v in enumerate(w.tolist())
+            ]
     if "dead_zone_layers" in applies:
-        length, weights = adapter.dead_zone(records["depth_weights"], settings["dead_zone_threshold"])
+        length, weights = adapter.dead_zone(
+            records["depth_weights"], settings["dead_zone_threshold"]
+        )
         rows += _rows("partial_sum_weight", stage, torch.tensor([float("nan")] + weights))
         rows.append(_scalar("dead_zone_layers", stage, length))
     return rows

@@ -63,8 +63,11 @@ class ScoredTokens:
         (causal attention keeps the padding out of every scored position)."""
         from depthbench.evals.nll import rolling_windows
 
-        wins = [w for ctx, cont in zip(docs["context_ids"], docs["continuation_ids"])
-                for w in rolling_windows(list(ctx), list(cont), window)]
+        wins = [
+            w
+            for ctx, cont in zip(docs["context_ids"], docs["continuation_ids"])
+            for w in rolling_windows(list(ctx), list(cont), window)
+        ]
         T = max(len(w.inputs) for w in wins)
         inputs = torch.zeros(len(wins), T, dtype=torch.long)
         targets = torch.zeros(len(wins), T, dtype=torch.long)
@@ -72,20 +75,29 @@ class ScoredTokens:
         for row, w in enumerate(wins):
             n_in, n_t = len(w.inputs), len(w.targets)
             inputs[row, :n_in] = torch.tensor(w.inputs)
-            targets[row, n_in - n_t:n_in] = torch.tensor(w.targets)
-            scored[row, n_in - n_t:n_in] = True
+            targets[row, n_in - n_t : n_in] = torch.tensor(w.targets)
+            scored[row, n_in - n_t : n_in] = True
         return cls(inputs, targets, scored)
 
     def loss(self, logits: torch.Tensor) -> float:
         """Mean cross-entropy (fp32) over the scored positions."""
-        nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), self.targets.reshape(-1), reduction="none")
+        nll = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), self.targets.reshape(-1), reduction="none"
+        )
         return float(nll[self.scored.reshape(-1)].mean())
 
 
 def block_influence(hidden: list[torch.Tensor]) -> torch.Tensor:
     """BI_l for l = 1 .. L (index l - 1): 1 - mean over all tokens of cos(h_{l-1}, h_l)."""
-    return torch.stack([1 - torch.nn.functional.cosine_similarity(hidden[l - 1].double(), hidden[l].double(), dim=-1).mean()
-                        for l in range(1, len(hidden))])
+    return torch.stack(
+        [
+            1
+            - torch.nn.functional.cosine_similarity(
+                hidden[l - 1].double(), hidden[l].double(), dim=-1
+            ).mean()
+            for l in range(1, len(hidden))
+        ]
+    )
 
 
 def angular_block(distance_last: torch.Tensor, n_layer: int, k: int) -> list[int]:
@@ -98,12 +110,18 @@ def angular_block(distance_last: torch.Tensor, n_layer: int, k: int) -> list[int
 
 def causal_order(causal: torch.Tensor, n_layer: int) -> list[int]:
     """Layers 1 .. L - 1 by the mean causal score of their removal on later layers, lowest first."""
-    influence = {s: float(np.nanmean(causal[s, s + 1:].numpy())) for s in range(1, n_layer)}
+    influence = {s: float(np.nanmean(causal[s, s + 1 :].numpy())) for s in range(1, n_layer)}
     return sorted(influence, key=lambda s: (influence[s], s))
 
 
-def removal_sets(influence: torch.Tensor, distance_last: torch.Tensor, causal: torch.Tensor, n_layer: int,
-                 ks: Iterable[int], seed: int) -> list[tuple[str, int, int, list[int]]]:
+def removal_sets(
+    influence: torch.Tensor,
+    distance_last: torch.Tensor,
+    causal: torch.Tensor,
+    n_layer: int,
+    ks: Iterable[int],
+    seed: int,
+) -> list[tuple[str, int, int, list[int]]]:
     """(ranking, draw, k, layers removed) for every ranking and k; draw is 0 except for `random`.
     `influence`: BI_l for l = 1 .. L; `distance_last`, `causal`: the (L + 1, L + 1) matrices."""
     L = n_layer
@@ -119,7 +137,14 @@ def removal_sets(influence: torch.Tensor, distance_last: torch.Tensor, causal: t
         out.append(("causal", 0, k, sorted(by_causal[:k])))
         out.append(("last", 0, k, list(range(L - k, L))))
         for draw in range(RANDOM_DRAWS):
-            out.append(("random", draw, k, sorted(int(x) for x in rng.choice(np.arange(1, L + 1), size=k, replace=False))))
+            out.append(
+                (
+                    "random",
+                    draw,
+                    k,
+                    sorted(int(x) for x in rng.choice(np.arange(1, L + 1), size=k, replace=False)),
+                )
+            )
     return out
 
 
@@ -131,7 +156,9 @@ def layer_counts(n_layer: int, fractions: list[float] | None) -> list[int]:
 
 
 @torch.no_grad()
-def loss_without(adapter: ModelAdapter, states: list, data: ScoredTokens, removed: list[int]) -> float:
+def loss_without(
+    adapter: ModelAdapter, states: list, data: ScoredTokens, removed: list[int]
+) -> float:
     """The loss on `data` with the layers `removed` skipped in one pass, resumed from the
     baseline state entering the first removed layer (`states` from trunk_states on data.inputs)."""
     if not removed:
@@ -145,8 +172,11 @@ def loss_without(adapter: ModelAdapter, states: list, data: ScoredTokens, remove
 
 
 @torch.no_grad()
-def removal_losses(adapter: ModelAdapter, sets: list[tuple[str, int, int, list[int]]],
-                   data: dict[str, ScoredTokens]) -> tuple[dict[str, float], list[dict]]:
+def removal_losses(
+    adapter: ModelAdapter,
+    sets: list[tuple[str, int, int, list[int]]],
+    data: dict[str, ScoredTokens],
+) -> tuple[dict[str, float], list[dict]]:
     """The full model's loss per domain, and one row per removal set with its loss per domain
     (`data`: domain -> scored tokens, e.g. "val" and the NLL domains). Each domain's baseline
     pass is made once and shared by every set."""
@@ -161,7 +191,9 @@ def removal_losses(adapter: ModelAdapter, sets: list[tuple[str, int, int, list[i
     return full, rows
 
 
-def effective_fraction(curve: dict[int, float], full: float, n_layer: int, tolerance: float) -> float:
+def effective_fraction(
+    curve: dict[int, float], full: float, n_layer: int, tolerance: float
+) -> float:
     """The largest k / L such that the loss with k layers removed, and with every smaller k of
     the curve, is at most (1 + tolerance) times the full model's; 0 when even the smallest k
     exceeds it. `curve`: k -> loss (for `random`, the mean over draws)."""

@@ -20,7 +20,13 @@ import pandas as pd
 import torch
 
 from depthbench.util.io import atomic_write
-from depthbench.probes.removal import RANKINGS, ScoredTokens, layer_counts, removal_losses, removal_sets
+from depthbench.probes.removal import (
+    RANKINGS,
+    ScoredTokens,
+    layer_counts,
+    removal_losses,
+    removal_sets,
+)
 from depthbench.spec.schema import schema_defaults
 
 COLUMNS = ["ranking", "draw", "k", "fraction", "removed", "domain", "loss", "full_loss", "change"]
@@ -32,17 +38,29 @@ def removal_settings(settings: dict) -> dict:
     return {**schema_defaults("removal"), "threads": 1, **settings}
 
 
-def held_apart_windows(tokens: np.ndarray, seq_len: int, probe_n: int, probe_seed: int, n: int, seed: int) -> torch.Tensor:
+def held_apart_windows(
+    tokens: np.ndarray, seq_len: int, probe_n: int, probe_seed: int, n: int, seed: int
+) -> torch.Tensor:
     """n seeded windows of seq_len + 1 tokens that the probe sample (drawn as
     depthbench.probes.run.probe_sample draws it) does not contain."""
     n_windows = (len(tokens) - 1) // seq_len
-    probe_picks = set(np.random.default_rng(probe_seed).choice(n_windows, size=min(probe_n, n_windows), replace=False).tolist())
+    probe_picks = set(
+        np.random.default_rng(probe_seed)
+        .choice(n_windows, size=min(probe_n, n_windows), replace=False)
+        .tolist()
+    )
     rest = np.array(sorted(set(range(n_windows)) - probe_picks))
     if len(rest) == 0:
-        raise ValueError(f"the validation split has {n_windows} windows of {seq_len + 1} tokens and the probe sample "
-                         "takes them all: none is left for the removal losses (lower probes.n_sequences)")
-    picks = sorted(np.random.default_rng(seed).choice(rest, size=min(n, len(rest)), replace=False).tolist())
-    return torch.from_numpy(np.stack([tokens[i * seq_len: i * seq_len + seq_len + 1].astype(np.int64) for i in picks]))
+        raise ValueError(
+            f"the validation split has {n_windows} windows of {seq_len + 1} tokens and the probe sample "
+            "takes them all: none is left for the removal losses (lower probes.n_sequences)"
+        )
+    picks = sorted(
+        np.random.default_rng(seed).choice(rest, size=min(n, len(rest)), replace=False).tolist()
+    )
+    return torch.from_numpy(
+        np.stack([tokens[i * seq_len : i * seq_len + seq_len + 1].astype(np.int64) for i in picks])
+    )
 
 
 def domain_documents(docs: pd.DataFrame, per_domain: int, seed: int) -> dict[str, pd.DataFrame]:
@@ -50,12 +68,18 @@ def domain_documents(docs: pd.DataFrame, per_domain: int, seed: int) -> dict[str
     out = {}
     for domain, group in docs.groupby("domain", sort=True):
         if len(group) > per_domain:
-            group = group.iloc[sorted(np.random.default_rng(seed).choice(len(group), size=per_domain, replace=False))]
+            group = group.iloc[
+                sorted(
+                    np.random.default_rng(seed).choice(len(group), size=per_domain, replace=False)
+                )
+            ]
         out[str(domain)] = group
     return out
 
 
-def ranking_inputs(probes: pd.DataFrame, n_layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ranking_inputs(
+    probes: pd.DataFrame, n_layer: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(BI_l for l = 1 .. L, the last-token angular distance matrix, the causal score matrix) from
     a run's trained probe rows."""
     trained = probes[probes["stage"] == "trained"]
@@ -64,24 +88,38 @@ def ranking_inputs(probes: pd.DataFrame, n_layer: int) -> tuple[torch.Tensor, to
         M = torch.full((n_layer + 1, n_layer + 1), float("nan"), dtype=torch.float64)
         rows = trained[trained["probe"] == name]
         if rows.empty:
-            raise ValueError(f"the probe rows have no trained {name!r}: the removal rankings need them")
-        M[rows["i"].to_numpy(), rows["j"].to_numpy()] = torch.from_numpy(rows["value"].to_numpy(dtype=np.float64))
+            raise ValueError(
+                f"the probe rows have no trained {name!r}: the removal rankings need them"
+            )
+        M[rows["i"].to_numpy(), rows["j"].to_numpy()] = torch.from_numpy(
+            rows["value"].to_numpy(dtype=np.float64)
+        )
         return M
 
     bi = trained[trained["probe"] == "block_influence"].sort_values("i")
     if sorted(bi["i"]) != list(range(1, n_layer + 1)):
-        raise ValueError("the probe rows have no trained 'block_influence' for layers 1 .. L (probe files written "
-                         "before it existed: rerun the probe stage)")
-    return torch.from_numpy(bi["value"].to_numpy(dtype=np.float64)), matrix("angular_distance_last"), matrix("causal_score")
+        raise ValueError(
+            "the probe rows have no trained 'block_influence' for layers 1 .. L (probe files written "
+            "before it existed: rerun the probe stage)"
+        )
+    return (
+        torch.from_numpy(bi["value"].to_numpy(dtype=np.float64)),
+        matrix("angular_distance_last"),
+        matrix("causal_score"),
+    )
 
 
 @torch.no_grad()
-def removal_rows(adapter, probes: pd.DataFrame, data: dict[str, ScoredTokens], settings: dict) -> pd.DataFrame:
+def removal_rows(
+    adapter, probes: pd.DataFrame, data: dict[str, ScoredTokens], settings: dict
+) -> pd.DataFrame:
     """Every ranking's removal curve of the model on each domain of `data` (module docstring)."""
     L = adapter.n_layer
     if L >= 2:
         influence, distance, causal = ranking_inputs(probes, L)
-        sets = removal_sets(influence, distance, causal, L, layer_counts(L, settings["fractions"]), settings["seed"])
+        sets = removal_sets(
+            influence, distance, causal, L, layer_counts(L, settings["fractions"]), settings["seed"]
+        )
     else:  # one layer: nothing can be removed with a layer kept; each ranking's curve is its k = 0 point
         sets = []
     full, measured = removal_losses(adapter, sets, data)
@@ -90,9 +128,19 @@ def removal_rows(adapter, probes: pd.DataFrame, data: dict[str, ScoredTokens], s
     out = []
     for row in rows:
         for domain in data:
-            out.append({"ranking": row["ranking"], "draw": row["draw"], "k": row["k"], "fraction": row["k"] / L,
-                        "removed": ",".join(str(x) for x in row["removed"]), "domain": domain, "loss": row[domain],
-                        "full_loss": full[domain], "change": row[domain] / full[domain] - 1})
+            out.append(
+                {
+                    "ranking": row["ranking"],
+                    "draw": row["draw"],
+                    "k": row["k"],
+                    "fraction": row["k"] / L,
+                    "removed": ",".join(str(x) for x in row["removed"]),
+                    "domain": domain,
+                    "loss": row[domain],
+                    "full_loss": full[domain],
+                    "change": row[domain] / full[domain] - 1,
+                }
+            )
     return pd.DataFrame(out, columns=COLUMNS)
 
 
@@ -102,8 +150,16 @@ def _write(df: pd.DataFrame, run_id: str, status: str, out_path: str) -> None:
     atomic_write(out_path, lambda tmp: df.to_parquet(tmp, index=False))
 
 
-def run_removal(spec_dict: dict, data_dir: str, run_dir: str, probes_path: str, sets_path: str, out_path: str,
-                settings: dict, probe_settings: dict) -> dict:
+def run_removal(
+    spec_dict: dict,
+    data_dir: str,
+    run_dir: str,
+    probes_path: str,
+    sets_path: str,
+    out_path: str,
+    settings: dict,
+    probe_settings: dict,
+) -> dict:
     """The removal rows of one trained run (its final weights), written to `out_path`."""
     from depthbench.probes.run import validation_tokens
     from depthbench.train.runcheck import check_run
@@ -119,11 +175,19 @@ def run_removal(spec_dict: dict, data_dir: str, run_dir: str, probes_path: str, 
         _write(pd.DataFrame(columns=COLUMNS), spec.run_id, summary["status"], out_path)
         return {"run_id": spec.run_id, "rows": 0, "seconds": 0.0}
     seq_len = min(probe_settings.get("seq_len") or spec.train.seq_len, spec.model.max_seq_len)
-    val = held_apart_windows(validation_tokens(data_dir), seq_len, probe_settings["n_sequences"], probe_settings["seed"],
-                             settings["n_sequences"], settings["seed"])
+    val = held_apart_windows(
+        validation_tokens(data_dir),
+        seq_len,
+        probe_settings["n_sequences"],
+        probe_settings["seed"],
+        settings["n_sequences"],
+        settings["seed"],
+    )
     data = {"val": ScoredTokens.windows(val)}
     window = min(spec.train.seq_len, spec.model.max_seq_len)
-    for domain, docs in domain_documents(pd.read_parquet(sets_path), settings["docs_per_domain"], settings["seed"]).items():
+    for domain, docs in domain_documents(
+        pd.read_parquet(sets_path), settings["docs_per_domain"], settings["seed"]
+    ).items():
         data[domain] = ScoredTokens.documents(docs, window)
     model = load_final_model(spec.model, run_dir).eval()
     df = removal_rows(model, pd.read_parquet(probes_path), data, settings)
@@ -148,7 +212,18 @@ def effective_depth(removal: pd.DataFrame, tolerance: float) -> pd.DataFrame:
         else:
             continue
         full = float(g["full_loss"].iloc[0])
-        fraction = effective_fraction({int(k): float(v) for k, v in curve.items() if k > 0}, full, n_layer, tolerance)
-        rows.append({"run_id": run_id, "ranking": ranking, "tolerance": tolerance, "effective_fraction": fraction,
-                     "layers_needed": n_layer - round(fraction * n_layer)})
-    return pd.DataFrame(rows, columns=["run_id", "ranking", "tolerance", "effective_fraction", "layers_needed"])
+        fraction = effective_fraction(
+            {int(k): float(v) for k, v in curve.items() if k > 0}, full, n_layer, tolerance
+        )
+        rows.append(
+            {
+                "run_id": run_id,
+                "ranking": ranking,
+                "tolerance": tolerance,
+                "effective_fraction": fraction,
+                "layers_needed": n_layer - round(fraction * n_layer),
+            }
+        )
+    return pd.DataFrame(
+        rows, columns=["run_id", "ranking", "tolerance", "effective_fraction", "layers_needed"]
+    )

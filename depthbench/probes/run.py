@@ -38,7 +38,12 @@ def probe_settings(settings: dict) -> dict:
 def validation_tokens(data_dir: str) -> np.ndarray:
     """The validation split's token stream, in shard order."""
     meta = read_meta(data_dir)
-    return np.concatenate([np.memmap(f, dtype=np.dtype(meta["dtype"]).newbyteorder("<"), mode="r") for f in split_files(data_dir, meta, "val")])
+    return np.concatenate(
+        [
+            np.memmap(f, dtype=np.dtype(meta["dtype"]).newbyteorder("<"), mode="r")
+            for f in split_files(data_dir, meta, "val")
+        ]
+    )
 
 
 def probe_sample(data_dir: str, n_sequences: int, seq_len: int, seed: int) -> torch.Tensor:
@@ -46,10 +51,19 @@ def probe_sample(data_dir: str, n_sequences: int, seq_len: int, seed: int) -> to
     tokens = validation_tokens(data_dir)
     n_windows = (len(tokens) - 1) // seq_len
     if n_windows < 1:
-        raise ValueError(f"{data_dir}: validation split shorter than one probe window of {seq_len + 1} tokens")
+        raise ValueError(
+            f"{data_dir}: validation split shorter than one probe window of {seq_len + 1} tokens"
+        )
     rng = np.random.default_rng(seed)
     picks = rng.choice(n_windows, size=min(n_sequences, n_windows), replace=False)
-    return torch.from_numpy(np.stack([tokens[i * seq_len : i * seq_len + seq_len + 1].astype(np.int64) for i in sorted(picks)]))
+    return torch.from_numpy(
+        np.stack(
+            [
+                tokens[i * seq_len : i * seq_len + seq_len + 1].astype(np.int64)
+                for i in sorted(picks)
+            ]
+        )
+    )
 
 
 def run_probes(spec_dict: dict, data_dir: str, run_dir: str, out_path: str, settings: dict) -> dict:
@@ -59,13 +73,20 @@ def run_probes(spec_dict: dict, data_dir: str, run_dir: str, out_path: str, sett
     spec = RunSpec.from_dict(spec_dict)
     summary = check_run(run_dir, spec)  # identity and weights, before any work
     seq_len = settings["seq_len"] or spec.train.seq_len
-    idx = probe_sample(data_dir, settings["n_sequences"], min(seq_len, spec.model.max_seq_len), settings["seed"])
+    idx = probe_sample(
+        data_dir, settings["n_sequences"], min(seq_len, spec.model.max_seq_len), settings["seed"]
+    )
     start = time.time()
     rows: list[dict] = []
     torch.manual_seed(spec.train.seed)  # the run's own initialisation
-    rows += [{**r, "step": 0} for r in probe_model(build_model(spec.model).eval(), idx, "init", settings, full=False)]
+    rows += [
+        {**r, "step": 0}
+        for r in probe_model(build_model(spec.model).eval(), idx, "init", settings, full=False)
+    ]
     if summary["status"] == "ok":
-        trained = probe_model(load_final_model(spec.model, run_dir).eval(), idx, "trained", settings, full=True)
+        trained = probe_model(
+            load_final_model(spec.model, run_dir).eval(), idx, "trained", settings, full=True
+        )
         rows += [{**r, "step": summary["steps"]} for r in trained]
     if settings["at_steps"]:  # diverged runs too: their snapshots end before the divergence
         rows += snapshot_rows(spec, run_dir, idx, settings)

@@ -35,13 +35,17 @@ def load_snapshot(spec: RunSpec, path: Path) -> torch.nn.Module:
     with safe_open(str(path), framework="pt") as f:
         meta = json.loads((f.metadata() or {}).get(META_KEY, "{}"))
     if meta.get("run_id") != spec.run_id:
-        raise DataError(f"{path}: a snapshot of run {meta.get('run_id')!r}, not {spec.run_id!r} (a misplaced folder?)")
+        raise DataError(
+            f"{path}: a snapshot of run {meta.get('run_id')!r}, not {spec.run_id!r} (a misplaced folder?)"
+        )
     model = build_model(spec.model)
     model.load_state_dict(load_file(path))
     return model.eval()
 
 
-def snapshot_rows(spec: RunSpec, run_dir: str | Path, idx: torch.Tensor, settings: dict) -> list[dict]:
+def snapshot_rows(
+    spec: RunSpec, run_dir: str | Path, idx: torch.Tensor, settings: dict
+) -> list[dict]:
     """Tidy rows of every probe at every snapshot in run_dir/snapshots, with `step`."""
 
     rows: list[dict] = []
@@ -49,5 +53,8 @@ def snapshot_rows(spec: RunSpec, run_dir: str | Path, idx: torch.Tensor, setting
         start = time.time()
         for row in probe_model(load_snapshot(spec, path), idx, SNAPSHOT_STAGE, settings, full=True):
             rows.append({**row, "step": step})
-        print(f"[{spec.run_id}] probed the snapshot of step {step} in {time.time() - start:.1f} s", file=sys.stderr)
+        print(
+            f"[{spec.run_id}] probed the snapshot of step {step} in {time.time() - start:.1f} s",
+            file=sys.stderr,
+        )
     return rows

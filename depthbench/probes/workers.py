@@ -63,7 +63,10 @@ def _map_in_threads(model, items: list, fn: Callable, workers: int) -> list:
     intra_op = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        threads = [threading.Thread(target=work, args=(model if i == 0 else copy.deepcopy(model),)) for i in range(workers)]
+        threads = [
+            threading.Thread(target=work, args=(model if i == 0 else copy.deepcopy(model),))
+            for i in range(workers)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -102,7 +105,9 @@ def _map_in_forked_processes(model, items: list, fn: Callable, workers: int) -> 
     procs, readers = [], {}
     for _ in range(workers):
         reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_forked_worker, args=(model, items, fn, counter, writer), daemon=True)
+        proc = ctx.Process(
+            target=_forked_worker, args=(model, items, fn, counter, writer), daemon=True
+        )
         proc.start()
         writer.close()  # the child holds the only write end: EOF here means it is gone
         procs.append(proc)
@@ -118,7 +123,10 @@ def _map_in_forked_processes(model, items: list, fn: Callable, workers: int) -> 
                 except EOFError:
                     proc = readers.pop(reader)
                     proc.join()
-                    failure = failure or f"a probe worker process exited with code {proc.exitcode} before finishing"
+                    failure = (
+                        failure
+                        or f"a probe worker process exited with code {proc.exitcode} before finishing"
+                    )
                     continue
                 if kind == "ok":
                     results[i], received[i] = payload, True
@@ -136,5 +144,3 @@ def _map_in_forked_processes(model, items: list, fn: Callable, workers: int) -> 
     if failure is not None:
         raise RuntimeError(failure)
     return results
-
-

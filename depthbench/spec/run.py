@@ -73,7 +73,10 @@ class RunSpec:
 
     def with_operational(self, train_section: dict[str, Any]) -> "RunSpec":
         """A copy with the operational (unhashed) training settings taken from the config."""
-        train = replace(self.train, **{k: train_section[k] for k in TrainConfig.NOT_HASHED if k in train_section})
+        train = replace(
+            self.train,
+            **{k: train_section[k] for k in TrainConfig.NOT_HASHED if k in train_section},
+        )
         return replace(self, train=train)
 
     @classmethod
@@ -95,20 +98,51 @@ class RunSpec:
 # Fields that existed when run ids were introduced are always hashed. A field added later enters
 # the hash only when it differs from its default, so adding a setting to the code does not
 # rename (and so retrain) every existing run.
-MODEL_FIELDS_V1 = frozenset({
-    "arch", "vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "max_seq_len",
-    "rope_theta", "norm_eps", "init_std", "arch_options", "moe",
-})
-TRAIN_FIELDS_V1 = frozenset({
-    "lr", "seed", "seq_len", "global_batch_size", "micro_batch_size", "tokens_per_param", "max_steps",
-    "total_steps", "weight_decay", "beta1", "beta2", "adam_eps", "grad_clip", "warmup_fraction",
-    "min_lr_ratio", "eval_every", "eval_batches", "divergence_factor", "dtype",
-})
+MODEL_FIELDS_V1 = frozenset(
+    {
+        "arch",
+        "vocab_size",
+        "d_model",
+        "n_layer",
+        "n_head",
+        "n_kv_head",
+        "d_ff",
+        "max_seq_len",
+        "rope_theta",
+        "norm_eps",
+        "init_std",
+        "arch_options",
+        "moe",
+    }
+)
+TRAIN_FIELDS_V1 = frozenset(
+    {
+        "lr",
+        "seed",
+        "seq_len",
+        "global_batch_size",
+        "micro_batch_size",
+        "tokens_per_param",
+        "max_steps",
+        "total_steps",
+        "weight_decay",
+        "beta1",
+        "beta2",
+        "adam_eps",
+        "grad_clip",
+        "warmup_fraction",
+        "min_lr_ratio",
+        "eval_every",
+        "eval_batches",
+        "divergence_factor",
+        "dtype",
+    }
+)
 
 
 def _hashed(values: dict, v1_fields: frozenset, cls) -> dict:
-    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                for f in dataclasses.fields(cls)}
+    defaults = {
+        f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        for f in dataclasses.fields(cls)
+    }
     return {k: v for k, v in values.items() if k in v1_fields or v != defaults.get(k)}
-
-

@@ -126,7 +126,9 @@ def coerce_command_line(config: dict, overrides: dict) -> dict:
                     value = yaml.safe_load(given)
                 except yaml.YAMLError:
                     return target
-                kind = {bool: "boolean", int: "integer", float: "number", type(None): "null"}.get(type(value))
+                kind = {bool: "boolean", int: "integer", float: "number", type(None): "null"}.get(
+                    type(value)
+                )
                 if kind in wanted or (kind == "integer" and "number" in wanted):
                     return value
             return target
@@ -136,8 +138,14 @@ def coerce_command_line(config: dict, overrides: dict) -> dict:
                 child = props.get(key, extra if isinstance(extra, dict) else None)
                 if key in target and child:
                     target[key] = walk(target[key], value, child)
-        elif isinstance(given, list) and isinstance(target, list) and isinstance(sub.get("items"), dict):
-            target[:] = [walk(t, g, sub["items"]) for t, g in zip(target, given)] + target[len(given):]
+        elif (
+            isinstance(given, list)
+            and isinstance(target, list)
+            and isinstance(sub.get("items"), dict)
+        ):
+            target[:] = [walk(t, g, sub["items"]) for t, g in zip(target, given)] + target[
+                len(given) :
+            ]
         return target
 
     walk(config, overrides or {}, schema)
@@ -155,7 +163,9 @@ def validate_schema(config: dict) -> dict:
     validator = _validator_with_defaults()(schema)
     # Two passes: defaults are filled during the first, the second reports on the filled config.
     list(validator.iter_errors(config))
-    errors = sorted(validator.iter_errors(config), key=lambda e: (len(e.absolute_path), str(e.absolute_path)))
+    errors = sorted(
+        validator.iter_errors(config), key=lambda e: (len(e.absolute_path), str(e.absolute_path))
+    )
     if errors:
         err = errors[0]
         message = err.message
@@ -174,9 +184,18 @@ def _check_finite(value: Any, where: str) -> None:
     false with every bound and .inf passes any minimum), naming the field."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(where or "<top level>", f"must be a finite number, got {value}")
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
     for key, sub in items:
-        _check_finite(sub, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else str(key))
+        _check_finite(
+            sub,
+            f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else str(key),
+        )
 
 
 def _check_sweep_values(sweep: dict, schema: dict) -> None:
@@ -190,7 +209,9 @@ def _check_sweep_values(sweep: dict, schema: dict) -> None:
         if sub is None:  # not a setting: _apply_knobs names the valid keys
             continue
         for i, value in enumerate(values):
-            err = jsonschema.exceptions.best_match(jsonschema.Draft7Validator(sub).iter_errors(copy.deepcopy(value)))
+            err = jsonschema.exceptions.best_match(
+                jsonschema.Draft7Validator(sub).iter_errors(copy.deepcopy(value))
+            )
             if err is not None:
                 inner = _field_path(err)
                 field = f"sweep.{key}[{i}]" + ("" if inner == "<top level>" else f".{inner}")
@@ -217,14 +238,19 @@ def read_yaml_config(path: str | os.PathLike) -> dict:
     try:
         config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as exc:
-        raise ConfigError("<configfile>", f"{path}: not UTF-8 text (byte offset {exc.start})") from None
+        raise ConfigError(
+            "<configfile>", f"{path}: not UTF-8 text (byte offset {exc.start})"
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError("<configfile>", f"{path}: {where}YAML syntax error: {problem}") from None
     if not isinstance(config, dict):
-        raise ConfigError("<configfile>", f"{path}: the top level must be a mapping of settings, got a {type(config).__name__}")
+        raise ConfigError(
+            "<configfile>",
+            f"{path}: the top level must be a mapping of settings, got a {type(config).__name__}",
+        )
     return config
 
 

@@ -48,7 +48,9 @@ class Shape:
         return f"L{self.n_layer}-d{self.d_model}"
 
 
-def _config_for(base: ModelConfig, n_layer: int, d_model: int, d_ff: int | None, ff_multiple: int) -> ModelConfig:
+def _config_for(
+    base: ModelConfig, n_layer: int, d_model: int, d_ff: int | None, ff_multiple: int
+) -> ModelConfig:
     return replace(
         base,
         n_layer=n_layer,
@@ -57,7 +59,9 @@ def _config_for(base: ModelConfig, n_layer: int, d_model: int, d_ff: int | None,
     )
 
 
-def _params(base: ModelConfig, n_layer: int, d_model: int, d_ff: int | None, ff_multiple: int) -> int:
+def _params(
+    base: ModelConfig, n_layer: int, d_model: int, d_ff: int | None, ff_multiple: int
+) -> int:
     """Parameter count as built; fast path extrapolates from the 1- and 2-layer models.
 
     Every architecture's parameter count is affine in depth at fixed width (identical blocks
@@ -69,8 +73,12 @@ def _params(base: ModelConfig, n_layer: int, d_model: int, d_ff: int | None, ff_
     return p1 + (n_layer - 1) * (p2 - p1)
 
 
-def _exact(base: ModelConfig, n_layer: int, d_model: int, d_ff: int | None, ff_multiple: int) -> int:
-    exact = _params_cached(json.dumps(base.to_dict(), sort_keys=True), n_layer, d_model, d_ff, ff_multiple)
+def _exact(
+    base: ModelConfig, n_layer: int, d_model: int, d_ff: int | None, ff_multiple: int
+) -> int:
+    exact = _params_cached(
+        json.dumps(base.to_dict(), sort_keys=True), n_layer, d_model, d_ff, ff_multiple
+    )
     predicted = _params(base, n_layer, d_model, d_ff, ff_multiple)
     if exact != predicted:
         raise AssertionError(
@@ -81,7 +89,9 @@ def _exact(base: ModelConfig, n_layer: int, d_model: int, d_ff: int | None, ff_m
 
 
 @lru_cache(maxsize=8192)
-def _params_cached(base_json: str, n_layer: int, d_model: int, d_ff: int | None, ff_multiple: int) -> int:
+def _params_cached(
+    base_json: str, n_layer: int, d_model: int, d_ff: int | None, ff_multiple: int
+) -> int:
     base = ModelConfig.from_dict(json.loads(base_json))
     return count_parameters(_config_for(base, n_layer, d_model, d_ff, ff_multiple))
 
@@ -90,7 +100,14 @@ def _valid_width(d_model: int, base: ModelConfig) -> bool:
     return d_model % base.n_head == 0 and (d_model // base.n_head) % 2 == 0
 
 
-def _pick_width(base: ModelConfig, n_layer: int, budget: float, candidates: list[int], d_ff: int | None, ff_multiple: int) -> int:
+def _pick_width(
+    base: ModelConfig,
+    n_layer: int,
+    budget: float,
+    candidates: list[int],
+    d_ff: int | None,
+    ff_multiple: int,
+) -> int:
     """Index of the width whose model at the default d_ff (8/3 d on `ff_multiple`) is closest."""
     lo, hi = 0, len(candidates) - 1
     # Parameters grow monotonically with width: binary search for the first width over budget.
@@ -113,7 +130,9 @@ def ff_band(d_model: int, ff_step: int) -> tuple[int, int]:
     return lo, hi
 
 
-def _close_gap(base: ModelConfig, n_layer: int, d_model: int, budget: float, ff_step: int) -> tuple[int, int] | None:
+def _close_gap(
+    base: ModelConfig, n_layer: int, d_model: int, budget: float, ff_step: int
+) -> tuple[int, int] | None:
     """(d_ff, parameters): the d_ff on `ff_step` inside the 8/3 band whose count is closest.
 
     The count is affine in d_ff at fixed depth and width (each layer's SwiGLU has 3 d d_ff
@@ -133,11 +152,21 @@ def _close_gap(base: ModelConfig, n_layer: int, d_model: int, budget: float, ff_
     if n_params == p_lo + round(slope * (d_ff - lo)):
         return d_ff, n_params  # affine as expected: the rounded solution is the closest
     options = {min(hi, max(lo, d_ff + j * ff_step)) for j in (-1, 0, 1)}
-    return min(((f, _params(base, n_layer, d_model, f, ff_step)) for f in options), key=lambda fp: abs(fp[1] - budget))
+    return min(
+        ((f, _params(base, n_layer, d_model, f, ff_step)) for f in options),
+        key=lambda fp: abs(fp[1] - budget),
+    )
 
 
-def _width_pick(base: ModelConfig, n_layer: int, budget: float, multiple: int, ff_multiple: int, d_ff: int | None,
-                field: str) -> tuple[list[int], int]:
+def _width_pick(
+    base: ModelConfig,
+    n_layer: int,
+    budget: float,
+    multiple: int,
+    ff_multiple: int,
+    d_ff: int | None,
+    field: str,
+) -> tuple[list[int], int]:
     """The candidate widths (multiples of `multiple` valid for the heads) and the index of the
     one whose model with d_ff at 8/3 comes closest to the budget; ConfigError when no width
     comes within 50% of it."""
@@ -146,7 +175,11 @@ def _width_pick(base: ModelConfig, n_layer: int, budget: float, multiple: int, f
     # Every architecture embeds the vocabulary (vocab_size x d_model weights), so wider models
     # than 1.5 budget / vocab_size fail the 50% check below anyway: a shorter binary search.
     widest = max(multiple, int(1.5 * budget / base.vocab_size))
-    candidates = [k * multiple for k in range(1, min(4096, widest // multiple) + 2) if _valid_width(k * multiple, base)]
+    candidates = [
+        k * multiple
+        for k in range(1, min(4096, widest // multiple) + 2)
+        if _valid_width(k * multiple, base)
+    ]
     if not candidates:
         raise ConfigError(field, f"no multiple of {multiple} is divisible by n_head {base.n_head}")
     i = _pick_width(base, n_layer, budget, candidates, d_ff, ff_multiple)
@@ -192,7 +225,8 @@ def solve_width(
         yield candidates[i]
         window = [j for j in range(i - 3, i + 4) if 0 <= j < len(candidates) and j != i]
         yield from sorted(
-            (candidates[j] for j in window), key=lambda d: abs(_params(base, n_layer, d, d_ff, ff_multiple) - budget)
+            (candidates[j] for j in window),
+            key=lambda d: abs(_params(base, n_layer, d, d_ff, ff_multiple) - budget),
         )
 
     reached: list[tuple[int, int, int]] = []  # (parameters, d_model, d_ff) missing the tolerance
@@ -209,13 +243,21 @@ def solve_width(
     raise ConfigError(field, _unreachable(n_layer, budget, tolerance, reached, d_ff is not None))
 
 
-def _unreachable(n_layer: int, budget: float, tolerance: float, reached: list[tuple[int, int, int]], pinned: bool) -> str:
+def _unreachable(
+    n_layer: int, budget: float, tolerance: float, reached: list[tuple[int, int, int]], pinned: bool
+) -> str:
     below = max((r for r in reached if r[0] < budget), default=None)
     above = min((r for r in reached if r[0] > budget), default=None)
     nearest = " and ".join(
-        f"{r[0]:,} ({100 * (r[0] / budget - 1):+.2f}%, d_model={r[1]}, d_ff={r[2]})" for r in (below, above) if r is not None
+        f"{r[0]:,} ({100 * (r[0] / budget - 1):+.2f}%, d_model={r[1]}, d_ff={r[2]})"
+        for r in (below, above)
+        if r is not None
     )
-    fix = "drop the pinned d_ff, " if pinned else "use a finer budget.d_ff_step or budget.d_model_multiple, "
+    fix = (
+        "drop the pinned d_ff, "
+        if pinned
+        else "use a finer budget.d_ff_step or budget.d_model_multiple, "
+    )
     return (
         f"at n_layer={n_layer} no shape is within budget.tolerance {tolerance:g} of the budget "
         f"{budget:,.0f} parameters; the nearest reachable counts are {nearest or 'none'}; "
@@ -223,7 +265,9 @@ def _unreachable(n_layer: int, budget: float, tolerance: float, reached: list[tu
     )
 
 
-def shape_of(base: ModelConfig, n_layer: int, d_model: int, d_ff: int | None = None, ff_multiple: int = 64) -> Shape:
+def shape_of(
+    base: ModelConfig, n_layer: int, d_model: int, d_ff: int | None = None, ff_multiple: int = 64
+) -> Shape:
     """The shape with explicit width (d_ff defaults to 8/3 d rounded to `ff_multiple`)."""
     cfg = _config_for(base, n_layer, d_model, d_ff, ff_multiple)
     return Shape(
@@ -258,7 +302,9 @@ def solve_ratio(
     while lo < hi:
         mid = (lo + hi) // 2
         try:
-            r = solve_width(base, mid, budget, multiple, ff_multiple, field=field, tolerance=None).ratio
+            r = solve_width(
+                base, mid, budget, multiple, ff_multiple, field=field, tolerance=None
+            ).ratio
         except ConfigError:
             r = 0.0
         if r > ratio:
@@ -269,13 +315,26 @@ def solve_ratio(
         if n_layer < 1:
             continue
         try:
-            shape = solve_width(base, n_layer, budget, multiple, ff_multiple, field=field, tolerance=None)
+            shape = solve_width(
+                base, n_layer, budget, multiple, ff_multiple, field=field, tolerance=None
+            )
         except ConfigError:
             continue
         if best is None or abs(shape.ratio - ratio) < abs(best.ratio - ratio):
             best = shape
     if best is None:
-        raise ConfigError(field, f"impossible shape: no depth reaches ratio {ratio} at budget {budget:,.0f}")
+        raise ConfigError(
+            field, f"impossible shape: no depth reaches ratio {ratio} at budget {budget:,.0f}"
+        )
     if tolerance is None:
         return best
-    return solve_width(base, best.n_layer, budget, multiple, ff_multiple, field=field, tolerance=tolerance, ff_step=ff_step)
+    return solve_width(
+        base,
+        best.n_layer,
+        budget,
+        multiple,
+        ff_multiple,
+        field=field,
+        tolerance=tolerance,
+        ff_step=ff_step,
+    )

@@ -33,19 +33,42 @@ class TrainConfig:
     dtype: str = "auto"
     device: str = "auto"
     threads: int = 1
-    compile: str | bool = "none"  # none, model or block (depthbench.train.parallelize); legacy booleans
-    activation_checkpointing: str = "auto"  # auto, none, full or selective (depthbench.train.parallelize)
-    loss_chunk_tokens: int = 4096  # LM head + loss this many tokens at a time (depthbench.models.loss); 0 = off
+    compile: str | bool = (
+        "none"  # none, model or block (depthbench.train.parallelize); legacy booleans
+    )
+    activation_checkpointing: str = (
+        "auto"  # auto, none, full or selective (depthbench.train.parallelize)
+    )
+    loss_chunk_tokens: int = (
+        4096  # LM head + loss this many tokens at a time (depthbench.models.loss); 0 = off
+    )
     dynamics_every: int = 0  # measure norm and gradient dynamics every k steps; 0 = off
     parallel: str = "ddp"  # data parallelism when the launcher starts several ranks: ddp or fsdp
-    loggers: list[str] = field(default_factory=list)  # experiment trackers (depthbench.train.tracking)
-    experiment: str = ""  # the config's `name`, set with the operational settings; trackers group by it
-    snapshot_steps: list[int] = field(default_factory=list)  # weights kept at these steps (probes.at_steps; depthbench.train.snapshots)
+    loggers: list[str] = field(
+        default_factory=list
+    )  # experiment trackers (depthbench.train.tracking)
+    experiment: str = (
+        ""  # the config's `name`, set with the operational settings; trackers group by it
+    )
+    snapshot_steps: list[int] = field(
+        default_factory=list
+    )  # weights kept at these steps (probes.at_steps; depthbench.train.snapshots)
 
     # Settings that do not change the trained weights or the logged curves, so they are left
     # out of the run id's hash: changing them must not start new runs.
-    NOT_HASHED = ("checkpoint_every", "log_every", "threads", "device", "compile", "parallel", "loggers", "experiment",
-                  "loss_chunk_tokens", "snapshot_steps", "activation_checkpointing")
+    NOT_HASHED = (
+        "checkpoint_every",
+        "log_every",
+        "threads",
+        "device",
+        "compile",
+        "parallel",
+        "loggers",
+        "experiment",
+        "loss_chunk_tokens",
+        "snapshot_steps",
+        "activation_checkpointing",
+    )
 
     @property
     def grad_accum_steps(self) -> int:
@@ -64,11 +87,17 @@ class TrainConfig:
         depthbench.grid.config.expand_grid runs them for every run of the grid with one rank (before
         anything starts), the trainer again with the run's actual rank count (known only then)."""
         if self.parallel == "fsdp" and self.dynamics_every:
-            raise ConfigError("train.dynamics_every", "training dynamics are measured with DDP or on one rank; set 0 with train.parallel: fsdp")
+            raise ConfigError(
+                "train.dynamics_every",
+                "training dynamics are measured with DDP or on one rank; set 0 with train.parallel: fsdp",
+            )
         if self.global_batch_size % (self.micro_batch_size * world_size):
             ranks = f" x {world_size} ranks" if world_size > 1 else ""
-            raise ConfigError("train.micro_batch_size", f"global batch {self.global_batch_size} must be a multiple of micro batch "
-                              f"{self.micro_batch_size}{ranks}; choose a micro batch that divides {self.global_batch_size // world_size}")
+            raise ConfigError(
+                "train.micro_batch_size",
+                f"global batch {self.global_batch_size} must be a multiple of micro batch "
+                f"{self.micro_batch_size}{ranks}; choose a micro batch that divides {self.global_batch_size // world_size}",
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

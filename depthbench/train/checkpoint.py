@@ -48,7 +48,9 @@ import torch
 
 from depthbench.util.errors import CheckpointError
 from depthbench.util.io import atomic_write, atomic_write_json
-from depthbench.train import listing  # DCP itself (depthbench.train.dcp_io) only where a checkpoint is written or read
+from depthbench.train import (
+    listing,
+)  # DCP itself (depthbench.train.dcp_io) only where a checkpoint is written or read
 
 FORMAT = "depthbench-dcp-1"
 MANIFEST = "state.json"
@@ -71,7 +73,11 @@ def list_checkpoints(folder: str | os.PathLike) -> list[tuple[int, Path]]:
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    return sorted((int(m.group(1)), folder / n) for n in os.listdir(folder) if (m := _NAME.match(n)) and (folder / n).is_dir())
+    return sorted(
+        (int(m.group(1)), folder / n)
+        for n in os.listdir(folder)
+        if (m := _NAME.match(n)) and (folder / n).is_dir()
+    )
 
 
 def verify_checkpoint(path: str | os.PathLike, share: tuple[int, int] = (0, 1)) -> str | None:
@@ -91,7 +97,7 @@ def verify_checkpoint(path: str | os.PathLike, share: tuple[int, int] = (0, 1)) 
     if actual != recorded[MANIFEST]:
         return f"{MANIFEST}: sha256 {actual[:12]}... does not match the recorded {recorded[MANIFEST][:12]}... (corrupt)"
     files = json.loads((path / MANIFEST).read_text()).get("files", {})
-    for name in sorted(files)[share[0]::share[1]]:
+    for name in sorted(files)[share[0] :: share[1]]:
         if not (path / name).is_file():
             return f"file {name} is missing"
         actual = listing.file_sha256(path / name)
@@ -103,6 +109,7 @@ def verify_checkpoint(path: str | os.PathLike, share: tuple[int, int] = (0, 1)) 
 @dataclass
 class Restored:
     """What `load_latest` found besides the tensors it loaded in place."""
+
     path: Path
     step: int
     world_size: int
@@ -115,19 +122,32 @@ class Checkpointer:
     depthbench.train.distributed.DistContext; None: one process). Must be created on every rank
     at the same point of the program (it creates the gloo group of the saves)."""
 
-    def __init__(self, folder: str | os.PathLike, ctx=None, keep: int = 2, asynchronous: bool | None = None):
+    def __init__(
+        self, folder: str | os.PathLike, ctx=None, keep: int = 2, asynchronous: bool | None = None
+    ):
         import torch.distributed as dist
 
         self.folder, self.keep = Path(folder), keep
-        self.rank, self.world = (ctx.rank, ctx.world_size) if ctx is not None and ctx.enabled else (0, 1)
+        self.rank, self.world = (
+            (ctx.rank, ctx.world_size) if ctx is not None and ctx.enabled else (0, 1)
+        )
         self.group = dist.new_group(backend="gloo") if self.world > 1 else None
-        self.asynchronous = self.world > 1 if asynchronous is None else asynchronous and self.world > 1
+        self.asynchronous = (
+            self.world > 1 if asynchronous is None else asynchronous and self.world > 1
+        )
         self.pending = None  # (step, future) of an asynchronous save in flight
         self.last_step: int | None = None  # the step of the latest save started by this process
 
     # ---- saving
-    def save(self, step: int, run_id: str, tensors: dict, meta: dict | None = None,
-             rank_tensors: dict[str, torch.Tensor] | None = None, blocking: bool = False) -> Path:
+    def save(
+        self,
+        step: int,
+        run_id: str,
+        tensors: dict,
+        meta: dict | None = None,
+        rank_tensors: dict[str, torch.Tensor] | None = None,
+        blocking: bool = False,
+    ) -> Path:
         """Write step `step`: `tensors` (a nested dict of tensors / DTensors, the same keys on
         every rank) through DCP, `rank_tensors` (this rank's own) as safetensors, `meta`
         (JSON-able, rank 0's is kept). Returns the final path (complete once `wait` returns)."""
@@ -139,7 +159,9 @@ class Checkpointer:
         try:  # here, not in the background thread: the caller's error, named at the call
             json.dumps(meta or {})
         except TypeError as exc:
-            raise CheckpointError(f"checkpoint meta must be JSON (numbers, strings, lists, dicts): {exc}") from None
+            raise CheckpointError(
+                f"checkpoint meta must be JSON (numbers, strings, lists, dicts): {exc}"
+            ) from None
         self.wait()  # one save at a time: the previous one is complete before this one starts
         final, tmp = checkpoint_path(self.folder, step), self.folder / f"step_{step:08d}.tmp"
         if self.rank == 0:
@@ -149,14 +171,30 @@ class Checkpointer:
         rank_file = f"rank_{self.rank}.safetensors"
         own = {k: v.detach().to("cpu").contiguous() for k, v in (rank_tensors or {}).items()}
         atomic_write(tmp / rank_file, lambda t: save_file(own, t))
-        manifest = {"format": FORMAT, "run_id": run_id, "step": step, "world_size": self.world, "meta": meta or {}}
-        writer = dcp_io.HashingWriter(tmp, self.rank, [rank_file], lambda: self._complete(tmp, final, manifest))
+        manifest = {
+            "format": FORMAT,
+            "run_id": run_id,
+            "step": step,
+            "world_size": self.world,
+            "meta": meta or {},
+        }
+        writer = dcp_io.HashingWriter(
+            tmp, self.rank, [rank_file], lambda: self._complete(tmp, final, manifest)
+        )
         self.last_step = step
         if self.asynchronous and not blocking:
-            self.pending = (step, dcp.async_save(tensors, storage_writer=writer, process_group=self.group))
+            self.pending = (
+                step,
+                dcp.async_save(tensors, storage_writer=writer, process_group=self.group),
+            )
         else:
             with _single_process_quiet():
-                dcp.save(tensors, storage_writer=writer, process_group=self.group, no_dist=self.world == 1)
+                dcp.save(
+                    tensors,
+                    storage_writer=writer,
+                    process_group=self.group,
+                    no_dist=self.world == 1,
+                )
         return final
 
     def wait(self) -> None:
@@ -173,7 +211,9 @@ class Checkpointer:
             files.update(listing.read_listing(tmp / listing.rank_listing(r)))
         files[listing.METADATA] = listing.file_sha256(tmp / listing.METADATA)
         atomic_write_json(tmp / MANIFEST, {**manifest, "files": files})
-        listing.write_listing(tmp, checksum_path(tmp).name, [MANIFEST])  # last: the checkpoint counts from here
+        listing.write_listing(
+            tmp, checksum_path(tmp).name, [MANIFEST]
+        )  # last: the checkpoint counts from here
         _fsync_dir(tmp)
         if final.exists():  # the same step saved again (a resume from an older checkpoint)
             trash = final.with_name(f".{final.name}.replaced.tmp")
@@ -181,14 +221,16 @@ class Checkpointer:
             shutil.rmtree(trash, ignore_errors=True)
         os.replace(tmp, final)
         _fsync_dir(final.parent)
-        for _, old in list_checkpoints(self.folder)[:-self.keep]:
+        for _, old in list_checkpoints(self.folder)[: -self.keep]:
             checksum_path(old).unlink(missing_ok=True)  # first: a half-deleted folder never counts
             shutil.rmtree(old, ignore_errors=True)
 
     def _remove_strays(self) -> None:
         """Folders left by a write killed before its rename (no save is in flight: `wait` ran)."""
         for stray in [*self.folder.glob("step_*.tmp"), *self.folder.glob(".step_*.tmp")]:
-            shutil.rmtree(stray, ignore_errors=True) if stray.is_dir() else stray.unlink(missing_ok=True)
+            shutil.rmtree(stray, ignore_errors=True) if stray.is_dir() else stray.unlink(
+                missing_ok=True
+            )
 
     def _barrier(self) -> None:
         if self.group is not None:
@@ -225,25 +267,45 @@ class Checkpointer:
         from torch.distributed.checkpoint.api import CheckpointException
 
         from depthbench.train import dcp_io
+
         rejected = []
         for step, path in reversed(found):
             reason = self._agreed_reason(path)
             if reason is not None:
                 rejected.append(path.name)
-                self._say(f"[{run_id}] skipping checkpoint {path}: {reason}; trying the previous one")
+                self._say(
+                    f"[{run_id}] skipping checkpoint {path}: {reason}; trying the previous one"
+                )
                 continue
             manifest = json.loads((path / MANIFEST).read_text())
             _check_identity(path, manifest, run_id, step)
             try:
                 with _single_process_quiet():
-                    dcp.load(template, storage_reader=dcp_io.SafeReader(path), process_group=self.group,
-                             no_dist=self.world == 1)
-            except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
-                raise CheckpointError(f"{path}: does not fit this run's model or optimizer ({_cause(exc)})") from exc
-            return Restored(path, step, manifest["world_size"], manifest["meta"], self._rank_tensors(path, manifest))
+                    dcp.load(
+                        template,
+                        storage_reader=dcp_io.SafeReader(path),
+                        process_group=self.group,
+                        no_dist=self.world == 1,
+                    )
+            except (
+                Exception,
+                CheckpointException,
+            ) as exc:  # DCP's CheckpointException is a BaseException
+                raise CheckpointError(
+                    f"{path}: does not fit this run's model or optimizer ({_cause(exc)})"
+                ) from exc
+            return Restored(
+                path,
+                step,
+                manifest["world_size"],
+                manifest["meta"],
+                self._rank_tensors(path, manifest),
+            )
         if rejected:
-            self._say(f"[{run_id}] no usable checkpoint in {self.folder} ({len(rejected)} rejected: "
-                      f"{', '.join(rejected)}); starting at step 0")
+            self._say(
+                f"[{run_id}] no usable checkpoint in {self.folder} ({len(rejected)} rejected: "
+                f"{', '.join(rejected)}); starting at step 0"
+            )
         return None
 
     def _agreed_reason(self, path: Path) -> str | None:
@@ -267,7 +329,11 @@ class Checkpointer:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
         if reason is not None:
             print(f"rank {self.rank}: checkpoint {path}: {reason}", file=sys.stderr)
-        return (reason or "a file failed verification on another rank (see its log)") if bad.item() else None
+        return (
+            (reason or "a file failed verification on another rank (see its log)")
+            if bad.item()
+            else None
+        )
 
     def _rank_tensors(self, path: Path, manifest: dict) -> dict[str, torch.Tensor]:
         """This rank's own tensors; a rank the checkpoint did not have (resumed with more ranks)
@@ -275,7 +341,11 @@ class Checkpointer:
         from safetensors.torch import load_file
 
         own = path / f"rank_{self.rank}.safetensors"
-        return load_file(own if self.rank < manifest["world_size"] and own.exists() else path / "rank_0.safetensors")
+        return load_file(
+            own
+            if self.rank < manifest["world_size"] and own.exists()
+            else path / "rank_0.safetensors"
+        )
 
     def _say(self, text: str) -> None:
         if self.rank == 0:
@@ -284,11 +354,17 @@ class Checkpointer:
 
 def _check_identity(path: Path, manifest: dict, run_id: str, step: int) -> None:
     if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, this version reads {FORMAT!r}")
+        raise CheckpointError(
+            f"{path}: format {manifest.get('format')!r}, this version reads {FORMAT!r}"
+        )
     if manifest.get("run_id") != run_id:
-        raise CheckpointError(f"{path} belongs to run {manifest.get('run_id')!r}, not {run_id!r}; move it away")
+        raise CheckpointError(
+            f"{path} belongs to run {manifest.get('run_id')!r}, not {run_id!r}; move it away"
+        )
     if manifest.get("step") != step:
-        raise CheckpointError(f"{path}: folder name says step {step}, content says {manifest.get('step')}")
+        raise CheckpointError(
+            f"{path}: folder name says step {step}, content says {manifest.get('step')}"
+        )
 
 
 def _cause(exc: BaseException) -> str:
@@ -304,9 +380,11 @@ def _cause(exc: BaseException) -> str:
 def _refuse_legacy(folder: Path) -> None:
     legacy = sorted(n for n in os.listdir(folder) if _LEGACY.match(n)) if folder.is_dir() else []
     if legacy:
-        raise CheckpointError(f"{folder}: {legacy[-1]} is a single-file checkpoint of an earlier DepthBench version; "
-                              "this version resumes only from sharded (DCP) checkpoint folders. Finish the run with "
-                              "the earlier version, or delete the step_*.pt files to train it again from step 0")
+        raise CheckpointError(
+            f"{folder}: {legacy[-1]} is a single-file checkpoint of an earlier DepthBench version; "
+            "this version resumes only from sharded (DCP) checkpoint folders. Finish the run with "
+            "the earlier version, or delete the step_*.pt files to train it again from step 0"
+        )
 
 
 @contextlib.contextmanager
@@ -325,13 +403,25 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(folder: str | os.PathLike, step: int, run_id: str, tensors: dict, meta: dict | None = None,
-                    ctx=None, rank_tensors: dict[str, torch.Tensor] | None = None, keep: int = 2) -> Path:
+def save_checkpoint(
+    folder: str | os.PathLike,
+    step: int,
+    run_id: str,
+    tensors: dict,
+    meta: dict | None = None,
+    ctx=None,
+    rank_tensors: dict[str, torch.Tensor] | None = None,
+    keep: int = 2,
+) -> Path:
     """One blocking save (see `Checkpointer.save`); every rank of `ctx` calls it."""
-    return Checkpointer(folder, ctx, keep, asynchronous=False).save(step, run_id, tensors, meta, rank_tensors, blocking=True)
+    return Checkpointer(folder, ctx, keep, asynchronous=False).save(
+        step, run_id, tensors, meta, rank_tensors, blocking=True
+    )
 
 
-def load_latest(folder: str | os.PathLike, run_id: str, template: dict, ctx=None) -> Restored | None:
+def load_latest(
+    folder: str | os.PathLike, run_id: str, template: dict, ctx=None
+) -> Restored | None:
     """`Checkpointer.load_latest` without a Checkpointer; every rank of `ctx` calls it."""
     return Checkpointer(folder, ctx).load_latest(run_id, template)
 

@@ -41,10 +41,17 @@ class HashingWriter(FileSystemWriter):
     covering `extra_files` this rank wrote beforehand) and calls `on_finish()` on the coordinator
     once DCP's `.metadata` is written."""
 
-    def __init__(self, path: Path, rank: int, extra_files: list[str], on_finish: Callable[[], None]):
+    def __init__(
+        self, path: Path, rank: int, extra_files: list[str], on_finish: Callable[[], None]
+    ):
         # one file per rank, fsynced: a checkpoint's bytes are on disk before it counts
         super().__init__(path, single_file_per_rank=True, sync_files=True)
-        self.folder, self.my_rank, self.extra_files, self.on_finish = Path(path), rank, extra_files, on_finish
+        self.folder, self.my_rank, self.extra_files, self.on_finish = (
+            Path(path),
+            rank,
+            extra_files,
+            on_finish,
+        )
 
     def write_data(self, plan, planner):
         future = super().write_data(plan, planner)
@@ -61,8 +68,15 @@ class HashingWriter(FileSystemWriter):
 # What DCP's metadata pickle may reference (measured on torch 2.13 with plain, DDP and FSDP2
 # state dicts); anything else makes the checkpoint refused, not loaded.
 _ALLOWED = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties",
-                                              "TensorStorageMetadata", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
@@ -77,7 +91,9 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"metadata references {module}.{name}, which a DCP checkpoint of DepthBench never holds")
+        raise pickle.UnpicklingError(
+            f"metadata references {module}.{name}, which a DCP checkpoint of DepthBench never holds"
+        )
 
 
 def read_metadata(folder: Path) -> Metadata:
@@ -87,26 +103,39 @@ def read_metadata(folder: Path) -> Metadata:
         try:
             metadata = _MetadataUnpickler(f).load()
         except Exception as exc:
-            raise ValueError(f"{METADATA} not loadable without executing code ({type(exc).__name__}: {exc})") from None
+            raise ValueError(
+                f"{METADATA} not loadable without executing code ({type(exc).__name__}: {exc})"
+            ) from None
     if not isinstance(metadata, Metadata):
         raise ValueError(f"{METADATA} holds a {type(metadata).__name__}, not DCP metadata")
-    objects = [k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
+    objects = [
+        k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)
+    ]
     if objects:  # DCP would unpickle these without restriction
-        raise ValueError(f"{METADATA} lists non-tensor entries {objects[:3]}: not loadable without executing code")
+        raise ValueError(
+            f"{METADATA} lists non-tensor entries {objects[:3]}: not loadable without executing code"
+        )
     return metadata
 
 
-def check_tensor_data(folder: Path, metadata: Metadata, share: tuple[int, int] = (0, 1)) -> str | None:
+def check_tensor_data(
+    folder: Path, metadata: Metadata, share: tuple[int, int] = (0, 1)
+) -> str | None:
     """None when every stored tensor chunk of the checkpoint in `folder` (every n-th from the
     i-th, `share` = (i, n)) loads with `torch.load(weights_only=True)` as a tensor of the dtype
     and chunk size its metadata gives, else what is wrong with the first one that does not."""
-    items = sorted(metadata.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset))
-    for index, info in items[share[0]::share[1]]:
+    items = sorted(
+        metadata.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)
+    )
+    for index, info in items[share[0] :: share[1]]:
         where = f"tensor {index.fqn!r} in {info.relative_path}"
         if getattr(info, "transform_descriptors", None):
             return f"{where} is stored with transforms {list(info.transform_descriptors)}, which DepthBench never writes"
         entry = metadata.state_dict_metadata.get(index.fqn)
-        chunk = next((c for c in getattr(entry, "chunks", []) if tuple(c.offsets) == tuple(index.offset)), None)
+        chunk = next(
+            (c for c in getattr(entry, "chunks", []) if tuple(c.offsets) == tuple(index.offset)),
+            None,
+        )
         if chunk is None:
             return f"{where}: its metadata lists no chunk at offset {tuple(index.offset)}"
         with open(folder / info.relative_path, "rb") as f:
@@ -123,8 +152,10 @@ def check_tensor_data(folder: Path, metadata: Metadata, share: tuple[int, int] =
         if not isinstance(value, torch.Tensor):
             return f"{where} holds a {type(value).__name__}, not a tensor"
         if value.dtype != entry.properties.dtype or value.numel() != math.prod(chunk.sizes):
-            return (f"{where} holds a {value.dtype} tensor of {value.numel()} elements where the metadata says "
-                    f"{entry.properties.dtype} of shape {tuple(chunk.sizes)}")
+            return (
+                f"{where} holds a {value.dtype} tensor of {value.numel()} elements where the metadata says "
+                f"{entry.properties.dtype} of shape {tuple(chunk.sizes)}"
+            )
     return None
 
 

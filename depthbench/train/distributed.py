@@ -48,7 +48,11 @@ class DistContext:
 
 
 def world_from_env() -> tuple[int, int, int]:
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    return (
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+    )
 
 
 def setup(strategy: str, device_name: str) -> tuple[DistContext, str]:
@@ -82,7 +86,9 @@ def wrap(model: nn.Module, ctx: DistContext, device: torch.device) -> nn.Module:
     if ctx.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        return DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
     return shard(model)
 
 
@@ -153,7 +159,9 @@ def full_model_state(model: nn.Module, ctx: DistContext) -> dict[str, torch.Tens
             return state
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=ctx.enabled))
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=ctx.enabled)
+    )
 
 
 def barrier(ctx: DistContext) -> None:
@@ -168,7 +176,9 @@ def teardown(ctx: DistContext) -> None:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+    return (
+        model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+    )
 
 
 def scalar(t: Any) -> float:

@@ -20,14 +20,20 @@ import torch
 from depthbench.models.layers import RMSNorm
 
 
-def measure(model, x: torch.Tensor, y: torch.Tensor, autocast) -> dict[str, list[float] | dict[str, float]]:
+def measure(
+    model, x: torch.Tensor, y: torch.Tensor, autocast
+) -> dict[str, list[float] | dict[str, float]]:
     factors: dict[str, float] = {}
     hooks = []
     for name, module in model.named_modules():
         if isinstance(module, RMSNorm):
+
             def hook(mod, args, out, name=name):
                 inp = args[0].detach().float()
-                factors[name] = float((math.sqrt(inp.shape[-1]) / inp.norm(dim=-1).clamp_min(1e-12)).mean())
+                factors[name] = float(
+                    (math.sqrt(inp.shape[-1]) / inp.norm(dim=-1).clamp_min(1e-12)).mean()
+                )
+
             hooks.append(module.register_forward_hook(hook))
     try:
         with autocast:
@@ -44,11 +50,17 @@ def measure(model, x: torch.Tensor, y: torch.Tensor, autocast) -> dict[str, list
     per_layer, i = [], 0
     for group in params:
         gs = [g for g in p_grads[i : i + len(group)] if g is not None]
-        per_layer.append(float(torch.linalg.vector_norm(torch.stack([g.float().norm() for g in gs]))) if gs else float("nan"))
+        per_layer.append(
+            float(torch.linalg.vector_norm(torch.stack([g.float().norm() for g in gs])))
+            if gs
+            else float("nan")
+        )
         i += len(group)
     return {
         "residual_rms": [float(h.detach().float().pow(2).mean().sqrt()) for h in hidden],
-        "grad_norm_h": [float(g.float().norm()) if g is not None else float("nan") for g in h_grads],
+        "grad_norm_h": [
+            float(g.float().norm()) if g is not None else float("nan") for g in h_grads
+        ],
         "param_grad_norm": per_layer,
         "norm_factor": factors,
     }

@@ -65,7 +65,9 @@ def spec_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     return found[1] if dtype in (torch.bfloat16, torch.float16) else found[1] / 2  # fp32: TF32 rate
 
 
-def measured_matmul_peak(device: torch.device, dtype: torch.dtype, size: int | None = None, repeats: int = 5) -> float:
+def measured_matmul_peak(
+    device: torch.device, dtype: torch.dtype, size: int | None = None, repeats: int = 5
+) -> float:
     """Best-of-`repeats` throughput of one size x size matmul on `device` in `dtype` (FLOP/s).
     The operands come from a private generator, so measuring does not move the run's RNG."""
     size = size or (8192 if device.type == "cuda" else 1024)
@@ -85,7 +87,9 @@ def measured_matmul_peak(device: torch.device, dtype: torch.dtype, size: int | N
 
 
 @lru_cache(maxsize=None)
-def measured_cpu_peak(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: int = 5) -> float:
+def measured_cpu_peak(
+    dtype: torch.dtype = torch.float32, size: int = 1024, repeats: int = 5
+) -> float:
     """Matmul throughput measured now on this CPU with the current thread count (best of n)."""
     return measured_matmul_peak(torch.device("cpu"), dtype, size, repeats)
 
@@ -105,9 +109,11 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
         return measured_cpu_peak(dtype)
     peak = spec_peak_flops(device, dtype)
     if peak is None:
-        print(f"MFU: peak of {torch.cuda.get_device_name(device)!r} unknown (not in "
-              "depthbench.train.flops.GPU_BF16_PEAK); mfu is NaN, mfu_measured uses the measured matmul peak",
-              file=sys.stderr)
+        print(
+            f"MFU: peak of {torch.cuda.get_device_name(device)!r} unknown (not in "
+            "depthbench.train.flops.GPU_BF16_PEAK); mfu is NaN, mfu_measured uses the measured matmul peak",
+            file=sys.stderr,
+        )
     return peak
 
 

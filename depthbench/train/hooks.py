@@ -23,7 +23,15 @@ from depthbench.train.flops import mfu
 from depthbench.train.recipe import evaluate, truncate_metrics
 from depthbench.train.requeue import RequeueHook
 from depthbench.train.snapshots import SnapshotHook
-from depthbench.train.trainer import STATUS_DIVERGED, STATUS_OK, Hook, StepStats, accumulator_dtype, is_bad, read_scalars
+from depthbench.train.trainer import (
+    STATUS_DIVERGED,
+    STATUS_OK,
+    Hook,
+    StepStats,
+    accumulator_dtype,
+    is_bad,
+    read_scalars,
+)
 
 
 def _due(step: int, every: int, total: int) -> bool:
@@ -42,7 +50,10 @@ class DynamicsHook(Hook):
         if self.every and step % self.every == 0:
             x, y = trainer.batches.get(step, 0)
             x, y = x.to(trainer.device), y.to(trainer.device)
-            record["dynamics"] = {"after_updates": step, **measure_dynamics(trainer.model, x, y, trainer.autocast)}
+            record["dynamics"] = {
+                "after_updates": step,
+                **measure_dynamics(trainer.model, x, y, trainer.autocast),
+            }
 
 
 class TrainMetricsHook(Hook):
@@ -51,10 +62,23 @@ class TrainMetricsHook(Hook):
     spec-sheet peak (`mfu`, NaN when unknown) and the matmul peak measured at start
     (`mfu_measured`); see depthbench.train.flops."""
 
-    def __init__(self, log_every: int, total: int, tokens_per_step: int, flops_per_token: float,
-                 peak: float | None, measured_peak: float | None, world_size: int):
+    def __init__(
+        self,
+        log_every: int,
+        total: int,
+        tokens_per_step: int,
+        flops_per_token: float,
+        peak: float | None,
+        measured_peak: float | None,
+        world_size: int,
+    ):
         self.log_every, self.total, self.tokens_per_step = log_every, total, tokens_per_step
-        self.flops_per_token, self.peak, self.measured_peak, self.world_size = flops_per_token, peak, measured_peak, world_size
+        self.flops_per_token, self.peak, self.measured_peak, self.world_size = (
+            flops_per_token,
+            peak,
+            measured_peak,
+            world_size,
+        )
         self.t_window, self.tokens_window = time.time(), 0
 
     def on_fit_start(self, trainer):
@@ -68,9 +92,14 @@ class TrainMetricsHook(Hook):
         tps = self.tokens_window / elapsed if elapsed > 0 else float("nan")
         s: StepStats = trainer.stats
         train_loss, grad_norm = read_scalars(s.train_loss, s.grad_norm)  # the step's one host read
-        record.update(train_loss=train_loss, lr=s.lr, grad_norm=grad_norm, tokens_per_s=tps,
-                      mfu=mfu(tps, self.flops_per_token, self.peak, self.world_size),
-                      mfu_measured=mfu(tps, self.flops_per_token, self.measured_peak, self.world_size))
+        record.update(
+            train_loss=train_loss,
+            lr=s.lr,
+            grad_norm=grad_norm,
+            tokens_per_s=tps,
+            mfu=mfu(tps, self.flops_per_token, self.peak, self.world_size),
+            mfu_measured=mfu(tps, self.flops_per_token, self.measured_peak, self.world_size),
+        )
         self.t_window, self.tokens_window = time.time(), 0
 
 
@@ -83,8 +112,14 @@ class EvalHook(Hook):
 
     def on_step_end(self, trainer, step, record):
         if _due(step, self.every, self.total):
-            trainer.last_val = evaluate(trainer.model, self.windows, self.n_batches, self.micro_batch,
-                                        trainer.device, trainer.autocast)
+            trainer.last_val = evaluate(
+                trainer.model,
+                self.windows,
+                self.n_batches,
+                self.micro_batch,
+                trainer.device,
+                trainer.autocast,
+            )
             record["val_loss"] = trainer.last_val
 
 
@@ -106,20 +141,33 @@ class DivergenceHook(Hook):
     def __init__(self, limit: float, every: tuple[int, ...] = (1,), total: int | None = None):
         self.limit, self.every, self.total = limit, tuple(e for e in every if e), total
         self.flag: torch.Tensor | None = None  # True once a step has been bad (device)
-        self.first: torch.Tensor | None = None  # (step, train loss, grad norm, lr) of the first bad step
+        self.first: torch.Tensor | None = (
+            None  # (step, train loss, grad norm, lr) of the first bad step
+        )
 
     def check_due(self, step: int) -> bool:
         """Whether the flag is read after the gradients of the update that ends at `step`."""
         return step == self.total or any(step % e == 0 for e in self.every)
 
     def on_gradients(self, trainer, step, stats):
-        loss, norm = (v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in (stats.train_loss, stats.grad_norm))
+        loss, norm = (
+            v if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+            for v in (stats.train_loss, stats.grad_norm)
+        )
         dtype = accumulator_dtype(loss.device)
         loss, norm = loss.to(dtype), norm.to(device=loss.device, dtype=dtype)
-        bad = ~torch.isfinite(loss) | (loss > self.limit) | ~torch.isfinite(norm)  # is_bad, on the device
+        bad = (
+            ~torch.isfinite(loss) | (loss > self.limit) | ~torch.isfinite(norm)
+        )  # is_bad, on the device
         # torch.full, not torch.tensor: a fill kernel, where a host-to-device copy would wait for the device
-        now = torch.stack([torch.full((), float(step), dtype=dtype, device=loss.device), loss, norm,
-                           torch.full((), float(stats.lr), dtype=dtype, device=loss.device)])
+        now = torch.stack(
+            [
+                torch.full((), float(step), dtype=dtype, device=loss.device),
+                loss,
+                norm,
+                torch.full((), float(stats.lr), dtype=dtype, device=loss.device),
+            ]
+        )
         if self.flag is None:
             self.flag, self.first = bad, now
         else:  # keep the first bad step's values once the flag is up
@@ -129,10 +177,20 @@ class DivergenceHook(Hook):
             self._check(trainer)
 
     def _check(self, trainer) -> None:
-        flag, first_step, loss, norm, lr = torch.cat([self.flag.to(self.first.dtype).reshape(1), self.first]).tolist()
+        flag, first_step, loss, norm, lr = torch.cat(
+            [self.flag.to(self.first.dtype).reshape(1), self.first]
+        ).tolist()
         if flag:
             trainer.status = STATUS_DIVERGED
-            trainer.log({"step": int(first_step) + 1, "train_loss": loss, "grad_norm": norm, "lr": lr, "event": "diverged"})
+            trainer.log(
+                {
+                    "step": int(first_step) + 1,
+                    "train_loss": loss,
+                    "grad_norm": norm,
+                    "lr": lr,
+                    "event": "diverged",
+                }
+            )
         self.flag = self.first = None  # checked: the next step starts a fresh flag
 
     def on_step_end(self, trainer, step, record):
@@ -160,7 +218,9 @@ class CheckpointHook(Hook):
         if trainer.status == STATUS_OK and trainer.step < self.total:
             trainer.snapshot(blocking=True)
 
-    def close(self, trainer):  # an asynchronous save still in flight completes before the run goes on
+    def close(
+        self, trainer
+    ):  # an asynchronous save still in flight completes before the run goes on
         trainer.checkpointer.wait()
 
 
@@ -173,14 +233,18 @@ class ProgressHook(Hook):
     def on_fit_start(self, trainer):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=self.total, initial=trainer.step, desc=self.desc, file=sys.stderr, mininterval=2.0)
+        self.bar = tqdm(
+            total=self.total, initial=trainer.step, desc=self.desc, file=sys.stderr, mininterval=2.0
+        )
 
     def on_step_end(self, trainer, step, record):
         self.bar.update(1)
 
     def on_log(self, trainer, record):
         if "tokens_per_s" in record and self.bar is not None:
-            self.bar.set_postfix(loss=f"{record['train_loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+            self.bar.set_postfix(
+                loss=f"{record['train_loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}"
+            )
 
     def close(self, trainer):
         if self.bar is not None:
@@ -211,8 +275,16 @@ class JsonlLogger(Hook):
             self.file.close()
 
 
-def default_hooks(trainer, val_windows, flops_per_token: float, peak: float | None, measured_peak: float | None,
-                  progress: bool, loggers: list[Hook], owner: str | None = None) -> list[Hook]:
+def default_hooks(
+    trainer,
+    val_windows,
+    flops_per_token: float,
+    peak: float | None,
+    measured_peak: float | None,
+    progress: bool,
+    loggers: list[Hook],
+    owner: str | None = None,
+) -> list[Hook]:
     """The hooks of a run, in their order (see the module docstring). Output hooks (progress,
     metrics.jsonl, trackers) only on rank 0. With `owner` (depthbench.train.owner.process_identity
     of the process waiting for the run), the run stops at the first checkpoint after it ended."""
@@ -221,18 +293,34 @@ def default_hooks(trainer, val_windows, flops_per_token: float, peak: float | No
     tc, spec, ctx = trainer.tc, trainer.spec, trainer.ctx
     hooks: list[Hook] = [
         DynamicsHook(tc.dynamics_every),
-        TrainMetricsHook(tc.log_every, tc.total_steps, tc.tokens_per_step, flops_per_token, peak, measured_peak, ctx.world_size),
+        TrainMetricsHook(
+            tc.log_every,
+            tc.total_steps,
+            tc.tokens_per_step,
+            flops_per_token,
+            peak,
+            measured_peak,
+            ctx.world_size,
+        ),
         EvalHook(val_windows, tc.eval_every, tc.total_steps, tc.eval_batches, tc.micro_batch_size),
-        DivergenceHook(tc.divergence_factor * math.log(spec.model.vocab_size),
-                       (tc.log_every, tc.eval_every, tc.checkpoint_every), tc.total_steps),
-        *([SnapshotHook(tc.snapshot_steps)] if tc.snapshot_steps else []),  # before the checkpoint of its step
+        DivergenceHook(
+            tc.divergence_factor * math.log(spec.model.vocab_size),
+            (tc.log_every, tc.eval_every, tc.checkpoint_every),
+            tc.total_steps,
+        ),
+        *(
+            [SnapshotHook(tc.snapshot_steps)] if tc.snapshot_steps else []
+        ),  # before the checkpoint of its step
         CheckpointHook(tc.checkpoint_every, tc.total_steps),
-        *([OwnerHook(owner, tc.checkpoint_every, tc.total_steps)] if owner else []),  # after the checkpoint it stops at
-        RequeueHook(tc.total_steps),  # after the periodic checkpoint: a step saved there is not saved twice
+        *(
+            [OwnerHook(owner, tc.checkpoint_every, tc.total_steps)] if owner else []
+        ),  # after the checkpoint it stops at
+        RequeueHook(
+            tc.total_steps
+        ),  # after the periodic checkpoint: a step saved there is not saved twice
     ]
     if ctx.is_main:
         if progress:
             hooks.append(ProgressHook(tc.total_steps, spec.run_id))
         hooks += [JsonlLogger(trainer.paths.metrics), *loggers]
     return hooks
-

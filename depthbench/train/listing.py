@@ -40,7 +40,11 @@ def read_listing(path: Path) -> dict[str, str]:
     out = {}
     for line in path.read_text(errors="replace").splitlines():
         fields = line.split()
-        if len(fields) != 2 or len(fields[0]) != 64 or any(c not in "0123456789abcdef" for c in fields[0]):
+        if (
+            len(fields) != 2
+            or len(fields[0]) != 64
+            or any(c not in "0123456789abcdef" for c in fields[0])
+        ):
             raise ValueError(f"{path.name} is malformed (expected '<sha256>  <file>' lines)")
         out[fields[1]] = fields[0]
     return out

@@ -33,21 +33,29 @@ from depthbench.train import distributed, snapshots
 from depthbench.train.flops import device_peak_flops, measured_peak_flops, train_flops_per_token
 from depthbench.train.hooks import default_hooks
 from depthbench.train.recipe import (
-    RunPaths, resolve_device, resolve_dtype,
+    RunPaths,
+    resolve_device,
+    resolve_dtype,
 )
 from depthbench.train.tracking import build_loggers, check_loggers
 from depthbench.train.trainer import STATUS_OK, Trainer
 
 
-def _data(spec: RunSpec, data_dir, ctx: distributed.DistContext) -> tuple[TrainBatches, TokenWindows]:
+def _data(
+    spec: RunSpec, data_dir, ctx: distributed.DistContext
+) -> tuple[TrainBatches, TokenWindows]:
     """The run's training batches (this rank's share) and validation windows."""
     tc = spec.train
     meta = read_meta(data_dir)
     if meta["vocab_size"] != spec.model.vocab_size:
-        raise ValueError(f"{data_dir}: shards have vocab {meta['vocab_size']}, model expects {spec.model.vocab_size}")
+        raise ValueError(
+            f"{data_dir}: shards have vocab {meta['vocab_size']}, model expects {spec.model.vocab_size}"
+        )
     train_windows = TokenWindows(split_files(data_dir, meta, "train"), meta["dtype"], tc.seq_len)
     val_windows = TokenWindows(split_files(data_dir, meta, "val"), meta["dtype"], tc.seq_len)
-    batches = TrainBatches(train_windows, tc.seed, tc.global_batch_size, tc.micro_batch_size, ctx.rank, ctx.world_size)
+    batches = TrainBatches(
+        train_windows, tc.seed, tc.global_batch_size, tc.micro_batch_size, ctx.rank, ctx.world_size
+    )
     return batches, val_windows
 
 
@@ -59,8 +67,14 @@ def _fresh_model(spec: RunSpec, device: torch.device):
     return model, train_flops_per_token(model, spec.train.seq_len)
 
 
-def train(spec: RunSpec, data_dir: str | os.PathLike, paths: RunPaths, progress: bool = True, stop_after: int | None = None,
-          owner: str | None = None) -> dict[str, Any]:
+def train(
+    spec: RunSpec,
+    data_dir: str | os.PathLike,
+    paths: RunPaths,
+    progress: bool = True,
+    stop_after: int | None = None,
+    owner: str | None = None,
+) -> dict[str, Any]:
     """Train `spec` to completion (or divergence) and write its outputs; return the summary.
 
     `stop_after` ends the process-level loop early after that many steps (tests use it to
@@ -85,31 +99,60 @@ def train(spec: RunSpec, data_dir: str | os.PathLike, paths: RunPaths, progress:
     n_params = model.num_parameters()
     trainer = Trainer(spec, paths, model, batches, ctx, device, autocast)
     # metrics.jsonl is truncated to the checkpoint, or started anew, by its hook; snapshots likewise
-    if trainer.restore() and (missing := snapshots.needs_restart(paths, tc.snapshot_steps, trainer.step)):
-        print(f"[{spec.run_id}] the checkpoint at step {trainer.step} lacks the snapshots of steps {missing} "
-              "(probes.at_steps): training again from step 0", file=sys.stderr)
+    if trainer.restore() and (
+        missing := snapshots.needs_restart(paths, tc.snapshot_steps, trainer.step)
+    ):
+        print(
+            f"[{spec.run_id}] the checkpoint at step {trainer.step} lacks the snapshots of steps {missing} "
+            "(probes.at_steps): training again from step 0",
+            file=sys.stderr,
+        )
         model, flops_per_token = _fresh_model(spec, device)  # exactly the fresh start above
         trainer = Trainer(spec, paths, model, batches, ctx, device, autocast)
     distributed.barrier(ctx)
 
     peak, measured = device_peak_flops(device, dtype), measured_peak_flops(device, dtype)
     loggers = build_loggers(tc.loggers, paths.work_dir) if ctx.is_main else []
-    trainer.hooks = default_hooks(trainer, val_windows, flops_per_token, peak, measured, progress, loggers, owner)
+    trainer.hooks = default_hooks(
+        trainer, val_windows, flops_per_token, peak, measured, progress, loggers, owner
+    )
     trainer.fit(stop_after)
 
-    if trainer.status == STATUS_OK and trainer.step < tc.total_steps:  # interrupted on purpose (stop_after)
+    if (
+        trainer.status == STATUS_OK and trainer.step < tc.total_steps
+    ):  # interrupted on purpose (stop_after)
         distributed.teardown(ctx)
         return {"run_id": spec.run_id, "status": "interrupted", "step": trainer.step}
     if tc.snapshot_steps and ctx.is_main:  # before summary.json, whose presence means done
         snapshots.publish(paths, spec.run_id)
-    summary = finish(spec, paths, model, trainer.status, trainer.step, trainer.wall_seconds(), trainer.last_val,
-                     n_params, device, ctx)
+    summary = finish(
+        spec,
+        paths,
+        model,
+        trainer.status,
+        trainer.step,
+        trainer.wall_seconds(),
+        trainer.last_val,
+        n_params,
+        device,
+        ctx,
+    )
     distributed.teardown(ctx)
     return summary
 
 
-def finish(spec: RunSpec, paths: RunPaths, model, status: str, step: int, wall: float, last_val: float, n_params: int, device,
-           ctx: distributed.DistContext | None = None) -> dict[str, Any]:
+def finish(
+    spec: RunSpec,
+    paths: RunPaths,
+    model,
+    status: str,
+    step: int,
+    wall: float,
+    last_val: float,
+    n_params: int,
+    device,
+    ctx: distributed.DistContext | None = None,
+) -> dict[str, Any]:
     """Write final weights, the metrics log and the summary (last: its presence means done).
     Under torch.distributed every rank gathers the full weights; rank 0 writes."""
     from safetensors.torch import save_file
@@ -122,7 +165,9 @@ def finish(spec: RunSpec, paths: RunPaths, model, status: str, step: int, wall: 
         return {"run_id": spec.run_id, "status": status, "rank": ctx.rank}
     digest: list[str] = []
 
-    def write_weights(tmp: str) -> None:  # hashed before the rename, so the digest is of the published file
+    def write_weights(
+        tmp: str,
+    ) -> None:  # hashed before the rename, so the digest is of the published file
         save_file(tensors, tmp, metadata={"run_id": spec.run_id, "step": str(step)})
         digest.append(file_sha256(tmp))
 
@@ -130,13 +175,20 @@ def finish(spec: RunSpec, paths: RunPaths, model, status: str, step: int, wall: 
     text = paths.metrics.read_text() if paths.metrics.exists() else ""
     atomic_write(paths.curves, lambda tmp: Path(tmp).write_text(text))
     records = [json.loads(line) for line in text.splitlines() if line.strip()]
-    tps = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and math.isfinite(r["tokens_per_s"])]
+    tps = [
+        r["tokens_per_s"]
+        for r in records
+        if "tokens_per_s" in r and math.isfinite(r["tokens_per_s"])
+    ]
     if device.type == "cuda":
         peak_mem, peak_kind = torch.cuda.max_memory_allocated(device), "cuda_allocator"
     else:  # the process's high-water mark (Linux reports KiB); includes Python and the data
         import resource
 
-        peak_mem, peak_kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_max_rss"
+        peak_mem, peak_kind = (
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "process_max_rss",
+        )
     summary = {
         "run_id": spec.run_id,
         "status": status,
@@ -154,7 +206,9 @@ def finish(spec: RunSpec, paths: RunPaths, model, status: str, step: int, wall: 
         "parallel": ctx.strategy,
         "spec": spec.to_dict(),
         "spec_hash": spec.spec_hash(),  # checked by the tables against the grid (depthbench.analysis.tables)
-        WEIGHTS_DIGEST: digest[0],  # checked by every stage that reads the weights (depthbench.train.runcheck)
+        WEIGHTS_DIGEST: digest[
+            0
+        ],  # checked by every stage that reads the weights (depthbench.train.runcheck)
     }
     atomic_write_json(paths.summary, summary)
     return summary

@@ -64,21 +64,70 @@ from depthbench.models.layers import HELD_LISTENERS
 HEADROOM = 0.10
 FP32 = 4
 
-_LOW = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.mm, torch.baddbmm,
-        torch.addmm, torch.einsum, torch.linalg.vecdot, F.scaled_dot_product_attention}
+_LOW = {
+    F.linear,
+    torch.matmul,
+    torch.Tensor.matmul,
+    torch.Tensor.__matmul__,
+    torch.bmm,
+    torch.mm,
+    torch.baddbmm,
+    torch.addmm,
+    torch.einsum,
+    torch.linalg.vecdot,
+    F.scaled_dot_product_attention,
+}
 # autocast's fp32 ops, per device (the Python functions of ATen's lists that the models can reach):
 # every floating input in fp32; the second CUDA set only where no dtype is given (fp32_set_opt_dtype)
 _FP32 = {"cpu": {F.cross_entropy, F.nll_loss, F.mse_loss}}
 _FP32["cuda"] = _FP32["cpu"] | {
-    torch.exp, torch.Tensor.exp, torch.log, torch.Tensor.log, torch.log1p, torch.Tensor.log1p, torch.expm1,
-    torch.Tensor.expm1, torch.rsqrt, torch.Tensor.rsqrt, torch.reciprocal, torch.Tensor.reciprocal, torch.pow,
-    torch.Tensor.pow, torch.Tensor.__pow__, torch.logsumexp, torch.Tensor.logsumexp, F.softplus, F.rms_norm,
-    F.layer_norm, F.group_norm, F.cosine_similarity, F.kl_div, F.l1_loss, F.smooth_l1_loss, F.huber_loss,
-    F.binary_cross_entropy_with_logits, torch.cdist}
-_FP32_UNLESS_DTYPE = {"cpu": set(), "cuda": {
-    F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,
-    torch.sum, torch.Tensor.sum, torch.cumsum, torch.Tensor.cumsum, torch.prod, torch.Tensor.prod,
-    torch.linalg.vector_norm}}
+    torch.exp,
+    torch.Tensor.exp,
+    torch.log,
+    torch.Tensor.log,
+    torch.log1p,
+    torch.Tensor.log1p,
+    torch.expm1,
+    torch.Tensor.expm1,
+    torch.rsqrt,
+    torch.Tensor.rsqrt,
+    torch.reciprocal,
+    torch.Tensor.reciprocal,
+    torch.pow,
+    torch.Tensor.pow,
+    torch.Tensor.__pow__,
+    torch.logsumexp,
+    torch.Tensor.logsumexp,
+    F.softplus,
+    F.rms_norm,
+    F.layer_norm,
+    F.group_norm,
+    F.cosine_similarity,
+    F.kl_div,
+    F.l1_loss,
+    F.smooth_l1_loss,
+    F.huber_loss,
+    F.binary_cross_entropy_with_logits,
+    torch.cdist,
+}
+_FP32_UNLESS_DTYPE = {
+    "cpu": set(),
+    "cuda": {
+        F.softmax,
+        torch.softmax,
+        torch.Tensor.softmax,
+        F.log_softmax,
+        torch.log_softmax,
+        torch.Tensor.log_softmax,
+        torch.sum,
+        torch.Tensor.sum,
+        torch.cumsum,
+        torch.Tensor.cumsum,
+        torch.prod,
+        torch.Tensor.prod,
+        torch.linalg.vector_norm,
+    },
+}
 DEVICES = tuple(_FP32)
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)  # F.grouped_mm's op, where torch has it
 
@@ -91,12 +140,16 @@ def _cast(obj, dtype):
     return obj
 
 
-def _flash_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def _flash_sdpa(
+    q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
     """SDPA as the fused kernels run it: saves q, k, v, the output and the log-sum-exp, never the
     T x T probabilities (on meta, SDPA would fall back to the math path, which keeps them)."""
     if enable_gqa and k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, scale=scale)[0]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, dropout_p, is_causal, scale=scale
+    )[0]
 
 
 class _MetaAutocast(TorchFunctionMode):
@@ -112,14 +165,28 @@ class _MetaAutocast(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.bf16 and func in _LOW:
-            args, kwargs = _cast(args, torch.bfloat16), {k: _cast(v, torch.bfloat16) for k, v in kwargs.items()}
-        elif self.bf16 and (func in _FP32[self.device]
-                            or (func in _FP32_UNLESS_DTYPE[self.device] and kwargs.get("dtype") is None)):
-            args, kwargs = _cast(args, torch.float32), {k: _cast(v, torch.float32) for k, v in kwargs.items()}
-        if func is F.scaled_dot_product_attention and kwargs.get("attn_mask") is None and len(args) < 4:
+            args, kwargs = (
+                _cast(args, torch.bfloat16),
+                {k: _cast(v, torch.bfloat16) for k, v in kwargs.items()},
+            )
+        elif self.bf16 and (
+            func in _FP32[self.device]
+            or (func in _FP32_UNLESS_DTYPE[self.device] and kwargs.get("dtype") is None)
+        ):
+            args, kwargs = (
+                _cast(args, torch.float32),
+                {k: _cast(v, torch.float32) for k, v in kwargs.items()},
+            )
+        if (
+            func is F.scaled_dot_product_attention
+            and kwargs.get("attn_mask") is None
+            and len(args) < 4
+        ):
             return _flash_sdpa(*args, **kwargs)
         if func is _GROUPED_MM and kwargs.get("bias") is None:
-            return _MetaGroupedMM.apply(args[0], args[1], kwargs["offs"] if "offs" in kwargs else args[2])
+            return _MetaGroupedMM.apply(
+                args[0], args[1], kwargs["offs"] if "offs" in kwargs else args[2]
+            )
         return func(*args, **kwargs)
 
 
@@ -149,7 +216,9 @@ def _tensors(obj, out: list) -> list:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             _tensors(getattr(obj, f.name), out)
-    elif hasattr(obj, "__iter__") and not isinstance(obj, (str, bytes, torch.nn.Module)):  # MoDA's DepthKeys
+    elif hasattr(obj, "__iter__") and not isinstance(
+        obj, (str, bytes, torch.nn.Module)
+    ):  # MoDA's DepthKeys
         for o in obj:
             _tensors(o, out)
     return out
@@ -187,7 +256,11 @@ class ActivationTrace:
 
     def retained(self, recompute: list[bool]) -> int:
         """Bytes held after the forward when the units marked in `recompute` are checkpointed."""
-        kept = {k: b for k, (b, owners) in self.saved.items() if any(o < 0 or not recompute[o] for o in owners)}
+        kept = {
+            k: b
+            for k, (b, owners) in self.saved.items()
+            if any(o < 0 or not recompute[o] for o in owners)
+        }
         for inputs, on in zip(self.unit_inputs, recompute):
             if on:
                 for k, b in inputs.items():
@@ -196,14 +269,18 @@ class ActivationTrace:
 
     def saved_with(self, recompute: list[bool]) -> int:
         """Peak saved bytes in backward: retained + the largest recomputed unit's saved bytes."""
-        return self.retained(recompute) + max([b for b, on in zip(self.unit_saved, recompute) if on], default=0)
+        return self.retained(recompute) + max(
+            [b for b, on in zip(self.unit_saved, recompute) if on], default=0
+        )
 
     @property
     def checkpointed(self) -> int:
         return self.saved_with([True] * len(self.unit_saved))
 
 
-def trace_activations(model: torch.nn.Module, idx: torch.Tensor, bf16: bool, device: str = "cuda") -> ActivationTrace:
+def trace_activations(
+    model: torch.nn.Module, idx: torch.Tensor, bf16: bool, device: str = "cuda"
+) -> ActivationTrace:
     """Saved-for-backward bytes of one forward of `model` on `idx` (any device, meta included); on
     meta, `device` is the device whose autocast and MoE paths the trace follows."""
     param_ids = {id(p) for p in model.parameters()}
@@ -253,12 +330,17 @@ def trace_activations(model: torch.nn.Module, idx: torch.Tensor, bf16: bool, dev
             depth[0] -= 1
             if depth[0] == 0:
                 current[0] = -1
+
         for module in unit.modules():
             hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     mode = _MetaAutocast(bf16, device) if idx.device.type == "meta" else nullcontext()
     HELD_LISTENERS.append(held)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode, _eager_kernels(idx, mode):
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            mode,
+            _eager_kernels(idx, mode),
+        ):
             out = model(idx, targets=idx)
             del out
     finally:
@@ -284,22 +366,38 @@ def _grouped_mm_serves(device: str, dtype: torch.dtype) -> bool:
     """depthbench.models.moe's choice of expert path on the target device (CUDA: Hopper or newer)."""
     if not hasattr(F, "grouped_mm"):
         return False
-    return dtype in (torch.float32, torch.bfloat16, torch.float16) if device == "cpu" else dtype == torch.bfloat16
+    return (
+        dtype in (torch.float32, torch.bfloat16, torch.float16)
+        if device == "cpu"
+        else dtype == torch.bfloat16
+    )
 
 
 @contextmanager
 def _eager_kernels(idx: torch.Tensor, mode):
     if idx.device.type == "meta":
-        with mock.patch("depthbench.kernels.apply_to", lambda t: False), \
-                mock.patch("torch.autocast", lambda *a, **k: _autocast_region(mode, **k)), \
-                mock.patch("depthbench.models.moe._compute_dtype", lambda x: torch.bfloat16 if mode.bf16 else x.dtype), \
-                mock.patch("depthbench.models.moe._grouped_mm_serves", lambda _d, dtype: _grouped_mm_serves(mode.device, dtype)):
+        with (
+            mock.patch("depthbench.kernels.apply_to", lambda t: False),
+            mock.patch("torch.autocast", lambda *a, **k: _autocast_region(mode, **k)),
+            mock.patch(
+                "depthbench.models.moe._compute_dtype",
+                lambda x: torch.bfloat16 if mode.bf16 else x.dtype,
+            ),
+            mock.patch(
+                "depthbench.models.moe._grouped_mm_serves",
+                lambda _d, dtype: _grouped_mm_serves(mode.device, dtype),
+            ),
+        ):
             yield
     else:
         yield
 
 
-CHECKPOINT_MODES = ("none", "selective", "full")  # least memory saved first (depthbench.train.parallelize)
+CHECKPOINT_MODES = (
+    "none",
+    "selective",
+    "full",
+)  # least memory saved first (depthbench.train.parallelize)
 
 
 def recompute_mask(mode: str, n_units: int) -> list[bool]:
@@ -322,12 +420,22 @@ class MemoryEstimate:
     def activations_for(self, mode) -> float:
         """Saved activations at the backward's peak under a checkpointing mode (True = full)."""
         mode = {True: "full", False: "none"}.get(mode, mode)
-        return {"none": self.activations, "selective": self.activations_selective,
-                "full": self.activations_checkpointed}[mode]
+        return {
+            "none": self.activations,
+            "selective": self.activations_selective,
+            "full": self.activations_checkpointed,
+        }[mode]
 
     def total(self, checkpointing="none") -> float:
         act = self.activations_for(checkpointing)
-        return self.weights + self.gradients + self.optimizer + self.gathered + act + self.backward_working
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.gathered
+            + act
+            + self.backward_working
+        )
 
     def needs_checkpointing(self, gpu_bytes: float) -> bool:
         return self.total("none") * (1 + HEADROOM) > gpu_bytes
@@ -343,13 +451,22 @@ class MemoryEstimate:
         return "full"
 
 
-def estimate_memory(cfg: ModelConfig, micro_batch: int, seq_len: int, bf16: bool = True, world: int = 1,
-                    fsdp: bool = False, device: str = "cuda") -> MemoryEstimate:
+def estimate_memory(
+    cfg: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    bf16: bool = True,
+    world: int = 1,
+    fsdp: bool = False,
+    device: str = "cuda",
+) -> MemoryEstimate:
     """Per-rank memory of a training step on `device` ("cuda" or "cpu": its autocast and MoE
     paths; see the module docstring for each term)."""
     with torch.device("meta"):
         model = build_model(cfg, initialize=False)
-    trace = trace_activations(model, torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta"), bf16, device)
+    trace = trace_activations(
+        model, torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta"), bf16, device
+    )
     n_params = sum(p.numel() for p in model.parameters())
     shard = world if fsdp else 1
     unit = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)

@@ -84,7 +84,9 @@ class RunLock:
 
         path = Path(work_dir) / LOCK_NAME
         path.parent.mkdir(parents=True, exist_ok=True)
-        file = open(path, "a+")  # never truncated before the lock is held: the holder's record stays readable
+        file = open(
+            path, "a+"
+        )  # never truncated before the lock is held: the holder's record stays readable
         try:
             fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -95,15 +97,26 @@ class RunLock:
                 raise RunLockedError(
                     f"run {run_id} is already being trained by {holder}, which holds the lock {path}; "
                     "a second trainer would write into the same checkpoints. Wait for it to end, or stop that "
-                    "process, then run again (it resumes from the last checkpoint)") from None
+                    "process, then run again (it resumes from the last checkpoint)"
+                ) from None
             file.close()
-            print(f"[{run_id}] warning: {path}: the file system does not support flock ({exc.strerror}); "
-                  "training without the one-trainer-per-run lock", file=sys.stderr)
+            print(
+                f"[{run_id}] warning: {path}: the file system does not support flock ({exc.strerror}); "
+                "training without the one-trainer-per-run lock",
+                file=sys.stderr,
+            )
             return cls(path)
         file.seek(0)
         file.truncate()
-        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "run_id": run_id,
-                   "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}, file)
+        json.dump(
+            {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "run_id": run_id,
+                "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            },
+            file,
+        )
         file.write("\n")
         file.flush()
         return cls(path, file)
@@ -137,11 +150,15 @@ def acquire_for_job(work_dir: str | os.PathLike, run_id: str, ctx, device_name: 
 
         from depthbench.train import distributed
 
-        device = torch.device(device_name) if device_name.startswith("cuda") else torch.device("cpu")
+        device = (
+            torch.device(device_name) if device_name.startswith("cuda") else torch.device("cpu")
+        )
         if distributed.all_reduce_mean(float(error is not None), ctx, device) > 0 and error is None:
             lock.release()
-            error = RunLockedError(f"run {run_id}: rank 0 of this job found the lock {Path(work_dir) / LOCK_NAME} "
-                                   "held by another trainer (its log names it)")
+            error = RunLockedError(
+                f"run {run_id}: rank 0 of this job found the lock {Path(work_dir) / LOCK_NAME} "
+                "held by another trainer (its log names it)"
+            )
     if error is not None:
         raise error
     return lock
@@ -160,7 +177,9 @@ class OwnerHook(Hook):
         import torch.distributed as dist
 
         if trainer.ctx.enabled:
-            self.group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            self.group = (
+                dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            )
 
     def _gone(self) -> bool:
         gone = not process_exists(self.owner)
@@ -178,7 +197,10 @@ class OwnerHook(Hook):
             return
         trainer.snapshot(blocking=True)  # the periodic save of this step, complete before the exit
         if trainer.ctx.is_main:
-            print(f"[{trainer.spec.run_id}] the process {self.owner.split(':')[0]} that started this training "
-                  f"(Snakemake) has ended: stopped at the checkpoint of step {step}; run Snakemake again to "
-                  "resume from it", file=sys.stderr)
+            print(
+                f"[{trainer.spec.run_id}] the process {self.owner.split(':')[0]} that started this training "
+                f"(Snakemake) has ended: stopped at the checkpoint of step {step}; run Snakemake again to "
+                "resume from it",
+                file=sys.stderr,
+            )
         raise SystemExit(1)

@@ -64,21 +64,35 @@ def compile_mode(value) -> str:
 def checkpointed_units(mode: str, n_units: int) -> list[bool]:
     """Which units a checkpointing mode recomputes (see the module docstring)."""
     if mode not in CHECKPOINTING or mode == "auto":
-        raise ConfigError("train.activation_checkpointing", f"{mode!r}; valid: {list(CHECKPOINTING[1:])} (auto resolved first)")
+        raise ConfigError(
+            "train.activation_checkpointing",
+            f"{mode!r}; valid: {list(CHECKPOINTING[1:])} (auto resolved first)",
+        )
     return recompute_mask(mode, n_units)
 
 
-def resolve_checkpointing(mode: str, model_cfg, tc, device: torch.device, world: int, bf16: bool) -> str:
+def resolve_checkpointing(
+    mode: str, model_cfg, tc, device: torch.device, world: int, bf16: bool
+) -> str:
     """`auto` -> none / selective / full from the memory estimate and the GPU's memory."""
     if mode not in CHECKPOINTING:
-        raise ConfigError("train.activation_checkpointing", f"{mode!r}; valid: {list(CHECKPOINTING)}")
+        raise ConfigError(
+            "train.activation_checkpointing", f"{mode!r}; valid: {list(CHECKPOINTING)}"
+        )
     if mode != "auto":
         return mode
     if device.type != "cuda":
         return "none"
     from depthbench.train.memory import estimate_memory
 
-    est = estimate_memory(model_cfg, tc.micro_batch_size, tc.seq_len, bf16=bf16, world=world, fsdp=tc.parallel == "fsdp")
+    est = estimate_memory(
+        model_cfg,
+        tc.micro_batch_size,
+        tc.seq_len,
+        bf16=bf16,
+        world=world,
+        fsdp=tc.parallel == "fsdp",
+    )
     return est.checkpointing_for(torch.cuda.get_device_properties(device).total_memory)
 
 
@@ -95,7 +109,9 @@ def _checkpointed_call(unit: nn.Module, args: tuple, kwargs: dict):
     forward = type(unit).forward
     accumulators = _fork_accumulators(args)
     if not accumulators:
-        return checkpoint(forward, unit, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+        return checkpoint(
+            forward, unit, *args, use_reentrant=False, preserve_rng_state=False, **kwargs
+        )
     before = {i: a.fork() for i, a in accumulators.items()}
     # the recomputation holds this list, not `args`: the real accumulator would keep every later
     # layer's additions alive until backward
@@ -106,7 +122,7 @@ def _checkpointed_call(unit: nn.Module, args: tuple, kwargs: dict):
         for i, snapshot in before.items():
             call[i] = snapshot.fork()
         out = forward(unit, *call, **kwargs)
-        return out, {i: list(call[i])[len(snapshot):] for i, snapshot in before.items()}
+        return out, {i: list(call[i])[len(snapshot) :] for i, snapshot in before.items()}
 
     out, added = checkpoint(body, use_reentrant=False, preserve_rng_state=False)
     for i, items in added.items():
@@ -137,7 +153,9 @@ class _UnitForward:
         return self.fn(self.unit_ref, self.recompute, *args, **kwargs)
 
 
-def wrap_units(model: nn.Module, checkpointing: str, compile: str = "none", backend: str = "inductor") -> list[nn.Module]:
+def wrap_units(
+    model: nn.Module, checkpointing: str, compile: str = "none", backend: str = "inductor"
+) -> list[nn.Module]:
     """Activation checkpointing and per-block compile on the model's units, in place; returns them."""
     units = list(model.checkpoint_units())
     recompute = checkpointed_units(checkpointing, len(units))
@@ -164,13 +182,16 @@ def mixed_precision_policy(device: torch.device, dtype: torch.dtype):
     return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
 
 
-def parallelize(model: nn.Module, tc, ctx, device: torch.device, dtype: torch.dtype, backend: str = "inductor"):
+def parallelize(
+    model: nn.Module, tc, ctx, device: torch.device, dtype: torch.dtype, backend: str = "inductor"
+):
     """(net, step_fn): the module the step's gradient sync acts on and the callable it runs.
     Order: checkpointing, per-block compile, then DDP / FSDP2 / nothing, then whole-model compile."""
     from depthbench.train import distributed
 
-    mode = resolve_checkpointing(tc.activation_checkpointing, model.cfg, tc, device, ctx.world_size,
-                                 dtype == torch.bfloat16)
+    mode = resolve_checkpointing(
+        tc.activation_checkpointing, model.cfg, tc, device, ctx.world_size, dtype == torch.bfloat16
+    )
     compile = compile_mode(tc.compile)
     wrap_units(model, mode, compile, backend)
     if ctx.enabled and ctx.strategy == "fsdp":

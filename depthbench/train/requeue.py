@@ -53,7 +53,9 @@ class RequeueHook(Hook):
         import torch.distributed as dist
 
         if trainer.ctx.enabled:  # the agreement runs on the main thread, on a CPU group
-            self.group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            self.group = (
+                dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            )
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
         for s in self.signals:
@@ -89,7 +91,10 @@ class RequeueHook(Hook):
         name = signal.Signals(signum).name
         trainer.snapshot(blocking=True)
         if trainer.ctx.is_main:
-            print(f"[{trainer.spec.run_id}] {name}: checkpointed step {step}; exiting to be requeued", file=sys.stderr)
+            print(
+                f"[{trainer.spec.run_id}] {name}: checkpointed step {step}; exiting to be requeued",
+                file=sys.stderr,
+            )
         handler = self.previous.get(signum)
         self._restore()  # a second signal during the hand-over takes its usual course
         if callable(handler):

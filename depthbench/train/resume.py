@@ -28,13 +28,25 @@ def snapshot(trainer, blocking: bool = False) -> None:
     if ck.last_step != step:
         model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
         meta = {
-            "schedule": {"step": step, "total_steps": tc.total_steps, "warmup_steps": tc.warmup_steps},
+            "schedule": {
+                "step": step,
+                "total_steps": tc.total_steps,
+                "warmup_steps": tc.warmup_steps,
+            },
             "data_position": {"samples_consumed": step * tc.global_batch_size},
-            "wall_seconds": trainer.wall_seconds(), "last_val": trainer.last_val, "strategy": trainer.ctx.strategy,
+            "wall_seconds": trainer.wall_seconds(),
+            "last_val": trainer.last_val,
+            "strategy": trainer.ctx.strategy,
             "param_groups": optim_state["param_groups"],
         }
-        ck.save(step, trainer.spec.run_id, {"model": model_state, "optim": optim_state["state"]}, meta,
-                _rng_states(trainer.device), blocking=blocking)
+        ck.save(
+            step,
+            trainer.spec.run_id,
+            {"model": model_state, "optim": optim_state["state"]},
+            meta,
+            _rng_states(trainer.device),
+            blocking=blocking,
+        )
     if blocking:
         ck.wait()
 
@@ -59,8 +71,12 @@ def restore(trainer) -> bool:
             trainer.optimizer.state.clear()
         return False
     groups = _param_groups(found.meta["param_groups"], optim_state["param_groups"], found.path)
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=template["model"],
-                   optim_state_dict={"state": template["optim"], "param_groups": groups})
+    set_state_dict(
+        trainer.model,
+        trainer.optimizer,
+        model_state_dict=template["model"],
+        optim_state_dict={"state": template["optim"], "param_groups": groups},
+    )
     rng = found.rank_tensors
     torch.set_rng_state(rng["torch"])
     if trainer.device.type == "cuda" and "cuda" in rng:
@@ -70,8 +86,11 @@ def restore(trainer) -> bool:
     trainer.last_val = found.meta.get("last_val", float("nan"))
     trainer.checkpointer.last_step = found.step
     ctx = trainer.ctx
-    print(f"[{trainer.spec.run_id}] rank {ctx.rank}/{ctx.world_size} resumed from step {found.step} "
-          f"(saved by {found.world_size} rank(s), {found.meta.get('strategy')})", file=sys.stderr)
+    print(
+        f"[{trainer.spec.run_id}] rank {ctx.rank}/{ctx.world_size} resumed from step {found.step} "
+        f"(saved by {found.world_size} rank(s), {found.meta.get('strategy')})",
+        file=sys.stderr,
+    )
     return True
 
 
@@ -86,5 +105,10 @@ def _param_groups(saved: list[dict], current: list[dict], path) -> list[dict]:
     """The saved hyperparameters in the current groups' types (JSON has no tuples: AdamW's
     betas come back as lists); the groups must hold the same parameters."""
     if [g["params"] for g in saved] != [g["params"] for g in current]:
-        raise CheckpointError(f"{path}: the optimizer's parameter groups differ from this run's (another model?)")
-    return [{k: tuple(v) if isinstance(cur.get(k), tuple) else v for k, v in g.items()} for g, cur in zip(saved, current)]
+        raise CheckpointError(
+            f"{path}: the optimizer's parameter groups differ from this run's (another model?)"
+        )
+    return [
+        {k: tuple(v) if isinstance(cur.get(k), tuple) else v for k, v in g.items()}
+        for g, cur in zip(saved, current)
+    ]

@@ -41,8 +41,10 @@ def recover_corrupt(run_dir: str | os.PathLike) -> str:
     `--forcerun` on it removes the train job's outputs and runs it again, which resumes from the
     run's last checkpoint (results/work/<run id>), and then every stage after it."""
     weights = Path(run_dir) / WEIGHTS
-    return (f"`snakemake --forcerun {weights}` (with the --configfile or --profile you run the workflow with) "
-            "trains the run again, resuming from its last checkpoint")
+    return (
+        f"`snakemake --forcerun {weights}` (with the --configfile or --profile you run the workflow with) "
+        "trains the run again, resuming from its last checkpoint"
+    )
 
 
 def verify_weights(run_dir: str | os.PathLike, summary: dict) -> bool:
@@ -51,14 +53,18 @@ def verify_weights(run_dir: str | os.PathLike, summary: dict) -> bool:
     run_dir = Path(run_dir)
     weights = run_dir / WEIGHTS
     if not weights.is_file():
-        raise DataError(f"{weights}: no such file (the run's final weights); {recover_corrupt(run_dir)}")
+        raise DataError(
+            f"{weights}: no such file (the run's final weights); {recover_corrupt(run_dir)}"
+        )
     want = summary.get(WEIGHTS_DIGEST)
     if want is None:
         return False
     actual = file_sha256(weights)
     if actual != want:
-        raise CorruptWeights(f"{weights}: corrupt: its SHA-256 is {actual[:16]}..., not the {want[:16]}... recorded in "
-                             f"{run_dir / 'summary.json'} when it was written; {recover_corrupt(run_dir)}")
+        raise CorruptWeights(
+            f"{weights}: corrupt: its SHA-256 is {actual[:16]}..., not the {want[:16]}... recorded in "
+            f"{run_dir / 'summary.json'} when it was written; {recover_corrupt(run_dir)}"
+        )
     return True
 
 
@@ -69,8 +75,12 @@ def check_run(run_dir: str | os.PathLike, spec=None, weights: bool = True) -> di
 
     run_dir = Path(run_dir)
     if spec is not None and spec.run_id != run_dir.name:
-        raise DataError(f"{run_dir}: is the folder of run {run_dir.name!r}, but the stage was given run {spec.run_id!r}")
-    summary = read_summary(run_dir / "summary.json", {spec.run_id: spec.spec_hash()} if spec is not None else None)
+        raise DataError(
+            f"{run_dir}: is the folder of run {run_dir.name!r}, but the stage was given run {spec.run_id!r}"
+        )
+    summary = read_summary(
+        run_dir / "summary.json", {spec.run_id: spec.spec_hash()} if spec is not None else None
+    )
     if weights:
         verify_weights(run_dir, summary)
     return summary
@@ -94,12 +104,18 @@ def record_checksum(run_dir: str | os.PathLike) -> str:
             for key in f.keys():
                 f.get_tensor(key)
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise CorruptWeights(f"{weights}: not readable safetensors ({exc}); {recover_corrupt(run_dir)}") from None
+        raise CorruptWeights(
+            f"{weights}: not readable safetensors ({exc}); {recover_corrupt(run_dir)}"
+        ) from None
     if owner is not None and owner != run_dir.name:
-        raise CorruptWeights(f"{weights}: written by run {owner!r}, not {run_dir.name!r}; {recover_corrupt(run_dir)}")
+        raise CorruptWeights(
+            f"{weights}: written by run {owner!r}, not {run_dir.name!r}; {recover_corrupt(run_dir)}"
+        )
     digest = file_sha256(weights)
     stat = summary_path.stat()
-    atomic_write_json(summary_path, {**json.loads(summary_path.read_text()), WEIGHTS_DIGEST: digest})
+    atomic_write_json(
+        summary_path, {**json.loads(summary_path.read_text()), WEIGHTS_DIGEST: digest}
+    )
     os.utime(summary_path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     return digest
 
@@ -125,26 +141,40 @@ def read_summary(path: str | Path, expected: dict[str, str] | None = None) -> di
     try:
         s = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DataError(f"{path}: unreadable or truncated summary ({exc}); `snakemake --forcerun {path}` trains the run again") from None
+        raise DataError(
+            f"{path}: unreadable or truncated summary ({exc}); `snakemake --forcerun {path}` trains the run again"
+        ) from None
     missing = [k for k in SUMMARY_KEYS if not isinstance(s, dict) or k not in s]
     if missing:
-        raise DataError(f"{path}: not a run summary (missing {missing}); `snakemake --forcerun {path}` trains the run again")
+        raise DataError(
+            f"{path}: not a run summary (missing {missing}); `snakemake --forcerun {path}` trains the run again"
+        )
     if s["run_id"] != path.parent.name:
-        raise DataError(f"{path}: belongs to run {s['run_id']!r}, not to its folder's run {path.parent.name!r} (copied?); "
-                        f"`snakemake --forcerun {path}` trains the run again")
+        raise DataError(
+            f"{path}: belongs to run {s['run_id']!r}, not to its folder's run {path.parent.name!r} (copied?); "
+            f"`snakemake --forcerun {path}` trains the run again"
+        )
     if isinstance(s["spec"], dict) and s["spec"].get("run_id", s["run_id"]) != s["run_id"]:
-        raise DataError(f"{path}: records run id {s['run_id']!r} but its spec is run {s['spec']['run_id']!r} (edited?); "
-                        f"`snakemake --forcerun {path}` trains the run again")
+        raise DataError(
+            f"{path}: records run id {s['run_id']!r} but its spec is run {s['spec']['run_id']!r} (edited?); "
+            f"`snakemake --forcerun {path}` trains the run again"
+        )
     try:
         actual = RunSpec.from_dict(s["spec"]).spec_hash()
     except (DepthBenchError, KeyError, TypeError, ValueError) as exc:
-        raise DataError(f"{path}: its spec is not a valid run spec ({exc}); "
-                        f"`snakemake --forcerun {path}` trains the run again") from None
+        raise DataError(
+            f"{path}: its spec is not a valid run spec ({exc}); "
+            f"`snakemake --forcerun {path}` trains the run again"
+        ) from None
     if s.get("spec_hash", actual) != actual:
-        raise DataError(f"{path}: records spec hash {s['spec_hash']} but its spec hashes to {actual} (edited?); "
-                        f"`snakemake --forcerun {path}` trains the run again")
+        raise DataError(
+            f"{path}: records spec hash {s['spec_hash']} but its spec hashes to {actual} (edited?); "
+            f"`snakemake --forcerun {path}` trains the run again"
+        )
     want = (expected or {}).get(s["run_id"], actual)
     if want != actual:
-        raise StaleSummary(f"{path}: written for spec {actual}, but the grid's spec of {s['run_id']} is {want} "
-                           f"(copied from another run?); `snakemake --forcerun {path}` trains the run again")
+        raise StaleSummary(
+            f"{path}: written for spec {actual}, but the grid's spec of {s['run_id']} is {want} "
+            f"(copied from another run?); `snakemake --forcerun {path}` trains the run again"
+        )
     return s

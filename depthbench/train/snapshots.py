@@ -50,17 +50,30 @@ def resolve_steps(at_steps, total_steps: int) -> list[int]:
         return []
     if isinstance(at_steps, dict):
         n = at_steps.get("log_spaced")
-        if set(at_steps) != {"log_spaced"} or not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ConfigError("probes.at_steps", f"{at_steps!r}: expected a list of steps >= 1 or {{log_spaced: n}} with n >= 1")
+        if (
+            set(at_steps) != {"log_spaced"}
+            or not isinstance(n, int)
+            or isinstance(n, bool)
+            or n < 1
+        ):
+            raise ConfigError(
+                "probes.at_steps",
+                f"{at_steps!r}: expected a list of steps >= 1 or {{log_spaced: n}} with n >= 1",
+            )
         # s_k = total^(k / (n-1)), k = 0..n-1: 1 ... total, equal ratios between neighbours
         steps = {int(round(total_steps ** (k / (n - 1)))) for k in range(n)} if n > 1 else set()
     elif isinstance(at_steps, (list, tuple)):
         bad = [s for s in at_steps if not isinstance(s, int) or isinstance(s, bool) or s < 1]
         if bad:
-            raise ConfigError("probes.at_steps", f"steps must be integers >= 1 (step 0 is the init probe); got {bad}")
+            raise ConfigError(
+                "probes.at_steps",
+                f"steps must be integers >= 1 (step 0 is the init probe); got {bad}",
+            )
         steps = {s for s in at_steps if s <= total_steps}
     else:
-        raise ConfigError("probes.at_steps", f"{at_steps!r}: expected a list of steps or {{log_spaced: n}}")
+        raise ConfigError(
+            "probes.at_steps", f"{at_steps!r}: expected a list of steps or {{log_spaced: n}}"
+        )
     return sorted(steps | {total_steps})
 
 
@@ -73,7 +86,9 @@ def list_snapshots(folder: str | os.PathLike) -> list[tuple[int, Path]]:
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    return sorted((int(m.group(1)), folder / name) for name in os.listdir(folder) if (m := _NAME.match(name)))
+    return sorted(
+        (int(m.group(1)), folder / name) for name in os.listdir(folder) if (m := _NAME.match(name))
+    )
 
 
 def work_folder(paths) -> Path:
@@ -144,4 +159,3 @@ def publish(paths, run_id: str) -> int:
                 shutil.copy2(src, tmp / src.name)
     print(f"[{run_id}] {len(found)} snapshots in {target}", file=sys.stderr)
     return len(found)
-

@@ -32,8 +32,15 @@ from typing import Any, Callable
 from depthbench.util.errors import ConfigError
 from depthbench.train.trainer import Hook
 
-SCALAR_NAMES = {"train_loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "val_loss": "val/loss",
-                "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu", "mfu_measured": "perf/mfu_measured"}
+SCALAR_NAMES = {
+    "train_loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "val_loss": "val/loss",
+    "tokens_per_s": "perf/tokens_per_s",
+    "mfu": "perf/mfu",
+    "mfu_measured": "perf/mfu_measured",
+}
 
 
 def check_loggers(names: list[str]) -> None:
@@ -43,8 +50,11 @@ def check_loggers(names: list[str]) -> None:
             raise ConfigError("train.loggers", f"unknown logger {name!r}; valid: {sorted(LOGGERS)}")
         kind = LOGGERS[name]
         if kind.module and importlib.util.find_spec(kind.module) is None:
-            raise ConfigError("train.loggers", f"{name!r} needs the package {kind.module!r}: "
-                              f"pip install -r requirements-tracking.txt (or pip install {kind.requirement})")
+            raise ConfigError(
+                "train.loggers",
+                f"{name!r} needs the package {kind.module!r}: "
+                f"pip install -r requirements-tracking.txt (or pip install {kind.requirement})",
+            )
 
 
 def flatten(record: dict[str, Any]) -> dict[str, float]:
@@ -65,7 +75,13 @@ def flatten(record: dict[str, Any]) -> dict[str, float]:
 
 def run_tags(spec, experiment: str) -> dict[str, Any]:
     """What a run is grouped and filtered by in a tracker."""
-    return {"experiment": experiment, "arch": spec.arch, "shape": spec.shape.tag, "lr": spec.lr, "seed": spec.seed}
+    return {
+        "experiment": experiment,
+        "arch": spec.arch,
+        "shape": spec.shape.tag,
+        "lr": spec.lr,
+        "seed": spec.seed,
+    }
 
 
 class TensorBoardLogger(Hook):
@@ -81,13 +97,17 @@ class TensorBoardLogger(Hook):
         resumed = trainer.start_step > 0
         if not resumed and self.log_dir.exists():  # a fresh run must not show an earlier attempt
             shutil.rmtree(self.log_dir)
-        self.writer = SummaryWriter(str(self.log_dir), purge_step=trainer.start_step + 1 if resumed else None)
+        self.writer = SummaryWriter(
+            str(self.log_dir), purge_step=trainer.start_step + 1 if resumed else None
+        )
         if not resumed:
             tags = run_tags(trainer.spec, trainer.tc.experiment)
             # hparams into this run's own directory (add_hparams would open a sub-run)
             for summary in hparams(tags, {"val/loss": float("nan")}):
                 self.writer.file_writer.add_summary(summary)
-            self.writer.add_text("config", "```\n" + json.dumps(trainer.spec.to_dict(), indent=1) + "\n```", 0)
+            self.writer.add_text(
+                "config", "```\n" + json.dumps(trainer.spec.to_dict(), indent=1) + "\n```", 0
+            )
 
     def on_log(self, trainer, record):
         for tag, value in flatten(record).items():
@@ -111,11 +131,21 @@ class WandbLogger(Hook):
         tags = run_tags(spec, experiment)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "depthbench"), group=experiment or None, job_type="train",
-            name=spec.run_id, id=wandb_id(spec.run_id), resume="allow", dir=str(self.work_dir),
+            project=os.environ.get("WANDB_PROJECT", "depthbench"),
+            group=experiment or None,
+            job_type="train",
+            name=spec.run_id,
+            id=wandb_id(spec.run_id),
+            resume="allow",
+            dir=str(self.work_dir),
             mode=os.environ.get("WANDB_MODE", "offline"),
             config={**spec.to_dict(), "experiment": experiment},
-            tags=[str(tags["arch"]), str(tags["shape"]), f"lr{tags['lr']:g}", f"seed{tags['seed']}"],
+            tags=[
+                str(tags["arch"]),
+                str(tags["shape"]),
+                f"lr{tags['lr']:g}",
+                f"seed{tags['seed']}",
+            ],
             settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
         )
         self.run.define_metric("step")
@@ -137,6 +167,7 @@ def wandb_id(run_id: str) -> str:
 @dataclass(frozen=True)
 class LoggerKind:
     """A tracker: how to make its hook from the run's work dir, and the package it needs."""
+
     make: Callable[[Path], Hook]
     module: str | None = None
     requirement: str | None = None
@@ -144,7 +175,11 @@ class LoggerKind:
 
 # train.loggers name -> tracker. A new tracker is one entry here (and in the schema's enum).
 LOGGERS: dict[str, LoggerKind] = {
-    "tensorboard": LoggerKind(lambda work_dir: TensorBoardLogger(work_dir / "tensorboard"), "tensorboard", "tensorboard==2.21.0"),
+    "tensorboard": LoggerKind(
+        lambda work_dir: TensorBoardLogger(work_dir / "tensorboard"),
+        "tensorboard",
+        "tensorboard==2.21.0",
+    ),
     "wandb": LoggerKind(WandbLogger, "wandb", "wandb==0.31.0"),
 }
 

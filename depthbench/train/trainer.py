@@ -44,6 +44,7 @@ class StepStats:
     """What one update measured, before the optimizer applies it. The loss and the norm are 0-d
     device tensors in a run (read on the host only where a hook needs the number, see
     `read_scalars`); plain floats are accepted too."""
+
     train_loss: torch.Tensor | float
     grad_norm: torch.Tensor | float
     lr: float
@@ -68,22 +69,38 @@ class Trainer:
     Seeding, model construction, wrapping and optimizer creation happen here in the order that
     fixes the initial weights (seed, build, move, checkpointing and compile, DDP/FSDP wrap, AdamW)."""
 
-    def __init__(self, spec: RunSpec, paths: RunPaths, model: torch.nn.Module, batches, ctx: distributed.DistContext,
-                 device: torch.device, autocast):
+    def __init__(
+        self,
+        spec: RunSpec,
+        paths: RunPaths,
+        model: torch.nn.Module,
+        batches,
+        ctx: distributed.DistContext,
+        device: torch.device,
+        autocast,
+    ):
         tc = spec.train
         self.spec, self.tc, self.paths, self.ctx = spec, tc, paths, ctx
         self.device, self.autocast, self.batches = device, autocast, batches
         self.model = model
-        model.loss_chunk_tokens = tc.loss_chunk_tokens  # training's loss in chunks (depthbench.models.loss)
+        model.loss_chunk_tokens = (
+            tc.loss_chunk_tokens
+        )  # training's loss in chunks (depthbench.models.loss)
         # checkpointing, per-block compile, then DDP wrapper / FSDP2 sharding in place (depthbench.train.parallelize)
-        self.net, self.step_fn, self.checkpointing = parallelize(model, tc, ctx, device, resolve_dtype(tc.dtype, device))
-        self.optimizer = build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.adam_eps, device)
+        self.net, self.step_fn, self.checkpointing = parallelize(
+            model, tc, ctx, device, resolve_dtype(tc.dtype, device)
+        )
+        self.optimizer = build_optimizer(
+            model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.adam_eps, device
+        )
         self.hooks: list[Hook] = []
         self.step = self.start_step = 0
         self.wall_before, self.t_start = 0.0, time.time()
         self.status, self.last_val = STATUS_OK, float("nan")
         self.stats: StepStats | None = None
-        self.checkpointer = Checkpointer(paths.checkpoints, ctx)  # on every rank: creates the saves' gloo group
+        self.checkpointer = Checkpointer(
+            paths.checkpoints, ctx
+        )  # on every rank: creates the saves' gloo group
 
     # ---- state on disk
     def restore(self) -> bool:
@@ -166,12 +183,18 @@ class Trainer:
                 with self.autocast:
                     out = self.step_fn(to_device(x, self.device), to_device(y, self.device))
                 loss = out.loss
-                objective = loss if out.aux_loss is None else loss + out.aux_loss  # MoE load balancing
+                objective = (
+                    loss if out.aux_loss is None else loss + out.aux_loss
+                )  # MoE load balancing
                 (objective / batches.accum_steps).backward()
             loss_sum = loss_sum + loss.detach().to(loss_sum.dtype)
         train_loss = distributed.all_reduce_mean_tensor(loss_sum / batches.accum_steps, self.ctx)
-        max_norm = tc.grad_clip if tc.grad_clip is not None else float("inf")  # inf: measure, do not clip
-        grad_norm = distributed.local_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        max_norm = (
+            tc.grad_clip if tc.grad_clip is not None else float("inf")
+        )  # inf: measure, do not clip
+        grad_norm = distributed.local_tensor(
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        )
         return train_loss, grad_norm
 
 
@@ -198,12 +221,17 @@ def read_scalars(*values) -> list[float]:
         return [float(v) for v in values]
     dev = tensors[0].device
     dtype = accumulator_dtype(dev)
-    stacked = torch.stack([v.reshape(()).to(device=dev, dtype=dtype) if isinstance(v, torch.Tensor)
-                           else torch.full((), float(v), dtype=dtype, device=dev) for v in values])
+    stacked = torch.stack(
+        [
+            v.reshape(()).to(device=dev, dtype=dtype)
+            if isinstance(v, torch.Tensor)
+            else torch.full((), float(v), dtype=dtype, device=dev)
+            for v in values
+        ]
+    )
     return stacked.tolist()
 
 
 def is_bad(value: float, limit: float) -> bool:
     """A loss that counts as divergence: NaN/inf or above `limit`."""
     return not math.isfinite(value) or value > limit
-

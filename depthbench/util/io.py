@@ -25,7 +25,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     os.close(fd)
     try:
         write(tmp)
-        os.chmod(tmp, 0o666 & ~current_umask())  # after: a writer that replaces the file (safetensors) gets it too
+        os.chmod(
+            tmp, 0o666 & ~current_umask()
+        )  # after: a writer that replaces the file (safetensors) gets it too
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -51,7 +53,10 @@ def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
         follow_umask(tmp)
         old = None
         if path.exists() or path.is_symlink():
-            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old")) / "old"
+            old = (
+                Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
+                / "old"
+            )
             os.replace(path, old)
         try:
             os.replace(tmp, path)
@@ -63,7 +68,9 @@ def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if old is not None:  # the new folder is in place: the old one goes (a failure here loses nothing new)
+    if (
+        old is not None
+    ):  # the new folder is in place: the old one goes (a failure here loses nothing new)
         shutil.rmtree(old.parent, ignore_errors=True)
 
 

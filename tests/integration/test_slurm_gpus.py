@@ -23,15 +23,20 @@ def _sinfo(tmp_path, monkeypatch, gres: str) -> None:
     monkeypatch.setenv("PATH", f"{script.parent}{os.pathsep}{os.environ['PATH']}")
 
 
-def test_gpus_on_a_cluster_without_gpu_gres_are_refused_before_submission(tiny_data, tmp_path, monkeypatch):
+def test_gpus_on_a_cluster_without_gpu_gres_are_refused_before_submission(
+    tiny_data, tmp_path, monkeypatch
+):
     import depthbench.launch.local as launch
 
     _, exp, data_dir = tiny_data
     _sinfo(tmp_path, monkeypatch, "(null)\\n")
     monkeypatch.setattr(launch, "submit_and_wait", lambda *a, **k: pytest.fail("submitted"))
     spec = next(iter(exp.runs.values()))
-    with pytest.raises(ConfigError, match=r"'launcher\.slurm\.gpus_per_node': 1 GPUs per node requested.*no GPU gres "
-                                          r"\(sinfo: \(null\)\); for CPU runs set gpus_per_node: 0"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'launcher\.slurm\.gpus_per_node': 1 GPUs per node requested.*no GPU gres "
+        r"\(sinfo: \(null\)\); for CPU runs set gpus_per_node: 0",
+    ):
         launch.dispatch(spec, str(data_dir), str(tmp_path / "run"), str(tmp_path / "work"), SLURM)
 
 

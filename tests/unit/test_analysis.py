@@ -20,7 +20,15 @@ from depthbench.models.base import GENERIC_PROBES, DecoderLM
 from tests.analysis_tables import synthetic_tables
 
 CLAIMS_FILE = Path(__file__).resolve().parents[2] / "config" / "claims.yaml"
-CTX = registry.context({"name": "syn", "budget": {"params": 8e5}, "shapes": [{"n_layer": 2}], "learning_rates": [2e-3], "seeds": [0]})
+CTX = registry.context(
+    {
+        "name": "syn",
+        "budget": {"params": 8e5},
+        "shapes": [{"n_layer": 2}],
+        "learning_rates": [2e-3],
+        "seeds": [0],
+    }
+)
 
 
 def texts(fig) -> str:
@@ -31,9 +39,14 @@ def texts(fig) -> str:
 def has_data(fig) -> bool:
     """True when some axes holds a drawn line with points, an image or a scatter."""
     for ax in fig.axes:
-        if any(len(line.get_xdata()) and line.get_marker() not in (None, "None", "") for line in ax.lines):
+        if any(
+            len(line.get_xdata()) and line.get_marker() not in (None, "None", "")
+            for line in ax.lines
+        ):
             return True
-        if ax.images or any(len(c.get_offsets()) for c in ax.collections if hasattr(c, "get_offsets")):
+        if ax.images or any(
+            len(c.get_offsets()) for c in ax.collections if hasattr(c, "get_offsets")
+        ):
             return True
     return False
 
@@ -48,16 +61,25 @@ def test_every_figure_draws_the_full_grid_with_labelled_axes(full):
         fig = fig_def.draw(full, CTX)
         assert has_data(fig), name
         assert "nothing to draw" not in texts(fig), name
-        assert "syn:" in fig._suptitle.get_text() and "budget 8e+05" in fig._suptitle.get_text(), name
+        assert "syn:" in fig._suptitle.get_text() and "budget 8e+05" in fig._suptitle.get_text(), (
+            name
+        )
         for ax in fig.axes:
-            if ax.get_visible() and ax.axison and ax.get_label() != "<colorbar>" and (ax.lines or ax.images):
+            if (
+                ax.get_visible()
+                and ax.axison
+                and ax.get_label() != "<colorbar>"
+                and (ax.lines or ax.images)
+            ):
                 xs = [a.get_xlabel() for a in ax.get_shared_x_axes().get_siblings(ax)]
                 ys = [a.get_ylabel() for a in ax.get_shared_y_axes().get_siblings(ax)]
                 assert any(xs) and any(ys), (name, ax.get_title())
         plt.close(fig)
 
 
-EMPTY = {k: pd.DataFrame() for k in ("runs", "best_lr", "curves", "dynamics", "probes", "nll", "cost")}
+EMPTY = {
+    k: pd.DataFrame() for k in ("runs", "best_lr", "curves", "dynamics", "probes", "nll", "cost")
+}
 
 
 @pytest.mark.parametrize("case", ["empty", "all_diverged", "single_run", "single_shape"])
@@ -73,29 +95,44 @@ def test_every_figure_is_drawn_and_says_what_is_missing(case, tmp_path):
     for name, fig_def in registry.FIGURES.items():
         fig = fig_def.draw(tables, CTX)
         said = texts(fig)
-        if case in ("empty", "all_diverged") and name not in ("loss_vs_lr", "token_similarity", "effective_rank",
-                                                                "angular_distance", "cost_vs_ratio"):
+        if case in ("empty", "all_diverged") and name not in (
+            "loss_vs_lr",
+            "token_similarity",
+            "effective_rank",
+            "angular_distance",
+            "cost_vs_ratio",
+        ):
             assert "nothing to draw" in said or "no " in said, (case, name)
         if case == "empty":
             assert "nothing to draw" in said, name
         assert has_data(fig) or "nothing to draw" in said or "no " in said, (case, name)
         plt.close(fig)
     registry.render("headline", tables, CTX, tmp_path / "h.png", tmp_path / "h.pdf")
-    assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "h.pdf").read_bytes()[:4] == b"%PDF"
+    assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG" and (
+        tmp_path / "h.pdf"
+    ).read_bytes()[:4] == b"%PDF"
 
 
 def test_all_diverged_figures_name_the_cause():
     tables = synthetic_tables(archs=("pre_ln",), depths=(2,), diverged=lambda *a: True)
-    assert "no run finished without diverging" in texts(registry.FIGURES["headline"].draw(tables, CTX))
-    assert "every run at this shape diverged" in texts(registry.FIGURES["loss_vs_lr"].draw(tables, CTX))
+    assert "no run finished without diverging" in texts(
+        registry.FIGURES["headline"].draw(tables, CTX)
+    )
+    assert "every run at this shape diverged" in texts(
+        registry.FIGURES["loss_vs_lr"].draw(tables, CTX)
+    )
     assert "no rows trained" in texts(registry.FIGURES["token_similarity"].draw(tables, CTX))
     plt.close("all")
 
 
 def test_coinciding_architectures_are_named():
     same = lambda arch, L, lr: 4.0 + 0.01 * L  # noqa: E731  every architecture the same loss
-    tables = synthetic_tables(archs=("pre_ln", "post_ln", "lns"), depths=(2, 4), lrs=(2e-3,), loss=same)
-    assert "pre_ln = post_ln = lns coincide" in texts(registry.FIGURES["headline"].draw(tables, CTX))
+    tables = synthetic_tables(
+        archs=("pre_ln", "post_ln", "lns"), depths=(2, 4), lrs=(2e-3,), loss=same
+    )
+    assert "pre_ln = post_ln = lns coincide" in texts(
+        registry.FIGURES["headline"].draw(tables, CTX)
+    )
     plt.close("all")
 
 
@@ -103,7 +140,11 @@ def test_score_matrices_at_the_requested_depth(full):
     ctx = registry.context({"figures": {"matrix_n_layer": 4}})
     fig = registry.FIGURES["causal_matrix"].draw(full, ctx)
     assert "l=4, d=80" in texts(fig) and fig.axes[0].images[0].get_array().shape == (4, 4)
-    said = texts(registry.FIGURES["permutation_matrix"].draw(full, registry.context({"figures": {"matrix_n_layer": 6}})))
+    said = texts(
+        registry.FIGURES["permutation_matrix"].draw(
+            full, registry.context({"figures": {"matrix_n_layer": 6}})
+        )
+    )
     assert "matrix_n_layer = 6" in said and "[2, 4, 8]" in said
     plt.close("all")
 
@@ -119,6 +160,7 @@ def test_gpu_only_measurements_are_left_out_on_cpu(full):
 
 class _Toy(DecoderLM):
     """Declares the dead-zone figure and no usefulness probe: the registry must follow it."""
+
     probes = GENERIC_PROBES - {"usefulness_ratio"}
     figures = frozenset({"dead_zone"})
 
@@ -126,12 +168,17 @@ class _Toy(DecoderLM):
 def test_registry_follows_the_architectures_declarations(monkeypatch):
     monkeypatch.setitem(ARCHITECTURES, "toy_arch", _Toy)
     names = registry.grid_figures(["toy_arch"], {})
-    assert "dead_zone" in names and "usefulness" not in names and "residual_product_rank" not in names
+    assert (
+        "dead_zone" in names and "usefulness" not in names and "residual_product_rank" not in names
+    )
     assert "usefulness" in registry.grid_figures(["toy_arch", "pre_ln"], {})
     assert {"residual_product_rank"} <= set(registry.grid_figures(["mhc"], {}))
     assert {"depth_mixing", "dead_zone"} <= set(registry.grid_figures(["attnres_block"], {}))
     assert "dead_zone" not in registry.grid_figures(["attnres_full"], {})
-    off = registry.grid_figures(["pre_ln"], {"probes": {"enabled": False}, "nll": {"enabled": False}, "train": {"dynamics_every": 0}})
+    off = registry.grid_figures(
+        ["pre_ln"],
+        {"probes": {"enabled": False}, "nll": {"enabled": False}, "train": {"dynamics_every": 0}},
+    )
     assert off == ["headline", "loss_vs_lr", "loss_curves", "cost_vs_ratio", "loss_vs_cost"]
     assert "dynamics" in registry.grid_figures(["pre_ln"], {"train": {"dynamics_every": 5}})
     for name in registry.FIGURES:
@@ -154,10 +201,24 @@ def test_claim_file_and_functions_match():
 
 def test_claim_a_depth_helps_hc_and_full_attnres_only():
     helps = lambda arch, L, lr: 4.0 - (0.05 * L if arch != "pre_ln" else 0)  # noqa: E731
-    assert _verdict("a_depth_helps_hc_attnres_not_pre_ln", synthetic_tables(archs=ALL, lrs=(2e-3,), loss=helps)) == C.HOLDS
+    assert (
+        _verdict(
+            "a_depth_helps_hc_attnres_not_pre_ln",
+            synthetic_tables(archs=ALL, lrs=(2e-3,), loss=helps),
+        )
+        == C.HOLDS
+    )
     flat = lambda arch, L, lr: 4.0  # noqa: E731
-    assert _verdict("a_depth_helps_hc_attnres_not_pre_ln", synthetic_tables(archs=ALL, lrs=(2e-3,), loss=flat)) == C.FAILS
-    assert _verdict("a_depth_helps_hc_attnres_not_pre_ln", synthetic_tables(archs=("pre_ln",))).startswith("not testable")
+    assert (
+        _verdict(
+            "a_depth_helps_hc_attnres_not_pre_ln",
+            synthetic_tables(archs=ALL, lrs=(2e-3,), loss=flat),
+        )
+        == C.FAILS
+    )
+    assert _verdict(
+        "a_depth_helps_hc_attnres_not_pre_ln", synthetic_tables(archs=("pre_ln",))
+    ).startswith("not testable")
 
 
 def test_claim_b_interior_best_depth():
@@ -165,7 +226,13 @@ def test_claim_b_interior_best_depth():
     t = synthetic_tables(archs=("mhc", "attnres_block"), lrs=(2e-3,), loss=valley)
     assert _verdict("b_intermediate_best_depth", t) == C.HOLDS
     down = lambda arch, L, lr: 4.0 - 0.01 * L  # noqa: E731
-    assert _verdict("b_intermediate_best_depth", synthetic_tables(archs=("mhc", "attnres_block"), lrs=(2e-3,), loss=down)) == C.FAILS
+    assert (
+        _verdict(
+            "b_intermediate_best_depth",
+            synthetic_tables(archs=("mhc", "attnres_block"), lrs=(2e-3,), loss=down),
+        )
+        == C.FAILS
+    )
     two = synthetic_tables(archs=("mhc", "attnres_block"), depths=(2, 4), lrs=(2e-3,))
     assert "needs 3" in _verdict("b_intermediate_best_depth", two)
 
@@ -178,25 +245,50 @@ def _set_probe(t, probe, fn):
 
 
 def test_claim_c_and_d_from_probe_rows():
-    t = synthetic_tables(archs=("pre_ln", "hc", "attnres_full", "attnres_block"), depths=(8,), lrs=(2e-3,))
-    late = lambda r: (0.3 if r.arch != "pre_ln" else 0.1) + (0.2 if r.arch == "attnres_block" and r.i in (2, 4, 6) else 0)  # noqa: E731
+    t = synthetic_tables(
+        archs=("pre_ln", "hc", "attnres_full", "attnres_block"), depths=(8,), lrs=(2e-3,)
+    )
+    late = lambda r: (0.3 if r.arch != "pre_ln" else 0.1) + (
+        0.2 if r.arch == "attnres_block" and r.i in (2, 4, 6) else 0
+    )  # noqa: E731
     t = _set_probe(t, "angular_distance_last", late)
     ours, v, note = C.CLAIMS["c_late_angular_distance"](t, {"arch_options": {"n_blocks": 4}})
     assert v == C.HOLDS and "pre_ln 0.100" in ours and note.endswith(f"({C.HOLDS})")
-    assert _verdict("c_late_angular_distance", _set_probe(t, "angular_distance_last", lambda r: 0.2)) == C.FAILS
-    t = _set_probe(t, "causal_share", lambda r: {"attnres_full": 0.16, "hc": 0.07}.get(r.arch, 0.01))
-    t = _set_probe(t, "permutation_share", lambda r: {"attnres_full": 0.46, "hc": 0.35}.get(r.arch, 0.08))
+    assert (
+        _verdict("c_late_angular_distance", _set_probe(t, "angular_distance_last", lambda r: 0.2))
+        == C.FAILS
+    )
+    t = _set_probe(
+        t, "causal_share", lambda r: {"attnres_full": 0.16, "hc": 0.07}.get(r.arch, 0.01)
+    )
+    t = _set_probe(
+        t, "permutation_share", lambda r: {"attnres_full": 0.46, "hc": 0.35}.get(r.arch, 0.08)
+    )
     ours, v, _ = C.CLAIMS["d_causal_permutation_shares"](t, {})
     assert v == C.HOLDS and ours.startswith("causal 16% / 7% / 1%; permutation 46% / 35% / 8%")
-    assert _verdict("d_causal_permutation_shares", _set_probe(t, "causal_share", lambda r: 0.1)) == C.FAILS
+    assert (
+        _verdict("d_causal_permutation_shares", _set_probe(t, "causal_share", lambda r: 0.1))
+        == C.FAILS
+    )
 
 
 def test_claims_e_f_g_h():
-    t = synthetic_tables(archs=("pre_ln", "hc", "mhc", "attnres_full", "attnres_block"), lrs=(2e-3,))
+    t = synthetic_tables(
+        archs=("pre_ln", "hc", "mhc", "attnres_full", "attnres_block"), lrs=(2e-3,)
+    )
     assert _verdict("e_dead_zone_grows", t) == C.HOLDS  # L // 4: 0, 1, 2
-    assert _verdict("e_dead_zone_grows", _set_probe(t.copy(), "dead_zone_layers", lambda r: 3.0 - r.n_layer / 4)) == C.FAILS
+    assert (
+        _verdict(
+            "e_dead_zone_grows",
+            _set_probe(t.copy(), "dead_zone_layers", lambda r: 3.0 - r.n_layer / 4),
+        )
+        == C.FAILS
+    )
     assert _verdict("f_mhc_rank_below_hc", t) == C.HOLDS  # 1.5 vs 2.6
-    assert _verdict("f_mhc_rank_below_hc", _set_probe(t, "residual_product_rank", lambda r: 2.0)) == C.FAILS
+    assert (
+        _verdict("f_mhc_rank_below_hc", _set_probe(t, "residual_product_rank", lambda r: 2.0))
+        == C.FAILS
+    )
     assert _verdict("g_cost_grows_with_depth", t) == C.HOLDS
     t["cost"]["prefill_flops_4096"] = 1e9
     assert _verdict("g_cost_grows_with_depth", t) == C.FAILS
@@ -216,14 +308,26 @@ def test_claims_i_j_k_l():
     dyn.loc[dyn["run_id"].isin(lns_ids) & (dyn["quantity"] == "residual_rms"), "value"] = 20.0
     assert _verdict("i_pre_ln_rms_grows_lns_holds", t) == C.FAILS
     grow = lambda r: r.i * (0.1 if r.arch == "post_ln" and r.stage == "init" else 0.02)  # noqa: E731
-    assert _verdict("j_post_ln_token_similarity", _set_probe(t, "token_similarity", grow)) == C.HOLDS
-    assert _verdict("j_post_ln_token_similarity", _set_probe(t, "token_similarity", lambda r: 0.05 * r.i)) == C.FAILS
+    assert (
+        _verdict("j_post_ln_token_similarity", _set_probe(t, "token_similarity", grow)) == C.HOLDS
+    )
+    assert (
+        _verdict(
+            "j_post_ln_token_similarity", _set_probe(t, "token_similarity", lambda r: 0.05 * r.i)
+        )
+        == C.FAILS
+    )
     assert "no run collapsed" in _verdict("k_collapse_signature", t)
     runs = t["runs"]
     runs.loc[runs["run_id"] == runs["run_id"].iloc[0], "final_val_loss"] = 5.52  # floor 5.5
     dyn.loc[(dyn["quantity"] == "grad_norm_h") & (dyn["step"] == 100), "value"] = 1e-6
     assert _verdict("k_collapse_signature", t) == C.HOLDS
-    assert "no gqa runs" in _verdict("l_gqa_moe_lower_variance", {**t, "runs": runs.assign(n_head=4, n_kv_head=4)}).lower()
+    assert (
+        "no gqa runs"
+        in _verdict(
+            "l_gqa_moe_lower_variance", {**t, "runs": runs.assign(n_head=4, n_kv_head=4)}
+        ).lower()
+    )
 
 
 def test_claims_table_on_empty_tables_is_complete():
@@ -236,15 +340,29 @@ def test_report_opens_on_headline_claims_and_best_lr(tmp_path, full):
     for n in names:
         registry.render(n, full, CTX, tmp_path / f"{n}.png", tmp_path / f"{n}.pdf")
     full = {**full, "claims": C.claims_table(C.load_claims(CLAIMS_FILE), full, {})}
-    page = build_report(names + ["dead_zone"], tmp_path, full, {"name": "syn", "budget": {"params": 8e5}})
+    page = build_report(
+        names + ["dead_zone"], tmp_path, full, {"name": "syn", "budget": {"params": 8e5}}
+    )
     first = page.split('<h2 id="s0">')[0]
     assert first.count("data:image/png;base64,iVBORw0KGgo") == 1  # the headline, embedded
-    assert "Claims of the source papers" in first and "Best learning rate per shape" in first and "vs budget" in first
+    assert (
+        "Claims of the source papers" in first
+        and "Best learning rate per shape" in first
+        and "vs budget" in first
+    )
     claims = full["claims"].set_index("claim_id")["verdict"]
-    for claim_id, verdict in claims.items():  # testable claims open the page; the rest are counted, all in full below
-        assert (f"<b>({claim_id[0]})</b>" in first) == (not verdict.startswith("not testable")), claim_id
+    for (
+        claim_id,
+        verdict,
+    ) in claims.items():  # testable claims open the page; the rest are counted, all in full below
+        assert (f"<b>({claim_id[0]})</b>" in first) == (not verdict.startswith("not testable")), (
+            claim_id
+        )
         assert f"<b>({claim_id[0]})</b>" in page
-    assert f"{int(claims.str.startswith('not testable').sum())} more not testable in this grid" in first
+    assert (
+        f"{int(claims.str.startswith('not testable').sum())} more not testable in this grid"
+        in first
+    )
     assert page.count("<figcaption>") == 3 and "dead_zone.png was not drawn" in page
     assert "http" not in page.replace("http-equiv", "")  # nothing fetched: opens offline
 
@@ -252,8 +370,18 @@ def test_report_opens_on_headline_claims_and_best_lr(tmp_path, full):
 def test_titles_of_a_grid_with_pretrained_models_say_whose_budget_they_state():
     """The grid line names the pretrained models and marks the budget, depths and LRs as the
     trained grid's, so a figure of SmolLM2's 30 layers is not titled as if it were a 4-layer run."""
-    settings = {"budget": {"params": 3.9e5}, "shapes": [{"n_layer": 4}], "learning_rates": [4e-3], "seeds": [0]}
+    settings = {
+        "budget": {"params": 3.9e5},
+        "shapes": [{"n_layer": 4}],
+        "learning_rates": [4e-3],
+        "seeds": [0],
+    }
     assert grid_line(settings) == "budget 3.9e+05 params; L = 4; LR 0.004; seeds 0"
     line = grid_line({**settings, "pretrained": ["smollm2_135m_instruct"]})
-    assert line == "trained: budget 3.9e+05 params; L = 4; LR 0.004; seeds 0; pretrained: smollm2_135m_instruct"
-    assert grid_line({**settings, "pretrained": [{"name": "a"}, {"name": "b"}]}).endswith("pretrained: a, b")
+    assert (
+        line
+        == "trained: budget 3.9e+05 params; L = 4; LR 0.004; seeds 0; pretrained: smollm2_135m_instruct"
+    )
+    assert grid_line({**settings, "pretrained": [{"name": "a"}, {"name": "b"}]}).endswith(
+        "pretrained: a, b"
+    )

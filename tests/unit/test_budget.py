@@ -21,8 +21,25 @@ from depthbench.analysis.tables import GROUP_COLUMNS, best_learning_rates, best_
 from tests.conftest import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
-ALL_ARCHS = ["pre_ln", "post_ln", "peri_ln", "lns", "deepnorm", "keel", "hc", "mhc", "attnres_full", "attnres_block", "moda"]
-BUDGETED = ["config/config.yaml", "config/presets/cpu_all.yaml", "config/presets/400m.yaml", "config/presets/1p6b.yaml"]
+ALL_ARCHS = [
+    "pre_ln",
+    "post_ln",
+    "peri_ln",
+    "lns",
+    "deepnorm",
+    "keel",
+    "hc",
+    "mhc",
+    "attnres_full",
+    "attnres_block",
+    "moda",
+]
+BUDGETED = [
+    "config/config.yaml",
+    "config/presets/cpu_all.yaml",
+    "config/presets/400m.yaml",
+    "config/presets/1p6b.yaml",
+]
 
 
 @pytest.mark.parametrize("path", BUDGETED)
@@ -46,7 +63,9 @@ def test_solved_counts_are_the_built_models_counts():
     for arch in ("pre_ln", "hc", "mhc", "attnres_block"):
         base = ModelConfig(arch=arch, vocab_size=2048, n_head=4)
         shape = solve_width(base, 8, 8e5, multiple=8, ff_multiple=32, ff_step=4)
-        cfg = ModelConfig(arch=arch, vocab_size=2048, n_head=4, n_layer=8, d_model=shape.d_model, d_ff=shape.d_ff)
+        cfg = ModelConfig(
+            arch=arch, vocab_size=2048, n_head=4, n_layer=8, d_model=shape.d_model, d_ff=shape.d_ff
+        )
         with torch.device("meta"):
             model = build_model(cfg, initialize=False)
         built = sum(p.numel() for p in model.parameters())
@@ -55,8 +74,16 @@ def test_solved_counts_are_the_built_models_counts():
 
 
 def test_a_shape_out_of_tolerance_names_the_shape_and_the_nearest_counts(wiki_jsonl):
-    budget = {"params": 1.0e5, "d_model_multiple": 16, "d_ff_multiple": 16, "d_ff_step": 64, "tolerance": 0.001}
-    config = load_config(tiny_config(wiki_jsonl, budget=budget, shapes=[{"n_layer": 1}, {"n_layer": 2}]))
+    budget = {
+        "params": 1.0e5,
+        "d_model_multiple": 16,
+        "d_ff_multiple": 16,
+        "d_ff_step": 64,
+        "tolerance": 0.001,
+    }
+    config = load_config(
+        tiny_config(wiki_jsonl, budget=budget, shapes=[{"n_layer": 1}, {"n_layer": 2}])
+    )
     with pytest.raises(ConfigError) as info:
         expand_grid(config)
     err = info.value
@@ -69,13 +96,22 @@ def test_a_shape_out_of_tolerance_names_the_shape_and_the_nearest_counts(wiki_js
     assert below < 1.0e5 < above  # they bracket the budget, both outside the tolerance
     assert min(1.0e5 - below, above - 1.0e5) > 0.001 * 1.0e5
     for count, d_model, d_ff in ((below, d_lo, f_lo), (above, d_hi, f_hi)):  # and they are real
-        cfg = ModelConfig(vocab_size=512, n_head=2, n_layer=n_layer, d_model=int(d_model), d_ff=int(d_ff), max_seq_len=32)
+        cfg = ModelConfig(
+            vocab_size=512,
+            n_head=2,
+            n_layer=n_layer,
+            d_model=int(d_model),
+            d_ff=int(d_ff),
+            max_seq_len=32,
+        )
         assert count_parameters(cfg) == count
     assert "budget.tolerance" in str(err) and "budget.d_ff_step" in str(err)
 
 
 def test_explicit_shapes_stay_as_given_and_report_their_deviation(wiki_jsonl):
-    exp = expand_grid(load_config(tiny_config(wiki_jsonl, shapes=[{"n_layer": 2, "d_model": 64, "d_ff": 96}])))
+    exp = expand_grid(
+        load_config(tiny_config(wiki_jsonl, shapes=[{"n_layer": 2, "d_model": 64, "d_ff": 96}]))
+    )
     (row,) = shape_table(exp)
     cfg = ModelConfig(vocab_size=512, n_head=2, n_layer=2, d_model=64, d_ff=96, max_seq_len=32)
     assert (row["d_model"], row["d_ff"], row["params"]) == (64, 96, count_parameters(cfg))
@@ -96,32 +132,57 @@ def test_cli_shapes_prints_params_vs_budget(capsys):
         assert float(fields[-1]) == pytest.approx(params / budget - 1, abs=5e-5)
 
 
-def _summary(tmp_path: Path, spec: dict, lr: float, seed: int, loss: float, status: str = "ok") -> str:
+def _summary(
+    tmp_path: Path, spec: dict, lr: float, seed: int, loss: float, status: str = "ok"
+) -> str:
     spec = {**spec, "lr": lr, "seed": seed, "run_id": f"r_L{spec['shape']['n_layer']}_{lr}_{seed}"}
     path = tmp_path / spec["run_id"] / "summary.json"  # a summary lives in its run's folder
     path.parent.mkdir()
-    path.write_text(json.dumps({
-        "run_id": spec["run_id"], "spec": spec, "n_params": spec["shape"]["n_params"], "status": status,
-        "final_val_loss": loss if status == "ok" else math.nan, "steps": 10, "total_steps": 10,
-        "tokens_seen": 1000, "wall_seconds": 1.0, "tokens_per_s": 1000.0,
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "run_id": spec["run_id"],
+                "spec": spec,
+                "n_params": spec["shape"]["n_params"],
+                "status": status,
+                "final_val_loss": loss if status == "ok" else math.nan,
+                "steps": 10,
+                "total_steps": 10,
+                "tokens_seen": 1000,
+                "wall_seconds": 1.0,
+                "tokens_per_s": 1000.0,
+            }
+        )
+    )
     return str(path)
 
 
 def test_runs_and_best_lr_with_two_seeds(wiki_jsonl, tmp_path):
-    exp = expand_grid(load_config(tiny_config(wiki_jsonl, shapes=[{"n_layer": 2}, {"n_layer": 3}])))  # tolerance 0.5
+    exp = expand_grid(
+        load_config(tiny_config(wiki_jsonl, shapes=[{"n_layer": 2}, {"n_layer": 3}]))
+    )  # tolerance 0.5
     specs = {s.shape.n_layer: s.to_dict() for s in exp.runs.values()}
     # L=2: 2e-3 is best (interior); L=3: 4e-3, the largest LR tried, is best (at the edge).
     losses = {
-        (2, 1e-3): [3.10, 3.20], (2, 2e-3): [3.00, 3.06], (2, 4e-3): [3.30, 3.10],
-        (3, 1e-3): [3.50, 3.40], (3, 2e-3): [3.20, 3.30], (3, 4e-3): [3.05, 2.99],
+        (2, 1e-3): [3.10, 3.20],
+        (2, 2e-3): [3.00, 3.06],
+        (2, 4e-3): [3.30, 3.10],
+        (3, 1e-3): [3.50, 3.40],
+        (3, 2e-3): [3.20, 3.30],
+        (3, 4e-3): [3.05, 2.99],
     }
-    paths = [_summary(tmp_path, specs[L], lr, seed, v) for (L, lr), vs in losses.items() for seed, v in enumerate(vs)]
+    paths = [
+        _summary(tmp_path, specs[L], lr, seed, v)
+        for (L, lr), vs in losses.items()
+        for seed, v in enumerate(vs)
+    ]
     runs = run_rows(paths, unigram_floor=5.0, experiment="t", budget_params=1.0e5)
     for L, spec in specs.items():
         got = runs[runs["n_layer"] == L]
         assert (got["budget_params"] == 1.0e5).all()
-        assert got["params_vs_budget"].iloc[0] == pytest.approx(spec["shape"]["n_params"] / 1.0e5 - 1)
+        assert got["params_vs_budget"].iloc[0] == pytest.approx(
+            spec["shape"]["n_params"] / 1.0e5 - 1
+        )
     assert run_rows(paths[:1], 5.0, "t")["params_vs_budget"].isna().all()  # no budget: NaN
 
     best = best_learning_rates(runs).set_index("n_layer")
@@ -131,7 +192,9 @@ def test_runs_and_best_lr_with_two_seeds(wiki_jsonl, tmp_path):
         assert best.loc[L, "final_val_loss"] == pytest.approx(statistics.mean(losses[(L, lr)]))
         assert best.loc[L, "final_val_loss_std"] == pytest.approx(statistics.stdev(losses[(L, lr)]))
         assert best.loc[L, "n_seeds"] == 2
-        assert best.loc[L, "params_vs_budget"] == pytest.approx(specs[L]["shape"]["n_params"] / 1.0e5 - 1)
+        assert best.loc[L, "params_vs_budget"] == pytest.approx(
+            specs[L]["shape"]["n_params"] / 1.0e5 - 1
+        )
 
     # A diverged larger LR is still tried: 4e-3 becomes interior at L=3.
     paths.append(_summary(tmp_path, specs[3], 8e-3, 0, math.nan, status="diverged"))
@@ -141,11 +204,22 @@ def test_runs_and_best_lr_with_two_seeds(wiki_jsonl, tmp_path):
 
 
 def test_best_lr_with_one_seed_has_nan_spread():
-    runs = pd.DataFrame({
-        "experiment": "t", "arch": "pre_ln", "n_layer": 2, "d_model": 32, "knobs": "{}", "ratio": 16.0,
-        "params": 1000, "params_vs_budget": 0.001, "lr": [1e-3, 2e-3], "seed": 0, "status": "ok",
-        "final_val_loss": [3.0, 3.1],
-    })
+    runs = pd.DataFrame(
+        {
+            "experiment": "t",
+            "arch": "pre_ln",
+            "n_layer": 2,
+            "d_model": 32,
+            "knobs": "{}",
+            "ratio": 16.0,
+            "params": 1000,
+            "params_vs_budget": 0.001,
+            "lr": [1e-3, 2e-3],
+            "seed": 0,
+            "status": "ok",
+            "final_val_loss": [3.0, 3.1],
+        }
+    )
     (row,) = best_learning_rates(runs).to_dict("records")
     assert row["best_lr"] == 1e-3 and row["lr_at_edge"] and row["n_seeds"] == 1
     assert math.isnan(row["final_val_loss_std"])
@@ -155,14 +229,47 @@ def test_best_lr_with_one_seed_has_nan_spread():
 def test_best_lr_runs_are_every_finished_seed_at_each_cells_best_lr():
     """`probes.runs: best_lr` evaluates these runs: picked here by hand from the losses."""
     rows = []
-    for n_layer, d_model, losses in ((2, 32, {1e-3: (3.0, 3.2), 2e-3: (2.9, 3.1)}), (4, 24, {1e-3: (3.0, 3.0), 2e-3: (3.5, 3.6)})):
+    for n_layer, d_model, losses in (
+        (2, 32, {1e-3: (3.0, 3.2), 2e-3: (2.9, 3.1)}),
+        (4, 24, {1e-3: (3.0, 3.0), 2e-3: (3.5, 3.6)}),
+    ):
         for lr, per_seed in losses.items():
             for seed, loss in enumerate(per_seed):
-                rows.append({"experiment": "t", "arch": "hc", "n_layer": n_layer, "d_model": d_model, "knobs": "{}",
-                             "ratio": d_model / n_layer, "params": 1000, "params_vs_budget": 0.0, "lr": lr, "seed": seed,
-                             "status": "ok", "final_val_loss": loss, "run_id": f"L{n_layer}_lr{lr}_s{seed}"})
-    rows.append({**rows[-1], "seed": 2, "status": "diverged", "final_val_loss": math.nan, "run_id": "L4_lr0.002_s2"})
-    rows.append({**rows[4], "seed": 2, "status": "diverged", "final_val_loss": math.nan, "run_id": "L4_lr0.001_s2"})
+                rows.append(
+                    {
+                        "experiment": "t",
+                        "arch": "hc",
+                        "n_layer": n_layer,
+                        "d_model": d_model,
+                        "knobs": "{}",
+                        "ratio": d_model / n_layer,
+                        "params": 1000,
+                        "params_vs_budget": 0.0,
+                        "lr": lr,
+                        "seed": seed,
+                        "status": "ok",
+                        "final_val_loss": loss,
+                        "run_id": f"L{n_layer}_lr{lr}_s{seed}",
+                    }
+                )
+    rows.append(
+        {
+            **rows[-1],
+            "seed": 2,
+            "status": "diverged",
+            "final_val_loss": math.nan,
+            "run_id": "L4_lr0.002_s2",
+        }
+    )
+    rows.append(
+        {
+            **rows[4],
+            "seed": 2,
+            "status": "diverged",
+            "final_val_loss": math.nan,
+            "run_id": "L4_lr0.001_s2",
+        }
+    )
     runs = pd.DataFrame(rows)
     grid_order = list(reversed(runs["run_id"].tolist())) + ["not_in_table"]
     picked = best_lr_run_ids(runs, best_learning_rates(runs), grid_order)

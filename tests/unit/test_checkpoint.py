@@ -14,24 +14,40 @@ from depthbench.train.checkpoint import list_checkpoints, load_latest, save_chec
 
 
 def _tensors(value: float) -> dict:
-    return {"model": {"a.weight": torch.full((3, 4), value)}, "optim": {"a.weight": {"step": torch.tensor(7.0),
-                                                                                  "exp_avg": torch.full((3, 4), -value)}}}
+    return {
+        "model": {"a.weight": torch.full((3, 4), value)},
+        "optim": {"a.weight": {"step": torch.tensor(7.0), "exp_avg": torch.full((3, 4), -value)}},
+    }
 
 
 def test_a_checkpoint_holds_the_tensors_the_rank_state_and_the_json_meta(tmp_path):
     rng = torch.get_rng_state()
-    path = save_checkpoint(tmp_path, 3, "r", _tensors(1.5), {"wall_seconds": 2.5, "betas": (0.9, 0.95)},
-                           rank_tensors={"torch": rng})
+    path = save_checkpoint(
+        tmp_path,
+        3,
+        "r",
+        _tensors(1.5),
+        {"wall_seconds": 2.5, "betas": (0.9, 0.95)},
+        rank_tensors={"torch": rng},
+    )
     state = json.loads((path / "state.json").read_text())
     assert state["step"] == 3 and state["run_id"] == "r" and state["world_size"] == 1
     assert state["meta"] == {"wall_seconds": 2.5, "betas": [0.9, 0.95]}
-    for name, digest in state["files"].items():  # recomputed here, independently of the code under test
+    for name, digest in state[
+        "files"
+    ].items():  # recomputed here, independently of the code under test
         assert hashlib.sha256((path / name).read_bytes()).hexdigest() == digest, name
     assert torch.equal(load_file(path / "rank_0.safetensors")["torch"], rng)
-    template = {"model": {"a.weight": torch.zeros(3, 4)}, "optim": {"a.weight": {"step": torch.tensor(0.0),
-                                                                                 "exp_avg": torch.zeros(3, 4)}}}
+    template = {
+        "model": {"a.weight": torch.zeros(3, 4)},
+        "optim": {"a.weight": {"step": torch.tensor(0.0), "exp_avg": torch.zeros(3, 4)}},
+    }
     found = load_latest(tmp_path, "r", template)
-    assert found.step == 3 and found.meta["wall_seconds"] == 2.5 and torch.equal(found.rank_tensors["torch"], rng)
+    assert (
+        found.step == 3
+        and found.meta["wall_seconds"] == 2.5
+        and torch.equal(found.rank_tensors["torch"], rng)
+    )
     assert torch.equal(template["model"]["a.weight"], torch.full((3, 4), 1.5))
     assert template["optim"]["a.weight"]["step"].item() == 7.0
     assert torch.equal(template["optim"]["a.weight"]["exp_avg"], torch.full((3, 4), -1.5))
@@ -40,7 +56,9 @@ def test_a_checkpoint_holds_the_tensors_the_rank_state_and_the_json_meta(tmp_pat
 def test_the_same_step_saved_again_replaces_the_old_folder(tmp_path):
     save_checkpoint(tmp_path, 2, "r", _tensors(1.0))
     save_checkpoint(tmp_path, 2, "r", _tensors(4.0))
-    assert [s for s, _ in list_checkpoints(tmp_path)] == [2] and sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002"]
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2] and sorted(
+        p.name for p in tmp_path.iterdir()
+    ) == ["step_00000002"]
     template = _tensors(0.0)
     load_latest(tmp_path, "r", template)
     assert torch.equal(template["model"]["a.weight"], torch.full((3, 4), 4.0))
@@ -48,7 +66,9 @@ def test_the_same_step_saved_again_replaces_the_old_folder(tmp_path):
 
 def test_a_checkpoint_of_another_model_is_an_error_not_a_silent_restart(tmp_path):
     save_checkpoint(tmp_path, 2, "r", _tensors(1.0))
-    with pytest.raises(CheckpointError, match=r"does not fit this run's model.*Size mismatch.*a\.weight"):
+    with pytest.raises(
+        CheckpointError, match=r"does not fit this run's model.*Size mismatch.*a\.weight"
+    ):
         load_latest(tmp_path, "r", {"model": {"a.weight": torch.zeros(5, 4)}})
     with pytest.raises(CheckpointError, match=r"does not fit this run's model.*b\.weight"):
         load_latest(tmp_path, "r", {"model": {"b.weight": torch.zeros(3, 4)}})
@@ -56,7 +76,9 @@ def test_a_checkpoint_of_another_model_is_an_error_not_a_silent_restart(tmp_path
 
 def test_an_old_single_file_checkpoint_is_refused_with_what_to_do(tmp_path):
     torch.save({"run_id": "r", "step": 5, "model": {}}, tmp_path / "step_00000005.pt")
-    with pytest.raises(CheckpointError, match="step_00000005.pt is a single-file checkpoint of an earlier") as err:
+    with pytest.raises(
+        CheckpointError, match="step_00000005.pt is a single-file checkpoint of an earlier"
+    ) as err:
         load_latest(tmp_path, "r", _tensors(0.0))
     assert "delete the step_*.pt files" in str(err.value)
     save_checkpoint(tmp_path, 6, "r", _tensors(6.0))  # a sharded checkpoint beside it is used
@@ -83,7 +105,12 @@ def test_a_fresh_run_starts_adamw_at_step_zero_as_plain_pytorch_does(tmp_path):
     reference = torch.nn.Linear(4, 3)
     reference.load_state_dict(model.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    trainer = SimpleNamespace(model=model, optimizer=opt, checkpointer=Checkpointer(tmp_path), spec=SimpleNamespace(run_id="r"))
+    trainer = SimpleNamespace(
+        model=model,
+        optimizer=opt,
+        checkpointer=Checkpointer(tmp_path),
+        spec=SimpleNamespace(run_id="r"),
+    )
     assert resume.restore(trainer) is False and not opt.state
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     x = torch.randn(8, 4)

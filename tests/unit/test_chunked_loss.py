@@ -69,12 +69,16 @@ def test_chunked_loss_keeps_no_logits_for_backward():
     plain = _saved_bytes(lambda: _plain(x, w, y))
     chunked = _saved_bytes(lambda: chunked_cross_entropy(x, w, y, 64))
     assert plain >= N * V * 4  # at least the fp32 log-probabilities of every token
-    assert chunked <= (N * d + V * d) * 4  # the two gradients (d x, d W), nothing per vocabulary entry and token
+    assert (
+        chunked <= (N * d + V * d) * 4
+    )  # the two gradients (d x, d W), nothing per vocabulary entry and token
 
 
 def _model(chunk):
     torch.manual_seed(0)
-    model = build_model(ModelConfig(arch="pre_ln", vocab_size=97, d_model=32, n_layer=2, n_head=2, max_seq_len=16))
+    model = build_model(
+        ModelConfig(arch="pre_ln", vocab_size=97, d_model=32, n_layer=2, n_head=2, max_seq_len=16)
+    )
     model.loss_chunk_tokens = chunk
     return model
 
@@ -103,8 +107,13 @@ def test_training_with_the_knob_gives_the_plain_curve(tiny_data, tmp_path):
     for chunk in (0, 48):  # 48 < 4 x 32 tokens per micro-batch: three chunks, the last one shorter
         spec = copy.deepcopy(next(iter(exp.runs.values())))
         spec.train.total_steps, spec.train.log_every, spec.train.loss_chunk_tokens = 3, 1, chunk
-        train(spec, data_dir, RunPaths(tmp_path / str(chunk), tmp_path / f"w{chunk}"), progress=False)
-        lines = [json.loads(line) for line in (tmp_path / str(chunk) / "metrics.jsonl").read_text().splitlines()]
+        train(
+            spec, data_dir, RunPaths(tmp_path / str(chunk), tmp_path / f"w{chunk}"), progress=False
+        )
+        lines = [
+            json.loads(line)
+            for line in (tmp_path / str(chunk) / "metrics.jsonl").read_text().splitlines()
+        ]
         curves.append([r["train_loss"] for r in lines if "train_loss" in r])
     assert len(curves[0]) == 3 and curves[0] == pytest.approx(curves[1], abs=1e-5)
 
@@ -116,5 +125,9 @@ def test_the_knob_default_is_the_schema_default():
     from tests.conftest import REPO
 
     schema = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
-    assert schema["properties"]["train"]["properties"]["loss_chunk_tokens"]["default"] == TrainConfig().loss_chunk_tokens > 0
+    assert (
+        schema["properties"]["train"]["properties"]["loss_chunk_tokens"]["default"]
+        == TrainConfig().loss_chunk_tokens
+        > 0
+    )
     assert "loss_chunk_tokens" in TrainConfig.NOT_HASHED

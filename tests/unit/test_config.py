@@ -36,7 +36,10 @@ def make(wiki_jsonl, **overrides):
         ({"train": {"seq_lenn": 32}}, "train"),
         ({"learning_rates_by_arch": {"pre_ln": [1e-3, -2e-3]}}, "learning_rates_by_arch.pre_ln[1]"),
         ({"learning_rates_by_arch": {"pre_ln": []}}, "learning_rates_by_arch.pre_ln"),
-        ({"learning_rates_by_arch": {"transformer_xl": [1e-3]}}, "learning_rates_by_arch"),  # no architecture at all
+        (
+            {"learning_rates_by_arch": {"transformer_xl": [1e-3]}},
+            "learning_rates_by_arch",
+        ),  # no architecture at all
     ],
 )
 def test_invalid_configs_fail_naming_the_field(wiki_jsonl, overrides, field):
@@ -73,7 +76,9 @@ def test_grid_is_the_product_of_its_axes(wiki_jsonl):
     assert len(exp.runs) == 2 * 2 * 3 * 2 * 2
     assert len(set(exp.runs)) == len(exp.runs)
     spec = next(iter(exp.runs.values()))
-    assert spec.run_id.startswith(f"{spec.arch}_L{spec.shape.n_layer}-d{spec.shape.d_model}_lr{spec.lr:g}_s{spec.seed}_")
+    assert spec.run_id.startswith(
+        f"{spec.arch}_L{spec.shape.n_layer}-d{spec.shape.d_model}_lr{spec.lr:g}_s{spec.seed}_"
+    )
 
 
 def test_run_ids_are_stable_and_change_only_with_training_settings(wiki_jsonl):
@@ -97,16 +102,32 @@ def test_run_ids_are_stable_and_change_only_with_training_settings(wiki_jsonl):
 
 
 def test_learning_rates_by_arch_replace_the_grid_for_that_architecture_only(wiki_jsonl):
-    exp = make(wiki_jsonl, architectures=["pre_ln", "lns"], shapes=[{"n_layer": 2}, {"n_layer": 4}],
-               learning_rates=[1e-3, 3e-3], learning_rates_by_arch={"lns": [2e-3, 4e-3, 8e-3]})
+    exp = make(
+        wiki_jsonl,
+        architectures=["pre_ln", "lns"],
+        shapes=[{"n_layer": 2}, {"n_layer": 4}],
+        learning_rates=[1e-3, 3e-3],
+        learning_rates_by_arch={"lns": [2e-3, 4e-3, 8e-3]},
+    )
     lrs = {(s.arch, s.shape.n_layer): set() for s in exp.runs.values()}
     for spec in exp.runs.values():
         lrs[(spec.arch, spec.shape.n_layer)].add(spec.lr)
-    assert lrs == {("pre_ln", 2): {1e-3, 3e-3}, ("pre_ln", 4): {1e-3, 3e-3},
-                   ("lns", 2): {2e-3, 4e-3, 8e-3}, ("lns", 4): {2e-3, 4e-3, 8e-3}}
+    assert lrs == {
+        ("pre_ln", 2): {1e-3, 3e-3},
+        ("pre_ln", 4): {1e-3, 3e-3},
+        ("lns", 2): {2e-3, 4e-3, 8e-3},
+        ("lns", 4): {2e-3, 4e-3, 8e-3},
+    }
     # the runs pre_ln shares with a plain grid keep their ids (an added architecture grid adds runs)
-    plain = make(wiki_jsonl, architectures=["pre_ln", "lns"], shapes=[{"n_layer": 2}, {"n_layer": 4}], learning_rates=[1e-3, 3e-3])
-    assert {r for r in plain.run_ids if r.startswith("pre_ln")} == {r for r in exp.run_ids if r.startswith("pre_ln")}
+    plain = make(
+        wiki_jsonl,
+        architectures=["pre_ln", "lns"],
+        shapes=[{"n_layer": 2}, {"n_layer": 4}],
+        learning_rates=[1e-3, 3e-3],
+    )
+    assert {r for r in plain.run_ids if r.startswith("pre_ln")} == {
+        r for r in exp.run_ids if r.startswith("pre_ln")
+    }
 
 
 def test_scientific_notation_without_sign_is_a_number(wiki_jsonl):
@@ -122,16 +143,25 @@ def test_shape_solver_picks_the_closest_width():
     for n_layer, d_model in ((16, 1216), (70, 640)):
         shape = solve_width(base, n_layer, 410e6, tolerance=None)  # the width pick, d_ff at 8/3
         assert shape.d_model == d_model
-        assert shape.n_params == count_parameters(ModelConfig(vocab_size=50280, n_head=16, n_layer=n_layer, d_model=d_model))
+        assert shape.n_params == count_parameters(
+            ModelConfig(vocab_size=50280, n_head=16, n_layer=n_layer, d_model=d_model)
+        )
         for other in (d_model - 64, d_model + 64):
-            n_other = count_parameters(ModelConfig(vocab_size=50280, n_head=16, n_layer=n_layer, d_model=other))
+            n_other = count_parameters(
+                ModelConfig(vocab_size=50280, n_head=16, n_layer=n_layer, d_model=other)
+            )
             assert abs(n_other - 410e6) >= abs(shape.n_params - 410e6)
     assert round(solve_ratio(base, 76.0, 410e6).ratio, 1) == 76.0
     assert solve_ratio(base, 9.1, 410e6).n_layer == 70
 
 
 def test_shape_table_has_one_row_per_arch_and_shape(wiki_jsonl):
-    exp = make(wiki_jsonl, architectures=["pre_ln", "peri_ln"], shapes=[{"n_layer": 2}, {"n_layer": 3}], learning_rates=[1e-3, 2e-3])
+    exp = make(
+        wiki_jsonl,
+        architectures=["pre_ln", "peri_ln"],
+        shapes=[{"n_layer": 2}, {"n_layer": 3}],
+        learning_rates=[1e-3, 2e-3],
+    )
     rows = shape_table(exp)
     assert len(rows) == 4
     assert {"n_layer", "d_model", "ratio", "d_ff", "n_head", "params"} <= set(rows[0])
@@ -150,7 +180,9 @@ def test_schema_architecture_enum_matches_the_registry():
 
     canonical_arch("pre_ln")
     schema = yaml.safe_load(SCHEMA_PATH.read_text())
-    assert set(schema["properties"]["architectures"]["items"]["enum"]) == set(ARCHITECTURES) | set(ALIASES)
+    assert set(schema["properties"]["architectures"]["items"]["enum"]) == set(ARCHITECTURES) | set(
+        ALIASES
+    )
 
 
 def test_settings_added_later_enter_the_hash_only_when_changed():
@@ -162,7 +194,9 @@ def test_settings_added_later_enter_the_hash_only_when_changed():
     assert "a_future_setting" in _hashed(values, frozenset(), TrainConfig)
     assert "weight_decay" not in _hashed(TrainConfig().hashed_dict(), frozenset(), TrainConfig)
     assert _hashed({"weight_decay": 0.0}, frozenset(), TrainConfig) == {"weight_decay": 0.0}
-    assert _hashed({"weight_decay": 0.1}, frozenset({"weight_decay"}), TrainConfig) == {"weight_decay": 0.1}
+    assert _hashed({"weight_decay": 0.1}, frozenset({"weight_decay"}), TrainConfig) == {
+        "weight_decay": 0.1
+    }
 
 
 def test_identity_dict_round_trips_with_the_operational_settings(wiki_jsonl):
@@ -186,7 +220,8 @@ def test_cli_listing_into_a_closed_pipe_exits_cleanly():
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "depthbench", "runs", "config/presets/cpu_all.yaml"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     proc.stdout.close()  # before the listing is written (the import alone takes seconds), as `head` may
     err = proc.stderr.read().decode()
@@ -200,14 +235,23 @@ def test_per_architecture_settings_outside_the_grid_are_ignored_and_listed(wiki_
     from depthbench.grid.config import grid_learning_rates, ignored_settings
 
     plain = make(wiki_jsonl)
-    config = load_config(tiny_config(wiki_jsonl, learning_rates_by_arch={"hc": [1e-3], "sandwich_ln": [2e-3]},
-                                     model={"n_head": 2, "arch_options": {"n_blocks": 4, "n_streams": 2}}))
+    config = load_config(
+        tiny_config(
+            wiki_jsonl,
+            learning_rates_by_arch={"hc": [1e-3], "sandwich_ln": [2e-3]},
+            model={"n_head": 2, "arch_options": {"n_blocks": 4, "n_streams": 2}},
+        )
+    )
     assert grid_learning_rates(config) == {"pre_ln": [3e-3]}
     assert expand_grid(config).run_ids == plain.run_ids
     ignored = ignored_settings(config)
     assert len(ignored) == 4, ignored
-    for field in ("learning_rates_by_arch.hc", "learning_rates_by_arch.sandwich_ln",
-                  "model.arch_options.n_blocks", "model.arch_options.n_streams"):
+    for field in (
+        "learning_rates_by_arch.hc",
+        "learning_rates_by_arch.sandwich_ln",
+        "model.arch_options.n_blocks",
+        "model.arch_options.n_streams",
+    ):
         assert any(line.startswith(field + ":") for line in ignored), (field, ignored)
     assert ignored_settings(load_config(tiny_config(wiki_jsonl))) == []
 
@@ -227,13 +271,23 @@ def test_validate_lists_the_ignored_settings(tmp_path, capsys):
     from depthbench.commands.cli import main
 
     config = tmp_path / "subset.yaml"
-    text = open("config/config.yaml").read().replace(
-        "architectures: [pre_ln, lns, hc, mhc, attnres_full, attnres_block]", "architectures: [pre_ln, hc]")
+    text = (
+        open("config/config.yaml")
+        .read()
+        .replace(
+            "architectures: [pre_ln, lns, hc, mhc, attnres_full, attnres_block]",
+            "architectures: [pre_ln, hc]",
+        )
+    )
     config.write_text(text)
     assert main(["validate", str(config)]) in (0, None)
     out = capsys.readouterr().out
     assert "24 runs" in out
-    for field in ("learning_rates_by_arch.lns", "learning_rates_by_arch.attnres_full", "model.arch_options.n_blocks"):
+    for field in (
+        "learning_rates_by_arch.lns",
+        "learning_rates_by_arch.attnres_full",
+        "model.arch_options.n_blocks",
+    ):
         assert f"ignored (no architecture of the grid reads it): {field}:" in out, out
 
 
@@ -251,12 +305,31 @@ def test_an_overlay_narrows_the_default_grid(tmp_path):
     repo = Path(__file__).resolve().parents[2]
     subset = tmp_path / "subset.yaml"
     subset.write_text("architectures: [pre_ln, hc]\n")
-    work = tmp_path / "work"  # an empty results/ whatever the checkout's holds; config/ for the claims file
+    work = (
+        tmp_path / "work"
+    )  # an empty results/ whatever the checkout's holds; config/ for the claims file
     work.mkdir()
     (work / "config").symlink_to(repo / "config")
-    done = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--snakefile", str(repo / "Snakefile"),
-                           "--directory", str(work), "--configfile", str(repo / "config/config.yaml"), str(subset)],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-n",
+            "--cores",
+            "1",
+            "--snakefile",
+            str(repo / "Snakefile"),
+            "--directory",
+            str(work),
+            "--configfile",
+            str(repo / "config/config.yaml"),
+            str(subset),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = done.stdout + done.stderr
     trained = set(re.findall(r"wildcards: run_id=([A-Za-z0-9_.+-]+)", text))

@@ -15,9 +15,18 @@ from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model
 
 ARCHS = [
-    ("pre_ln", {}), ("post_ln", {}), ("peri_ln", {}), ("lns", {}), ("deepnorm", {}), ("keel", {}),
-    ("hc", {}), ("mhc", {}), ("attnres_full", {}), ("attnres_block", {"n_blocks": 2}),
-    ("moda", {}), ("moda", {"variant": "ffn_kv"}),
+    ("pre_ln", {}),
+    ("post_ln", {}),
+    ("peri_ln", {}),
+    ("lns", {}),
+    ("deepnorm", {}),
+    ("keel", {}),
+    ("hc", {}),
+    ("mhc", {}),
+    ("attnres_full", {}),
+    ("attnres_block", {"n_blocks": 2}),
+    ("moda", {}),
+    ("moda", {"variant": "ffn_kv"}),
 ]
 
 
@@ -29,12 +38,14 @@ def _register_cpu_sdpa():
     fwd = aten._scaled_dot_product_flash_attention_for_cpu
     bwd = aten._scaled_dot_product_flash_attention_for_cpu_backward
     if fwd not in registry:
+
         @flop_counter.register_flop_formula(fwd)
         def _fwd(query, key, value, *args, out_shape=None, **kwargs):
             b, h, s_q, d = query  # the counter passes shapes
             return 4 * b * h * s_q * key[-2] * d
 
     if bwd not in registry:
+
         @flop_counter.register_flop_formula(bwd)
         def _bwd(grad_out, query, key, value, *args, out_shape=None, **kwargs):
             b, h, s_q, d = query
@@ -42,7 +53,15 @@ def _register_cpu_sdpa():
 
 
 def small(arch, options, **kw):
-    base = dict(arch=arch, vocab_size=256, d_model=64, n_layer=4, n_head=4, max_seq_len=64, arch_options=options)
+    base = dict(
+        arch=arch,
+        vocab_size=256,
+        d_model=64,
+        n_layer=4,
+        n_head=4,
+        max_seq_len=64,
+        arch_options=options,
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -50,17 +69,22 @@ def small(arch, options, **kw):
 # beyond the default shape: uneven blocks (5 layers in 3), more blocks than layers, GQA's shared
 # depth keys, MoE's routed experts (only the top k run)
 FLOP_CASES = [(arch, options, {}) for arch, options in ARCHS] + [
-    ("attnres_block", {"n_blocks": 3}, {"n_layer": 5}), ("attnres_block", {"n_blocks": 8}, {}),
+    ("attnres_block", {"n_blocks": 3}, {"n_layer": 5}),
+    ("attnres_block", {"n_blocks": 8}, {}),
     ("moda", {}, {"n_kv_head": 2}),
-    ("moda", {"variant": "ffn_kv"}, {"n_kv_head": 2}), ("hc", {}, {"n_kv_head": 2}),
-    ("pre_ln", {}, {"moe": {"n_experts": 4, "top_k": 2}}), ("mhc", {}, {"moe": {"n_experts": 4, "top_k": 2}}),
+    ("moda", {"variant": "ffn_kv"}, {"n_kv_head": 2}),
+    ("hc", {}, {"n_kv_head": 2}),
+    ("pre_ln", {}, {"moe": {"n_experts": 4, "top_k": 2}}),
+    ("mhc", {}, {"moe": {"n_experts": 4, "top_k": 2}}),
 ]
 
 
 def _case_id(value):
     if isinstance(value, str):
         return value
-    return "-".join(f"{k}{v}" if not isinstance(v, dict) else k for k, v in value.items()) or "default"
+    return (
+        "-".join(f"{k}{v}" if not isinstance(v, dict) else k for k, v in value.items()) or "default"
+    )
 
 
 @pytest.mark.parametrize("arch,options,kw", FLOP_CASES, ids=_case_id)
@@ -72,7 +96,9 @@ def test_analytic_flops_match_the_flop_counter(arch, options, kw, monkeypatch):
     # sight, so it counts their PyTorch code
     monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)
     _register_cpu_sdpa()
-    if arch == "moda":  # likewise MoDA's fused depth chunk runs as broadcasts: count the explicit path
+    if (
+        arch == "moda"
+    ):  # likewise MoDA's fused depth chunk runs as broadcasts: count the explicit path
         options = {**options, "attention_impl": "explicit"}
     if arch.startswith("attnres"):  # and AttnRes's mix is a matmul the counter sees when batched
         options = {**options, "depth_mix": "batched"}
@@ -90,7 +116,9 @@ def test_analytic_flops_match_the_flop_counter(arch, options, kw, monkeypatch):
         model(idx, idx).loss.backward()
     cost = analytic_cost(cfg, train_seq_len=T)
     assert cost["forward_flops_per_token"] == forward_flops_per_token(model, T)
-    assert train.get_total_flops() == pytest.approx(cost["train_flops_per_token"] * B * T, rel=1e-9, abs=0)
+    assert train.get_total_flops() == pytest.approx(
+        cost["train_flops_per_token"] * B * T, rel=1e-9, abs=0
+    )
 
 
 def test_moe_flops_count_only_the_active_experts():
@@ -100,7 +128,9 @@ def test_moe_flops_count_only_the_active_experts():
     idx = torch.randint(0, 256, (2, 64))
     with FlopCounterMode(display=False) as fc, torch.no_grad():
         model(idx)
-    assert fc.get_total_flops() == pytest.approx(forward_flops_per_token(model, 64) * 128, rel=1e-9, abs=0)
+    assert fc.get_total_flops() == pytest.approx(
+        forward_flops_per_token(model, 64) * 128, rel=1e-9, abs=0
+    )
 
 
 @pytest.mark.parametrize("arch,options", ARCHS + [("pre_ln", {"gqa": True})], ids=str)
@@ -119,10 +149,14 @@ def test_kv_cache_bytes_match_what_generation_caches(arch, options):
     with torch.no_grad():
         full = model(idx).logits
     with incremental_decoding(model) as decoder:
-        steps = [decoder.step(idx[:, :10])] + [decoder.step(idx[:, t : t + 1]) for t in range(10, 16)]
+        steps = [decoder.step(idx[:, :10])] + [
+            decoder.step(idx[:, t : t + 1]) for t in range(10, 16)
+        ]
         assert decoder.position == 16
     assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-10)
-    assert model.position_offset == 0 and all(getattr(m, "cache", None) is None for m in model.modules())
+    assert model.position_offset == 0 and all(
+        getattr(m, "cache", None) is None for m in model.modules()
+    )
 
     model = model.to(torch.bfloat16)
     with incremental_decoding(model) as decoder:
@@ -144,7 +178,10 @@ def test_parameter_columns_add_up():
     assert c["prefill_flops_4096"] > 4096 * c["forward_flops_per_token"]
 
 
-@pytest.mark.parametrize("arch, options", [("attnres_block", {"n_blocks": 2}), ("attnres_block", {"n_blocks": 3}), ("attnres_full", {})])
+@pytest.mark.parametrize(
+    "arch, options",
+    [("attnres_block", {"n_blocks": 2}), ("attnres_block", {"n_blocks": 3}), ("attnres_full", {})],
+)
 def test_attnres_source_counts_are_what_each_reader_mixes(arch, options, monkeypatch):
     from depthbench.models.registry import build_model
     from depthbench.models.archs.attnres_full import DepthAttention
@@ -152,13 +189,21 @@ def test_attnres_source_counts_are_what_each_reader_mixes(arch, options, monkeyp
     model = build_model(small(arch, options))
     seen = []
     mix = DepthAttention.mix
-    monkeypatch.setattr(DepthAttention, "mix", staticmethod(lambda values, logits: (seen.append(len(values)), mix(values, logits))[1]))
+    monkeypatch.setattr(
+        DepthAttention,
+        "mix",
+        staticmethod(lambda values, logits: (seen.append(len(values)), mix(values, logits))[1]),
+    )
     model(torch.randint(0, 256, (1, 5)))
     assert model.source_counts() == seen
-    if options == {"n_blocks": 2}:  # 4 layers in 2 blocks: v0 [+ partial], then v0, b1 [+ partial]; final: v0, b1, b2
+    if options == {
+        "n_blocks": 2
+    }:  # 4 layers in 2 blocks: v0 [+ partial], then v0, b1 [+ partial]; final: v0, b1, b2
         assert seen == [1, 2, 2, 2, 2, 3, 3, 3, 3]
 
 
 def test_measured_cost_from_summary():
-    m = measured_cost({"steps": 10, "wall_seconds": 20.0, "device": "cpu", "tokens_per_s": 5.0, "world_size": 2})
+    m = measured_cost(
+        {"steps": 10, "wall_seconds": 20.0, "device": "cpu", "tokens_per_s": 5.0, "world_size": 2}
+    )
     assert m["step_seconds"] == 2.0 and m["device_hours"] == pytest.approx(40 / 3600)

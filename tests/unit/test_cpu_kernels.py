@@ -15,10 +15,15 @@ from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model
 from depthbench.kernels import mhc_ops
 
-from tests.kernel_checks import assert_compiled_calls_kernels_and_matches_eager, assert_independent_of_thread_count
+from tests.kernel_checks import (
+    assert_compiled_calls_kernels_and_matches_eager,
+    assert_independent_of_thread_count,
+)
 
 reason = kernels.unavailable_reason()
-pytestmark = pytest.mark.skipif(reason is not None, reason=f"CPU kernels cannot be built here: {reason}")
+pytestmark = pytest.mark.skipif(
+    reason is not None, reason=f"CPU kernels cannot be built here: {reason}"
+)
 
 
 def test_the_kernels_build_where_nothing_stands_in_the_way():
@@ -38,8 +43,12 @@ def test_kernel_is_independent_of_thread_count():
     u = torch.randn(2000, 24)
     g_coeff, g_post = torch.randn(2000, 5, 4), torch.randn(2000, 4)
     k = kernels.cpu_kernels()
-    assert_independent_of_thread_count(lambda: (*k.mhc_coefficients_forward(u, 4, 20),
-                                                k.mhc_coefficients_backward(u, g_coeff, g_post, 4, 20)))
+    assert_independent_of_thread_count(
+        lambda: (
+            *k.mhc_coefficients_forward(u, 4, 20),
+            k.mhc_coefficients_backward(u, g_coeff, g_post, 4, 20),
+        )
+    )
 
 
 def test_disabled_by_environment(monkeypatch):
@@ -118,7 +127,6 @@ def test_build_directory_changes_with_the_sources(monkeypatch, tmp_path):
     assert kernels.build_directory() != here
 
 
-
 def test_mhc_coefficient_custom_op_registration():
     """Fake (shape) implementation, autograd registration and schema agree with the kernel."""
     torch.manual_seed(0)
@@ -129,14 +137,17 @@ def test_mhc_coefficient_custom_op_registration():
 def test_compiled_mhc_keeps_the_kernel_and_matches_eager(monkeypatch):
     """Under torch.compile each sublayer's read stays one custom-op call: same loss and gradients."""
     torch.manual_seed(0)
-    model = build_model(ModelConfig(arch="mhc", vocab_size=64, n_layer=1, d_model=16, n_head=2, max_seq_len=8))
+    model = build_model(
+        ModelConfig(arch="mhc", vocab_size=64, n_layer=1, d_model=16, n_head=2, max_seq_len=8)
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     idx, targets = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
     # both sublayers of the layer, forward and backward, each one fused read
-    assert_compiled_calls_kernels_and_matches_eager(monkeypatch, model, idx, targets,
-                                                    {"mhc_read_forward": 2, "mhc_read_backward": 2})
+    assert_compiled_calls_kernels_and_matches_eager(
+        monkeypatch, model, idx, targets, {"mhc_read_forward": 2, "mhc_read_backward": 2}
+    )
 
 
 # --- mHC's fused read (mhc_read_forward / _backward) -----------------------------------------
@@ -163,7 +174,9 @@ def _read_case(n, d, tokens, dtype, seed=0):
     return H, weight, scale, bias
 
 
-@pytest.mark.parametrize("n,d,tokens", [(4, 64, 70), (4, 16, 1), (3, 20, 5), (5, 7, 40), (2, 16, 300)])
+@pytest.mark.parametrize(
+    "n,d,tokens", [(4, 64, 70), (4, 16, 1), (3, 20, 5), (5, 7, 40), (2, 16, 300)]
+)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_mhc_read_kernel_equals_the_definition(n, d, tokens, dtype):
     """Outputs and the gradients of H, the weight, the scale and the bias; n = 2..5 (5: runtime
@@ -187,12 +200,20 @@ def test_mhc_read_kernel_equals_the_definition(n, d, tokens, dtype):
 
 def test_mhc_read_kernel_is_independent_of_thread_count():
     H, weight, scale, bias = _read_case(4, 32, 1000, torch.float32)
-    grads = [torch.randn(1000, 32), torch.randn(1000, 4, 32), torch.randn(1000, 5, 4), torch.randn(1000, 4)]
+    grads = [
+        torch.randn(1000, 32),
+        torch.randn(1000, 4, 32),
+        torch.randn(1000, 5, 4),
+        torch.randn(1000, 4),
+    ]
     k = kernels.cpu_kernels()
 
     def compute():
         out = k.mhc_read_forward(H, weight, scale, bias, 1e-6, 20)
-        return (*out, *k.mhc_read_backward(H, weight, scale, bias, 1e-6, 20, out[2], out[4], *grads))
+        return (
+            *out,
+            *k.mhc_read_backward(H, weight, scale, bias, 1e-6, 20, out[2], out[4], *grads),
+        )
 
     assert_independent_of_thread_count(compute)
 
@@ -203,12 +224,19 @@ def test_kernels_are_independent_of_thread_count_under_mkl_conditional_reproduci
     threads (MKL_CBWR=COMPATIBLE makes it do so on CPUs where it otherwise does not): a kernel
     that hands a reduction over tokens or features to BLAS fails here on any CPU."""
     here = Path(__file__).parent
-    tests = [f"{here / 'test_cpu_kernels.py'}::test_kernel_is_independent_of_thread_count",
-             f"{here / 'test_cpu_kernels.py'}::test_mhc_read_kernel_is_independent_of_thread_count",
-             f"{here / 'test_hc_kernel.py'}::test_hc_read_kernel_is_independent_of_thread_count"]
+    tests = [
+        f"{here / 'test_cpu_kernels.py'}::test_kernel_is_independent_of_thread_count",
+        f"{here / 'test_cpu_kernels.py'}::test_mhc_read_kernel_is_independent_of_thread_count",
+        f"{here / 'test_hc_kernel.py'}::test_hc_read_kernel_is_independent_of_thread_count",
+    ]
     env = {**os.environ, "MKL_CBWR": "COMPATIBLE"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n0", "-p", "no:cacheprovider", *tests],
-                          env=env, capture_output=True, text=True, cwd=here.parent)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n0", "-p", "no:cacheprovider", *tests],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=here.parent,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "3 passed" in done.stdout
 
@@ -217,7 +245,9 @@ def test_mhc_read_custom_op_registration_and_gradcheck():
     inputs = [t.requires_grad_() for t in _read_case(3, 4, 7, torch.float64)]
     torch.library.opcheck(mhc_ops.fused_read, (*inputs, 1e-6, 20))
     assert torch.autograd.gradcheck(lambda *a: mhc_ops.fused_read(*a, 1e-6, 20)[:4], inputs)
-    assert torch.autograd.gradcheck(lambda *a: mhc_ops.read(*a, 1e-6, 20)[:4], inputs)  # eager: the Function
+    assert torch.autograd.gradcheck(
+        lambda *a: mhc_ops.read(*a, 1e-6, 20)[:4], inputs
+    )  # eager: the Function
 
 
 def test_mhc_read_kernel_rejects_bad_shapes():
@@ -226,8 +256,20 @@ def test_mhc_read_kernel_rejects_bad_shapes():
         kernels.cpu_kernels().mhc_read_forward(H, weight[:, :-1], scale, bias, 1e-6, 20)
     out = kernels.cpu_kernels().mhc_read_forward(H, weight, scale, bias, 1e-6, 20)
     with pytest.raises(RuntimeError, match="grad post has shape"):
-        kernels.cpu_kernels().mhc_read_backward(H, weight, scale, bias, 1e-6, 20, out[2], out[4], torch.zeros(3, 8),
-                                                torch.zeros(3, 4, 8), torch.zeros(3, 5, 4), torch.zeros(3, 5))
+        kernels.cpu_kernels().mhc_read_backward(
+            H,
+            weight,
+            scale,
+            bias,
+            1e-6,
+            20,
+            out[2],
+            out[4],
+            torch.zeros(3, 8),
+            torch.zeros(3, 4, 8),
+            torch.zeros(3, 5, 4),
+            torch.zeros(3, 5),
+        )
 
 
 def test_built_carries_exactly_the_mark_assume_constant_result_sets():

@@ -32,7 +32,9 @@ def test_shards_are_raw_little_endian_with_eos_per_document(tiny_data, wiki_json
     # offsets delimit documents; the first train document decodes back to the source text
     offsets = np.load(shards / "train.docs.npy")
     assert offsets.shape == (meta["train"]["n_documents"], 2)
-    first_train = next(d for i, d in enumerate(iter_documents(config["corpus"])) if not is_validation(i, 0.1, 1234))
+    first_train = next(
+        d for i, d in enumerate(iter_documents(config["corpus"])) if not is_validation(i, 0.1, 1234)
+    )
     start, end = offsets[0]
     assert tok.decode(train[start : end - 1].tolist()) == first_train
     assert meta["tokenizer_sha256"] and meta["tokenizer_id"] == exp.tokenizer_id
@@ -94,12 +96,20 @@ def test_tokenizer_file_and_external_shards(tmp_path, tiny_data, wiki_jsonl):
     """Shards made elsewhere (OLMo-core layout) are described, not copied, and train the same."""
     config, exp, shards = tiny_data
     tok_path = shards.parent / "tokenizer.json"
-    cfg = load_config(tiny_config(
-        wiki_jsonl,
-        corpus={"name": "ext", "source": "shards", "train_paths": [str(shards / "train.bin")],
-                "val_paths": [str(shards / "val.bin")], "dtype": "uint16", "eos_id": read_meta(shards)["eos_id"]},
-        tokenizer={"kind": "file", "path": str(tok_path)},
-    ))
+    cfg = load_config(
+        tiny_config(
+            wiki_jsonl,
+            corpus={
+                "name": "ext",
+                "source": "shards",
+                "train_paths": [str(shards / "train.bin")],
+                "val_paths": [str(shards / "val.bin")],
+                "dtype": "uint16",
+                "eos_id": read_meta(shards)["eos_id"],
+            },
+            tokenizer={"kind": "file", "path": str(tok_path)},
+        )
+    )
     ext_exp = expand_grid(cfg)
     assert ext_exp.vocab_size == 512
     out = tmp_path / "tok.json"
@@ -119,7 +129,9 @@ def test_bpe_tokenizer_is_trained_on_the_training_split_only(tmp_path, wiki_json
     assert tok.get_vocab_size() == 512
     assert tok.token_to_id("<|endoftext|>") is not None
     # a corpus of only validation documents would give a different tokenizer: train split only
-    assert data_id(config) != data_id({**config, "corpus": {**config["corpus"], "val_fraction": 0.5}})
+    assert data_id(config) != data_id(
+        {**config, "corpus": {**config["corpus"], "val_fraction": 0.5}}
+    )
 
 
 def test_batches_are_deterministic_disjoint_across_ranks_and_cover_an_epoch(tiny_data):
@@ -147,16 +159,26 @@ def torch_equal(a, b) -> bool:
     return bool((a == b).all())
 
 
-def test_hub_source_reads_through_the_same_interface_on_a_local_dataset_folder(tmp_path, wiki_jsonl):
+def test_hub_source_reads_through_the_same_interface_on_a_local_dataset_folder(
+    tmp_path, wiki_jsonl
+):
     """`source: hub` calls datasets.load_dataset(name, subset, split, streaming); a local dataset
     folder stands in for a hub repository here (no network)."""
     folder = tmp_path / "my_dataset"
     folder.mkdir()
     (folder / "train.jsonl").write_text(wiki_jsonl.read_text())
-    corpus = {"source": "hub", "dataset": str(folder), "subset": None, "split": "train", "streaming": True,
-              "max_documents": 25}
+    corpus = {
+        "source": "hub",
+        "dataset": str(folder),
+        "subset": None,
+        "split": "train",
+        "streaming": True,
+        "max_documents": 25,
+    }
     hub_docs = list(iter_documents(corpus))
-    local_docs = list(iter_documents({"source": "local", "path": str(wiki_jsonl), "max_documents": 25}))
+    local_docs = list(
+        iter_documents({"source": "local", "path": str(wiki_jsonl), "max_documents": 25})
+    )
     assert len(hub_docs) == 25 and hub_docs == local_docs
 
 
@@ -173,8 +195,14 @@ def test_a_seq_len_is_refused_naming_train_seq_len_exactly_when_a_split_has_no_w
     assert len(TokenWindows(files["val"], meta["dtype"], n_val - 1)) == 1
     with pytest.raises(ValueError):  # what the loader would meet one token later
         TokenWindows(files["val"], meta["dtype"], n_val)
-    with pytest.raises(ConfigError, match=rf"validation split .* has {n_val} tokens; valid: at most {n_val - 1}") as exc:
+    with pytest.raises(
+        ConfigError, match=rf"validation split .* has {n_val} tokens; valid: at most {n_val - 1}"
+    ) as exc:
         check_seq_len(shards, n_val)
-    assert exc.value.field == "train.seq_len" and str(exc.value).startswith("config field 'train.seq_len': ")
-    with pytest.raises(ConfigError, match=rf"training split .* has {n_train} tokens; valid: at most {n_train - 1}"):
+    assert exc.value.field == "train.seq_len" and str(exc.value).startswith(
+        "config field 'train.seq_len': "
+    )
+    with pytest.raises(
+        ConfigError, match=rf"training split .* has {n_train} tokens; valid: at most {n_train - 1}"
+    ):
         check_seq_len(shards, n_train)

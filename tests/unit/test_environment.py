@@ -43,8 +43,10 @@ def pyproject():
 def extras():
     """{extra: [Requirement]} with DepthBench's references to its own extras left out."""
     table = pyproject()["project"]["optional-dependencies"]
-    return {extra: [r for r in map(Requirement, reqs) if canonicalize_name(r.name) != "depthbench"]
-            for extra, reqs in table.items()}
+    return {
+        extra: [r for r in map(Requirement, reqs) if canonicalize_name(r.name) != "depthbench"]
+        for extra, reqs in table.items()
+    }
 
 
 def included_extras(extra):
@@ -105,7 +107,7 @@ def test_no_deps_packages_follow_the_extras():
 def test_setup_installs_through_the_constraints_and_pyproject():
     script = (REPO / "scripts" / "setup.sh").read_text()
     assert f"extras={','.join(SETUP_EXTRAS)}" in script
-    assert "pip install -c constraints.txt $isolation -e \".[$extras]\"" in script
+    assert 'pip install -c constraints.txt $isolation -e ".[$extras]"' in script
     assert "pip install --no-deps -c constraints.txt $nodeps" in script
     assert '["tool"]["depthbench"]["no-deps"]' in script
     assert not list(REPO.glob("requirements*.txt")), "constraints.txt replaced them"
@@ -133,7 +135,7 @@ def _rule_blocks(text: str):
         if not m:
             continue
         indent, body = len(m.group(1)), []
-        for nxt in lines[n + 1:]:
+        for nxt in lines[n + 1 :]:
             if nxt.strip() and len(nxt) - len(nxt.lstrip()) <= indent:
                 break
             body.append(nxt)

@@ -17,7 +17,9 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def cfg(arch, **kw):
-    base = dict(arch=arch, vocab_size=61, d_model=32, n_layer=3, n_head=4, max_seq_len=16, init_std=0.1)
+    base = dict(
+        arch=arch, vocab_size=61, d_model=32, n_layer=3, n_head=4, max_seq_len=16, init_std=0.1
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -27,7 +29,9 @@ def twin_models(arch, option, fast, reference, **kw):
     options = kw.pop("arch_options", {})
     torch.manual_seed(0)
     a = build_model(cfg(arch, arch_options={**options, option: fast}, **kw))
-    with torch.no_grad():  # perturb the zero-initialised parts (AttnRes pseudo-queries), as after training
+    with (
+        torch.no_grad()
+    ):  # perturb the zero-initialised parts (AttnRes pseudo-queries), as after training
         for p in a.parameters():
             p.add_(0.05 * torch.randn_like(p))
     b = build_model(cfg(arch, arch_options={**options, option: reference}, **kw))
@@ -53,10 +57,20 @@ def moda_twins(**kw):
     return twin_models("moda", "attention_impl", "fused", "explicit", **kw)
 
 
-@pytest.mark.parametrize("n_layer, n_kv_head, variant", [(2, 4, "reuse_kv"), (3, 2, "reuse_kv"), (5, 1, "reuse_kv"),
-                                                         (3, 4, "ffn_kv"), (4, 2, "ffn_kv")])
+@pytest.mark.parametrize(
+    "n_layer, n_kv_head, variant",
+    [
+        (2, 4, "reuse_kv"),
+        (3, 2, "reuse_kv"),
+        (5, 1, "reuse_kv"),
+        (3, 4, "ffn_kv"),
+        (4, 2, "ffn_kv"),
+    ],
+)
 def test_moda_fused_equals_explicit_in_loss_and_every_gradient(n_layer, n_kv_head, variant):
-    fused, explicit = moda_twins(n_layer=n_layer, n_kv_head=n_kv_head, arch_options={"variant": variant})
+    fused, explicit = moda_twins(
+        n_layer=n_layer, n_kv_head=n_kv_head, arch_options={"variant": variant}
+    )
     idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
     targets = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(2))
     assert_same_loss_and_gradients(fused, explicit, idx, targets)
@@ -76,7 +90,9 @@ def test_moda_fused_function_gradients_match_the_explicit_path_per_input(group, 
     B, Hk, G, T, hd, D = 2, 3, 2, 7, 4, 3
     q = torch.randn(B, Hk * G, T, hd, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(B, Hk, T, hd, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    sources = [torch.randn(B, Hk, T, hd, dtype=torch.float64, requires_grad=True) for _ in range(2 * D)]
+    sources = [
+        torch.randn(B, Hk, T, hd, dtype=torch.float64, requires_grad=True) for _ in range(2 * D)
+    ]
 
     def fused(q, k, v, *sources):
         keys = DepthKeys()
@@ -93,9 +109,13 @@ def test_moda_fused_function_gradients_match_the_explicit_path_per_input(group, 
     out_f, out_e = fused(*inputs), explicit(*inputs)
     torch.testing.assert_close(out_f, out_e)
     dy = torch.randn_like(out_f)
-    for gf, ge in zip(torch.autograd.grad(out_f, inputs, dy), torch.autograd.grad(out_e, inputs, dy)):
+    for gf, ge in zip(
+        torch.autograd.grad(out_f, inputs, dy), torch.autograd.grad(out_e, inputs, dy)
+    ):
         torch.testing.assert_close(gf, ge)
-    small = [t.detach()[:1, :, :3, :2].clone().requires_grad_() for t in inputs]  # gradcheck: few inputs
+    small = [
+        t.detach()[:1, :, :3, :2].clone().requires_grad_() for t in inputs
+    ]  # gradcheck: few inputs
     assert torch.autograd.gradcheck(fused, tuple(small))
 
 
@@ -133,7 +153,9 @@ def test_moda_forks_and_edited_pairs_rebuild_the_buffer_from_the_pairs():
     keys.append(pairs[1])
     fork.append(pairs[2])  # slot 1 is taken by keys' pair: the fork must not overwrite it
     assert torch.equal(keys.buffer().k[1], pairs[1][0])
-    assert torch.equal(fork.buffer().k[1], pairs[2][0]) and torch.equal(fork.buffer().v[0], pairs[0][1])
+    assert torch.equal(fork.buffer().k[1], pairs[2][0]) and torch.equal(
+        fork.buffer().v[0], pairs[0][1]
+    )
     assert torch.equal(keys.buffer().k[1], pairs[1][0])
     del keys.pairs[1:]
     keys.append(pairs[2])
@@ -158,17 +180,31 @@ def test_moda_attention_impl_is_validated():
         build_model(cfg("moda", arch_options={"attention_impl": "flash"}))
 
 
-@pytest.mark.parametrize("arch, n_layer, options", [("attnres_full", 2, {}), ("attnres_full", 4, {}),
-                                                   ("attnres_block", 4, {"n_blocks": 2}), ("attnres_block", 5, {"n_blocks": 3}),
-                                                   ("attnres_block", 3, {"n_blocks": 8})])
+@pytest.mark.parametrize(
+    "arch, n_layer, options",
+    [
+        ("attnres_full", 2, {}),
+        ("attnres_full", 4, {}),
+        ("attnres_block", 4, {"n_blocks": 2}),
+        ("attnres_block", 5, {"n_blocks": 3}),
+        ("attnres_block", 3, {"n_blocks": 8}),
+    ],
+)
 def test_attnres_batched_mix_equals_the_per_source_loop(arch, n_layer, options):
-    batched, loop = twin_models(arch, "depth_mix", "batched", "loop", n_layer=n_layer, arch_options=options)
+    batched, loop = twin_models(
+        arch, "depth_mix", "batched", "loop", n_layer=n_layer, arch_options=options
+    )
     idx = torch.randint(0, 61, (2, 10), generator=torch.Generator().manual_seed(1))
     targets = torch.randint(0, 61, (2, 10), generator=torch.Generator().manual_seed(2))
     assert_same_loss_and_gradients(batched, loop, idx, targets)
     with torch.no_grad():
-        a, b = batched(idx, return_internals=True, return_hidden=True), loop(idx, return_internals=True, return_hidden=True)
-    for x, y in zip(a.internals["depth_weights"] + a.hidden, b.internals["depth_weights"] + b.hidden):
+        a, b = (
+            batched(idx, return_internals=True, return_hidden=True),
+            loop(idx, return_internals=True, return_hidden=True),
+        )
+    for x, y in zip(
+        a.internals["depth_weights"] + a.hidden, b.internals["depth_weights"] + b.hidden
+    ):
         torch.testing.assert_close(x, y, **TOL)
 
 
@@ -195,21 +231,31 @@ def test_attnres_batched_mix_gradients_per_source_with_an_extra_source():
     inputs = (logits, extra, *sources)
     torch.testing.assert_close(batched(*inputs), written_out(*inputs))
     dh = torch.randn(2, 2, 3, dtype=torch.float64)
-    for ga, gb in zip(torch.autograd.grad(batched(*inputs), inputs, dh), torch.autograd.grad(written_out(*inputs), inputs, dh)):
+    for ga, gb in zip(
+        torch.autograd.grad(batched(*inputs), inputs, dh),
+        torch.autograd.grad(written_out(*inputs), inputs, dh),
+    ):
         torch.testing.assert_close(ga, gb)
     assert torch.autograd.gradcheck(batched, inputs)
 
 
 def test_attnres_sources_live_in_one_buffer_per_forward():
     torch.manual_seed(0)
-    assert build_model(cfg("attnres_full")).begin(torch.zeros(1, 3, dtype=torch.long)).value.buffer is None  # auto: loop on CPU
+    assert (
+        build_model(cfg("attnres_full")).begin(torch.zeros(1, 3, dtype=torch.long)).value.buffer
+        is None
+    )  # auto: loop on CPU
     model = build_model(cfg("attnres_full", n_layer=3, arch_options={"depth_mix": "batched"}))
     state = model.begin(torch.randint(0, 61, (2, 7)))
     buffer = state.value.buffer
     assert buffer.values.shape[2] == 7  # 2L + 1 sources, allocated once
     for layer in range(1, 4):
         state = model.step(state, layer)
-    assert state.value.buffer is buffer and buffer.holds(state.value.values) and len(buffer.sources) == 7
+    assert (
+        state.value.buffer is buffer
+        and buffer.holds(state.value.values)
+        and len(buffer.sources) == 7
+    )
     with pytest.raises(ConfigError, match="model.arch_options.depth_mix"):
         build_model(cfg("attnres_block", arch_options={"depth_mix": "fast"}))
 
@@ -232,11 +278,15 @@ def test_chunked_pair_equals_causal_attention_and_its_lse(T, chunk, monkeypatch)
     s = (q @ k.transpose(-1, -2)) * scale
     s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
     y_ref, lse_ref = torch.softmax(s, -1) @ v, s.logsumexp(-1)
-    y, lse = mf.chunked_attention_forward(q.detach(), k.detach(), v.detach(), 0.0, True, scale=scale)
+    y, lse = mf.chunked_attention_forward(
+        q.detach(), k.detach(), v.detach(), 0.0, True, scale=scale
+    )
     torch.testing.assert_close(y, y_ref.detach())
     torch.testing.assert_close(lse, lse_ref.detach())
     dy = torch.randn_like(y)
-    grads = mf.chunked_attention_backward(dy, q.detach(), k.detach(), v.detach(), y, lse, 0.0, True, scale=scale)
+    grads = mf.chunked_attention_backward(
+        dy, q.detach(), k.detach(), v.detach(), y, lse, 0.0, True, scale=scale
+    )
     for g, ref in zip(grads, torch.autograd.grad(y_ref, (q, k, v), dy)):
         torch.testing.assert_close(g, ref, rtol=1e-6, atol=1e-6)
 
@@ -257,8 +307,10 @@ def test_chunked_pair_equals_the_cpu_flash_pair():
     torch.testing.assert_close(lc, lf.reshape(lc.shape), **TOL)
     dy = torch.randn_like(yc)
     lse = torch.empty_like(lf).copy_(lc.view(lf.shape))
-    for a, b in zip(mf.chunked_attention_backward(dy, q, k, v, yc, lc, 0.0, True, scale=0.3),
-                    flash[1](dy, q, k, v, yf, lse, 0.0, True, scale=0.3)):
+    for a, b in zip(
+        mf.chunked_attention_backward(dy, q, k, v, yc, lc, 0.0, True, scale=0.3),
+        flash[1](dy, q, k, v, yf, lse, 0.0, True, scale=0.3),
+    ):
         torch.testing.assert_close(a, b, **TOL)
 
 
@@ -273,14 +325,23 @@ def test_kernel_choice_by_device_and_option():
 
 
 @pytest.mark.parametrize("n_layer, n_kv_head, variant", [(3, 2, "reuse_kv"), (4, 2, "ffn_kv")])
-def test_moda_chunked_equals_explicit_in_loss_and_every_gradient(n_layer, n_kv_head, variant, monkeypatch):
+def test_moda_chunked_equals_explicit_in_loss_and_every_gradient(
+    n_layer, n_kv_head, variant, monkeypatch
+):
     """`attention_impl: chunked` (the path CUDA takes) against the explicit score matrices in a
     whole model, blocks of 5 queries over 12 positions."""
     from depthbench.models.archs import moda_fused as mf
 
     monkeypatch.setattr(mf, "QUERY_CHUNK", 5)
-    chunked, explicit = twin_models("moda", "attention_impl", "chunked", "explicit", n_layer=n_layer,
-                                    n_kv_head=n_kv_head, arch_options={"variant": variant})
+    chunked, explicit = twin_models(
+        "moda",
+        "attention_impl",
+        "chunked",
+        "explicit",
+        n_layer=n_layer,
+        n_kv_head=n_kv_head,
+        arch_options={"variant": variant},
+    )
     idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
     targets = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(2))
     assert_same_loss_and_gradients(chunked, explicit, idx, targets)

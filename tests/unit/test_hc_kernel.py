@@ -10,10 +10,15 @@ from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model
 from depthbench.kernels import hc_ops, stream_ops
 
-from tests.kernel_checks import assert_compiled_calls_kernels_and_matches_eager, assert_independent_of_thread_count
+from tests.kernel_checks import (
+    assert_compiled_calls_kernels_and_matches_eager,
+    assert_independent_of_thread_count,
+)
 
 reason = kernels.unavailable_reason()
-pytestmark = pytest.mark.skipif(reason is not None, reason=f"CPU kernels cannot be built here: {reason}")
+pytestmark = pytest.mark.skipif(
+    reason is not None, reason=f"CPU kernels cannot be built here: {reason}"
+)
 
 
 def _read_reference(H, weight, static, scale, eps):
@@ -35,7 +40,9 @@ def _case(n, d, tokens, dtype, weight_scale=0.5, seed=0):
     return H, weight, static, scale
 
 
-@pytest.mark.parametrize("n,d,tokens", [(4, 64, 70), (4, 64, 1), (3, 20, 5), (5, 37, 130), (1, 8, 3), (2, 16, 257)])
+@pytest.mark.parametrize(
+    "n,d,tokens", [(4, 64, 70), (4, 64, 1), (3, 20, 5), (5, 37, 130), (1, 8, 3), (2, 16, 257)]
+)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_hc_read_kernel_equals_the_definition(n, d, tokens, dtype):
     """Outputs and the gradients of H, the weight, the static weights and the per-column scales;
@@ -68,10 +75,13 @@ def test_the_kernels_tanh_is_accurate_over_its_whole_range(dtype):
     H = torch.stack([angles.cos(), angles.sin()], dim=-1).view(-1, 1, 2).to(dtype)
     for s in (1e-9, 1e-4, 0.1, 1.0, 5.0, 30.0):
         weight = torch.tensor([[s, 0.0], [0.0, 0.0], [0.0, 0.0]], dtype=dtype)
-        _, _, coeff = kernels.cpu_kernels().hc_read_forward(H, weight, torch.zeros(1, 3, dtype=dtype),
-                                                          torch.ones(3, dtype=dtype), 0.0)
+        _, _, coeff = kernels.cpu_kernels().hc_read_forward(
+            H, weight, torch.zeros(1, 3, dtype=dtype), torch.ones(3, dtype=dtype), 0.0
+        )
         p = (H[:, 0, 0] * s) * torch.rsqrt((H * H).mean(-1)[:, 0])  # as the kernel rounds it
-        tol = dict(rtol=1e-14, atol=1e-300) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-30)
+        tol = (
+            dict(rtol=1e-14, atol=1e-300) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-30)
+        )
         torch.testing.assert_close(coeff[:, 0, 0], torch.tanh(p), **tol)
 
 
@@ -79,8 +89,12 @@ def test_hc_read_kernel_is_independent_of_thread_count():
     H, weight, static, scale = _case(4, 64, 1000, torch.float32)
     grads = [torch.randn(1000, 64), torch.randn(1000, 4, 64), torch.randn(1000, 4, 6)]
     k = kernels.cpu_kernels()
-    assert_independent_of_thread_count(lambda: (*k.hc_read_forward(H, weight, static, scale, 1e-6),
-                                                *k.hc_read_backward(H, weight, static, scale, 1e-6, *grads)))
+    assert_independent_of_thread_count(
+        lambda: (
+            *k.hc_read_forward(H, weight, static, scale, 1e-6),
+            *k.hc_read_backward(H, weight, static, scale, 1e-6, *grads),
+        )
+    )
 
 
 def test_hc_read_custom_op_registration_and_gradcheck():
@@ -97,13 +111,24 @@ def test_hc_read_kernel_rejects_bad_shapes():
     with pytest.raises(RuntimeError, match=r"scales \(n \+ 2\)"):
         kernels.cpu_kernels().hc_read_forward(H, weight, static, scale[:1], 1e-6)
     with pytest.raises(RuntimeError, match="float32 or float64"):
-        kernels.cpu_kernels().hc_read_forward(H.half(), weight.half(), static.half(), scale.half(), 1e-6)
+        kernels.cpu_kernels().hc_read_forward(
+            H.half(), weight.half(), static.half(), scale.half(), 1e-6
+        )
 
 
 def _perturbed_hc(n_layer=2, d_model=32, arch="hc", **options):
     torch.manual_seed(0)
-    model = build_model(ModelConfig(arch=arch, vocab_size=64, n_layer=n_layer, d_model=d_model, n_head=2,
-                                    max_seq_len=16, arch_options=options))
+    model = build_model(
+        ModelConfig(
+            arch=arch,
+            vocab_size=64,
+            n_layer=n_layer,
+            d_model=d_model,
+            n_head=2,
+            max_seq_len=16,
+            arch_options=options,
+        )
+    )
     with torch.no_grad():  # move the zero-initialised dynamic weights off their init
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -124,7 +149,11 @@ def test_training_step_is_the_same_with_and_without_the_kernels(monkeypatch, arc
         loss.backward()
         with torch.no_grad():
             internals = model(idx, return_internals=True).internals
-        results[name] = (loss.detach(), [p.grad.clone() for p in model.parameters()], internals["stream_mixing"])
+        results[name] = (
+            loss.detach(),
+            [p.grad.clone() for p in model.parameters()],
+            internals["stream_mixing"],
+        )
     torch.testing.assert_close(results["kernel"][0], results["pytorch"][0], rtol=1e-6, atol=1e-6)
     for a, b in zip(results["kernel"][1], results["pytorch"][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
@@ -136,8 +165,9 @@ def test_compiled_hc_keeps_the_kernel_and_matches_eager(monkeypatch):
     """Under torch.compile each sublayer's read stays one custom-op call: same loss and gradients."""
     model = _perturbed_hc(n_layer=1, d_model=16)
     idx, targets = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
-    assert_compiled_calls_kernels_and_matches_eager(monkeypatch, model, idx, targets,
-                                                    {"hc_read_forward": 2, "hc_read_backward": 2})
+    assert_compiled_calls_kernels_and_matches_eager(
+        monkeypatch, model, idx, targets, {"hc_read_forward": 2, "hc_read_backward": 2}
+    )
 
 
 @pytest.mark.parametrize("n,d,tokens", [(4, 64, 70), (3, 13, 5), (5, 8, 1)])
@@ -145,8 +175,10 @@ def test_compiled_hc_keeps_the_kernel_and_matches_eager(monkeypatch):
 def test_stream_write_backward_equals_autograd_through_addcmul(n, d, tokens, dtype):
     """HC's and mHC's write H = mixed + w^T out: the C++ backward against autograd."""
     g = torch.Generator().manual_seed(1)
-    mixed, w, out = (torch.randn(*shape, dtype=dtype, generator=g, requires_grad=True)
-                     for shape in ((tokens, n, d), (tokens, n), (tokens, d)))
+    mixed, w, out = (
+        torch.randn(*shape, dtype=dtype, generator=g, requires_grad=True)
+        for shape in ((tokens, n, d), (tokens, n), (tokens, d))
+    )
     H = torch.addcmul(mixed, w.unsqueeze(-1), out.unsqueeze(-2))
     grad = torch.randn_like(H)
     expected = torch.autograd.grad(H, (mixed, w, out), grad)
@@ -160,8 +192,13 @@ def test_stream_write_backward_equals_autograd_through_addcmul(n, d, tokens, dty
 
 def test_stream_write_custom_op_registration():
     g = torch.Generator().manual_seed(2)
-    args = [torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True) for shape in ((5, 3, 4), (5, 3), (5, 4))]
+    args = [
+        torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True)
+        for shape in ((5, 3, 4), (5, 3), (5, 4))
+    ]
     torch.library.opcheck(stream_ops.fused_write, args)
     assert torch.autograd.gradcheck(stream_ops.fused_write, args)
     # eager: the in-place Function (on a copy of mixed, as the read's fresh output would be)
-    assert torch.autograd.gradcheck(lambda m, w, o: stream_ops._EagerWrite.apply(m.clone(), w, o), args)
+    assert torch.autograd.gradcheck(
+        lambda m, w, o: stream_ops._EagerWrite.apply(m.clone(), w, o), args
+    )

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: nothing here may go online
+os.environ.setdefault(
+    "HF_HUB_OFFLINE", "1"
+)  # before transformers reads it: nothing here may go online
 
 import pytest
 import torch
@@ -21,7 +23,19 @@ from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model
 from depthbench.spec.training import TrainConfig
 
-ARCHS = ["pre_ln", "post_ln", "peri_ln", "lns", "deepnorm", "keel", "hc", "mhc", "attnres_full", "attnres_block", "moda"]
+ARCHS = [
+    "pre_ln",
+    "post_ln",
+    "peri_ln",
+    "lns",
+    "deepnorm",
+    "keel",
+    "hc",
+    "mhc",
+    "attnres_full",
+    "attnres_block",
+    "moda",
+]
 OPTIONS = {"attnres_block": {"n_blocks": 2}, "hc": {"n_streams": 2}, "mhc": {"n_streams": 2}}
 TEXT = [
     "Depth in a transformer is a stack of residual layers; some of them do little.",
@@ -47,8 +61,18 @@ def tokenizer_file(tmp_path_factory):
 
 
 def tiny_config(arch: str) -> ModelConfig:
-    return ModelConfig(arch=arch, vocab_size=VOCAB, d_model=32, n_layer=4, n_head=4, n_kv_head=2, max_seq_len=64,
-                       norm_eps=1e-5, rope_theta=500.0, arch_options=OPTIONS.get(arch, {}))
+    return ModelConfig(
+        arch=arch,
+        vocab_size=VOCAB,
+        d_model=32,
+        n_layer=4,
+        n_head=4,
+        n_kv_head=2,
+        max_seq_len=64,
+        norm_eps=1e-5,
+        rope_theta=500.0,
+        arch_options=OPTIONS.get(arch, {}),
+    )
 
 
 def random_model(arch: str, seed: int = 0):
@@ -67,15 +91,40 @@ def fake_run(root, model, tokenizer_file, status: str = "ok"):
     cfg = model.cfg
     run_id = f"{cfg.arch}-test"
     train = TrainConfig(seq_len=32, total_steps=10)
-    spec = {"run_id": run_id, "arch": cfg.arch, "lr": 3e-3, "seed": 0, "knobs": {},
-            "shape": {"n_layer": cfg.n_layer, "d_model": cfg.d_model, "d_ff": cfg.d_ff, "n_head": cfg.n_head,
-                      "n_kv_head": cfg.n_kv_head, "n_params": model.num_parameters()},
-            "model": cfg.to_dict(), "train": train.to_dict(), "data_id": "tiny-abc", "tokenizer_id": "bpe-xyz"}
+    spec = {
+        "run_id": run_id,
+        "arch": cfg.arch,
+        "lr": 3e-3,
+        "seed": 0,
+        "knobs": {},
+        "shape": {
+            "n_layer": cfg.n_layer,
+            "d_model": cfg.d_model,
+            "d_ff": cfg.d_ff,
+            "n_head": cfg.n_head,
+            "n_kv_head": cfg.n_kv_head,
+            "n_params": model.num_parameters(),
+        },
+        "model": cfg.to_dict(),
+        "train": train.to_dict(),
+        "data_id": "tiny-abc",
+        "tokenizer_id": "bpe-xyz",
+    }
     run_dir = root / "results" / "runs" / run_id
     run_dir.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(run_dir / "model.safetensors"))
-    summary = {"run_id": run_id, "status": status, "steps": 10, "tokens_seen": 2560, "final_val_loss": 4.25,
-               "n_params": model.num_parameters(), "spec": spec}
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        str(run_dir / "model.safetensors"),
+    )
+    summary = {
+        "run_id": run_id,
+        "status": status,
+        "steps": 10,
+        "tokens_seen": 2560,
+        "final_val_loss": 4.25,
+        "n_params": model.num_parameters(),
+        "spec": spec,
+    }
     (run_dir / "summary.json").write_text(json.dumps(summary))
     (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 10, "train_loss": 4.5}) + "\n")
     tok_dir = root / "results" / "tokenizers" / "bpe-xyz"
@@ -84,8 +133,17 @@ def fake_run(root, model, tokenizer_file, status: str = "ok"):
     data_dir = root / "results" / "data" / "tiny-abc"
     data_dir.mkdir(parents=True)
     eos = json.loads(tokenizer_file.read_text())["added_tokens"][0]["id"]
-    (data_dir / "meta.json").write_text(json.dumps({"eos_id": eos, "corpus": {"name": "tiny", "source": "local"},
-                                                    "train": {"n_tokens": 1000}, "val": {"n_tokens": 100}, "licence": "CC0"}))
+    (data_dir / "meta.json").write_text(
+        json.dumps(
+            {
+                "eos_id": eos,
+                "corpus": {"name": "tiny", "source": "local"},
+                "train": {"n_tokens": 1000},
+                "val": {"n_tokens": 100},
+                "licence": "CC0",
+            }
+        )
+    )
     return run_dir
 
 
@@ -95,14 +153,20 @@ def test_export_loads_in_transformers_with_depthbench_logits(arch, tmp_path, tok
     run_dir = fake_run(tmp_path, model, tokenizer_file)
     out = tmp_path / "export"
     info = export_run(run_dir, out)
-    loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=arch != "pre_ln", local_files_only=True,
-                                                  dtype=torch.float32).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(
+        out, trust_remote_code=arch != "pre_ln", local_files_only=True, dtype=torch.float32
+    ).eval()
     if arch == "pre_ln":  # no remote code: transformers' own Llama
         assert type(loaded) is LlamaForCausalLM and info["class"] == "LlamaForCausalLM"
-        assert not list(out.glob("*.py")) and "auto_map" not in json.loads((out / "config.json").read_text())
+        assert not list(out.glob("*.py")) and "auto_map" not in json.loads(
+            (out / "config.json").read_text()
+        )
     else:
         assert type(loaded).__name__ == "DepthBenchForCausalLM"
-        assert sorted(p.name for p in out.glob("*.py")) == ["configuration_depthbench.py", "modeling_depthbench.py"]
+        assert sorted(p.name for p in out.glob("*.py")) == [
+            "configuration_depthbench.py",
+            "modeling_depthbench.py",
+        ]
     idx = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours = model(idx).logits
@@ -123,13 +187,25 @@ def test_exported_tokenizer_and_special_tokens(tmp_path, tokenizer_file):
     for text in TEXT[:4] + ["  leading spaces and unseen wörds ✓"]:
         assert tok.encode(text, add_special_tokens=False) == raw.encode(text).ids
         assert tok.decode(raw.encode(text).ids) == text
-    assert (tok.eos_token, tok.eos_token_id, tok.bos_token_id, tok.pad_token_id) == (BPE_EOS, eos, eos, eos)
+    assert (tok.eos_token, tok.eos_token_id, tok.bos_token_id, tok.pad_token_id) == (
+        BPE_EOS,
+        eos,
+        eos,
+        eos,
+    )
     config = json.loads((out / "config.json").read_text())
     generation = json.loads((out / "generation_config.json").read_text())
     assert config["eos_token_id"] == generation["eos_token_id"] == eos
     card = (out / "README.md").read_text()
-    for fact in ("pre_ln", "LlamaForCausalLM", "validation: 4.2500", "training loss: 4.5000", "corpus: tiny", "lr 0.003",
-                 f"{random_model('pre_ln').num_parameters():,}"):
+    for fact in (
+        "pre_ln",
+        "LlamaForCausalLM",
+        "validation: 4.2500",
+        "training loss: 4.5000",
+        "corpus: tiny",
+        "lr 0.003",
+        f"{random_model('pre_ln').num_parameters():,}",
+    ):
         assert fact in card, fact
 
 
@@ -138,18 +214,24 @@ def test_pre_ln_with_other_architectures_options_exports_as_llama(tmp_path, toke
     a grid, e.g. the default's n_blocks: 4 for attnres_block) is still plain Llama, with equal
     logits, and its card lists no option."""
     torch.manual_seed(0)
-    model = build_model(ModelConfig(**{**tiny_config("pre_ln").to_dict(), "arch_options": {"n_blocks": 4}}))
+    model = build_model(
+        ModelConfig(**{**tiny_config("pre_ln").to_dict(), "arch_options": {"n_blocks": 4}})
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
     out = tmp_path / "export"
     info = export_run(fake_run(tmp_path, model.eval(), tokenizer_file), out)
     assert info["class"] == "LlamaForCausalLM"
-    loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(
+        out, local_files_only=True, dtype=torch.float32
+    ).eval()
     assert type(loaded) is LlamaForCausalLM
     idx = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=idx).logits, model(idx).logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            loaded(input_ids=idx).logits, model(idx).logits, rtol=0, atol=1e-5
+        )
     card = (out / "README.md").read_text()
     assert "n_blocks" not in card and "- arch_options: none;" in card
 
@@ -165,7 +247,9 @@ def test_default_grid_pre_ln_runs_are_plain_llama_and_cards_list_their_own_optio
 
 
 @pytest.mark.parametrize("arch", ["pre_ln", "hc"])
-def test_exported_tokenizer_loads_without_remote_code_or_a_prompt(arch, tmp_path, tokenizer_file, monkeypatch):
+def test_exported_tokenizer_loads_without_remote_code_or_a_prompt(
+    arch, tmp_path, tokenizer_file, monkeypatch
+):
     """AutoTokenizer.from_pretrained with no trust_remote_code: transformers asks on stdin
     (`input`) before running remote code, so any call of `input` is a prompt. A Llama export
     loads from its folder, a remote-code export from its tokenizer/ folder."""
@@ -181,7 +265,9 @@ def test_exported_tokenizer_loads_without_remote_code_or_a_prompt(arch, tmp_path
     assert not asked, f"AutoTokenizer prompted: {asked[0][0][:200]}"
     assert not (where / "config.json").exists() or arch == "pre_ln"
     assert not list(where.glob("*.py"))
-    top = AutoTokenizer.from_pretrained(out, local_files_only=True, trust_remote_code=arch != "pre_ln")
+    top = AutoTokenizer.from_pretrained(
+        out, local_files_only=True, trust_remote_code=arch != "pre_ln"
+    )
     for text in TEXT[:2]:
         assert tok.encode(text) == top.encode(text)
     assert tok.eos_token_id == top.eos_token_id and tok.pad_token_id == top.pad_token_id
@@ -191,7 +277,9 @@ def test_remote_code_model_generates_greedily_like_depthbench(tmp_path, tokenize
     model = random_model("hc")
     out = tmp_path / "export"
     export_run(fake_run(tmp_path, model, tokenizer_file), out)
-    loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, local_files_only=True)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        out, trust_remote_code=True, local_files_only=True
+    )
     prompt = torch.tensor([[5, 17, 42, 99]])
     generated = loaded.generate(prompt, max_new_tokens=6, do_sample=False)
     ids = prompt
@@ -215,21 +303,29 @@ def test_export_errors_name_the_problem(tmp_path, tokenizer_file):
     (run_dir / "summary.json").write_text(json.dumps({**summary, "status": "ok"}))
     with pytest.raises(ConfigError, match="OUT_DIR"):
         export_run(run_dir, tmp_path / "busy")
-    assert not list(tmp_path.glob(".out*")) and not (tmp_path / "out").exists()  # nothing half-written
+    assert (
+        not list(tmp_path.glob(".out*")) and not (tmp_path / "out").exists()
+    )  # nothing half-written
 
 
 def test_cli_export(tmp_path, tokenizer_file, capsys):
     run_dir = fake_run(tmp_path, random_model("keel"), tokenizer_file)
     assert main(["export", str(run_dir), str(tmp_path / "out")]) == 0
     assert "DepthBenchForCausalLM" in capsys.readouterr().out
-    assert main(["export", str(run_dir), str(tmp_path / "out")]) == 2  # exists: refused, naming OUT_DIR
+    assert (
+        main(["export", str(run_dir), str(tmp_path / "out")]) == 2
+    )  # exists: refused, naming OUT_DIR
     assert "OUT_DIR" in capsys.readouterr().err
     assert main(["export", str(run_dir), str(tmp_path / "out"), "--overwrite"]) == 0
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027])
-@pytest.mark.parametrize("arch", ["pre_ln", "keel"])  # a plain LlamaForCausalLM and one with remote code
-def test_every_file_of_an_export_gets_the_mode_the_umask_allows(tmp_path, tokenizer_file, umask, arch):
+@pytest.mark.parametrize(
+    "arch", ["pre_ln", "keel"]
+)  # a plain LlamaForCausalLM and one with remote code
+def test_every_file_of_an_export_gets_the_mode_the_umask_allows(
+    tmp_path, tokenizer_file, umask, arch
+):
     run_dir = fake_run(tmp_path, random_model(arch), tokenizer_file)
     old = os.umask(umask)
     try:
@@ -238,6 +334,8 @@ def test_every_file_of_an_export_gets_the_mode_the_umask_allows(tmp_path, tokeni
         os.umask(old)
     written = sorted((tmp_path / "out").rglob("*"))
     assert "model.safetensors" in {p.name for p in written}
-    modes = {str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777 for p in [tmp_path / "out", *written]}
+    modes = {
+        str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777 for p in [tmp_path / "out", *written]
+    }
     want = {name: (0o777 if (tmp_path / name).is_dir() else 0o666) & ~umask for name in modes}
     assert modes == want

@@ -23,10 +23,18 @@ from tests.unit.test_hf_export import eager_models, fake_run, random_model, toke
 
 WINDOW = 32  # the fake run's training seq_len: the stage's window
 CUSTOM = [  # what the pair encoding must get right: whitespace moved, empty context, unicode, \n
-    {"context": "Question: how deep is the model?\nAnswer:", "continuation": " four layers", "domain": "code"},
+    {
+        "context": "Question: how deep is the model?\nAnswer:",
+        "continuation": " four layers",
+        "domain": "code",
+    },
     {"context": "", "continuation": "The quick brown fox", "domain": "code"},
     {"context": "def f(x):\n    ", "continuation": "return x * 2", "domain": "code"},
-    {"context": "Numbers 0123 and punctuation; ", "continuation": "wörds ✓ and more", "domain": "code"},
+    {
+        "context": "Numbers 0123 and punctuation; ",
+        "continuation": "wörds ✓ and more",
+        "domain": "code",
+    },
     {"context": "The cat sleeps " * 8, "continuation": "in the sun.", "domain": "code"},
 ]
 
@@ -38,11 +46,17 @@ def sets_table(tmp_path_factory, tokenizer_file):  # noqa: F811
     root = tmp_path_factory.mktemp("sets")
     custom = root / "custom.jsonl"
     custom.write_text("".join(json.dumps(d) + "\n" for d in CUSTOM))
-    settings = {"sets": ["sciq"], "max_docs_per_set": 6, "custom": [{"name": "mine", "path": str(custom)}]}
+    settings = {
+        "sets": ["sciq"],
+        "max_docs_per_set": 6,
+        "custom": [{"name": "mine", "path": str(custom)}],
+    }
     table = build_sets(settings, str(tokenizer_file), None, str(root / "all.parquet"))
     table = table[fits_window(table, WINDOW)].reset_index(drop=True)
     assert len(table) >= 9 and table["context"].eq("").any()
-    assert (table["context_ids"].map(len) + table["continuation_ids"].map(len) > WINDOW + 1).any()  # truncation
+    assert (
+        table["context_ids"].map(len) + table["continuation_ids"].map(len) > WINDOW + 1
+    ).any()  # truncation
     path = root / "sets.parquet"
     table.to_parquet(path, index=False)
     return table, path
@@ -55,11 +69,15 @@ def test_lmeval_loglikelihood_equals_our_nll_stage(arch, tmp_path, tokenizer_fil
     run_dir = fake_run(tmp_path, model, tokenizer_file)
     export_run(run_dir, tmp_path / "export")
     spec = json.loads((run_dir / "summary.json").read_text())["spec"]
-    run_nll(spec, str(run_dir), str(sets_path), str(tmp_path / "nll.parquet"), {"tokens_per_batch": 512})
+    run_nll(
+        spec, str(run_dir), str(sets_path), str(tmp_path / "nll.parquet"), {"tokens_per_batch": 512}
+    )
     ours = pd.read_parquet(tmp_path / "nll.parquet")
     assert set(ours["window"]) == {WINDOW}
 
-    theirs = lmeval_loglikelihoods(tmp_path / "export", write_task(table, tmp_path / "task"), max_length=WINDOW, batch_size=4)
+    theirs = lmeval_loglikelihoods(
+        tmp_path / "export", write_task(table, tmp_path / "task"), max_length=WINDOW, batch_size=4
+    )
     assert len(theirs) == len(table)
     # lm-eval tokenizes each request as the stage did (pair encoding, EOS for an empty context)
     assert [list(c) for c, _ in theirs["token_ids"]] == [list(c) for c in table["context_ids"]]

@@ -31,7 +31,11 @@ def _train(spec, data_dir, root):
 
     summary = train(spec, data_dir, RunPaths(root / "run", root / "work"), progress=False)
     lines = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
-    return summary, [{k: v for k, v in r.items() if k not in TIMING} for r in lines], load_file(root / "run" / "model.safetensors")
+    return (
+        summary,
+        [{k: v for k, v in r.items() if k not in TIMING} for r in lines],
+        load_file(root / "run" / "model.safetensors"),
+    )
 
 
 class ReadCounter:
@@ -53,6 +57,7 @@ class ReadCounter:
                 return original(trainer)
             finally:
                 self.step = None
+
         monkeypatch.setattr(Trainer, "_one_step", one_step)
 
     def _wrap(self, fn, name):
@@ -63,6 +68,7 @@ class ReadCounter:
             if self.step is not None and f"torch{os.sep}optim" not in caller:
                 self.reads.setdefault(self.step, []).append(name)
             return fn(t, *args, **kwargs)
+
         return wrapped
 
 
@@ -93,10 +99,14 @@ def _old_forward_backward(self):
         loss_sum += out.loss.item()
     train_loss = distributed.all_reduce_mean(loss_sum / batches.accum_steps, self.ctx, self.device)
     max_norm = tc.grad_clip if tc.grad_clip is not None else float("inf")
-    return train_loss, distributed.scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+    return train_loss, distributed.scalar(
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+    )
 
 
-def test_device_side_losses_give_bit_identical_metrics_and_weights(tiny_data, tmp_path, monkeypatch):
+def test_device_side_losses_give_bit_identical_metrics_and_weights(
+    tiny_data, tmp_path, monkeypatch
+):
     spec = _spec(tiny_data, 6, log_every=1)
     got = _train(spec, tiny_data[2], tmp_path / "new")
     monkeypatch.setattr(Trainer, "forward_backward", _old_forward_backward)
@@ -116,14 +126,19 @@ class FakeTrainer:
 def test_divergence_is_found_at_the_next_check_step_and_names_the_first_bad_step():
     hook = hooks.DivergenceHook(limit=10.0, every=(3,), total=9)
     t = FakeTrainer()
-    stats = [StepStats(torch.tensor(2.0), torch.tensor(1.0), 0.1), StepStats(torch.tensor(11.0), torch.tensor(1.0), 0.2),
-             StepStats(torch.tensor(float("nan")), torch.tensor(float("nan")), 0.3)]
+    stats = [
+        StepStats(torch.tensor(2.0), torch.tensor(1.0), 0.1),
+        StepStats(torch.tensor(11.0), torch.tensor(1.0), 0.2),
+        StepStats(torch.tensor(float("nan")), torch.tensor(float("nan")), 0.3),
+    ]
     hook.on_gradients(t, 0, stats[0])
     hook.on_gradients(t, 1, stats[1])  # bad (loss above the limit), but step 2 is no check step
     assert t.status == STATUS_OK and not t.logged
     hook.on_gradients(t, 2, stats[2])  # step 3: checked, the first bad step reported
     assert t.status == STATUS_DIVERGED
-    assert t.logged == [{"step": 2, "train_loss": 11.0, "grad_norm": 1.0, "lr": 0.2, "event": "diverged"}]
+    assert t.logged == [
+        {"step": 2, "train_loss": 11.0, "grad_norm": 1.0, "lr": 0.2, "event": "diverged"}
+    ]
     clean = hooks.DivergenceHook(limit=10.0, every=(3,), total=9)
     t = FakeTrainer()
     for s in range(6):
@@ -146,7 +161,9 @@ def test_a_diverged_run_stops_at_its_check_step(tiny_data, tmp_path):
     summary, lines, _ = _train(spec, shards, tmp_path)
     (event,) = [r for r in lines if r.get("event") == "diverged"]
     tc = spec.train
-    checks = hooks.DivergenceHook(0.0, (tc.log_every, tc.eval_every, tc.checkpoint_every), tc.total_steps)
+    checks = hooks.DivergenceHook(
+        0.0, (tc.log_every, tc.eval_every, tc.checkpoint_every), tc.total_steps
+    )
     # stopped before the update of a check step, at or after the first bad step
     assert summary["status"] == "diverged" and checks.check_due(summary["steps"] + 1)
     assert event["step"] <= summary["steps"] + 1 and summary["steps"] < 12
@@ -161,7 +178,9 @@ def test_init_process_group_binds_the_rank_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.setdefault("set_device", i))
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(distributed.dist, "init_process_group", lambda *a, **k: calls.setdefault("init", (a, k)))
+    monkeypatch.setattr(
+        distributed.dist, "init_process_group", lambda *a, **k: calls.setdefault("init", (a, k))
+    )
     ctx, name = distributed.setup("ddp", "auto")
     assert name == "cuda:1" and calls["set_device"] == 1 and (ctx.rank, ctx.world_size) == (1, 2)
     assert calls["init"] == ((), {"backend": "nccl", "device_id": torch.device("cuda:1")})
@@ -175,8 +194,15 @@ def _moe(d=32, d_ff=48, k=2, experts=4):
     from depthbench.models.config import ModelConfig
     from depthbench.models.moe import MoESwiGLU
 
-    cfg = ModelConfig(arch="pre_ln", vocab_size=64, d_model=d, n_layer=2, n_head=2, d_ff=d_ff,
-                      moe={"n_experts": experts, "top_k": k})
+    cfg = ModelConfig(
+        arch="pre_ln",
+        vocab_size=64,
+        d_model=d,
+        n_layer=2,
+        n_head=2,
+        d_ff=d_ff,
+        moe={"n_experts": experts, "top_k": k},
+    )
     torch.manual_seed(0)
     m = MoESwiGLU(cfg)
     m.init_weights(0.1)
@@ -213,7 +239,10 @@ def _new_moe(m, x):
     return m(x), m.aux_loss
 
 
-@pytest.mark.parametrize("d, d_ff, k, dense", [(32, 48, 2, False), (36, 45, 3, False), (32, 48, 1, True), (36, 45, 3, True)])
+@pytest.mark.parametrize(
+    "d, d_ff, k, dense",
+    [(32, 48, 2, False), (36, 45, 3, False), (32, 48, 1, True), (36, 45, 3, True)],
+)
 def test_moe_without_host_syncs_equals_the_per_expert_loop(monkeypatch, d, d_ff, k, dense):
     from depthbench.models import moe
 
@@ -223,7 +252,11 @@ def test_moe_without_host_syncs_equals_the_per_expert_loop(monkeypatch, d, d_ff,
     x, g = torch.randn(3, 17, d), torch.randn(3, 17, d)
     ref = _out_and_grads(m, x, g, _loop_moe)
     for name in ("nonzero", "item", "tolist", "__bool__", "__int__"):
-        monkeypatch.setattr(torch.Tensor, name, lambda *a, **kw: pytest.fail("host read in the MoE forward/backward"))
+        monkeypatch.setattr(
+            torch.Tensor,
+            name,
+            lambda *a, **kw: pytest.fail("host read in the MoE forward/backward"),
+        )
     got = _out_and_grads(m, x, g, _new_moe)
     monkeypatch.undo()
     for a, b in zip(got, ref):
@@ -246,7 +279,10 @@ def test_an_expert_without_tokens_gets_a_zero_gradient(monkeypatch, dense):
     assert all(m.w13.grad[e].abs().sum() > 0 for e in range(3))
 
 
-DDP_MODELS = {"moe": ("pre_ln", {"moe": {"n_experts": 4, "top_k": 1}}), "moda_ffn_kv": ("moda", {"arch_options": {"variant": "ffn_kv"}})}
+DDP_MODELS = {
+    "moe": ("pre_ln", {"moe": {"n_experts": 4, "top_k": 1}}),
+    "moda_ffn_kv": ("moda", {"arch_options": {"variant": "ffn_kv"}}),
+}
 
 
 def _ddp_steps(model, rank) -> str:
@@ -278,12 +314,18 @@ def _ddp_worker(rank, store, out_dir):
     results = {}
     for name, (arch, kw) in DDP_MODELS.items():
         torch.manual_seed(0)
-        model = build_model(ModelConfig(arch=arch, vocab_size=64, d_model=32, n_layer=3, n_head=2, max_seq_len=16, **kw))
+        model = build_model(
+            ModelConfig(
+                arch=arch, vocab_size=64, d_model=32, n_layer=3, n_head=2, max_seq_len=16, **kw
+            )
+        )
         results[name] = _ddp_steps(model, rank)
     # the control: the ffn_kv projection that no layer reads, made trainable again, trips the check
     torch.manual_seed(0)
     arch, kw = DDP_MODELS["moda_ffn_kv"]
-    model = build_model(ModelConfig(arch=arch, vocab_size=64, d_model=32, n_layer=3, n_head=2, max_seq_len=16, **kw))
+    model = build_model(
+        ModelConfig(arch=arch, vocab_size=64, d_model=32, n_layer=3, n_head=2, max_seq_len=16, **kw)
+    )
     model.blocks[-1].ffn_kv.weight.requires_grad_(True)
     results["control"] = _ddp_steps(model, rank)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
@@ -305,8 +347,17 @@ def test_the_unread_last_ffn_kv_projection_is_frozen_and_counted():
     from depthbench.models.config import ModelConfig
     from depthbench.models.registry import build_model
 
-    model = build_model(ModelConfig(arch="moda", vocab_size=64, d_model=32, n_layer=3, n_head=2, max_seq_len=16,
-                                    arch_options={"variant": "ffn_kv"}))
+    model = build_model(
+        ModelConfig(
+            arch="moda",
+            vocab_size=64,
+            d_model=32,
+            n_layer=3,
+            n_head=2,
+            max_seq_len=16,
+            arch_options={"variant": "ffn_kv"},
+        )
+    )
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     assert frozen == ["blocks.2.ffn_kv.weight"]
     assert model.num_parameters() == sum(p.numel() for p in model.parameters())
@@ -315,8 +366,13 @@ def test_the_unread_last_ffn_kv_projection_is_frozen_and_counted():
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
-@pytest.mark.parametrize("arch, model_kw", [("pre_ln", {"moe": {"n_experts": 4, "top_k": 2}}),
-                                            ("moda", {"arch_options": {"variant": "ffn_kv"}})])
+@pytest.mark.parametrize(
+    "arch, model_kw",
+    [
+        ("pre_ln", {"moe": {"n_experts": 4, "top_k": 2}}),
+        ("moda", {"arch_options": {"variant": "ffn_kv"}}),
+    ],
+)
 def test_fsdp2_shards_the_chunked_loss_moe_and_the_frozen_projection(tmp_path, arch, model_kw):
     """One gloo rank in this process: FSDP2 gathers the LM head for the chunked loss (which reads
     the weight, not the module), the grouped expert products and a frozen parameter, with the
@@ -327,10 +383,22 @@ def test_fsdp2_shards_the_chunked_loss_moe_and_the_frozen_projection(tmp_path, a
     from depthbench.models.registry import build_model
     from depthbench.train.distributed import shard
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
     try:
         torch.manual_seed(0)
-        model = build_model(ModelConfig(arch=arch, vocab_size=64, d_model=32, n_layer=3, n_head=2, max_seq_len=16, **model_kw))
+        model = build_model(
+            ModelConfig(
+                arch=arch,
+                vocab_size=64,
+                d_model=32,
+                n_layer=3,
+                n_head=2,
+                max_seq_len=16,
+                **model_kw,
+            )
+        )
         reference = copy.deepcopy(model)
         model.loss_chunk_tokens = reference.loss_chunk_tokens = 7  # 16 target tokens: three chunks
         shard(model)
@@ -344,7 +412,9 @@ def test_fsdp2_shards_the_chunked_loss_moe_and_the_frozen_projection(tmp_path, a
             if not p.requires_grad:
                 assert p.grad is None and ref_grads[name].grad is None, name
                 continue
-            torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(
+                p.grad.full_tensor(), ref_grads[name].grad, rtol=1e-5, atol=1e-6, msg=name
+            )
     finally:
         dist.destroy_process_group()
 
@@ -368,11 +438,21 @@ def test_the_memory_estimate_traces_an_moe_model_on_meta():
     from depthbench.models.registry import build_model
     from depthbench.train.memory import estimate_memory, trace_activations
 
-    cfg = ModelConfig(arch="pre_ln", vocab_size=256, n_head=2, max_seq_len=32, n_layer=2, d_model=64, d_ff=160,
-                      moe={"n_experts": 4, "top_k": 2})
+    cfg = ModelConfig(
+        arch="pre_ln",
+        vocab_size=256,
+        n_head=2,
+        max_seq_len=32,
+        n_layer=2,
+        d_model=64,
+        d_ff=160,
+        moe={"n_experts": 4, "top_k": 2},
+    )
     estimate = estimate_memory(cfg, 2, 32, bf16=False)
     torch.manual_seed(0)
-    measured = trace_activations(build_model(cfg), torch.randint(0, 256, (2, 32)), bf16=False)  # real tensors: grouped path
+    measured = trace_activations(
+        build_model(cfg), torch.randint(0, 256, (2, 32)), bf16=False
+    )  # real tensors: grouped path
     assert measured.total <= estimate.activations
 
 

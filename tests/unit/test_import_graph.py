@@ -12,8 +12,22 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "depthbench"
 
 # Lowest first: a module may import from its own subpackage and from the ones before it.
-LAYERS = ["util", "kernels", "models", "data", "spec", "train", "evals", "probes", "pretrained", "hf",
-          "analysis", "launch", "grid", "commands"]
+LAYERS = [
+    "util",
+    "kernels",
+    "models",
+    "data",
+    "spec",
+    "train",
+    "evals",
+    "probes",
+    "pretrained",
+    "hf",
+    "analysis",
+    "launch",
+    "grid",
+    "commands",
+]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 
 # The architecture registry imports its modules to register them, and they import the registry's
@@ -21,7 +35,9 @@ RANK = {name: i for i, name in enumerate(LAYERS)}
 REGISTRY_CIRCLE = {"depthbench.models.registry", "depthbench.models.archs"}
 
 # Modules imported for their side effects or by name only, never for a name they define.
-REMOTE_CODE = "depthbench.hf.remote_code"  # shipped inside exported models; imports itself relatively
+REMOTE_CODE = (
+    "depthbench.hf.remote_code"  # shipped inside exported models; imports itself relatively
+)
 
 
 def module_files() -> dict[str, Path]:
@@ -85,7 +101,9 @@ def defined_names(module: str) -> set[str]:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 names.add(node.name)
             elif isinstance(node, ast.Assign):
-                names.update(n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name))
+                names.update(
+                    n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)
+                )
             elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 names.add(node.target.id)
             elif isinstance(node, (ast.If, ast.Try)):
@@ -99,10 +117,14 @@ def defined_names(module: str) -> set[str]:
 
 
 def test_top_level_holds_only_subpackages():
-    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    loose = sorted(
+        p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py")
+    )
     assert loose == [], f"modules outside a subpackage: {loose}"
     packages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
-    assert packages == sorted(LAYERS), "every subpackage has a layer in LAYERS, and only those exist"
+    assert packages == sorted(LAYERS), (
+        "every subpackage has a layer in LAYERS, and only those exist"
+    )
 
 
 def test_imports_point_down_the_layers():
@@ -145,8 +167,12 @@ def test_no_circle_between_files_but_the_registry():
     for v in graph:
         if v not in index:
             connect(v)
-    allowed = [c for c in circles if REGISTRY_CIRCLE <= set(c)
-               and all(m in REGISTRY_CIRCLE or m.startswith("depthbench.models.archs.") for m in c)]
+    allowed = [
+        c
+        for c in circles
+        if REGISTRY_CIRCLE <= set(c)
+        and all(m in REGISTRY_CIRCLE or m.startswith("depthbench.models.archs.") for m in c)
+    ]
     assert [c for c in circles if c not in allowed] == []
 
 
@@ -161,7 +187,9 @@ def test_names_come_from_the_module_that_defines_them():
             defined = defined_names(module)
             for n in names:
                 if f"{module}.{n}" not in MODULES and n not in defined:
-                    shims.append(f"{MODULES[name].relative_to(PACKAGE.parent)}:{line}: {n} from {module}")
+                    shims.append(
+                        f"{MODULES[name].relative_to(PACKAGE.parent)}:{line}: {n} from {module}"
+                    )
     assert shims == [], "names imported from a module that only imports them:\n" + "\n".join(shims)
 
 
@@ -169,5 +197,6 @@ def test_the_checks_see_a_violation():
     """The graph reader itself: a known downward import is an edge, and the layer order ranks it."""
     graph = edges()
     assert "depthbench.models.registry" in graph["depthbench.train.checkpoint"] or any(
-        d.startswith("depthbench.models") for d in graph["depthbench.train.checkpoint"])
+        d.startswith("depthbench.models") for d in graph["depthbench.train.checkpoint"]
+    )
     assert RANK["models"] < RANK["train"] < RANK["commands"]

@@ -24,9 +24,29 @@ from depthbench.models.archs.moda import DepthKeys, depth_layout
 from depthbench.models.layers import apply_rotary
 from depthbench.probes import core, interventions
 
-ALL = ["pre_ln", "post_ln", "peri_ln", "lns", "deepnorm", "keel", "hc", "mhc", "attnres_full", "attnres_block", "moda"]
+ALL = [
+    "pre_ln",
+    "post_ln",
+    "peri_ln",
+    "lns",
+    "deepnorm",
+    "keel",
+    "hc",
+    "mhc",
+    "attnres_full",
+    "attnres_block",
+    "moda",
+]
 TENSOR_STATE = ["pre_ln", "post_ln", "peri_ln", "lns", "deepnorm", "keel", "hc", "mhc"]
-COPYABLE = ["pre_ln", "post_ln", "peri_ln", "hc", "mhc", "moda", "attnres_full"]  # no L-dependent constants
+COPYABLE = [
+    "pre_ln",
+    "post_ln",
+    "peri_ln",
+    "hc",
+    "mhc",
+    "moda",
+    "attnres_full",
+]  # no L-dependent constants
 L = 4
 TOL = dict(rtol=1e-6, atol=1e-9)
 
@@ -35,8 +55,16 @@ def trained_like(arch: str, n_layer: int = L, seed: int = 0, **options) -> torch
     """A float64 model whose zero-initialised parts (HC dynamics, mHC projections, AttnRes
     pseudo-queries) and unit gains are perturbed, as after training."""
     torch.manual_seed(seed)
-    cfg = ModelConfig(arch=arch, vocab_size=61, d_model=32, n_layer=n_layer, n_head=4, max_seq_len=16,
-                      init_std=0.1, arch_options=options)
+    cfg = ModelConfig(
+        arch=arch,
+        vocab_size=61,
+        d_model=32,
+        n_layer=n_layer,
+        n_head=4,
+        max_seq_len=16,
+        init_std=0.1,
+        arch_options=options,
+    )
     model = build_model(cfg).double().eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -103,16 +131,24 @@ def block_attnres_reference(model, idx, skip=None) -> list[torch.Tensor]:
     ends = set(block_ends(cfg.n_layer, model.options.n_blocks))
 
     def read(depth, candidates):
-        units = [v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) for v in candidates]
-        w = torch.softmax(torch.stack([(u * depth.query * depth.key_norm.weight).sum(-1) for u in units]), dim=0)
+        units = [
+            v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) for v in candidates
+        ]
+        w = torch.softmax(
+            torch.stack([(u * depth.query * depth.key_norm.weight).sum(-1) for u in units]), dim=0
+        )
         return sum(wi.unsqueeze(-1) * v for wi, v in zip(w, candidates))
 
     with torch.no_grad():
         sources, partial, reads = [model.embed(idx)], None, []
         for l, block in enumerate(model.blocks, start=1):
             if l != skip:
-                for position, (depth, sub) in enumerate(((block.attn_depth, lambda h: block.attn(block.attn_norm(h), rope)),
-                                                         (block.ffn_depth, lambda h: block.ffn(block.ffn_norm(h))))):
+                for position, (depth, sub) in enumerate(
+                    (
+                        (block.attn_depth, lambda h: block.attn(block.attn_norm(h), rope)),
+                        (block.ffn_depth, lambda h: block.ffn(block.ffn_norm(h))),
+                    )
+                ):
                     h = read(depth, sources + ([partial] if partial is not None else []))
                     if position == 0:
                         reads.append(h)
@@ -136,7 +172,9 @@ def test_skipping_a_layer_equals_the_model_without_it(arch):
             reference = hidden(without_layer(model, s), IDX)
         elif arch == "attnres_block":
             reference = block_attnres_reference(model, IDX, skip=s)
-            torch.testing.assert_close(block_attnres_reference(model, IDX), h, **TOL)  # the reference is the model
+            torch.testing.assert_close(
+                block_attnres_reference(model, IDX), h, **TOL
+            )  # the reference is the model
         else:
             reference = blocks_in_order(model, IDX, skip=s)
         torch.testing.assert_close(C[s, s + 1 :].double(), causal_from(h, reference, s), **TOL)
@@ -154,7 +192,9 @@ def test_a_skipped_moda_layer_leaves_no_depth_keys():
     model = trained_like("moda")
     state = model.skip(model.step(model.begin(IDX), 1), 2)
     assert len(state.value[1]) == 1
-    torch.testing.assert_close(model.residual(state), model.residual(model.step(model.begin(IDX), 1)), rtol=0, atol=0)
+    torch.testing.assert_close(
+        model.residual(state), model.residual(model.step(model.begin(IDX), 1)), rtol=0, atol=0
+    )
 
 
 def state_dict_swapped(model, a: int, b: int) -> dict:
@@ -202,7 +242,9 @@ def apply_numpy(x: torch.Tensor, W: np.ndarray) -> torch.Tensor:
 def loss_of_final(model, state, targets) -> float:
     x = model.trunk_output(state)
     logits = model.lm_head(model.final_norm(x) if model.final_norm is not None else x)
-    return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)))
+    return float(
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    )
 
 
 @pytest.mark.parametrize("arch", TENSOR_STATE)
@@ -223,8 +265,14 @@ def test_usefulness_equals_a_forward_with_the_layer_replaced_by_its_fit(arch):
             for layer, block in enumerate(model.blocks, start=1):
                 if layer < l:
                     continue
-                state = apply_numpy(state.reshape(*state.shape[:2], -1), W).reshape(state.shape) if layer == l else block(state, rope)
-            assert r[l].item() == pytest.approx(loss_of_final(model, state, targets) / base, rel=1e-6)
+                state = (
+                    apply_numpy(state.reshape(*state.shape[:2], -1), W).reshape(state.shape)
+                    if layer == l
+                    else block(state, rope)
+                )
+            assert r[l].item() == pytest.approx(
+                loss_of_final(model, state, targets) / base, rel=1e-6
+            )
 
 
 def test_attnres_usefulness_replaces_both_sources_by_functions_of_the_layer_input():
@@ -238,16 +286,26 @@ def test_attnres_usefulness_replaces_both_sources_by_functions_of_the_layer_inpu
         base = float(model(inputs, targets).loss)
         for l in range(1, L + 1):
             block, captured = model.blocks[l - 1], {}
-            hooks = [block.attn_norm.register_forward_pre_hook(lambda m, args: captured.setdefault("h", args[0])),
-                     block.attn.register_forward_hook(lambda m, a, out: captured.setdefault("attn", out)),
-                     block.ffn.register_forward_hook(lambda m, a, out: captured.setdefault("ffn", out))]
+            hooks = [
+                block.attn_norm.register_forward_pre_hook(
+                    lambda m, args: captured.setdefault("h", args[0])
+                ),
+                block.attn.register_forward_hook(
+                    lambda m, a, out: captured.setdefault("attn", out)
+                ),
+                block.ffn.register_forward_hook(lambda m, a, out: captured.setdefault("ffn", out)),
+            ]
             model(inputs)
             for hook in hooks:
                 hook.remove()
-            W = numpy_affine_fit(captured["h"], torch.cat([captured["attn"], captured["ffn"]], dim=-1))
+            W = numpy_affine_fit(
+                captured["h"], torch.cat([captured["attn"], captured["ffn"]], dim=-1)
+            )
             fitted = apply_numpy(captured["h"], W)
-            hooks = [block.attn.register_forward_hook(lambda m, a, out: fitted[..., :32]),
-                     block.ffn.register_forward_hook(lambda m, a, out: fitted[..., 32:])]
+            hooks = [
+                block.attn.register_forward_hook(lambda m, a, out: fitted[..., :32]),
+                block.ffn.register_forward_hook(lambda m, a, out: fitted[..., 32:]),
+            ]
             replaced = float(model(inputs, targets).loss)
             for hook in hooks:
                 hook.remove()
@@ -273,20 +331,31 @@ def test_moda_usefulness_replaces_the_depth_keys_too(variant):
                     out = block(x, rope, None, depth)
                     left = depth.pairs[before:]
                     del depth.pairs[before:]
-                    unrotated = [t.transpose(1, 2).reshape(*x.shape[:2], -1) for k, v in left
-                                 for t in (apply_rotary(k, cos, -sin), v)]
+                    unrotated = [
+                        t.transpose(1, 2).reshape(*x.shape[:2], -1)
+                        for k, v in left
+                        for t in (apply_rotary(k, cos, -sin), v)
+                    ]
                     W = numpy_affine_fit(x, torch.cat([out, *unrotated], dim=-1))
                     y = apply_numpy(x, W)
                     a = block.attn
                     for i in range(len(left)):
-                        k, v = (y[..., 32 + (2 * i + j) * a.kv_dim : 32 + (2 * i + j + 1) * a.kv_dim]
-                                .reshape(*x.shape[:2], a.n_kv_head, a.head_dim).transpose(1, 2) for j in (0, 1))
+                        k, v = (
+                            y[..., 32 + (2 * i + j) * a.kv_dim : 32 + (2 * i + j + 1) * a.kv_dim]
+                            .reshape(*x.shape[:2], a.n_kv_head, a.head_dim)
+                            .transpose(1, 2)
+                            for j in (0, 1)
+                        )
                         depth.append((depth_layout(apply_rotary(k, cos, sin)), depth_layout(v)))
                     x = y[..., :32]
                 else:
                     x = block(x, rope, None, depth)
             logits = model.lm_head(model.final_norm(x))
-            replaced = float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)))
+            replaced = float(
+                torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+                )
+            )
             assert r[l].item() == pytest.approx(replaced / base, rel=1e-6)
 
 
@@ -299,7 +368,9 @@ def test_replacing_a_layer_by_its_own_outputs_changes_nothing(arch):
         for layer in range(1, L + 1):
             x, y, after = model.layer_io(states[-1], layer)
             replaced = model.replace(states[-1], layer, y)
-            torch.testing.assert_close(model.residual(replaced), model.residual(after), rtol=0, atol=0)
+            torch.testing.assert_close(
+                model.residual(replaced), model.residual(after), rtol=0, atol=0
+            )
             states.append(after)
         torch.testing.assert_close(model.logits(states[-1]), model(inputs).logits, rtol=0, atol=0)
 
@@ -317,4 +388,6 @@ def test_states_are_values(arch):
             model.skip(state, 2)
             model.replace(state, 2, model.layer_io(state, 2)[1])
             torch.testing.assert_close(model.residual(state), h1, rtol=0, atol=0)
-            assert core.lm_loss(model, IDX) == pytest.approx(float(model(IDX[:, :-1], IDX[:, 1:]).loss), rel=1e-12)
+            assert core.lm_loss(model, IDX) == pytest.approx(
+                float(model(IDX[:, :-1], IDX[:, 1:]).loss), rel=1e-12
+            )

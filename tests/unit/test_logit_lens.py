@@ -21,7 +21,9 @@ def perturbed(arch: str, n_layer: int = 3) -> torch.nn.Module:
     """A small model whose weights are moved off their initialisation (zero-initialised mixing
     weights, gates and scales then take part), in float32, eval mode."""
     torch.manual_seed(0)
-    model = build_model(ModelConfig(arch=arch, vocab_size=V, n_layer=n_layer, d_model=32, n_head=2, max_seq_len=16))
+    model = build_model(
+        ModelConfig(arch=arch, vocab_size=V, n_layer=n_layer, d_model=32, n_head=2, max_seq_len=16)
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -65,7 +67,10 @@ def test_lens_at_the_last_layer_is_the_models_own_output(arch):
     own_ce = float(torch.nn.functional.cross_entropy(own.reshape(-1, V), idx[:, 1:].reshape(-1)))
     assert got["lens_cross_entropy"].shape == (model.n_layer + 1,)
     assert math.isclose(float(got["lens_cross_entropy"][-1]), own_ce, rel_tol=1e-5)
-    assert abs(float(got["lens_kl_to_final"][-1])) < 1e-6 and float(got["lens_top1_agreement"][-1]) == 1.0
+    assert (
+        abs(float(got["lens_kl_to_final"][-1])) < 1e-6
+        and float(got["lens_top1_agreement"][-1]) == 1.0
+    )
     assert float(got["lens_kl_to_final"][0]) > 1e-4  # the embedding's prediction is not the model's
 
 
@@ -80,7 +85,9 @@ def test_lens_equals_the_norm_and_head_on_the_models_hidden_states():
     expected = by_hand(per_layer, idx[:, 1:])
     got = lens.logit_lens(model, idx)
     for name, values in expected.items():
-        torch.testing.assert_close(got[name].double(), torch.tensor(values, dtype=torch.float64), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            got[name].double(), torch.tensor(values, dtype=torch.float64), rtol=1e-5, atol=1e-6
+        )
 
 
 class PostNormLens(torch.nn.Module):
@@ -120,7 +127,9 @@ def test_probe_rows_carry_the_lens_per_layer():
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "olmo2", "gpt_neox", "gemma2", "gemma3"])
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen2", "qwen3", "olmo2", "gpt_neox", "gemma2", "gemma3"]
+)
 def test_lens_of_pretrained_families_ends_at_transformers_logits(family):
     """Every supported family: the lens at l = L equals transformers' own logits (final norm,
     head and Gemma's soft cap as *ForCausalLM.forward applies them), and its l < L entries are the
@@ -135,7 +144,11 @@ def test_lens_of_pretrained_families_ends_at_transformers_logits(family):
     got = lens.logit_lens(adapter, idx)
     with torch.no_grad():
         out = model(input_ids=idx[:, :-1], output_hidden_states=True, use_cache=False)
-    own_ce = float(torch.nn.functional.cross_entropy(out.logits.float().reshape(-1, HF_V), idx[:, 1:].reshape(-1)))
+    own_ce = float(
+        torch.nn.functional.cross_entropy(
+            out.logits.float().reshape(-1, HF_V), idx[:, 1:].reshape(-1)
+        )
+    )
     assert math.isclose(float(got["lens_cross_entropy"][-1]), own_ce, rel_tol=1e-5)
     norm, head = adapter.family.parts(model)[2:]
     with torch.no_grad():
@@ -143,7 +156,9 @@ def test_lens_of_pretrained_families_ends_at_transformers_logits(family):
     cap = getattr(model.config, "final_logit_softcapping", None) if adapter.family.softcap else None
     if cap:
         first = torch.tanh(first / cap) * cap
-    first_ce = float(torch.nn.functional.cross_entropy(first.reshape(-1, HF_V), idx[:, 1:].reshape(-1)))
+    first_ce = float(
+        torch.nn.functional.cross_entropy(first.reshape(-1, HF_V), idx[:, 1:].reshape(-1))
+    )
     assert math.isclose(float(got["lens_cross_entropy"][0]), first_ce, rel_tol=1e-5)
 
 
@@ -174,10 +189,22 @@ def test_lens_table_of_many_runs_with_distinct_config_columns_stays_small():
     for r in range(40):
         config = {f"c{c}": float(r * 10 + c) for c in range(10)}
         for layer in range(3):
-            for probe, value in (("lens_cross_entropy", 5.0 - layer), ("lens_kl_to_final", 2.0 - layer),
-                                 ("lens_top1_agreement", layer / 2)):
-                rows.append({"run_id": f"run{r}", "probe": probe, "stage": "trained", "i": layer, "j": -1,
-                             "value": value, **config})
+            for probe, value in (
+                ("lens_cross_entropy", 5.0 - layer),
+                ("lens_kl_to_final", 2.0 - layer),
+                ("lens_top1_agreement", layer / 2),
+            ):
+                rows.append(
+                    {
+                        "run_id": f"run{r}",
+                        "probe": probe,
+                        "stage": "trained",
+                        "i": layer,
+                        "j": -1,
+                        "value": value,
+                        **config,
+                    }
+                )
     table = lens_table(pd.DataFrame(rows))
     assert len(table) == 40 * 3 and table.groupby("run_id")["c3"].nunique().eq(1).all()
     assert table.loc[table["layer"] == 2, "top1_agreement"].eq(1.0).all()

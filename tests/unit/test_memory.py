@@ -40,8 +40,16 @@ def measured_saved_bytes(cfg: ModelConfig, bf16: bool, grouped_mm: bool = True) 
         return t
 
     idx = torch.randint(0, cfg.vocab_size, (N, T))
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
-    serves = mock.patch("depthbench.models.moe._grouped_mm_serves", lambda *a: False) if not grouped_mm else nullcontext()
+    ctx = (
+        torch.autocast("cpu", dtype=torch.bfloat16)
+        if bf16
+        else torch.autocast("cpu", enabled=False)
+    )
+    serves = (
+        mock.patch("depthbench.models.moe._grouped_mm_serves", lambda *a: False)
+        if not grouped_mm
+        else nullcontext()
+    )
     with mock.patch("depthbench.kernels.apply_to", lambda t: False), serves, ctx:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(idx, targets=idx)
@@ -79,8 +87,11 @@ def flat_tensors(value):
 
 # the paths the meta trace takes off the CPU, as on CUDA: AttnRes's batched depth mix over its
 # source buffer, MoDA's chunked pair over its depth K/V buffer (both buffers held on a ctx)
-OFF_CPU_PATHS = {"attnres_full": {"depth_mix": "batched"}, "attnres_block": {"depth_mix": "batched"},
-                 "moda": {"attention_impl": "chunked"}}
+OFF_CPU_PATHS = {
+    "attnres_full": {"depth_mix": "batched"},
+    "attnres_block": {"depth_mix": "batched"},
+    "moda": {"attention_impl": "chunked"},
+}
 MOE = {"n_experts": 4, "top_k": 2}
 CASES = [(arch, {}) for arch in registered_architectures()] + [("pre_ln", MOE), ("hc", MOE)]
 CASE_IDS = [arch + ("-moe" if moe else "") for arch, moe in CASES]
@@ -88,8 +99,14 @@ CASE_IDS = [arch + ("-moe" if moe else "") for arch, moe in CASES]
 
 def case_configs(arch, moe):
     for shape in SHAPES:
-        yield ModelConfig(arch=arch, vocab_size=96, max_seq_len=T, arch_options=OFF_CPU_PATHS.get(arch, {}), moe=moe,
-                          **shape)
+        yield ModelConfig(
+            arch=arch,
+            vocab_size=96,
+            max_seq_len=T,
+            arch_options=OFF_CPU_PATHS.get(arch, {}),
+            moe=moe,
+            **shape,
+        )
 
 
 @pytest.mark.parametrize("arch, moe", CASES, ids=CASE_IDS)
@@ -133,7 +150,9 @@ def test_cuda_autocast_replay_runs_rsqrt_in_fp32():
             return []
 
         def forward(self, idx, targets=None):
-            return torch.rsqrt(torch.nn.functional.linear(idx.float()[..., None].expand(-1, -1, 8), self.w))
+            return torch.rsqrt(
+                torch.nn.functional.linear(idx.float()[..., None].expand(-1, -1, 8), self.w)
+            )
 
     with torch.device("meta"):
         model = Rms()
@@ -146,18 +165,33 @@ def test_cuda_autocast_replay_runs_rsqrt_in_fp32():
         trace_activations(model, idx, True, "tpu")
 
 
-@pytest.mark.parametrize("arch, options, n_kv_head", [
-    ("attnres_full", {"depth_mix": "batched"}, 4), ("attnres_block", {"depth_mix": "batched", "n_blocks": 2}, 4),
-    ("moda", {"attention_impl": "chunked"}, 4), ("moda", {"attention_impl": "chunked"}, 2),
-    ("moda", {"attention_impl": "chunked", "variant": "ffn_kv"}, 4)], ids=["full", "block", "moda", "moda-gqa", "moda-ffn_kv"])
+@pytest.mark.parametrize(
+    "arch, options, n_kv_head",
+    [
+        ("attnres_full", {"depth_mix": "batched"}, 4),
+        ("attnres_block", {"depth_mix": "batched", "n_blocks": 2}, 4),
+        ("moda", {"attention_impl": "chunked"}, 4),
+        ("moda", {"attention_impl": "chunked"}, 2),
+        ("moda", {"attention_impl": "chunked", "variant": "ffn_kv"}, 4),
+    ],
+    ids=["full", "block", "moda", "moda-gqa", "moda-ffn_kv"],
+)
 def test_buffers_held_on_a_ctx_are_counted(arch, options, n_kv_head):
     """AttnRes's source buffer and MoDA's depth K/V buffer are kept for backward on a ctx, not
     through autograd's saved tensors (7 % of these models' saved bytes), while the tensors they
     copy live only where autograd keeps them (with GQA and ffn_kv, MoDA's attention does not
     save every depth key): the estimate equals the graph walk's count within 1 % in fp32, where
     the 10 % of the test above would let either error go."""
-    cfg = ModelConfig(arch=arch, vocab_size=96, max_seq_len=T, arch_options=options, d_model=48, n_layer=4, n_head=4,
-                      n_kv_head=n_kv_head)
+    cfg = ModelConfig(
+        arch=arch,
+        vocab_size=96,
+        max_seq_len=T,
+        arch_options=options,
+        d_model=48,
+        n_layer=4,
+        n_head=4,
+        n_kv_head=n_kv_head,
+    )
     est, ref = estimate_memory(cfg, N, T, bf16=False).activations, measured_saved_bytes(cfg, False)
     assert abs(est - ref) <= 0.01 * ref, (est, ref)
 
@@ -171,7 +205,9 @@ def test_states_and_checkpointing_terms():
     assert sharded.weights == n and sharded.optimizer == 2 * n and sharded.gathered > 0
     assert one.activations_checkpointed < one.activations
     # batch-linear: twice the micro-batch saves twice the activations
-    assert estimate_memory(cfg, 2 * N, T, bf16=False).activations == pytest.approx(2 * one.activations, rel=0.01)
+    assert estimate_memory(cfg, 2 * N, T, bf16=False).activations == pytest.approx(
+        2 * one.activations, rel=0.01
+    )
 
 
 def test_plan_prints_totals(tmp_path):
@@ -215,11 +251,19 @@ def test_gpu_presets_fit_80gb_with_the_checkpointing_auto_picks(preset):
     assert len(plans) == len(exp.runs)
     for p in plans:
         model = exp.runs[p.run_id].model
-        assert p.fits == ((model.arch, model.n_layer) not in NOT_FITTING[preset]), (p.run_id, p.memory_checkpointed)
+        assert p.fits == ((model.arch, model.n_layer) not in NOT_FITTING[preset]), (
+            p.run_id,
+            p.memory_checkpointed,
+        )
         assert not p.fits or p.memory_auto <= 80e9, (p.run_id, p.memory_auto)
         assert (p.checkpointing != "none") == p.needs_checkpointing == (p.memory > 80e9), p.run_id
-        assert p.memory_checkpointed <= p.memory_auto * (1 + 1e-12)  # full checkpointing is the least memory
+        assert p.memory_checkpointed <= p.memory_auto * (
+            1 + 1e-12
+        )  # full checkpointing is the least memory
     deepest = max(spec.model.n_layer for spec in exp.runs.values())
     assert all(p.needs_checkpointing for p in plans if exp.runs[p.run_id].model.n_layer == deepest)
     text = format_plan(plans, "H100 SXM", 0.4, 80e9)
-    assert f"{len(NOT_FITTING[preset]) * len(config['learning_rates'])} do not fit even with it" in text
+    assert (
+        f"{len(NOT_FITTING[preset]) * len(config['learning_rates'])} do not fit even with it"
+        in text
+    )

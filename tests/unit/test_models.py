@@ -15,7 +15,14 @@ from depthbench.models.layers import apply_rotary
 
 canonical_arch("pre_ln")  # registers every architecture
 ARCHS = sorted(ARCHITECTURES)
-NORM_FAMILY = ["deepnorm", "keel", "lns", "peri_ln", "post_ln", "pre_ln"]  # one stream, x <- block(x)
+NORM_FAMILY = [
+    "deepnorm",
+    "keel",
+    "lns",
+    "peri_ln",
+    "post_ln",
+    "pre_ln",
+]  # one stream, x <- block(x)
 
 
 def small(arch, **kw):
@@ -123,12 +130,13 @@ def test_lns_and_deepnorm_constants_are_in_the_model_dtype(arch):
         torch.testing.assert_close(model(idx).logits, expected, rtol=0, atol=1e-13)
         model.float().double()
         torch.testing.assert_close(model(idx).logits, expected, rtol=0, atol=1e-13)
-    exact = [1.0 / math.sqrt(l) if arch == "lns" else 10 ** 0.25 for l in range(1, 6)]
+    exact = [1.0 / math.sqrt(l) if arch == "lns" else 10**0.25 for l in range(1, 6)]
     assert [getattr(b, name).dtype for b in model.blocks] == [torch.float64] * 5
     assert [getattr(b, name).item() for b in model.blocks] == exact
     model.to(torch.bfloat16)
     assert [getattr(b, name).item() for b in model.blocks] == [
-        torch.tensor(v, dtype=torch.float64).to(torch.bfloat16).item() for v in exact]
+        torch.tensor(v, dtype=torch.float64).to(torch.bfloat16).item() for v in exact
+    ]
 
 
 def test_post_ln_deepnorm_keel_peri_equations():
@@ -172,7 +180,9 @@ def test_peri_ln_embedding_norm_option():
 def test_deepnorm_init_gains():
     torch.manual_seed(0)
     d, L = 256, 6
-    model = build_model(ModelConfig(arch="deepnorm", vocab_size=50, d_model=d, n_layer=L, n_head=4, max_seq_len=8))
+    model = build_model(
+        ModelConfig(arch="deepnorm", vocab_size=50, d_model=d, n_layer=L, n_head=4, max_seq_len=8)
+    )
     beta = (8 * L) ** -0.25
     w = model.blocks[0].attn.wqkv.weight
     q, v = w[:d], w[2 * d :]
@@ -192,8 +202,18 @@ def test_deepnorm_torchscale_init_statistics(n_kv_head):
     entry beyond a."""
     torch.manual_seed(0)
     d, L = 256, 6
-    model = build_model(ModelConfig(arch="deepnorm", vocab_size=50, d_model=d, n_layer=L, n_head=4,
-                                    n_kv_head=n_kv_head, max_seq_len=8, arch_options={"init": "torchscale"}))
+    model = build_model(
+        ModelConfig(
+            arch="deepnorm",
+            vocab_size=50,
+            d_model=d,
+            n_layer=L,
+            n_head=4,
+            n_kv_head=n_kv_head,
+            max_seq_len=8,
+            arch_options={"init": "torchscale"},
+        )
+    )
     scale = (8 * L) ** 0.25
     kv = d * n_kv_head // 4
 
@@ -203,15 +223,17 @@ def test_deepnorm_torchscale_init_statistics(n_kv_head):
 
     for block in model.blocks:
         w = block.attn.wqkv.weight
-        check(w[:d], 2 ** -0.5 * math.sqrt(6 / (d + d)))
-        check(w[d : d + kv], 2 ** -0.5 * math.sqrt(6 / (d + kv)))
-        check(w[d + kv :], 2 ** -0.5 * math.sqrt(6 / (d + kv)) / scale)
+        check(w[:d], 2**-0.5 * math.sqrt(6 / (d + d)))
+        check(w[d : d + kv], 2**-0.5 * math.sqrt(6 / (d + kv)))
+        check(w[d + kv :], 2**-0.5 * math.sqrt(6 / (d + kv)) / scale)
         check(block.attn.wo.weight, math.sqrt(6 / (d + d)) / scale)
         d_ff = block.ffn.d_ff
         check(block.ffn.w13.weight[:d_ff], 1 / math.sqrt(d) / scale)
         check(block.ffn.w13.weight[d_ff:], 1 / math.sqrt(d) / scale)
         check(block.ffn.w2.weight, 1 / math.sqrt(d_ff) / scale)
-    assert model.embed.weight.std().item() == pytest.approx(0.02, rel=0.05)  # default init elsewhere
+    assert model.embed.weight.std().item() == pytest.approx(
+        0.02, rel=0.05
+    )  # default init elsewhere
 
 
 def test_deepnorm_init_option_default_and_bad_value():
@@ -220,14 +242,26 @@ def test_deepnorm_init_option_default_and_bad_value():
     default = build_model(small("deepnorm"))
     torch.manual_seed(0)
     named = build_model(small("deepnorm", arch_options={"init": "deepnet"}))
-    assert all(torch.equal(a, b) for a, b in zip(default.state_dict().values(), named.state_dict().values()))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(default.state_dict().values(), named.state_dict().values())
+    )
     with pytest.raises(ConfigError, match=r"model\.arch_options\.init.*deepnet.*torchscale"):
         build_model(small("deepnorm", arch_options={"init": "xavier"}))
 
 
 def test_default_init_std_and_rules():
     torch.manual_seed(0)
-    model = build_model(ModelConfig(vocab_size=500, d_model=256, n_layer=2, n_head=4, init_std="1/sqrt(d_model)", max_seq_len=8))
+    model = build_model(
+        ModelConfig(
+            vocab_size=500,
+            d_model=256,
+            n_layer=2,
+            n_head=4,
+            init_std="1/sqrt(d_model)",
+            max_seq_len=8,
+        )
+    )
     assert model.blocks[0].ffn.w13.weight.std().item() == pytest.approx(1 / 16, rel=0.03)
     assert evaluate_init_std("0.02/sqrt(2*n_layer)", 64, 8) == pytest.approx(0.005)
     with pytest.raises(Exception, match="model.init_std"):
@@ -258,7 +292,7 @@ def test_rope_rotation_preserves_norm_and_relative_positions():
     k = torch.randn(1, 1, 1, 8).expand(1, 1, 24, 8)
     rq, rk = apply_rotary(q, cos[:, :4], sin[:, :4]), apply_rotary(k, cos[:, :4], sin[:, :4])
     torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1))
-    dots = (rq[0, 0] @ rk[0, 0].T)
+    dots = rq[0, 0] @ rk[0, 0].T
     torch.testing.assert_close(dots[3, 1], dots[10, 8])  # depends on offset only
 
 
@@ -268,8 +302,15 @@ def test_pre_ln_parameter_count_matches_closed_form():
         assert cfg.d_ff == swiglu_hidden(d)
         closed = 12 * L * d * d + 2 * V * d
         assert abs(count_parameters(cfg) - closed) / closed < 0.03
-        model_params = sum(p.numel() for p in build_model(ModelConfig(vocab_size=V, d_model=d, n_layer=1, n_head=16)).parameters())
-        assert model_params == count_parameters(ModelConfig(vocab_size=V, d_model=d, n_layer=1, n_head=16))
+        model_params = sum(
+            p.numel()
+            for p in build_model(
+                ModelConfig(vocab_size=V, d_model=d, n_layer=1, n_head=16)
+            ).parameters()
+        )
+        assert model_params == count_parameters(
+            ModelConfig(vocab_size=V, d_model=d, n_layer=1, n_head=16)
+        )
 
 
 def test_loss_is_cross_entropy_of_logits():
@@ -277,7 +318,9 @@ def test_loss_is_cross_entropy_of_logits():
     model = build_model(small("pre_ln"))
     idx, tgt = torch.randint(0, 97, (2, 8)), torch.randint(0, 97, (2, 8))
     out = model(idx, tgt)
-    torch.testing.assert_close(out.loss, F.cross_entropy(out.logits.reshape(-1, 97), tgt.reshape(-1)))
+    torch.testing.assert_close(
+        out.loss, F.cross_entropy(out.logits.reshape(-1, 97), tgt.reshape(-1))
+    )
     assert out.loss.item() == pytest.approx(math.log(97), abs=0.1)  # small init: near uniform
 
 
@@ -302,9 +345,14 @@ def test_the_schema_lists_exactly_the_registered_architectures_and_their_options
     assert set(schema["model"]["properties"]["arch_options"]["properties"]) == options
 
 
-@pytest.mark.parametrize("arch, options, field", [("moda", {"variant": "both"}, "variant"),
-                                                   ("attnres_block", {"n_blocks": 0}, "n_blocks"),
-                                                   ("peri_ln", {"embed_norm": "yes"}, "embed_norm")])
+@pytest.mark.parametrize(
+    "arch, options, field",
+    [
+        ("moda", {"variant": "both"}, "variant"),
+        ("attnres_block", {"n_blocks": 0}, "n_blocks"),
+        ("peri_ln", {"embed_norm": "yes"}, "embed_norm"),
+    ],
+)
 def test_invalid_architecture_options_name_the_field(arch, options, field):
     from depthbench.util.errors import ConfigError
 
@@ -312,7 +360,9 @@ def test_invalid_architecture_options_name_the_field(arch, options, field):
         build_model(small(arch, arch_options=options))
 
 
-@pytest.mark.parametrize("option, good, bad", [("res_init", "hc_static", "eye"), ("init", "torchscale", "xavier")])
+@pytest.mark.parametrize(
+    "option, good, bad", [("res_init", "hc_static", "eye"), ("init", "torchscale", "xavier")]
+)
 def test_schema_takes_the_architecture_init_options(option, good, bad):
     """mhc's res_init and deepnorm's init are settable from a config; a bad value is a
     ConfigError naming model.arch_options.<option> and listing the valid values."""

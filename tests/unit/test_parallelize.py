@@ -27,7 +27,19 @@ from depthbench.models.registry import build_model
 from depthbench.train.memory import recompute_mask, trace_activations
 from depthbench.train.parallelize import compile_mode, mixed_precision_policy, wrap_units
 
-ARCHS = ["pre_ln", "post_ln", "peri_ln", "lns", "deepnorm", "keel", "hc", "mhc", "attnres_full", "attnres_block", "moda"]
+ARCHS = [
+    "pre_ln",
+    "post_ln",
+    "peri_ln",
+    "lns",
+    "deepnorm",
+    "keel",
+    "hc",
+    "mhc",
+    "attnres_full",
+    "attnres_block",
+    "moda",
+]
 VOCAB = 64
 
 
@@ -39,7 +51,17 @@ FEW_ITERATIONS = {"sinkhorn_iterations": 3}
 def tiny(arch: str, n_layer: int = 3, **extra) -> torch.nn.Module:
     torch.manual_seed(0)
     extra.setdefault("arch_options", FEW_ITERATIONS)
-    model = build_model(ModelConfig(arch=arch, vocab_size=VOCAB, d_model=32, n_layer=n_layer, n_head=2, max_seq_len=16, **extra))
+    model = build_model(
+        ModelConfig(
+            arch=arch,
+            vocab_size=VOCAB,
+            d_model=32,
+            n_layer=n_layer,
+            n_head=2,
+            max_seq_len=16,
+            **extra,
+        )
+    )
     for p in model.parameters():  # away from zero-initialised queries and dynamic weights
         p.data.add_(0.05 * torch.randn_like(p))
     return model
@@ -49,7 +71,9 @@ def loss_and_grads(model, idx):
     out = model(idx[:, :-1], idx[:, 1:])
     objective = out.loss if out.aux_loss is None else out.loss + out.aux_loss
     objective.backward()
-    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 def assert_same(model, reference, idx, atol=0.0):
@@ -94,18 +118,28 @@ class LiveStorages(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self.refs.append((StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()))
+                self.refs.append(
+                    (StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+                )
         return out
 
     def live_bytes(self, exclude: set) -> int:
         gc.collect()
-        return sum({ref.cdata: n for ref, n in self.refs if not ref.expired() and ref.cdata not in exclude}.values())
+        return sum(
+            {
+                ref.cdata: n
+                for ref, n in self.refs
+                if not ref.expired() and ref.cdata not in exclude
+            }.values()
+        )
 
 
 def held_after_forward(model, idx) -> int:
     """Bytes of the storages created by the forward and alive after it (views of the weights,
     such as a transposed matrix, are the weights' storage and not counted)."""
-    weights = {StorageWeakRef(t.untyped_storage()).cdata for t in [*model.parameters(), *model.buffers()]}
+    weights = {
+        StorageWeakRef(t.untyped_storage()).cdata for t in [*model.parameters(), *model.buffers()]
+    }
     tracker = LiveStorages()
     with tracker:
         out = model(idx, targets=idx)
@@ -123,12 +157,27 @@ def test_checkpointing_frees_memory_as_the_estimator_predicts(arch):
     N, T = 2, 32
     # the paths CUDA runs, which the meta trace takes: MoDA's chunked pair and AttnRes's batched
     # mix, whose buffers (held on a ctx, announced through held_for_backward) are live memory here
-    cuda_path = {"moda": {"attention_impl": "chunked"}, "attnres_full": {"depth_mix": "batched"},
-                 "attnres_block": {"depth_mix": "batched"}}
+    cuda_path = {
+        "moda": {"attention_impl": "chunked"},
+        "attnres_full": {"depth_mix": "batched"},
+        "attnres_block": {"depth_mix": "batched"},
+    }
     options = {**FEW_ITERATIONS, **cuda_path.get(arch, {})}
-    cfg = ModelConfig(arch=arch, vocab_size=VOCAB, d_model=48, n_layer=4, n_head=4, max_seq_len=T, arch_options=options)
+    cfg = ModelConfig(
+        arch=arch,
+        vocab_size=VOCAB,
+        d_model=48,
+        n_layer=4,
+        n_head=4,
+        max_seq_len=T,
+        arch_options=options,
+    )
     with torch.device("meta"):
-        trace = trace_activations(build_model(cfg, initialize=False), torch.zeros(N, T, dtype=torch.long, device="meta"), False)
+        trace = trace_activations(
+            build_model(cfg, initialize=False),
+            torch.zeros(N, T, dtype=torch.long, device="meta"),
+            False,
+        )
     idx = torch.randint(0, VOCAB, (N, T))
     held = {}
     for mode in ("none", "selective", "full"):
@@ -184,7 +233,11 @@ def test_inductor_block_compile_with_checkpointing_matches_eager():
 
 
 def test_settings_are_checked_and_the_policy_follows_the_device():
-    assert compile_mode(True) == "model" and compile_mode(False) == "none" and compile_mode("block") == "block"
+    assert (
+        compile_mode(True) == "model"
+        and compile_mode(False) == "none"
+        and compile_mode("block") == "block"
+    )
     with pytest.raises(ConfigError, match="train.compile"):
         compile_mode("blocks")
     with pytest.raises(ConfigError, match="train.activation_checkpointing"):
@@ -228,7 +281,9 @@ def _fsdp_worker(rank, world, store, archs, out):
         model = tiny(arch, n_layer=2)
         tc = TrainConfig(parallel="fsdp", activation_checkpointing="full", compile="block")
         ctx = DistContext(rank, world, rank, "fsdp")
-        _, step_fn, mode = parallelize(model, tc, ctx, torch.device("cpu"), torch.float32, backend="aot_eager")
+        _, step_fn, mode = parallelize(
+            model, tc, ctx, torch.device("cpu"), torch.float32, backend="aot_eager"
+        )
         assert mode == "full"
         idx = torch.randint(0, VOCAB, (BATCH, 9), generator=torch.Generator().manual_seed(1))
         losses = _train(step_fn, model, idx[rank::world])
@@ -247,7 +302,12 @@ def test_fsdp2_with_the_policy_checkpointing_and_block_compile_equals_one_rank(t
 
     # attnres_full: its checkpoint (and compile) units, PreNormed, contain its FSDP2 units
     archs = ["pre_ln", "moda", "attnres_full"]
-    mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "store"), archs, str(tmp_path / "out.pt")), nprocs=2, join=True)
+    mp.spawn(
+        _fsdp_worker,
+        args=(2, str(tmp_path / "store"), archs, str(tmp_path / "out.pt")),
+        nprocs=2,
+        join=True,
+    )
     results = torch.load(tmp_path / "out.pt", weights_only=True)
     for arch in archs:
         model = tiny(arch, n_layer=2)
@@ -276,11 +336,17 @@ def test_a_run_with_checkpointing_trains_the_same_weights(tiny_data, tmp_path):
     spec = next(iter(exp.runs.values()))
     weights, losses = {}, {}
     for mode in ("none", "full"):
-        run = dataclasses.replace(spec, train=dataclasses.replace(spec.train, activation_checkpointing=mode))
+        run = dataclasses.replace(
+            spec, train=dataclasses.replace(spec.train, activation_checkpointing=mode)
+        )
         paths = RunPaths(tmp_path / mode / "run", tmp_path / mode / "work")
         assert train(run, data_dir, paths, progress=False)["status"] == "ok"
         weights[mode] = load_file(paths.weights)
-        losses[mode] = [r["train_loss"] for r in map(json.loads, paths.curves.read_text().splitlines()) if "train_loss" in r]
+        losses[mode] = [
+            r["train_loss"]
+            for r in map(json.loads, paths.curves.read_text().splitlines())
+            if "train_loss" in r
+        ]
     assert all(torch.equal(weights["full"][k], weights["none"][k]) for k in weights["none"])
     assert losses["full"] == losses["none"] and len(losses["none"]) > 0
     config = tiny_config(tmp_path / "corpus.jsonl")

@@ -4,7 +4,12 @@ import pytest
 
 from depthbench.grid.config import expand_grid
 from depthbench.spec.schema import load_config
-from depthbench.commands.plan import TOKENIZE_TOKENS_PER_S, SweepPlan, format_plan, tokenization_estimate
+from depthbench.commands.plan import (
+    TOKENIZE_TOKENS_PER_S,
+    SweepPlan,
+    format_plan,
+    tokenization_estimate,
+)
 
 
 @pytest.mark.parametrize("preset, pieces", [("400m", 7), ("1p6b", 32)])
@@ -20,7 +25,10 @@ def test_gpu_presets_tokenize_in_pieces_and_the_plan_prints_the_time(preset, pie
     assert t.seconds == pytest.approx(t.tokens / (TOKENIZE_TOKENS_PER_S * pieces))
     assert t.seconds < 3 * 3600  # the whole corpus (10B / 100B tokens) takes 2 h / 4.3 h
     line = format_plan(SweepPlan([], tokenization=t), "H100 SXM", 0.4, 80e9).splitlines()[-1]
-    assert line.startswith("tokenization: ") and f"in {pieces} parallel pieces: {t.seconds / 3600:,.1f} h" in line
+    assert (
+        line.startswith("tokenization: ")
+        and f"in {pieces} parallel pieces: {t.seconds / 3600:,.1f} h" in line
+    )
     assert f"{TOKENIZE_TOKENS_PER_S:,.0f} tokens/s per process" in line
 
 
@@ -32,7 +40,17 @@ def test_pre_tokenized_shards_have_no_tokenization_estimate(tmp_path):
     for name in ("train", "val"):
         np.arange(5000, dtype=np.uint16).tofile(tmp_path / f"{name}.bin")
         paths.append(str(tmp_path / f"{name}.bin"))
-    config["corpus"] = {"name": "pre", "source": "shards", "train_paths": paths[:1], "val_paths": paths[1:],
-                        "dtype": "uint16", "eos_id": 0}
-    config["tokenizer"] = {"kind": "hub", "name": "x", "vocab_size": 512}  # the default grid's, for which its budget is solved
+    config["corpus"] = {
+        "name": "pre",
+        "source": "shards",
+        "train_paths": paths[:1],
+        "val_paths": paths[1:],
+        "dtype": "uint16",
+        "eos_id": 0,
+    }
+    config["tokenizer"] = {
+        "kind": "hub",
+        "name": "x",
+        "vocab_size": 512,
+    }  # the default grid's, for which its budget is solved
     assert tokenization_estimate(expand_grid(config)) is None

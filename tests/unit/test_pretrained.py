@@ -21,26 +21,75 @@ from depthbench.pretrained.adapter import PretrainedAdapter  # noqa: E402
 from depthbench.pretrained.loading import load_model  # noqa: E402
 
 V, D, L, T = 96, 32, 3, 10
-COMMON = dict(vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4,
-              max_position_embeddings=64, initializer_range=0.2, tie_word_embeddings=False)
+COMMON = dict(
+    vocab_size=V,
+    hidden_size=D,
+    intermediate_size=64,
+    num_hidden_layers=L,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+)
 
 # family -> (config class, model class, config extras, output projections of a decoder layer)
 FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2), ("self_attn.o_proj", "mlp.down_proj")),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2), ("self_attn.o_proj", "mlp.down_proj")),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=8), ("self_attn.o_proj", "mlp.down_proj")),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=2), ("self_attn.o_proj", "mlp.down_proj")),
-    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.5, use_parallel_residual=True),
-                 ("attention.dense", "mlp.dense_4h_to_h")),
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(num_key_value_heads=2),
+        ("self_attn.o_proj", "mlp.down_proj"),
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(num_key_value_heads=2),
+        ("self_attn.o_proj", "mlp.down_proj"),
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(num_key_value_heads=2, head_dim=8),
+        ("self_attn.o_proj", "mlp.down_proj"),
+    ),
+    "olmo2": (
+        "Olmo2Config",
+        "Olmo2ForCausalLM",
+        dict(num_key_value_heads=2),
+        ("self_attn.o_proj", "mlp.down_proj"),
+    ),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(rotary_pct=0.5, use_parallel_residual=True),
+        ("attention.dense", "mlp.dense_4h_to_h"),
+    ),
     # sliding window 4 < T: the sliding-window layers get their own masks
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
-               dict(num_key_value_heads=2, head_dim=8, sliding_window=4, final_logit_softcapping=3.0,
-                    attn_logit_softcapping=5.0, query_pre_attn_scalar=8),
-               ("self_attn.o_proj", "mlp.down_proj")),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-               dict(num_key_value_heads=2, head_dim=8, sliding_window=4, final_logit_softcapping=3.0,
-                    layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
-               ("self_attn.o_proj", "mlp.down_proj")),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            num_key_value_heads=2,
+            head_dim=8,
+            sliding_window=4,
+            final_logit_softcapping=3.0,
+            attn_logit_softcapping=5.0,
+            query_pre_attn_scalar=8,
+        ),
+        ("self_attn.o_proj", "mlp.down_proj"),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_key_value_heads=2,
+            head_dim=8,
+            sliding_window=4,
+            final_logit_softcapping=3.0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+        ("self_attn.o_proj", "mlp.down_proj"),
+    ),
 }
 
 
@@ -130,10 +179,14 @@ def test_skip_of_an_identity_layer_is_the_model_without_it(family):
         if any(name.startswith(prefix) for prefix in FAMILIES[family][3]):
             p.zero_()
     states = trunk_states(adapter, idx)
-    torch.testing.assert_close(states[2].hidden, states[1].hidden, rtol=0, atol=1e-6)  # identity-like
+    torch.testing.assert_close(
+        states[2].hidden, states[1].hidden, rtol=0, atol=1e-6
+    )  # identity-like
     skipped = final_state(adapter, adapter.skip(states[1], 2), 3)
     assert adapter.skip(states[1], 2).hidden is states[1].hidden
-    assert (adapter.logits(skipped) - model(input_ids=idx, use_cache=False).logits).abs().max() <= 1e-5
+    assert (
+        adapter.logits(skipped) - model(input_ids=idx, use_cache=False).logits
+    ).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt_neox", "gemma3"])
@@ -150,7 +203,7 @@ def test_swap_exchanges_layers_and_restores_them(family):
     for k, v in before.items():
         for a, b in ((0, 2), (2, 0)):
             if k.startswith(f"{prefix}{a}."):
-                k = f"{prefix}{b}." + k[len(f"{prefix}{a}."):]
+                k = f"{prefix}{b}." + k[len(f"{prefix}{a}.") :]
                 break
         renamed[k] = v
     reference = copy.deepcopy(model)
@@ -175,7 +228,13 @@ def test_layer_io_replace_and_states_are_values():
     assert torch.equal(state.hidden, h0)  # stepping never changes the state it is given
     assert torch.equal(x, h0) and torch.equal(y, after.hidden)
     torch.testing.assert_close(after.hidden, adapter.step(state, 1).hidden, rtol=0, atol=0)
-    assert torch.equal(adapter.replace(state, 1, y.reshape(-1, D)).hidden, y)  # given outputs, reshaped
-    replaced = final_state(adapter, adapter.replace(state, 1, x), 2)  # the layer's input as its output
-    torch.testing.assert_close(replaced.hidden, final_state(adapter, adapter.skip(state, 1), 2).hidden, rtol=0, atol=0)
+    assert torch.equal(
+        adapter.replace(state, 1, y.reshape(-1, D)).hidden, y
+    )  # given outputs, reshaped
+    replaced = final_state(
+        adapter, adapter.replace(state, 1, x), 2
+    )  # the layer's input as its output
+    torch.testing.assert_close(
+        replaced.hidden, final_state(adapter, adapter.skip(state, 1), 2).hidden, rtol=0, atol=0
+    )
     assert adapter.records(idx) == {} and adapter.extra_flops_per_token(T) == 0.0

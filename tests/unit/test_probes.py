@@ -1,6 +1,5 @@
 """Probe computations against cases whose answer is known exactly."""
 
-
 import multiprocessing
 import os
 import sys
@@ -24,7 +23,18 @@ from depthbench.probes.interventions import causal_scores, permutation_scores, u
 
 def model(arch="pre_ln", n_layer=4, **kw):
     torch.manual_seed(0)
-    return build_model(ModelConfig(arch=arch, vocab_size=50, d_model=32, n_layer=n_layer, n_head=4, max_seq_len=16, init_std=0.1, **kw))
+    return build_model(
+        ModelConfig(
+            arch=arch,
+            vocab_size=50,
+            d_model=32,
+            n_layer=n_layer,
+            n_head=4,
+            max_seq_len=16,
+            init_std=0.1,
+            **kw,
+        )
+    )
 
 
 def make_identity(m, layer):
@@ -42,7 +52,9 @@ def test_identity_layer_has_angular_distance_zero():
     make_identity(m, 2)
     for last in (True, False):
         D = angular_distance(residual_stream(m, IDX), last_token_only=last)
-        assert D[1, 1].item() == pytest.approx(0.0, abs=1e-3)  # h_1 -> h_2 through the identity layer
+        assert D[1, 1].item() == pytest.approx(
+            0.0, abs=1e-3
+        )  # h_1 -> h_2 through the identity layer
         assert D[0, 0] == pytest.approx(0.0, abs=1e-3) and D[2, 1] > 0.01
         assert torch.isnan(D[4, 1])
 
@@ -57,7 +69,9 @@ def test_skipping_an_identity_layer_gives_causal_score_zero_and_others_do_not():
     assert torch.isnan(C[3, 2]) and torch.isnan(C[0, 1])
 
 
-@pytest.mark.parametrize("arch", ["pre_ln", "post_ln", "hc", "attnres_full", "attnres_block", "moda"])
+@pytest.mark.parametrize(
+    "arch", ["pre_ln", "post_ln", "hc", "attnres_full", "attnres_block", "moda"]
+)
 def test_causal_scores_take_one_baseline_pass_and_resume_each_skipped_pass(arch):
     L = 3
     m = model(arch, n_layer=L)
@@ -136,7 +150,9 @@ def test_usefulness_is_defined_for_every_architecture(arch):
     m = model(arch, n_layer=2)  # hc at init: its n streams are identical, the fit rank-deficient
     r = usefulness_ratios(m, IDX)
     assert torch.isfinite(r[1:]).all()
-    torch.testing.assert_close(usefulness_ratios(m, IDX), r, rtol=0, atol=0, equal_nan=True)  # one solution, every call
+    torch.testing.assert_close(
+        usefulness_ratios(m, IDX), r, rtol=0, atol=0, equal_nan=True
+    )  # one solution, every call
 
 
 def test_prefix_average_part_is_removed_and_restored():
@@ -173,8 +189,17 @@ def test_share_above_threshold_counts_pairs_in_the_last_three_quarters():
 
 def test_attnres_block_dead_zone_uses_every_layers_partial_sum_weight():
     def dead_zone(depth, n_layer, n_blocks, threshold):
-        arch = build_model(ModelConfig(arch="attnres_block", vocab_size=50, d_model=32, n_layer=n_layer, n_head=4,
-                                       max_seq_len=16, arch_options={"n_blocks": n_blocks}))
+        arch = build_model(
+            ModelConfig(
+                arch="attnres_block",
+                vocab_size=50,
+                d_model=32,
+                n_layer=n_layer,
+                n_head=4,
+                max_seq_len=16,
+                arch_options={"n_blocks": n_blocks},
+            )
+        )
         return arch.dead_zone(depth, threshold)
 
     # 4 layers, 2 blocks (ends after layers 2 and 4); each sublayer's last weight is the one on
@@ -182,10 +207,16 @@ def test_attnres_block_dead_zone_uses_every_layers_partial_sum_weight():
     def w(*values):
         return torch.tensor(values)
 
-    depth = [w(1.0), w(0.99, 0.01),          # layer 1: attn (block start), ffn
-             w(0.98, 0.02), w(0.97, 0.03),   # layer 2
-             w(0.5, 0.5), w(0.4, 0.3, 0.3),  # layer 3: attn (block start), ffn
-             w(0.2, 0.4, 0.4), w(0.1, 0.1, 0.8)]
+    depth = [
+        w(1.0),
+        w(0.99, 0.01),  # layer 1: attn (block start), ffn
+        w(0.98, 0.02),
+        w(0.97, 0.03),  # layer 2
+        w(0.5, 0.5),
+        w(0.4, 0.3, 0.3),  # layer 3: attn (block start), ffn
+        w(0.2, 0.4, 0.4),
+        w(0.1, 0.1, 0.8),
+    ]
     length, weights = dead_zone(depth, 4, 2, threshold=0.05)
     assert weights == pytest.approx([0.01, 0.025, 0.3, 0.6])
     assert length == 2
@@ -195,13 +226,39 @@ def test_attnres_block_dead_zone_uses_every_layers_partial_sum_weight():
     assert weights == pytest.approx([0.5, 0.04]) and length == 0
 
 
-ALL_ARCHS = ["pre_ln", "post_ln", "peri_ln", "lns", "deepnorm", "keel", "hc", "mhc", "attnres_full", "attnres_block", "moda"]
+ALL_ARCHS = [
+    "pre_ln",
+    "post_ln",
+    "peri_ln",
+    "lns",
+    "deepnorm",
+    "keel",
+    "hc",
+    "mhc",
+    "attnres_full",
+    "attnres_block",
+    "moda",
+]
 
 
-@pytest.mark.parametrize("arch, options", [(a, {}) for a in ALL_ARCHS] + [("moda", {"variant": "ffn_kv"}), ("attnres_block", {"n_blocks": 2})])
+@pytest.mark.parametrize(
+    "arch, options",
+    [(a, {}) for a in ALL_ARCHS]
+    + [("moda", {"variant": "ffn_kv"}), ("attnres_block", {"n_blocks": 2})],
+)
 def test_permutation_scores_are_the_same_with_two_workers(arch, options):
     torch.manual_seed(0)
-    m = build_model(ModelConfig(arch=arch, vocab_size=128, d_model=32, n_layer=4, n_head=2, max_seq_len=32, arch_options=options)).eval()
+    m = build_model(
+        ModelConfig(
+            arch=arch,
+            vocab_size=128,
+            d_model=32,
+            n_layer=4,
+            n_head=2,
+            max_seq_len=32,
+            arch_options=options,
+        )
+    ).eval()
     for p in m.parameters():  # break zero-initialised dynamics and queries so that order matters
         p.data.add_(0.05 * torch.randn_like(p))
     idx = torch.randint(0, 128, (3, 17))
@@ -213,7 +270,9 @@ def test_permutation_scores_are_the_same_with_two_workers(arch, options):
     assert lm_loss(m, idx) == base  # every swap restored
 
 
-linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked workers are used on Linux only")
+linux_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="forked workers are used on Linux only"
+)
 
 
 @pytest.mark.parametrize("mapper", [pytest.param("processes", marks=linux_only), "threads"])
@@ -256,5 +315,9 @@ def test_forked_worker_failures_name_the_item():
 def test_probe_workers_inside_a_daemonic_process_fall_back_to_threads(monkeypatch):
     """A multiprocessing pool's worker may not start children: the map uses threads there."""
     monkeypatch.setattr(multiprocessing.current_process(), "daemon", True, raising=False)
-    monkeypatch.setattr(workers, "_map_in_forked_processes", lambda *a: pytest.fail("forked inside a daemon"))
-    assert workers.map_over_model_copies(model(n_layer=2), [1, 2, 3], lambda m, i: i * 10, workers=2) == [10, 20, 30]
+    monkeypatch.setattr(
+        workers, "_map_in_forked_processes", lambda *a: pytest.fail("forked inside a daemon")
+    )
+    assert workers.map_over_model_copies(
+        model(n_layer=2), [1, 2, 3], lambda m, i: i * 10, workers=2
+    ) == [10, 20, 30]

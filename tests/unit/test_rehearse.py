@@ -39,8 +39,15 @@ FACTOR = 1.5  # measured peak RSS / estimate must lie in [1 / FACTOR, FACTOR]
 def tiny_exp(tmp_path_factory):
     corpus = tmp_path_factory.mktemp("corpus") / "c.jsonl"
     corpus.write_text('{"text": "unused: the rehearsal draws random tokens"}\n')
-    cfg = tiny_config(corpus, architectures=["pre_ln", "attnres_block"], shapes=[{"n_layer": 2}, {"n_layer": 4}])
-    cfg["budget"] = {"params": 1.8e6, "d_model_multiple": 32, "d_ff_multiple": 32, "tolerance": 0.05}
+    cfg = tiny_config(
+        corpus, architectures=["pre_ln", "attnres_block"], shapes=[{"n_layer": 2}, {"n_layer": 4}]
+    )
+    cfg["budget"] = {
+        "params": 1.8e6,
+        "d_model_multiple": 32,
+        "d_ff_multiple": 32,
+        "tolerance": 0.05,
+    }
     cfg["train"] = {**cfg["train"], "seq_len": 64}
     return expand_grid(load_config(cfg))
 
@@ -49,13 +56,17 @@ def tiny_exp(tmp_path_factory):
 def tiny_report(tiny_exp, tmp_path_factory):
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("rehearsal")
-    return out, rehearse_run.rehearse_experiment(tiny_exp, out, tokens=64, probe_tokens=16, probe_passes=1)
+    return out, rehearse_run.rehearse_experiment(
+        tiny_exp, out, tokens=64, probe_tokens=16, probe_passes=1
+    )
 
 
 def test_rehearsal_rows(tiny_exp, tiny_report):
     out, report = tiny_report
     rows = report["rows"]
-    assert [(r["arch"], r["shape"]) for r in rows] == [(a, s) for a in ("pre_ln", "attnres_block") for s in ("widest", "deepest")]
+    assert [(r["arch"], r["shape"]) for r in rows] == [
+        (a, s) for a in ("pre_ln", "attnres_block") for s in ("widest", "deepest")
+    ]
     solved = {(s.arch, s.shape.n_layer): s.shape for s in tiny_exp.runs.values()}
     for r in rows:
         assert r["mode"] == "real" and r["status"] == "ok", r
@@ -66,14 +77,18 @@ def test_rehearsal_rows(tiny_exp, tiny_report):
         assert r["d_model"] == shape.d_model
         # the checkpoint holds fp32 weights and two fp32 AdamW moments: at least 12 bytes per parameter
         assert r["checkpoint_bytes"] >= 12 * r["params"]
-        assert {"causal_score", "permutation_score", "usefulness_ratio", "effective_rank"} <= set(r["probe_families"])
+        assert {"causal_score", "permutation_score", "usefulness_ratio", "effective_rank"} <= set(
+            r["probe_families"]
+        )
         assert r["probe_finite"]
     by = {(r["arch"], r["shape"]): r for r in rows}
     for arch in ("pre_ln", "attnres_block"):
         assert by[(arch, "widest")]["d_model"] > by[(arch, "deepest")]["d_model"]
         assert by[(arch, "widest")]["n_layer"] < by[(arch, "deepest")]["n_layer"]
     # attnres_block's own probe families ran too
-    assert {"depth_weight", "dead_zone_layers"} <= set(by[("attnres_block", "deepest")]["probe_families"])
+    assert {"depth_weight", "dead_zone_layers"} <= set(
+        by[("attnres_block", "deepest")]["probe_families"]
+    )
     assert not (out / "work").exists() or not any((out / "work").iterdir())  # checkpoints removed
 
 
@@ -81,7 +96,12 @@ def test_rehearsal_memory_within_factor(tiny_report):
     _, report = tiny_report
     for r in report["rows"]:
         assert r["rss_method"] == "vmhwm"  # Linux: the exact high-water mark
-        assert 1 / FACTOR <= r["ratio"] <= FACTOR, (r["arch"], r["tag"], r["measured_gib"], r["est_gib"])
+        assert 1 / FACTOR <= r["ratio"] <= FACTOR, (
+            r["arch"],
+            r["tag"],
+            r["measured_gib"],
+            r["est_gib"],
+        )
         # weights, gradients and two AdamW moments: 4 fp32 copies of the parameters
         assert r["est_weights_gib"] * 2**30 == pytest.approx(4 * r["params"])
         assert r["est_adamw_gib"] == pytest.approx(2 * r["est_weights_gib"])
@@ -106,13 +126,31 @@ def _trainer(tmp_path, arch="pre_ln"):
     from depthbench.train.trainer import Trainer
 
     cfg = ModelConfig(arch=arch, vocab_size=64, max_seq_len=16, d_model=32, n_layer=2, n_head=2)
-    spec = RunSpec(run_id="r", arch=arch, shape=shape_of(cfg, 2, 32), lr=1e-3, seed=0, knobs={}, model=cfg,
-                   train=TrainConfig(seq_len=16, micro_batch_size=1, global_batch_size=1, total_steps=10, device="cpu"),
-                   data_id="d", tokenizer_id="t")
+    spec = RunSpec(
+        run_id="r",
+        arch=arch,
+        shape=shape_of(cfg, 2, 32),
+        lr=1e-3,
+        seed=0,
+        knobs={},
+        model=cfg,
+        train=TrainConfig(
+            seq_len=16, micro_batch_size=1, global_batch_size=1, total_steps=10, device="cpu"
+        ),
+        data_id="d",
+        tokenizer_id="t",
+    )
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (1, 17))
-    trainer = Trainer(spec, RunPaths(tmp_path, tmp_path), build_model(cfg), rh._OneBatch(ids), DistContext(),
-                      torch.device("cpu"), nullcontext())
+    trainer = Trainer(
+        spec,
+        RunPaths(tmp_path, tmp_path),
+        build_model(cfg),
+        rh._OneBatch(ids),
+        DistContext(),
+        torch.device("cpu"),
+        nullcontext(),
+    )
     trainer.fit(stop_after=2)
     return trainer
 
@@ -129,24 +167,39 @@ def test_roundtrip_detects_a_resume_that_loads_nothing(tmp_path, monkeypatch):
 
 def test_targets_order_and_filter(tiny_exp):
     targets = rh.rehearsal_targets(tiny_exp, ["attnres_block", "pre_ln"], ("deepest",))
-    assert [(t.arch, t.which, t.spec.shape.n_layer) for t in targets] == [("attnres_block", "deepest", 4), ("pre_ln", "deepest", 4)]
+    assert [(t.arch, t.which, t.spec.shape.n_layer) for t in targets] == [
+        ("attnres_block", "deepest", 4),
+        ("pre_ln", "deepest", 4),
+    ]
     with pytest.raises(ValueError, match="--shapes"):
         rh.rehearsal_targets(tiny_exp, None, ("tallest",))
     # "both" (the CLI's documented spelling of the default) is the widest and the deepest
     both = rh.rehearsal_targets(tiny_exp, ["pre_ln"], ("both",))
     assert [(t.which, t.spec.shape.n_layer) for t in both] == [
-        (t.which, t.spec.shape.n_layer) for t in rh.rehearsal_targets(tiny_exp, ["pre_ln"], ("widest", "deepest"))]
+        (t.which, t.spec.shape.n_layer)
+        for t in rh.rehearsal_targets(tiny_exp, ["pre_ln"], ("widest", "deepest"))
+    ]
     assert {t.which for t in both} == {"widest", "deepest"}
 
 
 def test_guard_refuses_or_goes_meta(tiny_exp, tmp_path, monkeypatch):
     monkeypatch.setattr(rehearse_run, "available_memory", lambda: 2**20)  # 1 MiB left
-    monkeypatch.setattr(rehearse_run, "rehearse_real", lambda *a, **k: pytest.fail("built a model that does not fit"))
-    refused = rehearse_run.rehearse_experiment(tiny_exp, tmp_path / "r", mode="real", archs=["pre_ln"], tokens=64, log=lambda s: None)
+    monkeypatch.setattr(
+        rehearse_run,
+        "rehearse_real",
+        lambda *a, **k: pytest.fail("built a model that does not fit"),
+    )
+    refused = rehearse_run.rehearse_experiment(
+        tiny_exp, tmp_path / "r", mode="real", archs=["pre_ln"], tokens=64, log=lambda s: None
+    )
     assert [r["status"] for r in refused["rows"]] == ["refused", "refused"]
     assert "GiB available" in refused["rows"][0]["note"]
-    auto = rehearse_run.rehearse_experiment(tiny_exp, tmp_path / "a", mode="auto", archs=["pre_ln"], tokens=64, log=lambda s: None)
-    assert [r["mode"] for r in auto["rows"]] == ["meta", "meta"] and all(r["status"] == "ok" for r in auto["rows"])
+    auto = rehearse_run.rehearse_experiment(
+        tiny_exp, tmp_path / "a", mode="auto", archs=["pre_ln"], tokens=64, log=lambda s: None
+    )
+    assert [r["mode"] for r in auto["rows"]] == ["meta", "meta"] and all(
+        r["status"] == "ok" for r in auto["rows"]
+    )
     with pytest.raises(ValueError, match="max_seq_len"):
         rehearse_run.rehearse_experiment(tiny_exp, tmp_path / "x", tokens=65)
     with pytest.raises(ValueError, match="--archs"):
@@ -155,7 +208,9 @@ def test_guard_refuses_or_goes_meta(tiny_exp, tmp_path, monkeypatch):
 
 def test_meta_mode_on_the_1p6b_preset(tmp_path, capsys):
     cfg = yaml.safe_load((REPO / "config/presets/1p6b.yaml").read_text())
-    cfg["architectures"] = ["pre_ln"]  # one architecture: the solver's time, not the check's, dominates
+    cfg["architectures"] = [
+        "pre_ln"
+    ]  # one architecture: the solver's time, not the check's, dominates
     path = tmp_path / "1p6b.yaml"
     path.write_text(yaml.safe_dump(cfg))
     with PeakRSS() as mem:

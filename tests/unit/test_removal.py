@@ -29,7 +29,9 @@ def test_block_influence_is_one_minus_the_mean_cosine():
     h0 = torch.tensor([[[1.0, 0.0]]])
     h1 = torch.tensor([[[0.0, 1.0]]])  # orthogonal: BI 1
     h2 = torch.tensor([[[0.0, 2.0]]])  # same direction: BI 0
-    assert torch.allclose(removal.block_influence([h0, h1, h2]), torch.tensor([1.0, 0.0], dtype=torch.float64))
+    assert torch.allclose(
+        removal.block_influence([h0, h1, h2]), torch.tensor([1.0, 0.0], dtype=torch.float64)
+    )
 
 
 def test_removal_sets_cover_every_ranking_and_k_and_random_is_seeded():
@@ -44,7 +46,9 @@ def test_removal_sets_cover_every_ranking_and_k_and_random_is_seeded():
     assert all(len(layers) == k and len(set(layers)) == k for _, _, k, layers in sets)
     assert [s for s in sets if s[0] == "last" and s[2] == 2][0][3] == [2, 3]
     assert sets == removal.removal_sets(bi, D, C, 4, [1, 2, 3], seed=0)
-    assert all(4 not in layers for r, _, _, layers in sets if r in ("angular_block", "causal", "last"))
+    assert all(
+        4 not in layers for r, _, _, layers in sets if r in ("angular_block", "causal", "last")
+    )
 
 
 @pytest.mark.parametrize("arch", registered_architectures())
@@ -67,11 +71,19 @@ def test_removal_pass_equals_pre_ln_with_the_blocks_taken_out():
     """pre_ln without layers 2 and 3 is the model whose block list lacks them."""
     model = perturbed("pre_ln", n_layer=4)
     idx = sample()
-    got = removal.loss_without(model, trunk_states(model, idx[:, :-1]), removal.ScoredTokens.windows(idx), [2, 3])
+    got = removal.loss_without(
+        model, trunk_states(model, idx[:, :-1]), removal.ScoredTokens.windows(idx), [2, 3]
+    )
     shorter = copy.deepcopy(model)
-    shorter.blocks = torch.nn.ModuleList([b for i, b in enumerate(model.blocks, start=1) if i not in (2, 3)])
+    shorter.blocks = torch.nn.ModuleList(
+        [b for i, b in enumerate(model.blocks, start=1) if i not in (2, 3)]
+    )
     with torch.no_grad():
-        expected = float(torch.nn.functional.cross_entropy(shorter(idx[:, :-1]).logits.reshape(-1, 64), idx[:, 1:].reshape(-1)))
+        expected = float(
+            torch.nn.functional.cross_entropy(
+                shorter(idx[:, :-1]).logits.reshape(-1, 64), idx[:, 1:].reshape(-1)
+            )
+        )
     assert math.isclose(got, expected, rel_tol=1e-6)
 
 
@@ -82,9 +94,18 @@ def test_document_scoring_equals_the_nll_stage():
 
     model = perturbed("pre_ln")
     g = torch.Generator().manual_seed(3)
-    docs = pd.DataFrame({"set": "s", "domain": "code", "doc_id": range(4), "n_bytes": 10,
-                         "context_ids": [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 9, 1, 5)],
-                         "continuation_ids": [torch.randint(0, 64, (n,), generator=g).tolist() for n in (4, 12, 6, 2)]})
+    docs = pd.DataFrame(
+        {
+            "set": "s",
+            "domain": "code",
+            "doc_id": range(4),
+            "n_bytes": 10,
+            "context_ids": [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 9, 1, 5)],
+            "continuation_ids": [
+                torch.randint(0, 64, (n,), generator=g).tolist() for n in (4, 12, 6, 2)
+            ],
+        }
+    )
     docs["n_tokens"] = docs["continuation_ids"].map(len)
     scored = removal.ScoredTokens.documents(docs, window=8)
     states = trunk_states(model, scored.inputs)
@@ -95,7 +116,9 @@ def test_document_scoring_equals_the_nll_stage():
 
 def test_effective_fraction_stops_at_the_first_k_over_the_tolerance():
     curve = {1: 2.02, 2: 2.12, 3: 2.04, 4: 3.0}
-    assert removal.effective_fraction(curve, 2.0, 8, 0.05) == 1 / 8  # k = 2 breaks it; k = 3 does not count
+    assert (
+        removal.effective_fraction(curve, 2.0, 8, 0.05) == 1 / 8
+    )  # k = 2 breaks it; k = 3 does not count
     assert removal.effective_fraction(curve, 2.0, 8, 0.10) == 3 / 8  # 2.2: all of k <= 3 within
     assert removal.effective_fraction({1: 2.5}, 2.0, 8, 0.05) == 0.0
     assert removal.layer_counts(8, None) == list(range(1, 8))
@@ -105,7 +128,9 @@ def test_effective_fraction_stops_at_the_first_k_over_the_tolerance():
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "olmo2", "gpt_neox", "gemma2", "gemma3"])
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen2", "qwen3", "olmo2", "gpt_neox", "gemma2", "gemma3"]
+)
 def test_removal_of_pretrained_layers_equals_transformers_without_them(family):
     """Every supported family: the adapter's removal pass equals transformers' own forward of the
     model whose decoder-layer list lacks the removed layers (written here, sharing no code)."""
@@ -128,7 +153,9 @@ def test_removal_of_pretrained_layers_equals_transformers_without_them(family):
             pruned.config.layer_types = [pruned.config.layer_types[i] for i in keep]
         with torch.no_grad():
             logits = pruned(input_ids=idx[:, :-1], use_cache=False).logits.float()
-        expected = float(torch.nn.functional.cross_entropy(logits.reshape(-1, HF_V), idx[:, 1:].reshape(-1)))
+        expected = float(
+            torch.nn.functional.cross_entropy(logits.reshape(-1, HF_V), idx[:, 1:].reshape(-1))
+        )
         assert math.isclose(got, expected, rel_tol=1e-5), (family, removed)
 
 
@@ -136,23 +163,40 @@ def _depth_rows(fractions: dict[str, float], n_layer: int = 8) -> pd.DataFrame:
     rows = []
     for arch, f in fractions.items():
         for ranking in ("angular_block", "causal", "random"):
-            rows.append({"run_id": arch, "arch": arch, "n_layer": n_layer, "d_model": 32, "knobs": "{}", "ranking": ranking, "is_best_lr": True,
-                         "seed": 0, "effective_fraction": f if ranking != "random" else f / 2})
+            rows.append(
+                {
+                    "run_id": arch,
+                    "arch": arch,
+                    "n_layer": n_layer,
+                    "d_model": 32,
+                    "knobs": "{}",
+                    "ranking": ranking,
+                    "is_best_lr": True,
+                    "seed": 0,
+                    "effective_fraction": f if ranking != "random" else f / 2,
+                }
+            )
     return pd.DataFrame(rows)
 
 
-@pytest.mark.parametrize("fractions, verdict", [
-    ({"pre_ln": 0.5, "hc": 0.25, "attnres_full": 0.125}, "holds"),
-    ({"pre_ln": 0.25, "hc": 0.5, "attnres_full": 0.125}, "does not hold at this scale"),
-    ({"hc": 0.25, "attnres_full": 0.125}, "not testable"),
-])
+@pytest.mark.parametrize(
+    "fractions, verdict",
+    [
+        ({"pre_ln": 0.5, "hc": 0.25, "attnres_full": 0.125}, "holds"),
+        ({"pre_ln": 0.25, "hc": 0.5, "attnres_full": 0.125}, "does not hold at this scale"),
+        ({"hc": 0.25, "attnres_full": 0.125}, "not testable"),
+    ],
+)
 def test_claim_on_removable_layers_against_pre_ln(fractions, verdict):
     from depthbench.analysis.claims import claim_m
 
     ours, got, note = claim_m({"effective_depth": _depth_rows(fractions)}, {})
     assert got.startswith(verdict), (got, ours)
     if verdict == "holds":
-        assert "pre_ln 0.50" in ours and set(note.split(": ")[1].split(", ")) == {"hc", "attnres_full"}
+        assert "pre_ln 0.50" in ours and set(note.split(": ")[1].split(", ")) == {
+            "hc",
+            "attnres_full",
+        }
     assert claim_m({}, {})[1].startswith("not testable")
 
 
@@ -163,13 +207,18 @@ def test_layer_profile_takes_each_models_numbers_from_the_tables():
     from tests.analysis_tables import synthetic_tables
 
     t = synthetic_tables(archs=("pre_ln", "hc"), depths=(4, 8))
-    depth = _with_run_columns(effective_depth(t["removal"].drop(columns=["status"]).assign(status="ok"), 0.05),
-                              t["runs"], t["best_lr"])
+    depth = _with_run_columns(
+        effective_depth(t["removal"].drop(columns=["status"]).assign(status="ok"), 0.05),
+        t["runs"],
+        t["best_lr"],
+    )
     profile = layer_profile(t["probes"], depth)
     assert len(profile) == 4 and list(profile["arch"]) == ["pre_ln", "pre_ln", "hc", "hc"]
     # synthetic curves: change = (k/L)^2 (pre_ln) or 2 (k/L)^2, so within 5%: k/L <= sqrt(0.05) or sqrt(0.025)
     row = profile[(profile["arch"] == "pre_ln") & (profile["n_layer"] == 8)].iloc[0]
     assert row["removable"] == 1 / 8 and row["causal_share"] == 0.05
     assert row["lens_half_agreement"] == 0.5  # the synthetic lens agreement is l / L
-    assert profile[(profile["arch"] == "hc") & (profile["n_layer"] == 8)]["removable"].iloc[0] == 1 / 8
+    assert (
+        profile[(profile["arch"] == "hc") & (profile["n_layer"] == 8)]["removable"].iloc[0] == 1 / 8
+    )
     assert "removable (5% tol.)" in layer_profile_html(profile, 0.05)

@@ -24,14 +24,22 @@ from tests.conftest import tiny_config
 
 @pytest.fixture
 def grid(wiki_jsonl):
-    config = tiny_config(wiki_jsonl, architectures=["pre_ln", "attnres_block"], model={"n_head": 2, "arch_options": {"n_blocks": 2}})
+    config = tiny_config(
+        wiki_jsonl,
+        architectures=["pre_ln", "attnres_block"],
+        model={"n_head": 2, "arch_options": {"n_blocks": 2}},
+    )
     return expand_grid(load_config(config))
 
 
 def legacy(exp, new):
     old = shared_options_ids(exp)[new]
     spec = exp.runs[new]
-    return replace(spec, run_id=old, model=replace(spec.model, arch_options=dict(exp.config["model"]["arch_options"])))
+    return replace(
+        spec,
+        run_id=old,
+        model=replace(spec.model, arch_options=dict(exp.config["model"]["arch_options"])),
+    )
 
 
 def write_old_run(results, spec, checkpoint=True):
@@ -39,16 +47,31 @@ def write_old_run(results, spec, checkpoint=True):
     rid = spec.run_id
     run = results / "runs" / rid
     run.mkdir(parents=True)
-    atomic_write_json(run / "summary.json", {"run_id": rid, "status": "ok", "spec": spec.to_dict(), "steps": 4,
-                                             "final_val_loss": 5.0, "n_params": 1, "spec_hash": spec.spec_hash()})
+    atomic_write_json(
+        run / "summary.json",
+        {
+            "run_id": rid,
+            "status": "ok",
+            "spec": spec.to_dict(),
+            "steps": 4,
+            "final_val_loss": 5.0,
+            "n_params": 1,
+            "spec_hash": spec.spec_hash(),
+        },
+    )
     (run / "model.safetensors").write_bytes(b"weights")
     (run / "metrics.jsonl").write_text('{"step": 4}\n')
-    pd.DataFrame({"run_id": [rid, rid], "value": [1.0, 2.0]}).to_parquet(results / "probes" / f"{rid}.parquet")
+    pd.DataFrame({"run_id": [rid, rid], "value": [1.0, 2.0]}).to_parquet(
+        results / "probes" / f"{rid}.parquet"
+    )
     (results / "logs" / "train" / f"{rid}.log").write_text("log\n")
     if checkpoint:
         step = results / "work" / rid / "step_00000004"
         step.mkdir(parents=True)
-        atomic_write_json(step / MANIFEST, {"format": "depthbench-dcp-1", "run_id": rid, "step": 4, "world_size": 1, "meta": {}})
+        atomic_write_json(
+            step / MANIFEST,
+            {"format": "depthbench-dcp-1", "run_id": rid, "step": 4, "world_size": 1, "meta": {}},
+        )
         listing.write_listing(step, checksum_path(step).name, [MANIFEST])
     for path in [run / "summary.json", results / "probes" / f"{rid}.parquet"]:
         os.utime(path, (1_700_000_000, 1_700_000_000))
@@ -69,20 +92,32 @@ def test_rename_moves_every_path_and_rewrites_the_ids_inside(grid, results):
     plan = rename_runs(grid, results)
     assert len(plan.renames) == len(grid.runs) and not plan.conflicts and not plan.stale
     for new, old in olds.items():
-        for gone in (f"runs/{old.run_id}", f"work/{old.run_id}", f"probes/{old.run_id}.parquet", f"logs/train/{old.run_id}.log"):
+        for gone in (
+            f"runs/{old.run_id}",
+            f"work/{old.run_id}",
+            f"probes/{old.run_id}.parquet",
+            f"logs/train/{old.run_id}.log",
+        ):
             assert not (results / gone).exists(), gone
         summary_path = results / "runs" / new / "summary.json"
         s = read_summary(summary_path, {new: grid.runs[new].spec_hash()})  # what the tables accept
         assert s["run_id"] == s["spec"]["run_id"] == new
         assert s["spec"]["model"]["arch_options"] == grid.runs[new].model.arch_options
-        assert summary_path.stat().st_mtime == 1_700_000_000  # Snakemake's mtime trigger sees no change
+        assert (
+            summary_path.stat().st_mtime == 1_700_000_000
+        )  # Snakemake's mtime trigger sees no change
         probes = results / "probes" / f"{new}.parquet"
-        assert set(pd.read_parquet(probes)["run_id"]) == {new} and probes.stat().st_mtime == 1_700_000_000
+        assert (
+            set(pd.read_parquet(probes)["run_id"]) == {new}
+            and probes.stat().st_mtime == 1_700_000_000
+        )
         assert (results / "runs" / new / "model.safetensors").read_bytes() == b"weights"
         assert (results / "logs" / "train" / f"{new}.log").is_file()
         step = results / "work" / new / "step_00000004"
         assert json.loads((step / MANIFEST).read_text())["run_id"] == new
-        assert listing.read_listing(checksum_path(step)) == {MANIFEST: listing.file_sha256(step / MANIFEST)}
+        assert listing.read_listing(checksum_path(step)) == {
+            MANIFEST: listing.file_sha256(step / MANIFEST)
+        }
     assert plan_renames(grid, results).renames == []  # done: a second run finds nothing
 
 
@@ -105,9 +140,13 @@ def test_a_conflict_refuses_everything(grid, results):
     first, second = list(grid.runs)[:2]
     for new in (first, second):
         write_old_run(results, legacy(grid, new), checkpoint=False)
-    (results / "probes" / f"{second}.parquet").write_bytes(b"someone else's")  # target exists beside its source
+    (results / "probes" / f"{second}.parquet").write_bytes(
+        b"someone else's"
+    )  # target exists beside its source
     before = sorted(str(p.relative_to(results)) for p in results.rglob("*"))
-    with pytest.raises(DataError, match=rf"(?s)refused, nothing changed.*probes/{second}\.parquet exists"):
+    with pytest.raises(
+        DataError, match=rf"(?s)refused, nothing changed.*probes/{second}\.parquet exists"
+    ):
         rename_runs(grid, results)
     assert sorted(str(p.relative_to(results)) for p in results.rglob("*")) == before
 

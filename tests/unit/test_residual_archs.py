@@ -101,7 +101,9 @@ def test_hc_scales_start_at_0_01_and_are_not_weight_decayed():
     groups = param_groups(model, weight_decay=0.1)
     no_decay = {id(p) for g in groups if g["weight_decay"] == 0.0 for p in g["params"]}
     for h in (m for b in model.blocks for m in (b.attn_hc, b.ffn_hc)):
-        assert torch.equal(h.s_alpha, torch.tensor([0.01])) and torch.equal(h.s_beta, torch.tensor([0.01]))
+        assert torch.equal(h.s_alpha, torch.tensor([0.01])) and torch.equal(
+            h.s_beta, torch.tensor([0.01])
+        )
         assert h.s_alpha.requires_grad and h.s_beta.requires_grad
         assert id(h.s_alpha) in no_decay and id(h.s_beta) in no_decay
 
@@ -110,8 +112,12 @@ def test_hc_static_init_and_stream_sum():
     model = build_model(cfg("hc"))
     hcs = [m for b in model.blocks for m in (b.attn_hc, b.ffn_hc)]
     for s, h in enumerate(hcs):
-        assert torch.equal(h.static_read, torch.nn.functional.one_hot(torch.tensor(s % 4), 4).float())
-        assert torch.equal(h.static_mix, torch.eye(4)) and torch.equal(h.static_write, torch.ones(4))
+        assert torch.equal(
+            h.static_read, torch.nn.functional.one_hot(torch.tensor(s % 4), 4).float()
+        )
+        assert torch.equal(h.static_mix, torch.eye(4)) and torch.equal(
+            h.static_write, torch.ones(4)
+        )
         assert torch.count_nonzero(h.dynamic.weight) == 0
     out = model(torch.randint(0, 61, (1, 5)), return_hidden=True, return_internals=True)
     mixing = out.internals["stream_mixing"]
@@ -124,6 +130,7 @@ def test_stream_mixing_matmul_gradient_matches_finite_differences_and_the_broadc
     torch.manual_seed(0)
     M = torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True)
     H = torch.randn(2, 3, 4, 6, dtype=torch.float64, requires_grad=True)
+
     def broadcast_sum(M, H):
         return (M.unsqueeze(-1) * H.unsqueeze(-3)).sum(-2)
 
@@ -171,9 +178,17 @@ class _RecordUpdate(Hook):
 
     def on_gradients(self, trainer, step, stats):
         self.before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-        self.grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-        self.groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
-        self.group_of = {id(p): i for i, g in enumerate(trainer.optimizer.param_groups) for p in g["params"]}
+        self.grads = {
+            n: p.grad.detach().clone()
+            for n, p in trainer.model.named_parameters()
+            if p.grad is not None
+        }
+        self.groups = [
+            {k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups
+        ]
+        self.group_of = {
+            id(p): i for i, g in enumerate(trainer.optimizer.param_groups) for p in g["params"]
+        }
 
 
 class _OneBatch:
@@ -198,20 +213,40 @@ def test_bf16_autocast_training_step_updates_the_fp32_master_weights(trained_cas
     model = build_model(trained.cfg)  # a copy (deepcopy refuses an MoE's stored aux loss)
     model.load_state_dict(trained.state_dict())
     lr = 1e-3
-    tc = TrainConfig(lr=lr, total_steps=4, warmup_fraction=0.0, global_batch_size=4, micro_batch_size=4,
-                     seq_len=x.shape[1], dtype="bfloat16", device="cpu")
+    tc = TrainConfig(
+        lr=lr,
+        total_steps=4,
+        warmup_fraction=0.0,
+        global_batch_size=4,
+        micro_batch_size=4,
+        seq_len=x.shape[1],
+        dtype="bfloat16",
+        device="cpu",
+    )
     spec = types.SimpleNamespace(train=tc, run_id="bf16_master_weights", model=model.cfg)
     device = torch.device("cpu")
-    trainer = Trainer(spec, RunPaths(tmp_path / "run", tmp_path / "work"), model, _OneBatch(x, y),
-                      distributed.DistContext(), device, torch.autocast("cpu", dtype=resolve_dtype(tc.dtype, device)))
+    trainer = Trainer(
+        spec,
+        RunPaths(tmp_path / "run", tmp_path / "work"),
+        model,
+        _OneBatch(x, y),
+        distributed.DistContext(),
+        device,
+        torch.autocast("cpu", dtype=resolve_dtype(tc.dtype, device)),
+    )
     record = _RecordUpdate()
     trainer.hooks = [record]
     assert trainer._one_step() and trainer.step == 1
     assert record.grads and all(g.dtype == torch.float32 for g in record.grads.values())
     params = dict(model.named_parameters())
     reference = {n: record.before[n].double().requires_grad_() for n in record.grads}
-    groups = [{**record.groups[i], "params": [reference[n] for n in reference if record.group_of[id(params[n])] == i]}
-              for i in range(len(record.groups))]
+    groups = [
+        {
+            **record.groups[i],
+            "params": [reference[n] for n in reference if record.group_of[id(params[n])] == i],
+        }
+        for i in range(len(record.groups))
+    ]
     ref_opt = torch.optim.AdamW([g for g in groups if g["params"]], foreach=False)
     for n, p in reference.items():
         p.grad = record.grads[n].double()
@@ -220,17 +255,22 @@ def test_bf16_autocast_training_step_updates_the_fp32_master_weights(trained_cas
     for n, p in params.items():
         assert p.dtype == torch.float32, n
         if n in reference:
-            torch.testing.assert_close(p.detach().double(), reference[n].detach(), rtol=0, atol=1e-2 * lr, msg=n)
+            torch.testing.assert_close(
+                p.detach().double(), reference[n].detach(), rtol=0, atol=1e-2 * lr, msg=n
+            )
     moved = sum(int((params[n].detach() != record.before[n]).sum()) for n in reference)
     assert moved > 0.9 * sum(record.before[n].numel() for n in reference)
 
 
-@pytest.mark.parametrize("res_init, phi_std, gain", [
-    *[("hc_static", *regime) for regime in [(0.0, 0.01), (1.0, 0.01), (1.0, 0.04), (0.1, 0.3)]],
-    # near the identity (a vertex of the Birkhoff polytope) 20 iterations leave row errors of the
-    # order of the off-diagonal mass: within 1e-3 up to a logit noise of about 0.1 (docs/choices.md)
-    *[("identity", *regime) for regime in [(0.0, 0.01), (1.0, 0.01)]],
-])
+@pytest.mark.parametrize(
+    "res_init, phi_std, gain",
+    [
+        *[("hc_static", *regime) for regime in [(0.0, 0.01), (1.0, 0.01), (1.0, 0.04), (0.1, 0.3)]],
+        # near the identity (a vertex of the Birkhoff polytope) 20 iterations leave row errors of the
+        # order of the off-diagonal mass: within 1e-3 up to a logit noise of about 0.1 (docs/choices.md)
+        *[("identity", *regime) for regime in [(0.0, 0.01), (1.0, 0.01)]],
+    ],
+)
 def test_mhc_mixing_matrices_are_doubly_stochastic(phi_std, gain, res_init):
     torch.manual_seed(0)
     model = build_model(cfg("mhc", arch_options={"res_init": res_init}))
@@ -251,8 +291,12 @@ def test_mhc_init_values(res_init):
     options = {} if res_init is None else {"res_init": res_init}
     model = build_model(cfg("mhc", arch_options=options))
     m = model.blocks[1].ffn_mhc  # sublayer 3
-    assert torch.equal(m.b_pre, torch.tensor([0.0, 0.0, 0.0, 1.0])) and torch.equal(m.b_post, torch.ones(4))
-    assert torch.allclose(m.gains, torch.full((3,), 0.01)) and torch.count_nonzero(m.phi.weight) == 0
+    assert torch.equal(m.b_pre, torch.tensor([0.0, 0.0, 0.0, 1.0])) and torch.equal(
+        m.b_post, torch.ones(4)
+    )
+    assert (
+        torch.allclose(m.gains, torch.full((3,), 0.01)) and torch.count_nonzero(m.phi.weight) == 0
+    )
     if res_init == "hc_static":
         assert torch.equal(m.b_res, torch.eye(4))
     else:  # identity, the default: logit 0 on the diagonal, -8 off it
@@ -329,8 +373,12 @@ def test_inference_forward_equals_the_training_forward(arch):
     """The no-grad fast paths (in-place Sinkhorn, fused MoDA kernel) give the training path's
     logits."""
     torch.manual_seed(0)
-    model = build_model(ModelConfig(arch=arch, vocab_size=64, n_layer=3, d_model=32, n_head=2, max_seq_len=16)).eval()
-    with torch.no_grad():  # move the zero-initialised pseudo-queries and dynamic weights off their init
+    model = build_model(
+        ModelConfig(arch=arch, vocab_size=64, n_layer=3, d_model=32, n_head=2, max_seq_len=16)
+    ).eval()
+    with (
+        torch.no_grad()
+    ):  # move the zero-initialised pseudo-queries and dynamic weights off their init
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     idx = torch.randint(0, 64, (2, 16))
@@ -344,10 +392,14 @@ def test_sinkhorn_loop_taken_under_compile_equals_the_hand_written_backward(monk
     torch.manual_seed(0)
     x = torch.randn(5, 4, 4, dtype=torch.float64, requires_grad=True)
     eager = sinkhorn_knopp(x, 20)
-    (g_eager,) = torch.autograd.grad((eager * torch.arange(16.0, dtype=torch.float64).view(4, 4)).sum(), x)
+    (g_eager,) = torch.autograd.grad(
+        (eager * torch.arange(16.0, dtype=torch.float64).view(4, 4)).sum(), x
+    )
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     looped = sinkhorn_knopp(x, 20)
-    (g_loop,) = torch.autograd.grad((looped * torch.arange(16.0, dtype=torch.float64).view(4, 4)).sum(), x)
+    (g_loop,) = torch.autograd.grad(
+        (looped * torch.arange(16.0, dtype=torch.float64).view(4, 4)).sum(), x
+    )
     torch.testing.assert_close(looped, eager, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(g_loop, g_eager, rtol=1e-10, atol=1e-12)
 
@@ -382,10 +434,13 @@ def reference_block_attnres_uniform(model, idx):
     return model.lm_head(model.final_norm(h))
 
 
-@pytest.mark.parametrize("n_layer, n_blocks, counts", [
-    (3, 2, [1, 2, 2, 2, 2, 3, 3]),  # blocks: layers 1-2, layer 3
-    (3, 8, [1, 2, 2, 3, 3, 4, 4]),  # more blocks than layers: each layer is a block
-])
+@pytest.mark.parametrize(
+    "n_layer, n_blocks, counts",
+    [
+        (3, 2, [1, 2, 2, 2, 2, 3, 3]),  # blocks: layers 1-2, layer 3
+        (3, 8, [1, 2, 2, 3, 3, 4, 4]),  # more blocks than layers: each layer is a block
+    ],
+)
 def test_attnres_block_reads_exactly_the_allowed_sources(n_layer, n_blocks, counts):
     torch.manual_seed(0)
     model = build_model(cfg("attnres_block", n_layer=n_layer, arch_options={"n_blocks": n_blocks}))
@@ -395,7 +450,9 @@ def test_attnres_block_reads_exactly_the_allowed_sources(n_layer, n_blocks, coun
     assert [len(w) for w in weights] == counts
     for w in weights:
         torch.testing.assert_close(w, torch.full_like(w, 1.0 / len(w)))
-    torch.testing.assert_close(out.logits, reference_block_attnres_uniform(model, idx), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out.logits, reference_block_attnres_uniform(model, idx), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_block_boundaries():
@@ -412,14 +469,22 @@ def test_depth_attention_gradient_matches_finite_differences():
         depth.key_norm.weight.uniform_(0.5, 1.5)
     v = torch.randn(4, 2, 3, 5, dtype=torch.float64, requires_grad=True)
     # logits w . N(v_i) through the effective query q = w * g, then the softmax mixture
-    assert torch.autograd.gradcheck(lambda t: depth.mix(t, rms_unit(t, 1e-6) @ depth.effective_query())[0], (v,))
+    assert torch.autograd.gradcheck(
+        lambda t: depth.mix(t, rms_unit(t, 1e-6) @ depth.effective_query())[0], (v,)
+    )
     w = torch.randn(5, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda q: depth.mix(v.detach(), rms_unit(v.detach(), 1e-6) @ q)[1], (w,))
+    assert torch.autograd.gradcheck(
+        lambda q: depth.mix(v.detach(), rms_unit(v.detach(), 1e-6) @ q)[1], (w,)
+    )
     # the mixture itself through the weights, with the sources as a list of separate tensors
     sources = list(v.detach().unbind(0))
-    assert torch.autograd.gradcheck(lambda q: depth.mix(sources, rms_unit(v.detach(), 1e-6) @ q)[0], (w,))
+    assert torch.autograd.gradcheck(
+        lambda q: depth.mix(sources, rms_unit(v.detach(), 1e-6) @ q)[0], (w,)
+    )
     # the effective-query logit is the design's w . N(v)
-    torch.testing.assert_close(rms_unit(v, 1e-6) @ depth.effective_query(), depth.key_norm(v) @ depth.query)
+    torch.testing.assert_close(
+        rms_unit(v, 1e-6) @ depth.effective_query(), depth.key_norm(v) @ depth.query
+    )
 
 
 def dense_moda_reference(q, k, v, dk, dv):
@@ -439,7 +504,9 @@ def test_moda_joint_softmax_equals_dense_reference():
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 5, 4, dtype=torch.float64) for _ in range(3))
     dk, dv = (torch.randn(2, 3, 5, 2, 4, dtype=torch.float64) for _ in range(2))
-    torch.testing.assert_close(joint_depth_attention(q, k, v, dk, dv), dense_moda_reference(q, k, v, dk, dv))
+    torch.testing.assert_close(
+        joint_depth_attention(q, k, v, dk, dv), dense_moda_reference(q, k, v, dk, dv)
+    )
     args = [t.clone().requires_grad_() for t in (q, k, v, dk, dv)]
     assert torch.autograd.gradcheck(joint_depth_attention, args)
 
@@ -456,7 +523,9 @@ def test_moda_fused_path_equals_the_dense_reference():
     depth = DepthKeys()
     for m in range(3):
         depth.append((dk[:, :, :, m], dv[:, :, :, m]))
-    torch.testing.assert_close(fused_joint_attention(q, k, v, depth.buffer(), 3), dense_moda_reference(q, k, v, dk, dv))
+    torch.testing.assert_close(
+        fused_joint_attention(q, k, v, depth.buffer(), 3), dense_moda_reference(q, k, v, dk, dv)
+    )
     q6 = torch.randn(2, 6, 9, 4, dtype=torch.float64)
     with torch.no_grad():
         fused = fused_joint_attention(q6, k, v, depth.buffer(), 3)
@@ -480,13 +549,17 @@ def test_moda_ffn_kv_variant_charges_its_parameters():
     base = count_parameters(cfg("moda", n_layer=4))
     extra = count_parameters(cfg("moda", n_layer=4, arch_options={"variant": "ffn_kv"})) - base
     assert extra == 4 * 2 * 32 * 32  # 2 d^2 / G per layer with MHA (G = 1)
-    extra_gqa = count_parameters(cfg("moda", n_layer=4, n_kv_head=2, arch_options={"variant": "ffn_kv"})) - count_parameters(cfg("moda", n_layer=4, n_kv_head=2))
+    extra_gqa = count_parameters(
+        cfg("moda", n_layer=4, n_kv_head=2, arch_options={"variant": "ffn_kv"})
+    ) - count_parameters(cfg("moda", n_layer=4, n_kv_head=2))
     assert extra_gqa == 4 * 2 * 32 * 32 // 2
     with pytest.raises(Exception, match="model.arch_options.variant"):
         build_model(cfg("moda", arch_options={"variant": "nope"}))
 
 
-@pytest.mark.parametrize("arch, variant", [(a, {}) for a in NEW + ["pre_ln"]] + [("moda", {"variant": "ffn_kv"})])
+@pytest.mark.parametrize(
+    "arch, variant", [(a, {}) for a in NEW + ["pre_ln"]] + [("moda", {"variant": "ffn_kv"})]
+)
 def test_no_position_sees_a_later_token_and_no_layer_a_later_layer(arch, variant):
     torch.manual_seed(0)
     model = build_model(cfg(arch, n_layer=4, arch_options=variant)).eval()
@@ -560,6 +633,12 @@ def test_moe_parameters_total_and_active():
 @pytest.mark.parametrize("arch", NEW)
 def test_shape_solver_charges_extra_parameters(arch):
     base = ModelConfig(arch=arch, vocab_size=2048, n_head=4)
-    shape = solve_width(base, 4, 8e5, multiple=8, ff_multiple=32, ff_step=4)  # the CPU configs' steps
-    built = build_model(ModelConfig(arch=arch, vocab_size=2048, n_head=4, n_layer=4, d_model=shape.d_model, d_ff=shape.d_ff))
+    shape = solve_width(
+        base, 4, 8e5, multiple=8, ff_multiple=32, ff_step=4
+    )  # the CPU configs' steps
+    built = build_model(
+        ModelConfig(
+            arch=arch, vocab_size=2048, n_head=4, n_layer=4, d_model=shape.d_model, d_ff=shape.d_ff
+        )
+    )
     assert shape.n_params == built.num_parameters()

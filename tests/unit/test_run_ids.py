@@ -14,8 +14,12 @@ from depthbench.models.registry import ARCHITECTURES, declared_options, register
 
 def _grid(arch_options: dict | None = None) -> dict[str, str]:
     """{architecture: its run id} for every registered architecture at one small explicit shape."""
-    overrides = {"architectures": registered_architectures(), "shapes": [{"n_layer": 4, "d_model": 64}],
-                 "learning_rates": [1e-3], "learning_rates_by_arch": {}}
+    overrides = {
+        "architectures": registered_architectures(),
+        "shapes": [{"n_layer": 4, "d_model": 64}],
+        "learning_rates": [1e-3],
+        "learning_rates_by_arch": {},
+    }
     config = load_config("config/config.yaml", overrides)
     config["learning_rates_by_arch"] = {}
     config["model"]["arch_options"] = dict(arch_options or {})
@@ -37,8 +41,10 @@ def _other_value(name: str, default):
 
 
 def _declared() -> dict[str, dict]:
-    return {arch: {f.name: f.default for f in dataclasses.fields(ARCHITECTURES[arch].Options)}
-            for arch in registered_architectures()}
+    return {
+        arch: {f.name: f.default for f in dataclasses.fields(ARCHITECTURES[arch].Options)}
+        for arch in registered_architectures()
+    }
 
 
 def test_every_declared_option_is_a_schema_field():
@@ -59,12 +65,16 @@ def test_changing_an_architectures_option_changes_only_the_ids_of_architectures_
             moved = {a for a in base if base[a] != changed[a]}
             readers = {a for a, opts in declared.items() if name in opts}
             assert arch in moved, (arch, name)
-            assert moved == readers, f"changing {name} ({arch}) renamed {sorted(moved - readers)} too"
+            assert moved == readers, (
+                f"changing {name} ({arch}) renamed {sorted(moved - readers)} too"
+            )
 
 
 def test_a_default_written_out_is_the_same_run():
     declared = _declared()
-    every_default = {name: default for options in declared.values() for name, default in options.items()}
+    every_default = {
+        name: default for options in declared.values() for name, default in options.items()
+    }
     assert _grid(every_default) == _grid({})
 
 
@@ -98,8 +108,11 @@ def test_shared_options_ids_are_the_ids_hashed_over_the_whole_section():
     by_arch = {}
     for new, legacy in old.items():
         by_arch.setdefault(exp.runs[new].arch, []).append(legacy)
-    assert by_arch["pre_ln"][:3] == ["pre_ln_L2-d88_lr0.0008_s0_1cc63d3b", "pre_ln_L2-d88_lr0.002_s0_c7005a98",
-                                     "pre_ln_L2-d88_lr0.005_s0_fedcec0c"]
+    assert by_arch["pre_ln"][:3] == [
+        "pre_ln_L2-d88_lr0.0008_s0_1cc63d3b",
+        "pre_ln_L2-d88_lr0.002_s0_c7005a98",
+        "pre_ln_L2-d88_lr0.005_s0_fedcec0c",
+    ]
     assert all(new != legacy for new, legacy in old.items())
     assert len(set(old.values())) == len(old)
 

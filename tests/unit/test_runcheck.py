@@ -40,7 +40,9 @@ def trained(tiny_data, tmp_path_factory):
     spec = copy.deepcopy(next(iter(exp.runs.values())))
     spec.train.total_steps = 4
     root = tmp_path_factory.mktemp("checked")
-    paths = RunPaths(root / "results" / "runs" / spec.run_id, root / "results" / "work" / spec.run_id)
+    paths = RunPaths(
+        root / "results" / "runs" / spec.run_id, root / "results" / "work" / spec.run_id
+    )
     train(spec, data_dir, paths, progress=False)
     return spec, paths.run_dir, data_dir
 
@@ -54,11 +56,16 @@ def _copy_run(run_dir: Path, root: Path) -> Path:
 def test_training_records_the_digest_of_the_weights_it_publishes(trained):
     _, run_dir, _ = trained
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary[WEIGHTS_DIGEST] == hashlib.sha256((run_dir / "model.safetensors").read_bytes()).hexdigest()
+    assert (
+        summary[WEIGHTS_DIGEST]
+        == hashlib.sha256((run_dir / "model.safetensors").read_bytes()).hexdigest()
+    )
     assert check_run(run_dir)["run_id"] == run_dir.name
 
 
-def test_a_flipped_byte_in_the_final_weights_is_refused_by_every_stage_before_any_work(trained, tmp_path):
+def test_a_flipped_byte_in_the_final_weights_is_refused_by_every_stage_before_any_work(
+    trained, tmp_path
+):
     """Probe, NLL (in the job and in the dispatcher, before submission) and export name the file;
     the data folder and NLL sets given do not exist, so any work before the check would fail
     differently, and nothing is written."""
@@ -74,10 +81,16 @@ def test_a_flipped_byte_in_the_final_weights_is_refused_by_every_stage_before_an
     nowhere, out = tmp_path / "no-data", tmp_path / "out.parquet"
     settings = {"n_sequences": 2, "seq_len": 16}
     calls = {
-        "run_probes": lambda: run_probes(spec.to_dict(), str(nowhere), str(run_dir), str(out), settings),
+        "run_probes": lambda: run_probes(
+            spec.to_dict(), str(nowhere), str(run_dir), str(out), settings
+        ),
         "run_nll": lambda: run_nll(spec.to_dict(), str(run_dir), str(nowhere), str(out), {}),
-        "dispatch_probes": lambda: dispatch_probes(spec, str(nowhere), str(run_dir), str(tmp_path / "w"), str(out), settings, INLINE),
-        "dispatch_nll": lambda: dispatch_nll(spec, str(run_dir), str(tmp_path / "w"), str(nowhere), str(out), {}, INLINE),
+        "dispatch_probes": lambda: dispatch_probes(
+            spec, str(nowhere), str(run_dir), str(tmp_path / "w"), str(out), settings, INLINE
+        ),
+        "dispatch_nll": lambda: dispatch_nll(
+            spec, str(run_dir), str(tmp_path / "w"), str(nowhere), str(out), {}, INLINE
+        ),
         "export": lambda: export_run(run_dir, tmp_path / "export"),
     }
     for name, call in calls.items():
@@ -92,13 +105,27 @@ def _fake_run(results: Path, spec, summary_of=None) -> Path:
     owner = summary_of or spec
     run = results / "runs" / spec.run_id
     run.mkdir(parents=True, exist_ok=True)
-    save_file({"w": __import__("torch").arange(6.0)}, str(run / "model.safetensors"), metadata={"run_id": spec.run_id})
-    summary = {"run_id": owner.run_id, "status": "ok", "steps": 3, "total_steps": 3, "tokens_seen": 96,
-               "final_val_loss": 5.0, "n_params": owner.shape.n_params, "spec": owner.to_dict(),
-               "spec_hash": owner.spec_hash(),
-               WEIGHTS_DIGEST: hashlib.sha256((run / "model.safetensors").read_bytes()).hexdigest()}
+    save_file(
+        {"w": __import__("torch").arange(6.0)},
+        str(run / "model.safetensors"),
+        metadata={"run_id": spec.run_id},
+    )
+    summary = {
+        "run_id": owner.run_id,
+        "status": "ok",
+        "steps": 3,
+        "total_steps": 3,
+        "tokens_seen": 96,
+        "final_val_loss": 5.0,
+        "n_params": owner.shape.n_params,
+        "spec": owner.to_dict(),
+        "spec_hash": owner.spec_hash(),
+        WEIGHTS_DIGEST: hashlib.sha256((run / "model.safetensors").read_bytes()).hexdigest(),
+    }
     (run / "summary.json").write_text(json.dumps(summary))
-    (run / "metrics.jsonl").write_text(json.dumps({"step": 2, "train_loss": 5.5, "val_loss": 5.4}) + "\n")
+    (run / "metrics.jsonl").write_text(
+        json.dumps({"step": 2, "train_loss": 5.5, "val_loss": 5.4}) + "\n"
+    )
     return run
 
 
@@ -120,8 +147,12 @@ def _identity_cases(a, b, results: Path):
     s["spec_hash"] = type(a).from_dict(s["spec"]).spec_hash()
     (both / "summary.json").write_text(json.dumps(s))
     good = _fake_run(results / "good", b)
-    return [("copied", copied, b, "belongs to run"), ("edited", edited, b, "records run id .* but its spec is run"),
-            ("both", both, b, "grid's spec of"), ("other spec", good, a, "stage was given run")]
+    return [
+        ("copied", copied, b, "belongs to run"),
+        ("edited", edited, b, "records run id .* but its spec is run"),
+        ("both", both, b, "grid's spec of"),
+        ("other spec", good, a, "stage was given run"),
+    ]
 
 
 def test_every_stage_checks_the_runs_identity_before_any_work(grid2, tmp_path):
@@ -132,10 +163,16 @@ def test_every_stage_checks_the_runs_identity_before_any_work(grid2, tmp_path):
     a, b = grid2.runs.values()
     nowhere, out = tmp_path / "no-data", tmp_path / "out.parquet"
     for name, run_dir, spec, message in _identity_cases(a, b, tmp_path):
-        for call in (lambda: run_probes(spec.to_dict(), str(nowhere), str(run_dir), str(out), {}),
-                     lambda: run_nll(spec.to_dict(), str(run_dir), str(nowhere), str(out), {}),
-                     lambda: dispatch_probes(spec, str(nowhere), str(run_dir), str(tmp_path / "w"), str(out), {}, INLINE),
-                     lambda: dispatch_nll(spec, str(run_dir), str(tmp_path / "w"), str(nowhere), str(out), {}, INLINE)):
+        for call in (
+            lambda: run_probes(spec.to_dict(), str(nowhere), str(run_dir), str(out), {}),
+            lambda: run_nll(spec.to_dict(), str(run_dir), str(nowhere), str(out), {}),
+            lambda: dispatch_probes(
+                spec, str(nowhere), str(run_dir), str(tmp_path / "w"), str(out), {}, INLINE
+            ),
+            lambda: dispatch_nll(
+                spec, str(run_dir), str(tmp_path / "w"), str(nowhere), str(out), {}, INLINE
+            ),
+        ):
             with pytest.raises(DataError, match=re.escape(str(run_dir)) + ".*" + message):
                 call()
     assert not out.exists() and not (tmp_path / "w").exists()
@@ -146,7 +183,9 @@ def test_export_checks_the_runs_identity_before_writing(grid2, tmp_path):
 
     a, b = grid2.runs.values()
     for name, run_dir, _, message in _identity_cases(a, b, tmp_path)[:2]:  # export knows no grid
-        with pytest.raises(DataError, match=re.escape(str(run_dir / "summary.json")) + ".*" + message):
+        with pytest.raises(
+            DataError, match=re.escape(str(run_dir / "summary.json")) + ".*" + message
+        ):
             export_run(run_dir, tmp_path / "export")
     assert not (tmp_path / "export").exists()
 
@@ -177,11 +216,15 @@ def test_status_reports_corrupt_weights_with_the_forcerun_command(wiki_jsonl, tm
     rows, out = _status(cfg, res, capsys)
     weights = res / "runs" / a.run_id / "model.safetensors"
     assert rows[a.run_id][:4] == ["corrupt", "-", "-", "none:"] and rows[b.run_id][0] == "trained"
-    assert f"`snakemake --forcerun {weights}` trains it again" in out and f"{weights}: corrupt" in out
+    assert (
+        f"`snakemake --forcerun {weights}` trains it again" in out and f"{weights}: corrupt" in out
+    )
     assert "fail on 1 run with corrupt weights" in out
 
 
-def test_unchecked_weights_are_reported_and_the_checksum_command_records_them(wiki_jsonl, tmp_path, capsys):
+def test_unchecked_weights_are_reported_and_the_checksum_command_records_them(
+    wiki_jsonl, tmp_path, capsys
+):
     """A summary without a digest (trained before it was recorded) is not corrupt: status names it
     unchecked with the command, and the command records the digest without changing the summary's
     mtime (so Snakemake redoes nothing), after which status is clean."""
@@ -217,16 +260,24 @@ def test_checksum_command_refuses_weights_it_cannot_vouch_for(grid2, tmp_path):
     (run / "summary.json").write_text(json.dumps(s))
     good = (run / "model.safetensors").read_bytes()
     (run / "model.safetensors").write_bytes(b"not safetensors")
-    with pytest.raises(CorruptWeights, match=re.escape(str(run / "model.safetensors")) + ": not readable"):
+    with pytest.raises(
+        CorruptWeights, match=re.escape(str(run / "model.safetensors")) + ": not readable"
+    ):
         record_checksum(run)
-    save_file({"w": __import__("torch").zeros(2)}, str(run / "model.safetensors"), metadata={"run_id": b.run_id})
+    save_file(
+        {"w": __import__("torch").zeros(2)},
+        str(run / "model.safetensors"),
+        metadata={"run_id": b.run_id},
+    )
     with pytest.raises(CorruptWeights, match="written by run"):
         record_checksum(run)
     assert WEIGHTS_DIGEST not in json.loads((run / "summary.json").read_text())
     (run / "model.safetensors").write_bytes(good)
     assert record_checksum(run) == hashlib.sha256(good).hexdigest()
     _flip_byte(run / "model.safetensors")
-    with pytest.raises(CorruptWeights, match="corrupt"):  # a recorded digest is verified, never replaced
+    with pytest.raises(
+        CorruptWeights, match="corrupt"
+    ):  # a recorded digest is verified, never replaced
         record_checksum(run)
 
 
@@ -241,7 +292,9 @@ def _snakemake_record(root: Path, kind: str, path: Path) -> Path:
     return Path(persistence._record_path(str(folder), os.path.relpath(path, root)))
 
 
-def test_status_follows_snakemakes_checksum_exception_to_the_mtime_trigger(wiki_jsonl, tmp_path, capsys):
+def test_status_follows_snakemakes_checksum_exception_to_the_mtime_trigger(
+    wiki_jsonl, tmp_path, capsys
+):
     """An input no larger than 1,000,000 bytes, newer than the outputs but with the SHA-256
     Snakemake recorded for it, redoes nothing; the same input with other bytes does. (The test of
     the workflow checks this against Snakemake itself.)"""
@@ -253,7 +306,15 @@ def test_status_follows_snakemakes_checksum_exception_to_the_mtime_trigger(wiki_
     for name in ("summary.json", "model.safetensors", "metrics.jsonl"):
         record = _snakemake_record(tmp_path, "metadata", run / name)
         record.parent.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps({"input_checksums": {key: "sha256:" + hashlib.sha256(meta.read_bytes()).hexdigest()}}))
+        record.write_text(
+            json.dumps(
+                {
+                    "input_checksums": {
+                        key: "sha256:" + hashlib.sha256(meta.read_bytes()).hexdigest()
+                    }
+                }
+            )
+        )
     os.utime(meta)  # touch: newer than every output
     rows, _ = _status(cfg, res, capsys)
     assert rows[a.run_id][0] == "trained"
@@ -267,7 +328,9 @@ def test_status_reads_snakemakes_incomplete_markers(wiki_jsonl, tmp_path, capsys
     a, b = exp.runs.values()
     for spec in (a, b):
         _fake_run(res, spec)
-    marker = _snakemake_record(tmp_path, "incomplete", res / "runs" / a.run_id / "model.safetensors")
+    marker = _snakemake_record(
+        tmp_path, "incomplete", res / "runs" / a.run_id / "model.safetensors"
+    )
     marker.write_text('{"external_jobid": null}')
     rows, out = _status(cfg, res, capsys)
     assert rows[a.run_id][:2] == ["incomplete", "-"] and rows[b.run_id][0] == "trained"

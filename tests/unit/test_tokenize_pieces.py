@@ -8,7 +8,13 @@ import pytest
 from depthbench.grid.config import data_id, expand_grid
 from depthbench.spec.schema import load_config
 from depthbench.data.loader import TokenWindows
-from depthbench.data.prepare import build_index, build_piece, build_shards, build_tokenizer, merge_shards
+from depthbench.data.prepare import (
+    build_index,
+    build_piece,
+    build_shards,
+    build_tokenizer,
+    merge_shards,
+)
 from depthbench.data.shards import read_meta, split_files
 from tests.conftest import tiny_config
 from tests.workflow_runs import copy_workflow, job_counts, snakemake, write_config
@@ -20,14 +26,16 @@ def _split_corpus(wiki_jsonl, root, n_files):
     paths = []
     for k in range(n_files):
         path = root / f"part{k:02d}.jsonl"
-        path.write_text("".join(lines[k * step:(k + 1) * step]))
+        path.write_text("".join(lines[k * step : (k + 1) * step]))
         paths.append(str(path))
     return paths
 
 
 def _tokens(data_dir, split):
     meta = read_meta(data_dir)
-    return np.concatenate([np.fromfile(f, dtype=meta["dtype"]) for f in split_files(data_dir, meta, split)])
+    return np.concatenate(
+        [np.fromfile(f, dtype=meta["dtype"]) for f in split_files(data_dir, meta, split)]
+    )
 
 
 def _pieces(config, tok, out, pieces):
@@ -41,8 +49,10 @@ def _pieces(config, tok, out, pieces):
 
 def test_pieces_equal_single_job_local_files_and_wiki(wiki_jsonl, tmp_path):
     files = _split_corpus(wiki_jsonl, tmp_path, 5)
-    for corpus in ({"name": "t", "source": "local", "path": files, "val_fraction": 0.1},
-                   {"name": "t", "source": "wiki_offline", "max_documents": 300, "val_fraction": 0.1}):
+    for corpus in (
+        {"name": "t", "source": "local", "path": files, "val_fraction": 0.1},
+        {"name": "t", "source": "wiki_offline", "max_documents": 300, "val_fraction": 0.1},
+    ):
         single = load_config(tiny_config(wiki_jsonl, corpus=dict(corpus)))
         tok = tmp_path / "tok.json"
         build_tokenizer(single, str(tok))
@@ -53,7 +63,9 @@ def test_pieces_equal_single_job_local_files_and_wiki(wiki_jsonl, tmp_path):
         one = read_meta(tmp_path / "one")
         assert meta["pieces"] == 3 and len(meta["train"]["files"]) == 3
         for split in ("train", "val"):
-            assert np.array_equal(_tokens(tmp_path / "three", split), _tokens(tmp_path / "one", split)), (corpus["source"], split)
+            assert np.array_equal(
+                _tokens(tmp_path / "three", split), _tokens(tmp_path / "one", split)
+            ), (corpus["source"], split)
             assert meta[split]["n_documents"] == one[split]["n_documents"]
             assert meta[split]["n_tokens"] == one[split]["n_tokens"]
         assert meta["unigram_val_loss"] == one["unigram_val_loss"]
@@ -69,7 +81,9 @@ def test_pieces_default_keeps_the_data_id(wiki_jsonl):
     assert base["corpus"]["pieces"] == 1
     legacy = {**base, "corpus": {k: v for k, v in base["corpus"].items() if k != "pieces"}}
     assert data_id(base) == data_id(legacy)
-    assert data_id(load_config(tiny_config(wiki_jsonl, corpus={**base["corpus"], "pieces": 2}))) != data_id(base)
+    assert data_id(
+        load_config(tiny_config(wiki_jsonl, corpus={**base["corpus"], "pieces": 2}))
+    ) != data_id(base)
 
 
 @pytest.mark.slow
@@ -77,7 +91,10 @@ def test_workflow_tokenizes_in_pieces_and_reruns_only_a_lost_one(wiki_jsonl, tmp
     (tmp_path / "wf").mkdir()
     root = copy_workflow(tmp_path / "wf")
     files = _split_corpus(wiki_jsonl, tmp_path, 4)
-    config = tiny_config(wiki_jsonl, corpus={"name": "t", "source": "local", "path": files, "val_fraction": 0.1, "pieces": 4})
+    config = tiny_config(
+        wiki_jsonl,
+        corpus={"name": "t", "source": "local", "path": files, "val_fraction": 0.1, "pieces": 4},
+    )
     write_config(root, config)
     exp = expand_grid(load_config(config))
     meta = f"results/data/{exp.data_id}/meta.json"
@@ -91,7 +108,11 @@ def test_workflow_tokenizes_in_pieces_and_reruns_only_a_lost_one(wiki_jsonl, tmp
     before = {p: (pieces / f"{p:05d}" / "piece.json").stat().st_mtime_ns for p in (0, 1, 3)}
     plan = snakemake(root, meta, "-n")
     counts = job_counts(plan.stdout + plan.stderr)
-    assert counts.get("tokenize_piece") == 1 and counts.get("tokenize") == 1 and "tokenizer" not in counts
+    assert (
+        counts.get("tokenize_piece") == 1
+        and counts.get("tokenize") == 1
+        and "tokenizer" not in counts
+    )
     snakemake(root, meta)
     assert before == {p: (pieces / f"{p:05d}" / "piece.json").stat().st_mtime_ns for p in (0, 1, 3)}
     assert json.loads((root / meta).read_text())["pieces"] == 4

@@ -54,7 +54,9 @@ def toy():
                     nn.init.constant_(block.gates, self.options.gate_init)
 
             def extra_flops_per_token(self, seq_len: int) -> float:
-                return 2.0 * self.cfg.n_layer  # the two gate multiplies per layer, as a stand-in term
+                return (
+                    2.0 * self.cfg.n_layer
+                )  # the two gate multiplies per layer, as a stand-in term
 
     return "toy_gated"
 
@@ -70,26 +72,54 @@ def test_a_toy_architecture_trains_probes_scores_and_costs(toy, tiny_data, tmp_p
     spec.arch, spec.run_id = toy, spec.run_id.replace("pre_ln", toy)
     spec.model = replace(spec.model, arch=toy, arch_options={"gate_init": 0.5})
     spec.train.total_steps = 6
-    paths = RunPaths(tmp_path / "runs" / spec.run_id, tmp_path / "work")  # the stages check the folder's run id
+    paths = RunPaths(
+        tmp_path / "runs" / spec.run_id, tmp_path / "work"
+    )  # the stages check the folder's run id
     summary = train(spec, data_dir, paths, progress=False)
     assert summary["status"] == "ok"
     assert summary["n_params"] == analytic_cost(spec.model, spec.train.seq_len)["params_total"]
 
     probes_out = tmp_path / "probes.parquet"
-    run_probes(spec.to_dict(), str(data_dir), str(paths.run_dir), str(probes_out), {"n_sequences": 3, "seq_len": 16})
+    run_probes(
+        spec.to_dict(),
+        str(data_dir),
+        str(paths.run_dir),
+        str(probes_out),
+        {"n_sequences": 3, "seq_len": 16},
+    )
     rows = pd.read_parquet(probes_out)
-    assert {"causal_score", "permutation_score", "usefulness_ratio", "angular_distance_last"} <= set(rows["probe"])
+    assert {
+        "causal_score",
+        "permutation_score",
+        "usefulness_ratio",
+        "angular_distance_last",
+    } <= set(rows["probe"])
     assert (rows["run_id"] == spec.run_id).all()
 
     sets = tmp_path / "sets.parquet"
-    build_sets({"sets": ["gsm8k"], "max_docs_per_set": 3}, str(data_dir.parent / "tokenizer.json"), None, str(sets))
+    build_sets(
+        {"sets": ["gsm8k"], "max_docs_per_set": 3},
+        str(data_dir.parent / "tokenizer.json"),
+        None,
+        str(sets),
+    )
     nll_out = tmp_path / "nll.parquet"
-    run_nll(spec.to_dict(), str(paths.run_dir), str(sets), str(nll_out), {"sets": ["gsm8k"], "max_docs_per_set": 3})
+    run_nll(
+        spec.to_dict(),
+        str(paths.run_dir),
+        str(sets),
+        str(nll_out),
+        {"sets": ["gsm8k"], "max_docs_per_set": 3},
+    )
     nll = pd.read_parquet(nll_out)
     assert nll["bits_per_byte"].notna().all()
 
     cost = analytic_cost(spec.model, spec.train.seq_len)
-    baseline = analytic_cost(replace(spec.model, arch="pre_ln", arch_options={}), spec.train.seq_len)
+    baseline = analytic_cost(
+        replace(spec.model, arch="pre_ln", arch_options={}), spec.train.seq_len
+    )
     assert cost["params_extra_vs_pre_ln"] == 2 * spec.model.n_layer  # the gates
-    assert cost["forward_flops_per_token"] - baseline["forward_flops_per_token"] == pytest.approx(2.0 * spec.model.n_layer)
+    assert cost["forward_flops_per_token"] - baseline["forward_flops_per_token"] == pytest.approx(
+        2.0 * spec.model.n_layer
+    )
     assert json.loads(paths.summary.read_text())["spec"]["arch"] == toy

@@ -31,7 +31,9 @@ def _scalars(log_dir):
 
     acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
-    return acc, {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    return acc, {
+        tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]
+    }
 
 
 def wandb_records(path):
@@ -83,21 +85,37 @@ def test_tensorboard_events_hold_the_metrics_and_the_run(tracked_run):
     spec, paths = tracked_run
     acc, scalars = _scalars(paths.work_dir / "tensorboard")
     records = _records(paths)
-    for key, tag in (("train_loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
-                     ("tokens_per_s", "perf/tokens_per_s"), ("mfu", "perf/mfu"), ("mfu_measured", "perf/mfu_measured"),
-                     ("val_loss", "val/loss")):
+    for key, tag in (
+        ("train_loss", "train/loss"),
+        ("lr", "train/lr"),
+        ("grad_norm", "train/grad_norm"),
+        ("tokens_per_s", "perf/tokens_per_s"),
+        ("mfu", "perf/mfu"),
+        ("mfu_measured", "perf/mfu_measured"),
+        ("val_loss", "val/loss"),
+    ):
         want = [(r["step"], r[key]) for r in records if key in r]
         assert [s for s, _ in scalars[tag]] == [s for s, _ in want] and want, tag
-        assert [v for _, v in scalars[tag]] == pytest.approx([v for _, v in want], rel=1e-6), tag  # float32 events
+        assert [v for _, v in scalars[tag]] == pytest.approx([v for _, v in want], rel=1e-6), (
+            tag
+        )  # float32 events
     dyn = [r["dynamics"] for r in records if "dynamics" in r]
-    assert [v for _, v in scalars["dynamics/residual_rms/0"]] == pytest.approx([d["residual_rms"][0] for d in dyn], rel=1e-6)
-    assert [v for _, v in scalars["dynamics/norm_factor/final_norm"]] == pytest.approx([d["norm_factor"]["final_norm"] for d in dyn], rel=1e-6)
+    assert [v for _, v in scalars["dynamics/residual_rms/0"]] == pytest.approx(
+        [d["residual_rms"][0] for d in dyn], rel=1e-6
+    )
+    assert [v for _, v in scalars["dynamics/norm_factor/final_norm"]] == pytest.approx(
+        [d["norm_factor"]["final_norm"] for d in dyn], rel=1e-6
+    )
     config_text = acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert json.loads(config_text.strip("`\n")) == spec.to_dict()
     content = acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     hp = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
     assert hp["experiment"].string_value == "tiny" and hp["arch"].string_value == spec.arch
-    assert hp["shape"].string_value == spec.shape.tag and hp["lr"].number_value == spec.lr and hp["seed"].number_value == spec.seed
+    assert (
+        hp["shape"].string_value == spec.shape.tag
+        and hp["lr"].number_value == spec.lr
+        and hp["seed"].number_value == spec.seed
+    )
 
 
 def test_offline_wandb_run_holds_the_metrics_config_group_and_tags(tracked_run):
@@ -108,16 +126,30 @@ def test_offline_wandb_run_holds_the_metrics_config_group_and_tags(tracked_run):
     assert run.display_name == spec.run_id and run.run_group == "tiny"
     assert set(run.tags) == {spec.arch, spec.shape.tag, f"lr{spec.lr:g}", f"seed{spec.seed}"}
     config = {_key(item): json.loads(item.value_json) for item in run.config.update}
-    assert config["run_id"] == spec.run_id and config["train"]["total_steps"] == 8 and config["experiment"] == "tiny"
-    history = [{_key(i): json.loads(i.value_json) for i in r.history.item} for r in records if r.WhichOneof("record_type") == "history"]
+    assert (
+        config["run_id"] == spec.run_id
+        and config["train"]["total_steps"] == 8
+        and config["experiment"] == "tiny"
+    )
+    history = [
+        {_key(i): json.loads(i.value_json) for i in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
     ours = _records(paths)
     assert [h["step"] for h in history] == [r["step"] for r in ours]
     for h, r in zip(history, ours):
-        for key, name in (("train_loss", "train/loss"), ("val_loss", "val/loss"), ("mfu_measured", "perf/mfu_measured")):
+        for key, name in (
+            ("train_loss", "train/loss"),
+            ("val_loss", "val/loss"),
+            ("mfu_measured", "perf/mfu_measured"),
+        ):
             if key in r:
                 assert h[name] == pytest.approx(r[key], rel=1e-12), (r["step"], key)
         if "dynamics" in r:
-            assert h["dynamics/grad_norm_h/1"] == pytest.approx(r["dynamics"]["grad_norm_h"][1], rel=1e-12)
+            assert h["dynamics/grad_norm_h/1"] == pytest.approx(
+                r["dynamics"]["grad_norm_h"][1], rel=1e-12
+            )
 
 
 def test_a_resumed_run_shows_each_step_once_in_tensorboard(tiny_data, tmp_path):
@@ -128,7 +160,9 @@ def test_a_resumed_run_shows_each_step_once_in_tensorboard(tiny_data, tmp_path):
     train(spec, shards, paths, progress=False, stop_after=5)
     step, last = list_checkpoints(paths.checkpoints)[-1]
     assert step == 5
-    shutil.rmtree(last)  # as if the process had been killed after step 5, before its last checkpoint
+    shutil.rmtree(
+        last
+    )  # as if the process had been killed after step 5, before its last checkpoint
     train(spec, shards, paths, progress=False)  # resumes from step 3, redoes 4 and 5
     _, scalars = _scalars(paths.work_dir / "tensorboard")
     want = [(r["step"], r["train_loss"]) for r in _records(paths)]
@@ -140,7 +174,9 @@ def test_missing_tracker_package_fails_before_training(tiny_data, tmp_path, monk
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
     _, exp, shards = tiny_data
     spec = with_steps(only_run(exp), 2)
     spec.train.loggers = ["tensorboard", "wandb"]
@@ -155,7 +191,11 @@ def test_missing_tracker_package_fails_before_training(tiny_data, tmp_path, monk
 def test_loggers_are_in_the_schema_and_not_in_the_run_id(wiki_jsonl):
     base = tiny_config(wiki_jsonl)
     plain = only_run(expand_grid(load_config(base)))
-    tracked = only_run(expand_grid(load_config({**base, "train": {**base["train"], "loggers": ["wandb", "tensorboard"]}})))
+    tracked = only_run(
+        expand_grid(
+            load_config({**base, "train": {**base["train"], "loggers": ["wandb", "tensorboard"]}})
+        )
+    )
     assert plain.run_id == tracked.run_id and plain.train.loggers == []
     with pytest.raises(Exception, match="loggers"):
         load_config({**base, "train": {**base["train"], "loggers": ["mlflow"]}})

@@ -88,7 +88,7 @@ def test_interrupted_run_resumes_to_identical_weights(tiny_data, tmp_path):
     a, b = _weights(full.weights), _weights(part.weights)
     for name in a:
         assert torch.equal(a[name], b[name]), name
-    assert full.curves.read_text() .count("val_loss") == part.curves.read_text().count("val_loss")
+    assert full.curves.read_text().count("val_loss") == part.curves.read_text().count("val_loss")
 
 
 # One resume case per registered architecture (fp32, the plain loss), and pre_ln with each setting
@@ -104,18 +104,30 @@ RESUME_VARIANTS = {
 }
 RESUME_CASES = [pytest.param(arch, None, id=arch) for arch in registered_architectures()] + [
     pytest.param(arch, variant, id=f"{arch}-{variant}")
-    for arch, variant in [*(("pre_ln", v) for v in RESUME_VARIANTS), ("hc", "bf16"), ("mhc", "bf16")]
+    for arch, variant in [
+        *(("pre_ln", v) for v in RESUME_VARIANTS),
+        ("hc", "bf16"),
+        ("mhc", "bf16"),
+    ]
 ]
 
 
 def _timeless(curve: str) -> list[dict]:
     """metrics.jsonl records without the throughput entries (wall-clock measurements)."""
-    return [{k: v for k, v in json.loads(line).items() if k not in ("tokens_per_s", "mfu", "mfu_measured")}
-            for line in curve.splitlines()]
+    return [
+        {
+            k: v
+            for k, v in json.loads(line).items()
+            if k not in ("tokens_per_s", "mfu", "mfu_measured")
+        }
+        for line in curve.splitlines()
+    ]
 
 
 @pytest.mark.parametrize("arch, variant", RESUME_CASES)
-def test_resumed_run_is_bit_identical_for_every_architecture_and_setting(tiny_data, tmp_path, monkeypatch, arch, variant):
+def test_resumed_run_is_bit_identical_for_every_architecture_and_setting(
+    tiny_data, tmp_path, monkeypatch, arch, variant
+):
     """7 steps in one process against 4 steps, a stop, and a fresh train() call that restores the
     step-4 checkpoint into a new model and Trainer and runs steps 5-7 (the resume path of a
     requeued job): bitwise the same parameters and AdamW state (moments and step counts) after
@@ -127,13 +139,22 @@ def test_resumed_run_is_bit_identical_for_every_architecture_and_setting(tiny_da
     config = {**config, "architectures": [arch]}
     for section, values in RESUME_VARIANTS.get(variant, {}).items():
         config[section] = {**config[section], **values}
-    spec = with_steps(only_run(expand_grid(load_config(config))), 7, checkpoint_every=3, eval_every=3, log_every=1)
+    spec = with_steps(
+        only_run(expand_grid(load_config(config))), 7, checkpoint_every=3, eval_every=3, log_every=1
+    )
     ends = []  # per train() call: the trainer's step it started at, its model and optimizer state after fit
     fit = Trainer.fit
 
     def recording_fit(self, stop_after=None):
         fit(self, stop_after)
-        ends.append((self.start_step, self, copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.optimizer.state_dict())))
+        ends.append(
+            (
+                self.start_step,
+                self,
+                copy.deepcopy(self.model.state_dict()),
+                copy.deepcopy(self.optimizer.state_dict()),
+            )
+        )
 
     monkeypatch.setattr(Trainer, "fit", recording_fit)
     full = RunPaths(tmp_path / "full", tmp_path / "full_work")
@@ -141,13 +162,22 @@ def test_resumed_run_is_bit_identical_for_every_architecture_and_setting(tiny_da
     part = RunPaths(tmp_path / "part", tmp_path / "part_work")
     assert train(spec, shards, part, progress=False, stop_after=4)["status"] == "interrupted"
     assert train(spec, shards, part, progress=False)["status"] == "ok"
-    (start_full, trainer, model_full, optim_full), _, (start_resumed, resumed, model_resumed, optim_resumed) = ends
+    (
+        (start_full, trainer, model_full, optim_full),
+        _,
+        (start_resumed, resumed, model_resumed, optim_resumed),
+    ) = ends
     assert (start_full, start_resumed) == (0, 4) and resumed is not trainer
     # the setting is in force where the step runs
     if variant == "bf16":
-        assert isinstance(resumed.autocast, torch.autocast) and resumed.autocast.fast_dtype == torch.bfloat16
+        assert (
+            isinstance(resumed.autocast, torch.autocast)
+            and resumed.autocast.fast_dtype == torch.bfloat16
+        )
     if variant == "chunked_loss":
-        assert 0 < resumed.model.loss_chunk_tokens < spec.train.micro_batch_size * spec.train.seq_len
+        assert (
+            0 < resumed.model.loss_chunk_tokens < spec.train.micro_batch_size * spec.train.seq_len
+        )
     if variant == "moe":
         assert any(isinstance(b.ffn, MoESwiGLU) for b in resumed.model.blocks)
     assert model_full.keys() == model_resumed.keys()
@@ -161,7 +191,10 @@ def test_resumed_run_is_bit_identical_for_every_architecture_and_setting(tiny_da
             assert torch.equal(value, optim_resumed["state"][index][key]), (index, key)
     a, b = _weights(full.weights), _weights(part.weights)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    curve_full, curve_resumed = _timeless(full.curves.read_text()), _timeless(part.curves.read_text())
+    curve_full, curve_resumed = (
+        _timeless(full.curves.read_text()),
+        _timeless(part.curves.read_text()),
+    )
     assert [r["step"] for r in curve_full] == list(range(1, 8))
     assert [r["step"] for r in curve_full if "val_loss" in r] == [3, 6, 7]
     if variant == "dynamics":  # measured before updates 0, 2, 4 (the resumed process's first) and 6
@@ -183,15 +216,29 @@ def test_sigkilled_run_resumes_to_identical_weights(tiny_data, tmp_path):
         "spec = RunSpec.from_dict(json.load(open(sys.argv[1])))\n"
         "train(spec, sys.argv[2], RunPaths(sys.argv[3], sys.argv[4]), progress=False)\n"
     )
+
     def run(run_dir, work_dir):
-        return subprocess.Popen([sys.executable, "-c", script, str(spec_file), str(shards), str(run_dir), str(work_dir)], cwd=REPO)
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                script,
+                str(spec_file),
+                str(shards),
+                str(run_dir),
+                str(work_dir),
+            ],
+            cwd=REPO,
+        )
 
     ref = run(tmp_path / "ref", tmp_path / "ref_work")
     assert ref.wait(timeout=300) == 0
     victim = run(tmp_path / "killed", tmp_path / "killed_work")
     checkpoints = tmp_path / "killed_work" / "checkpoints"
     deadline = time.time() + 240
-    while time.time() < deadline and not any(step >= 10 for step, _ in list_checkpoints(checkpoints)):
+    while time.time() < deadline and not any(
+        step >= 10 for step, _ in list_checkpoints(checkpoints)
+    ):
         time.sleep(0.05)
     victim.send_signal(signal.SIGKILL)
     victim.wait()
@@ -201,12 +248,18 @@ def test_sigkilled_run_resumes_to_identical_weights(tiny_data, tmp_path):
     assert 10 <= resumed_from < 40
     again = run(tmp_path / "killed", tmp_path / "killed_work")
     assert again.wait(timeout=300) == 0
-    a, b = _weights(tmp_path / "ref" / "model.safetensors"), _weights(tmp_path / "killed" / "model.safetensors")
+    a, b = (
+        _weights(tmp_path / "ref" / "model.safetensors"),
+        _weights(tmp_path / "killed" / "model.safetensors"),
+    )
     for name in a:
         assert torch.equal(a[name], b[name]), name
     ref_curve = (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()
     got_curve = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
-    strip = lambda lines: [{k: v for k, v in json.loads(l).items() if k not in ("tokens_per_s", "mfu", "mfu_measured")} for l in lines]
+    strip = lambda lines: [
+        {k: v for k, v in json.loads(l).items() if k not in ("tokens_per_s", "mfu", "mfu_measured")}
+        for l in lines
+    ]
     assert strip(ref_curve) == strip(got_curve)
 
 
@@ -232,7 +285,19 @@ def test_checkpoint_of_another_run_is_refused(tiny_data, tmp_path):
         train(other, shards, paths, progress=False)
 
 
-ALL_ARCHS = ["pre_ln", "post_ln", "peri_ln", "lns", "deepnorm", "keel", "hc", "mhc", "attnres_full", "attnres_block", "moda"]
+ALL_ARCHS = [
+    "pre_ln",
+    "post_ln",
+    "peri_ln",
+    "lns",
+    "deepnorm",
+    "keel",
+    "hc",
+    "mhc",
+    "attnres_full",
+    "attnres_block",
+    "moda",
+]
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)
@@ -241,14 +306,18 @@ def test_every_architecture_trains_in_the_workflow_machinery(tiny_data, tmp_path
     exp = expand_grid(load_config({**config, "architectures": [arch]}))
     spec = with_steps(only_run(exp), 16, eval_every=8, warmup_fraction=0.0)
     summary = train(spec, shards, RunPaths(tmp_path / "run", tmp_path / "work"), progress=False)
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     vals = [r["val_loss"] for r in records if "val_loss" in r]
     assert summary["status"] == "ok" and vals[-1] < vals[0]
 
 
 def test_moe_knob_trains_with_its_balance_loss(tiny_data, tmp_path):
     config, _, shards = tiny_data
-    exp = expand_grid(load_config({**config, "model": {**config["model"], "moe": {"n_experts": 4, "top_k": 2}}}))
+    exp = expand_grid(
+        load_config({**config, "model": {**config["model"], "moe": {"n_experts": 4, "top_k": 2}}})
+    )
     spec = with_steps(only_run(exp), 8)
     # the budget fixes total parameters: with 4 experts the solver picks a narrower model
     dense = only_run(expand_grid(load_config(config)))
@@ -260,8 +329,14 @@ def test_moe_knob_trains_with_its_balance_loss(tiny_data, tmp_path):
 def test_hc_static_weights_and_pseudo_queries_are_not_decayed(tiny_data):
     from depthbench.models.config import ModelConfig
 
-    for arch, names in (("hc", ("static_mix", "static_read", "static_write")), ("attnres_full", ("query",)), ("mhc", ("b_res", "gains"))):
-        model = build_model(ModelConfig(arch=arch, vocab_size=50, d_model=32, n_layer=2, n_head=4, max_seq_len=8))
+    for arch, names in (
+        ("hc", ("static_mix", "static_read", "static_write")),
+        ("attnres_full", ("query",)),
+        ("mhc", ("b_res", "gains")),
+    ):
+        model = build_model(
+            ModelConfig(arch=arch, vocab_size=50, d_model=32, n_layer=2, n_head=4, max_seq_len=8)
+        )
         decay, no_decay = param_groups(model, 0.1)
         no_decay_ids = {id(p) for p in no_decay["params"]}
         for name, p in model.named_parameters():
@@ -296,9 +371,13 @@ def test_dynamics_logging_leaves_training_unchanged_and_matches_backward(tiny_da
     model = build_model(on.model)
     meta = read_meta(shards)
     windows = TokenWindows([str(shards / "train.bin")], meta["dtype"], on.train.seq_len)
-    x, y = TrainBatches(windows, on.train.seed, on.train.global_batch_size, on.train.micro_batch_size).get(0, 0)
+    x, y = TrainBatches(
+        windows, on.train.seed, on.train.global_batch_size, on.train.micro_batch_size
+    ).get(0, 0)
     model(x, y).loss.backward()
     for l, block in enumerate(model.blocks, start=1):
-        expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in block.parameters()]))
+        expected = torch.linalg.vector_norm(
+            torch.stack([p.grad.norm() for p in block.parameters()])
+        )
         got = first[(first.quantity == "param_grad_norm") & (first["index"] == l)].value.item()
         assert got == pytest.approx(expected.item(), rel=1e-5)

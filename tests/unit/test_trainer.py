@@ -15,7 +15,12 @@ class FakeTrainer:
     """The attributes hooks read, and a record of what they ask the trainer to do."""
 
     def __init__(self, step=0, start_step=0):
-        self.step, self.start_step, self.status, self.last_val = step, start_step, STATUS_OK, float("nan")
+        self.step, self.start_step, self.status, self.last_val = (
+            step,
+            start_step,
+            STATUS_OK,
+            float("nan"),
+        )
         self.stats = StepStats(train_loss=2.5, grad_norm=0.75, lr=1e-3)
         self.logged, self.snapshots = [], []
         self.model, self.device, self.autocast = None, torch.device("cpu"), None
@@ -31,8 +36,15 @@ class FakeTrainer:
 def test_train_metrics_hook_logs_on_schedule_with_throughput_and_mfu_per_rank(monkeypatch):
     clock = iter([100.0, 100.0, 104.0, 104.0, 105.0, 105.0])
     monkeypatch.setattr(hooks.time, "time", lambda: next(clock))
-    hook = hooks.TrainMetricsHook(log_every=2, total=3, tokens_per_step=1000, flops_per_token=6e6,
-                                  peak=1e12, measured_peak=None, world_size=4)
+    hook = hooks.TrainMetricsHook(
+        log_every=2,
+        total=3,
+        tokens_per_step=1000,
+        flops_per_token=6e6,
+        peak=1e12,
+        measured_peak=None,
+        world_size=4,
+    )
     t = FakeTrainer()
     hook.on_fit_start(t)  # clock 100
     records = {}
@@ -44,7 +56,11 @@ def test_train_metrics_hook_logs_on_schedule_with_throughput_and_mfu_per_rank(mo
     assert records[2]["tokens_per_s"] == 500.0 and records[3]["tokens_per_s"] == 1000.0
     assert records[2]["mfu"] == pytest.approx(500.0 * 6e6 / (4 * 1e12), rel=1e-12)
     assert math.isnan(records[2]["mfu_measured"])  # no peak: NaN, never a number
-    assert (records[2]["train_loss"], records[2]["grad_norm"], records[2]["lr"]) == (2.5, 0.75, 1e-3)
+    assert (records[2]["train_loss"], records[2]["grad_norm"], records[2]["lr"]) == (
+        2.5,
+        0.75,
+        1e-3,
+    )
 
 
 def test_divergence_hook_stops_on_bad_train_or_validation_loss():
@@ -54,9 +70,15 @@ def test_divergence_hook_stops_on_bad_train_or_validation_loss():
     assert t.status == STATUS_OK and not t.logged
     hook.on_gradients(t, 4, StepStats(9.0, float("inf"), 0.1))
     assert t.status == STATUS_DIVERGED
-    assert t.logged == [{"step": 5, "train_loss": 9.0, "grad_norm": float("inf"), "lr": 0.1, "event": "diverged"}]
-    for record, status in (({"val_loss": 3.0}, STATUS_OK), ({}, STATUS_OK), ({"val_loss": 11.0}, STATUS_DIVERGED),
-                           ({"val_loss": float("nan")}, STATUS_DIVERGED)):
+    assert t.logged == [
+        {"step": 5, "train_loss": 9.0, "grad_norm": float("inf"), "lr": 0.1, "event": "diverged"}
+    ]
+    for record, status in (
+        ({"val_loss": 3.0}, STATUS_OK),
+        ({}, STATUS_OK),
+        ({"val_loss": 11.0}, STATUS_DIVERGED),
+        ({"val_loss": float("nan")}, STATUS_DIVERGED),
+    ):
         t = FakeTrainer()
         hook.on_step_end(t, 5, record)
         assert t.status == status, record
@@ -81,7 +103,11 @@ def test_checkpoint_hook_saves_every_k_steps_but_not_the_last_and_on_early_stop(
 
 def test_eval_hook_evaluates_every_k_steps_and_at_the_last(monkeypatch):
     calls = []
-    monkeypatch.setattr(hooks, "evaluate", lambda model, windows, n, micro, device, autocast: calls.append(n) or 0.5 * len(calls))
+    monkeypatch.setattr(
+        hooks,
+        "evaluate",
+        lambda model, windows, n, micro, device, autocast: calls.append(n) or 0.5 * len(calls),
+    )
     hook = hooks.EvalHook(windows="W", every=4, total=10, n_batches=3, micro_batch=2)
     t = FakeTrainer()
     records = [{} for _ in range(11)]
@@ -98,7 +124,11 @@ def test_jsonl_logger_starts_fresh_or_drops_the_redone_lines(tmp_path):
     resumed.on_fit_start(FakeTrainer(step=4, start_step=4))
     resumed.on_log(None, {"step": 5, "x": 50})
     resumed.close(None)
-    assert [json.loads(l) for l in path.read_text().splitlines()] == [{"step": 2, "x": 2}, {"step": 4, "x": 4}, {"step": 5, "x": 50}]
+    assert [json.loads(l) for l in path.read_text().splitlines()] == [
+        {"step": 2, "x": 2},
+        {"step": 4, "x": 4},
+        {"step": 5, "x": 50},
+    ]
     fresh = hooks.JsonlLogger(path)
     fresh.on_fit_start(FakeTrainer())
     fresh.on_log(None, {"step": 1, "x": 1})
@@ -106,7 +136,9 @@ def test_jsonl_logger_starts_fresh_or_drops_the_redone_lines(tmp_path):
     assert path.read_text() == '{"step": 1, "x": 1}\n'
 
 
-def test_a_new_logger_plugs_in_through_the_registry_and_sees_every_record(tiny_data, tmp_path, monkeypatch):
+def test_a_new_logger_plugs_in_through_the_registry_and_sees_every_record(
+    tiny_data, tmp_path, monkeypatch
+):
     from tests.unit.test_train import only_run, with_steps
     from depthbench.train.recipe import RunPaths
     from depthbench.train.loop import train
@@ -138,18 +170,21 @@ def test_a_new_logger_plugs_in_through_the_registry_and_sees_every_record(tiny_d
     assert rec.calls == ["on_fit_start", *per_step * 4, "on_fit_end"]
 
 
-@pytest.mark.parametrize("name, label, peak", [
-    ("NVIDIA H100 80GB HBM3", "H100 SXM", 989e12),
-    ("NVIDIA H100 PCIe", "H100 PCIe", 756e12),
-    ("NVIDIA H100 NVL", "H100 NVL", 835e12),
-    ("NVIDIA H200", "H200", 989e12),
-    ("NVIDIA H200 NVL", "H200 NVL", 835e12),
-    ("NVIDIA GH200 480GB", "GH200", 989e12),
-    ("NVIDIA A100-SXM4-80GB", "A100", 312e12),
-    ("NVIDIA A100 80GB PCIe", "A100", 312e12),
-    ("NVIDIA B200", "B200", 2250e12),
-    ("NVIDIA A10", "A10", 125e12),
-])
+@pytest.mark.parametrize(
+    "name, label, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM", 989e12),
+        ("NVIDIA H100 PCIe", "H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", "H100 NVL", 835e12),
+        ("NVIDIA H200", "H200", 989e12),
+        ("NVIDIA H200 NVL", "H200 NVL", 835e12),
+        ("NVIDIA GH200 480GB", "GH200", 989e12),
+        ("NVIDIA A100-SXM4-80GB", "A100", 312e12),
+        ("NVIDIA A100 80GB PCIe", "A100", 312e12),
+        ("NVIDIA B200", "B200", 2250e12),
+        ("NVIDIA A10", "A10", 125e12),
+    ],
+)
 def test_peak_table_tells_the_variants_apart(name, label, peak):
     assert flops.gpu_peak(name) == (label, peak)
 

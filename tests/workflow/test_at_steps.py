@@ -19,7 +19,13 @@ from depthbench.util.errors import ConfigError, DataError
 from depthbench.train.checkpoint import checkpoint_path, checksum_path, list_checkpoints
 from depthbench.train.recipe import RunPaths
 from depthbench.train.loop import train
-from depthbench.train.snapshots import list_snapshots, resolve_steps, run_folder, snapshot_path, work_folder
+from depthbench.train.snapshots import (
+    list_snapshots,
+    resolve_steps,
+    run_folder,
+    snapshot_path,
+    work_folder,
+)
 from tests.conftest import tiny_config
 
 
@@ -54,7 +60,9 @@ def test_bad_at_steps_names_the_field(bad):
         resolve_steps(bad, 100)
 
 
-@pytest.mark.parametrize("bad", [[0, 5], [3, 3], {"log_spaced": 0}, {"log_spaced": 4, "extra": 1}, "log"])
+@pytest.mark.parametrize(
+    "bad", [[0, 5], [3, 3], {"log_spaced": 0}, {"log_spaced": 4, "extra": 1}, "log"]
+)
 def test_schema_refuses_bad_at_steps(wiki_jsonl, bad):
     config = tiny_config(wiki_jsonl, probes={"at_steps": bad})
     with pytest.raises(ConfigError, match=r"probes\.at_steps"):
@@ -64,7 +72,10 @@ def test_schema_refuses_bad_at_steps(wiki_jsonl, bad):
 def test_schema_accepts_both_forms_and_defaults_to_off(wiki_jsonl):
     assert load_config(tiny_config(wiki_jsonl))["probes"]["at_steps"] == []
     for good in ([1, 10, 40], {"log_spaced": 6}):
-        assert load_config(tiny_config(wiki_jsonl, probes={"at_steps": good}))["probes"]["at_steps"] == good
+        assert (
+            load_config(tiny_config(wiki_jsonl, probes={"at_steps": good}))["probes"]["at_steps"]
+            == good
+        )
 
 
 # -- snapshots during training -------------------------------------------------------------------
@@ -76,10 +87,14 @@ def test_snapshots_are_written_at_exactly_the_configured_steps(tiny_data, tmp_pa
     assert summary["status"] == "ok"
     published = list_snapshots(run_folder(paths))
     assert [s for s, _ in published] == [1, 3, 7, 12]
-    assert sorted(p.name for p in run_folder(paths).iterdir()) == [p.name for _, p in published]  # nothing else
+    assert sorted(p.name for p in run_folder(paths).iterdir()) == [
+        p.name for _, p in published
+    ]  # nothing else
     umask = os.umask(0o022)
     os.umask(umask)
-    assert {stat.S_IMODE(p.stat().st_mode) for _, p in published} == {0o666 & ~umask}  # readable like any result
+    assert {stat.S_IMODE(p.stat().st_mode) for _, p in published} == {
+        0o666 & ~umask
+    }  # readable like any result
     final = load_file(paths.weights)
     last = load_file(published[-1][1])
     assert set(last) == set(final) and all(torch.equal(last[k], final[k]) for k in final)
@@ -159,7 +174,9 @@ def probed_run(tiny_data, tmp_path_factory):
     _, exp, shards = tiny_data
     root = tmp_path_factory.mktemp("probed")
     spec = _spec(exp, 12, [2, 12], checkpoint_every=100)
-    paths = RunPaths(root / "runs" / spec.run_id, root / "work")  # the probe stage checks the folder's run id
+    paths = RunPaths(
+        root / "runs" / spec.run_id, root / "work"
+    )  # the probe stage checks the folder's run id
     train(spec, shards, paths, progress=False)
     out = root / "probes.parquet"
     settings = {"n_sequences": 4, "seq_len": 16, "at_steps": [2]}
@@ -173,9 +190,16 @@ def test_the_probe_of_the_final_snapshot_equals_the_final_models_probe(probed_ru
     trained = df[df.stage == "trained"].set_index(key)["value"].sort_index()
     final = df[(df.stage == "snapshot") & (df.step == 12)].set_index(key)["value"].sort_index()
     assert len(trained) > 20 and list(trained.index) == list(final.index)
-    assert {"causal_share", "permutation_share", "angular_distance_last", "token_similarity"} <= set(trained.index.get_level_values(0))
+    assert {
+        "causal_share",
+        "permutation_share",
+        "angular_distance_last",
+        "token_similarity",
+    } <= set(trained.index.get_level_values(0))
     assert (final - trained).abs().max() < 1e-6
-    assert set(df.loc[df.stage == "trained", "step"]) == {12} and set(df.loc[df.stage == "init", "step"]) == {0}
+    assert set(df.loc[df.stage == "trained", "step"]) == {12} and set(
+        df.loc[df.stage == "init", "step"]
+    ) == {0}
 
 
 def test_every_snapshot_gets_the_final_models_probe_families(probed_run):
@@ -184,8 +208,12 @@ def test_every_snapshot_gets_the_final_models_probe_families(probed_run):
     assert sorted(snap.step.unique()) == [2, 12]
     families = {s: set(g.probe) for s, g in snap.groupby("step")}
     assert families[2] == families[12] == set(df.loc[df.stage == "trained", "probe"])
-    early = snap[(snap.step == 2) & (snap.probe == "angular_distance_last")].set_index(["i", "j"])["value"]
-    late = snap[(snap.step == 12) & (snap.probe == "angular_distance_last")].set_index(["i", "j"])["value"]
+    early = snap[(snap.step == 2) & (snap.probe == "angular_distance_last")].set_index(["i", "j"])[
+        "value"
+    ]
+    late = snap[(snap.step == 12) & (snap.probe == "angular_distance_last")].set_index(["i", "j"])[
+        "value"
+    ]
     assert (early - late).abs().max() > 1e-4  # different weights, different geometry
 
 
@@ -196,14 +224,34 @@ def test_probes_table_keeps_final_rows_and_carries_the_steps(probed_run, tmp_pat
     df.to_parquet(tmp_path / "p.parquet", index=False)
     old = df[df.stage != "snapshot"].drop(columns=["step"])  # a probe file written before `step`
     old.assign(run_id="older").to_parquet(tmp_path / "old.parquet", index=False)
-    runs = pd.DataFrame([{"run_id": r, "experiment": "t", "arch": spec.arch, "n_layer": 2, "d_model": 48, "ratio": 24.0,
-                          "params": 1, "lr": spec.lr, "seed": 0, "knobs": "{}", "final_val_loss": 5.0, "status": "ok"}
-                         for r in (spec.run_id, "older")])
-    best = pd.DataFrame([{"arch": spec.arch, "n_layer": 2, "d_model": 48, "knobs": "{}", "best_lr": spec.lr}])
+    runs = pd.DataFrame(
+        [
+            {
+                "run_id": r,
+                "experiment": "t",
+                "arch": spec.arch,
+                "n_layer": 2,
+                "d_model": 48,
+                "ratio": 24.0,
+                "params": 1,
+                "lr": spec.lr,
+                "seed": 0,
+                "knobs": "{}",
+                "final_val_loss": 5.0,
+                "status": "ok",
+            }
+            for r in (spec.run_id, "older")
+        ]
+    )
+    best = pd.DataFrame(
+        [{"arch": spec.arch, "n_layer": 2, "d_model": 48, "knobs": "{}", "best_lr": spec.lr}]
+    )
     table = probe_rows([tmp_path / "p.parquet", tmp_path / "old.parquet"], runs, best)
     mine = table[table.run_id == spec.run_id]
     assert len(mine[mine.stage == "trained"]) == len(df[df.stage == "trained"])
-    assert mine.loc[mine.stage == "trained", "step"].tolist() == [12] * len(df[df.stage == "trained"])
+    assert mine.loc[mine.stage == "trained", "step"].tolist() == [12] * len(
+        df[df.stage == "trained"]
+    )
     assert table.loc[table.run_id == "older", "step"].isna().all()
     assert str(table["step"].dtype) == "Int64"
 
@@ -221,23 +269,61 @@ def step_table() -> pd.DataFrame:
         for L in (2, 4):
             for lr, best in ((1e-3, True), (1e-2, False)):
                 run = f"{arch}_L{L}_lr{lr}"
-                meta = {"run_id": run, "arch": arch, "n_layer": L, "d_model": d, "knobs": "{}", "lr": lr, "seed": 0,
-                        "is_best_lr": best, "status": "ok"}
+                meta = {
+                    "run_id": run,
+                    "arch": arch,
+                    "n_layer": L,
+                    "d_model": d,
+                    "knobs": "{}",
+                    "lr": lr,
+                    "seed": 0,
+                    "is_best_lr": best,
+                    "status": "ok",
+                }
                 for stage, steps in (("snapshot", STEPS), ("trained", [200]), ("init", [0])):
                     for step in steps:
                         grow = base * np.log1p(step) / np.log1p(200) + (0 if best else 5)
                         for l in range(L + 1):
-                            rows.append({**meta, "stage": stage, "step": step, "probe": "token_similarity", "i": l, "j": -1,
-                                         "value": grow + 0.01 * l})
+                            rows.append(
+                                {
+                                    **meta,
+                                    "stage": stage,
+                                    "step": step,
+                                    "probe": "token_similarity",
+                                    "i": l,
+                                    "j": -1,
+                                    "value": grow + 0.01 * l,
+                                }
+                            )
                         if stage == "init":
                             continue
                         for l in range(L):
                             for k in range(1, L - l + 1):
-                                rows.append({**meta, "stage": stage, "step": step, "probe": "angular_distance_last", "i": l,
-                                             "j": k, "value": grow * (1 + 0.1 * l) + 0.05 * k + rng.uniform(0, 0.01)})
+                                rows.append(
+                                    {
+                                        **meta,
+                                        "stage": stage,
+                                        "step": step,
+                                        "probe": "angular_distance_last",
+                                        "i": l,
+                                        "j": k,
+                                        "value": grow * (1 + 0.1 * l)
+                                        + 0.05 * k
+                                        + rng.uniform(0, 0.01),
+                                    }
+                                )
                         for probe in ("causal_share", "permutation_share"):
-                            rows.append({**meta, "stage": stage, "step": step, "probe": probe, "i": -1, "j": -1,
-                                         "value": grow / (2 if probe == "causal_share" else 3)})
+                            rows.append(
+                                {
+                                    **meta,
+                                    "stage": stage,
+                                    "step": step,
+                                    "probe": probe,
+                                    "i": -1,
+                                    "j": -1,
+                                    "value": grow / (2 if probe == "causal_share" else 3),
+                                }
+                            )
     return pd.DataFrame(rows).astype({"step": "Int64"})
 
 
@@ -259,16 +345,24 @@ def test_probes_over_training_draws_each_quantity_per_step_on_a_log_axis():
             rows = best[(best.arch == arch) & (best.n_layer == L)]
             if ax.get_title().startswith("adjacent"):
                 g = rows[(rows.probe == "angular_distance_last") & (rows.j == 1)]
-                want = [g[g.step == s].value.mean() for s in STEPS]  # mean over layers l of d(l, l+1)
+                want = [
+                    g[g.step == s].value.mean() for s in STEPS
+                ]  # mean over layers l of d(l, l+1)
             elif ax.get_title().startswith("token"):
                 g = rows[(rows.probe == "token_similarity") & (rows.i == L)]
                 want = [g[g.step == s].value.iloc[0] for s in STEPS]
             else:
-                probe = "causal_share" if ax.get_title().startswith("causal") else "permutation_share"
+                probe = (
+                    "causal_share" if ax.get_title().startswith("causal") else "permutation_share"
+                )
                 want = [rows[(rows.probe == probe) & (rows.step == s)].value.iloc[0] for s in STEPS]
             np.testing.assert_allclose(line.get_xdata(), STEPS)
             np.testing.assert_allclose(line.get_ydata(), want)
-    assert {t.get_text() for t in fig.legends[0].get_texts()} >= {"pre_ln", "hc", "token similarity at init (step 0)"}
+    assert {t.get_text() for t in fig.legends[0].get_texts()} >= {
+        "pre_ln",
+        "hc",
+        "token similarity at init (step 0)",
+    }
 
 
 def test_adjacent_distance_heatmap_holds_each_layer_and_step():
@@ -277,14 +371,26 @@ def test_adjacent_distance_heatmap_holds_each_layer_and_step():
 
     table = step_table()
     fig = step_figures.adjacent_distance_over_training({"probes": table}, Context())
-    meshes = [(ax, ax.collections[0]) for ax in fig.axes if ax.collections and ax.get_label() != "<colorbar>"]
+    meshes = [
+        (ax, ax.collections[0])
+        for ax in fig.axes
+        if ax.collections and ax.get_label() != "<colorbar>"
+    ]
     assert len(meshes) == 4  # architectures x depths
     assert any(ax.get_label() == "<colorbar>" and "d(l, l+1)" in ax.get_ylabel() for ax in fig.axes)
     for ax, mesh in meshes:
         arch, L = ax.get_title().split(",")[0], int(ax.get_title().split("L=")[1].split(",")[0])
-        g = table[(table.stage == "snapshot") & table.is_best_lr & (table.arch == arch) & (table.n_layer == L)
-                  & (table.probe == "angular_distance_last") & (table.j == 1)]
-        want = np.array([[g[(g.i == l) & (g.step == s)].value.iloc[0] for s in STEPS] for l in range(L)])
+        g = table[
+            (table.stage == "snapshot")
+            & table.is_best_lr
+            & (table.arch == arch)
+            & (table.n_layer == L)
+            & (table.probe == "angular_distance_last")
+            & (table.j == 1)
+        ]
+        want = np.array(
+            [[g[(g.i == l) & (g.step == s)].value.iloc[0] for s in STEPS] for l in range(L)]
+        )
         np.testing.assert_allclose(np.asarray(mesh.get_array()).reshape(L, len(STEPS)), want)
         assert ax.get_xscale() == "log"
 
@@ -311,13 +417,18 @@ def test_workflow_keeps_probes_and_draws_the_snapshots(tmp_path, wiki_jsonl):
     from tests.workflow_runs import copy_workflow, job_counts, snakemake, write_config
 
     root = copy_workflow(tmp_path)
-    config = tiny_config(wiki_jsonl, probes={"at_steps": {"log_spaced": 3}, "n_sequences": 4, "seq_len": 16},
-                         nll={"enabled": False})
+    config = tiny_config(
+        wiki_jsonl,
+        probes={"at_steps": {"log_spaced": 3}, "n_sequences": 4, "seq_len": 16},
+        nll={"enabled": False},
+    )
     write_config(root, config)
     # up to the probe figures (the stages this feature touches; the rest of the workflow is
     # test_workflow's): the probe rule's snapshots input exists only as the train rule's output
     snakemake(root, "--until", "probe_figures")
-    (run_id, spec), = expand_grid(load_config(yaml.safe_load((root / "config/config.yaml").read_text()))).runs.items()
+    ((run_id, spec),) = expand_grid(
+        load_config(yaml.safe_load((root / "config/config.yaml").read_text()))
+    ).runs.items()
     total = spec.train.total_steps
     want = resolve_steps({"log_spaced": 3}, total)
     assert len(want) == 3 and want[-1] == total

@@ -16,11 +16,29 @@ BROKEN = "name: x\ntrain:\n  seq_len: [32\n  lr: 3\n"  # the flow sequence is no
 
 
 @pytest.mark.slow
-def test_snakemake_dry_run_names_the_file_line_and_column_of_a_yaml_error_in_the_embedded_config(tmp_path):
+def test_snakemake_dry_run_names_the_file_line_and_column_of_a_yaml_error_in_the_embedded_config(
+    tmp_path,
+):
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "config.yaml").write_text(BROKEN)
-    done = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--snakefile", str(REPO / "Snakefile"),
-                           "--directory", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-n",
+            "--cores",
+            "1",
+            "--snakefile",
+            str(REPO / "Snakefile"),
+            "--directory",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode != 0
     out = done.stdout + done.stderr
     assert "DepthBench config error" in out

@@ -17,7 +17,12 @@ transformers = pytest.importorskip("transformers")
 from depthbench.spec.schema import load_config
 from depthbench.util.errors import ConfigError  # noqa: E402
 from depthbench.pretrained import stages  # noqa: E402
-from depthbench.pretrained.loading import PretrainedSpec, load_model, load_tokenizer, pretrained_specs  # noqa: E402
+from depthbench.pretrained.loading import (
+    PretrainedSpec,
+    load_model,
+    load_tokenizer,
+    pretrained_specs,
+)  # noqa: E402
 from depthbench.pretrained.tables import pretrained_run_rows, with_pretrained  # noqa: E402
 from depthbench.analysis.tables import _with_run_columns  # noqa: E402
 from tests.conftest import tiny_config  # noqa: E402
@@ -37,13 +42,28 @@ def hf_folder(tmp_path_factory):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<bos>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<bos>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(DOCS * 4, trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>")
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>"
+    )
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
-                                      bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id)
+    config = transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+    )
     folder = tmp_path_factory.mktemp("tiny_llama")
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     fast.save_pretrained(folder)
@@ -51,23 +71,45 @@ def hf_folder(tmp_path_factory):
 
 
 def test_config_section_is_checked(hf_folder, wiki_jsonl, tmp_path):
-    config = load_config(tiny_config(wiki_jsonl, pretrained=[{"name": "tiny", "path": str(hf_folder)}]))
+    config = load_config(
+        tiny_config(wiki_jsonl, pretrained=[{"name": "tiny", "path": str(hf_folder)}])
+    )
     specs = pretrained_specs(config)
-    assert list(specs) == ["pretrained_tiny"] and specs["pretrained_tiny"].source() == str(hf_folder)
+    assert list(specs) == ["pretrained_tiny"] and specs["pretrained_tiny"].source() == str(
+        hf_folder
+    )
     bad = [
-        ([{"name": "a", "path": str(hf_folder)}, {"name": "a", "path": str(hf_folder)}], "pretrained[1].name"),
+        (
+            [{"name": "a", "path": str(hf_folder)}, {"name": "a", "path": str(hf_folder)}],
+            "pretrained[1].name",
+        ),
         ([{"name": "a", "path": str(tmp_path / "missing")}], "pretrained[0].path"),
         ([{"name": "a", "format": "gguf", "path": str(hf_folder)}], "pretrained[0].gguf_file"),
-        ([{"name": "a", "format": "gguf", "path": str(hf_folder), "gguf_file": "x.gguf"}], "pretrained[0].gguf_file"),
+        (
+            [{"name": "a", "format": "gguf", "path": str(hf_folder), "gguf_file": "x.gguf"}],
+            "pretrained[0].gguf_file",
+        ),
         ([{"name": "a", "path": str(hf_folder), "package": "json"}], "pretrained[0]"),
-        ([{"name": "a", "format": "gguf", "package": "no_such_package_here", "gguf_file": "x.gguf"}], "pretrained[0].package"),
+        (
+            [
+                {
+                    "name": "a",
+                    "format": "gguf",
+                    "package": "no_such_package_here",
+                    "gguf_file": "x.gguf",
+                }
+            ],
+            "pretrained[0].package",
+        ),
     ]
     for entries, field in bad:
         with pytest.raises(ConfigError) as err:
             pretrained_specs({"pretrained": entries})
         assert err.value.field == field, (entries, err.value)
     with pytest.raises(ConfigError, match="pretrained"):
-        load_config(tiny_config(wiki_jsonl, pretrained=[{"name": "a", "path": "x", "formats": "hf"}]))
+        load_config(
+            tiny_config(wiki_jsonl, pretrained=[{"name": "a", "path": "x", "formats": "hf"}])
+        )
 
 
 def test_validation_sample_uses_the_models_tokenizer(hf_folder, tmp_path):
@@ -79,7 +121,11 @@ def test_validation_sample_uses_the_models_tokenizer(hf_folder, tmp_path):
     from depthbench.data.corpus import split_documents
 
     val = list(split_documents(corpus, want_validation=True))
-    expected = [t for d in val for t in tokenizer(d, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]]
+    expected = [
+        t
+        for d in val
+        for t in tokenizer(d, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    ]
     assert tokens.tolist() == expected and tokenizer.bos_token_id not in expected
     out = tmp_path / "sample.npy"
     stages.write_sample(str(hf_folder), corpus, {"n_sequences": 4, "seed": 0}, 16, str(out))
@@ -87,30 +133,45 @@ def test_validation_sample_uses_the_models_tokenizer(hf_folder, tmp_path):
     assert sample.shape == (4, 17)
     starts = [i for i in range(len(tokens) - 16) if i % 16 == 0]
     windows = {tuple(tokens[i : i + 17]) for i in starts}
-    assert all(tuple(row) in windows for row in sample)  # windows of the stream, at multiples of seq_len
+    assert all(
+        tuple(row) in windows for row in sample
+    )  # windows of the stream, at multiples of seq_len
     again = stages.token_sample(tokens, 4, 16, 0)
     assert np.array_equal(again, sample)
 
 
 @torch.no_grad()
 def test_nll_stage_matches_a_direct_computation(hf_folder, tmp_path):
-    rows = [{"context": "Question: where does the river flow?\nAnswer:", "continuation": " north through the valley", "domain": "stem"},
-            {"context": "The market", "continuation": " was known in every village.", "domain": "stem"},
-            {"context": "", "continuation": "Mathematics studies numbers.", "domain": "stem"}]
+    rows = [
+        {
+            "context": "Question: where does the river flow?\nAnswer:",
+            "continuation": " north through the valley",
+            "domain": "stem",
+        },
+        {"context": "The market", "continuation": " was known in every village.", "domain": "stem"},
+        {"context": "", "continuation": "Mathematics studies numbers.", "domain": "stem"},
+    ]
     path = tmp_path / "set.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "nll.parquet"
-    settings = {"sets": [], "custom": [{"name": "mine", "path": str(path)}], "threads": 1, "tokens_per_batch": 64}
+    settings = {
+        "sets": [],
+        "custom": [{"name": "mine", "path": str(path)}],
+        "threads": 1,
+        "tokens_per_batch": 64,
+    }
     stages.run_pretrained_nll("pretrained_tiny", str(hf_folder), str(out), settings, window=128)
     table = pd.read_parquet(out)
     model, tok = load_model(str(hf_folder)), load_tokenizer(str(hf_folder))
     total, n_bytes = 0.0, 0
     for r in rows:  # contexts end without whitespace: the pair splits at the context's tokens
         ctx = tok(r["context"], add_special_tokens=False).input_ids or [tok.bos_token_id]
-        cont = tok(r["context"] + r["continuation"], add_special_tokens=False).input_ids[len(ctx) if r["context"] else 0:]
+        cont = tok(r["context"] + r["continuation"], add_special_tokens=False).input_ids[
+            len(ctx) if r["context"] else 0 :
+        ]
         ids = torch.tensor([ctx + cont])
         logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)
-        total -= float(logp[torch.arange(len(ctx) - 1, ids.shape[1] - 1), ids[0, len(ctx):]].sum())
+        total -= float(logp[torch.arange(len(ctx) - 1, ids.shape[1] - 1), ids[0, len(ctx) :]].sum())
         n_bytes += len(r["continuation"].encode())
     mine = table[(table["level"] == "set") & (table["set"] == "mine")].iloc[0]
     assert mine["nll_sum"] == pytest.approx(total, rel=1e-5)
@@ -126,13 +187,36 @@ def test_summary_rows_join_the_runs_table(hf_folder, tmp_path):
     assert (s["arch"], s["n_layer"], s["d_model"], s["status"]) == ("llama", 3, 32, "pretrained")
     assert s["n_params"] == sum(p.numel() for p in model.parameters())
     pre = pretrained_run_rows([str(path)], "exp")
-    trained = pd.DataFrame([{"run_id": "pre_ln_x", "experiment": "exp", "arch": "pre_ln", "n_layer": 2, "d_model": 16, "ratio": 8.0,
-                             "params": 10, "lr": 1e-3, "seed": 0, "knobs": "{}", "final_val_loss": 3.0, "status": "ok"}])
+    trained = pd.DataFrame(
+        [
+            {
+                "run_id": "pre_ln_x",
+                "experiment": "exp",
+                "arch": "pre_ln",
+                "n_layer": 2,
+                "d_model": 16,
+                "ratio": 8.0,
+                "params": 10,
+                "lr": 1e-3,
+                "seed": 0,
+                "knobs": "{}",
+                "final_val_loss": 3.0,
+                "status": "ok",
+            }
+        ]
+    )
     runs = with_pretrained(trained, pre)
     assert list(runs["run_id"]) == ["pre_ln_x", "pretrained_tiny"]
-    best = pd.DataFrame([{"arch": "pre_ln", "n_layer": 2, "d_model": 16, "knobs": "{}", "best_lr": 1e-3}])
-    rows = _with_run_columns(pd.DataFrame({"run_id": ["pre_ln_x", "pretrained_tiny"], "value": [1.0, 2.0]}), runs, best)
-    assert rows.set_index("run_id")["is_best_lr"].to_dict() == {"pre_ln_x": True, "pretrained_tiny": True}
+    best = pd.DataFrame(
+        [{"arch": "pre_ln", "n_layer": 2, "d_model": 16, "knobs": "{}", "best_lr": 1e-3}]
+    )
+    rows = _with_run_columns(
+        pd.DataFrame({"run_id": ["pre_ln_x", "pretrained_tiny"], "value": [1.0, 2.0]}), runs, best
+    )
+    assert rows.set_index("run_id")["is_best_lr"].to_dict() == {
+        "pre_ln_x": True,
+        "pretrained_tiny": True,
+    }
     assert rows.set_index("run_id").loc["pretrained_tiny", "arch"] == "llama"
 
 
@@ -140,17 +224,34 @@ def test_probe_stage_writes_rows_through_the_adapter(hf_folder, tmp_path):
     sample = tmp_path / "sample.npy"
     np.save(sample, np.random.default_rng(0).integers(0, 256, size=(2, 13)))
     out = tmp_path / "probes.parquet"
-    settings = {"n_sequences": 2, "seed": 0, "causal_threshold": 0.45, "permutation_threshold": 0.15,
-                "usefulness_threshold": 1.1, "dead_zone_threshold": 0.05, "threads": 1}
+    settings = {
+        "n_sequences": 2,
+        "seed": 0,
+        "causal_threshold": 0.45,
+        "permutation_threshold": 0.15,
+        "usefulness_threshold": 1.1,
+        "dead_zone_threshold": 0.05,
+        "threads": 1,
+    }
     stages.run_pretrained_probes("pretrained_tiny", str(hf_folder), str(sample), str(out), settings)
     df = pd.read_parquet(out)
     assert set(df["status"]) == {"pretrained"} and set(df["stage"]) == {"trained"}
     names = set(df["probe"])
-    assert {"token_similarity", "angular_distance_last", "causal_score", "permutation_score", "usefulness_ratio"} <= names
+    assert {
+        "token_similarity",
+        "angular_distance_last",
+        "causal_score",
+        "permutation_score",
+        "usefulness_ratio",
+    } <= names
     ad = df[(df["probe"] == "angular_distance_all") & (df["j"] == 0)]
-    assert len(ad) == 4 and np.allclose(ad["value"], 0.0, atol=1e-3)  # d(h_l, h_l) = 0 (fp32 arccos near 1)
+    assert len(ad) == 4 and np.allclose(
+        ad["value"], 0.0, atol=1e-3
+    )  # d(h_l, h_l) = 0 (fp32 arccos near 1)
     perm = df[df["probe"] == "permutation_score"]
-    assert len(perm) == 3 and (perm["value"] > 0).all()  # (1,2), (1,3), (2,3): different layers swapped
+    assert (
+        len(perm) == 3 and (perm["value"] > 0).all()
+    )  # (1,2), (1,3), (2,3): different layers swapped
 
 
 SMOLLM2 = "config/presets/pretrained_smollm2.yaml"
@@ -179,8 +280,16 @@ def test_workflow_plans_pretrained_jobs(hf_folder, wiki_jsonl, tmp_path):
     from tests.workflow_runs import copy_workflow, job_counts, write_config
 
     root = copy_workflow(tmp_path)
-    write_config(root, tiny_config(wiki_jsonl, pretrained=[{"name": "tiny", "path": str(hf_folder)}]))
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "2"], cwd=root, capture_output=True, text=True, timeout=600)
+    write_config(
+        root, tiny_config(wiki_jsonl, pretrained=[{"name": "tiny", "path": str(hf_folder)}])
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "--cores", "2"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = job_counts(proc.stdout + proc.stderr)
     assert counts["train"] == 1 and "pretrained_convert" not in counts
@@ -203,7 +312,13 @@ def test_smollm2_gguf_converts_and_goes_through_the_adapter(tmp_path):
     folder = convert(spec, str(tmp_path / "model"))
     model, gguf_model = load_model(folder), load_model(spec.source(), gguf_file=spec.gguf_file)
     tok = load_tokenizer(folder)
-    idx = torch.tensor([tok("The capital of France is Paris. The capital of Italy is", add_special_tokens=False).input_ids])
+    idx = torch.tensor(
+        [
+            tok(
+                "The capital of France is Paris. The capital of Italy is", add_special_tokens=False
+            ).input_ids
+        ]
+    )
     expected = gguf_model(input_ids=idx).logits
     assert torch.equal(model(input_ids=idx).logits, expected)
     adapter = PretrainedAdapter(model)
@@ -224,20 +339,49 @@ def test_pretrained_cost_rows_count_what_torch_flop_counter_counts(hf_folder, tm
     path = tmp_path / "summary.json"
     s = stages.write_summary("pretrained_tiny", "tiny", str(hf_folder), str(hf_folder), str(path))
     model = load_model(str(hf_folder)).eval()
-    model.set_attn_implementation("eager")  # explicit q.k and p.v products: CPU SDPA kernels have no FLOP formula
+    model.set_attn_implementation(
+        "eager"
+    )  # explicit q.k and p.v products: CPU SDPA kernels have no FLOP formula
     T = 16
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model(torch.randint(0, model.config.vocab_size, (1, T)))
-    runs = with_pretrained(pd.DataFrame(columns=["run_id", "experiment", "arch", "n_layer", "d_model", "ratio", "params", "lr",
-                                                 "seed", "knobs", "final_val_loss", "status"]), pretrained_run_rows([str(path)], "exp"))
+    runs = with_pretrained(
+        pd.DataFrame(
+            columns=[
+                "run_id",
+                "experiment",
+                "arch",
+                "n_layer",
+                "d_model",
+                "ratio",
+                "params",
+                "lr",
+                "seed",
+                "knobs",
+                "final_val_loss",
+                "status",
+            ]
+        ),
+        pretrained_run_rows([str(path)], "exp"),
+    )
     runs["tokens_per_s"], runs["wall_seconds"], runs["device"] = math.nan, math.nan, None
     best = pd.DataFrame(columns=["arch", "n_layer", "d_model", "knobs", "best_lr"])
     (row,) = cost_rows([], runs, best, pretrained_paths=[str(path)], seq_len=T).to_dict("records")
     assert row["forward_flops_per_token"] == pytest.approx(counter.get_total_flops() / T, rel=1e-9)
     assert row["train_flops_per_token"] == 3 * row["forward_flops_per_token"]
     cfg = model.config
-    assert row["kv_cache_bytes_per_token"] == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
-    assert row["params_total"] == sum(p.numel() for p in model.parameters()) and row["status"] == "pretrained"
+    assert (
+        row["kv_cache_bytes_per_token"]
+        == 2
+        * cfg.num_hidden_layers
+        * cfg.num_key_value_heads
+        * (cfg.hidden_size // cfg.num_attention_heads)
+        * 2
+    )
+    assert (
+        row["params_total"] == sum(p.numel() for p in model.parameters())
+        and row["status"] == "pretrained"
+    )
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027])
@@ -254,6 +398,9 @@ def test_every_file_of_a_converted_model_gets_the_mode_the_umask_allows(hf_folde
         os.umask(old)
     written = sorted((tmp_path / "model").rglob("*"))
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= {p.name for p in written}
-    modes = {str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777 for p in [tmp_path / "model", *written]}
+    modes = {
+        str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777
+        for p in [tmp_path / "model", *written]
+    }
     want = {name: (0o777 if (tmp_path / name).is_dir() else 0o666) & ~umask for name in modes}
     assert modes == want

@@ -31,12 +31,18 @@ def _readme_error() -> str:
 
 def _readme_error_config() -> dict:
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    config["shapes"] = yaml.safe_load(re.search(r"default config with `shapes: (\[.*?\])`", README).group(1))
+    config["shapes"] = yaml.safe_load(
+        re.search(r"default config with `shapes: (\[.*?\])`", README).group(1)
+    )
     return config
 
 
 def _readme_slurm_command() -> list[str]:
-    (line,) = [line for line in README.splitlines() if line.startswith("snakemake --profile slurm --config ")]
+    (line,) = [
+        line
+        for line in README.splitlines()
+        if line.startswith("snakemake --profile slurm --config ")
+    ]
     return shlex.split(line)
 
 
@@ -66,10 +72,17 @@ def test_readme_slurm_override_reads_by_the_schemas_types():
     assert {k: config["launcher"]["slurm"][k] for k in want} == want
 
 
-@pytest.mark.parametrize("value, field", [("two", "cpus_per_task"), ("1.5", "cpus_per_task"), ("yes please", "gpus_per_node")])
+@pytest.mark.parametrize(
+    "value, field",
+    [("two", "cpus_per_task"), ("1.5", "cpus_per_task"), ("yes please", "gpus_per_node")],
+)
 def test_override_that_is_not_of_the_fields_type_is_refused_naming_it(value, field):
-    config, overrides = _as_snakemake_reads(["--config", f"launcher={{backend: slurm, slurm: {{{field}: {value}}}}}"])
-    with pytest.raises(ConfigError, match=re.escape(f"'launcher.slurm.{field}'") + ".*is not of type 'integer'"):
+    config, overrides = _as_snakemake_reads(
+        ["--config", f"launcher={{backend: slurm, slurm: {{{field}: {value}}}}}"]
+    )
+    with pytest.raises(
+        ConfigError, match=re.escape(f"'launcher.slurm.{field}'") + ".*is not of type 'integer'"
+    ):
         validate_schema(coerce_command_line(config, overrides))
 
 
@@ -82,10 +95,21 @@ def test_readme_commands_run_as_written(tmp_path):
         (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
     args = _readme_slurm_command()
     assert args[0] == "snakemake"
-    proc = subprocess.run([sys.executable, "-m", *args, "-n"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", *args, "-n"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert re.search(r"^train\s+63$", proc.stdout, re.M), proc.stdout[-2000:]
     (tmp_path / "config" / "config.yaml").write_text(yaml.safe_dump(_readme_error_config()))
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "--cores", "1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode != 0 and _readme_error() in proc.stdout + proc.stderr

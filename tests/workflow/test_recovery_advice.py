@@ -22,10 +22,17 @@ pytestmark = pytest.mark.slow
 
 
 def _snakemake(root: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", *args], cwd=root, capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--cores", "2", *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"snakemake {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise AssertionError(
+            f"snakemake {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return proc
 
 
@@ -39,9 +46,19 @@ def _plan(root: Path, *args: str) -> dict[str, int]:
 
 
 def _status(root: Path) -> tuple[dict[str, list[str]], str]:
-    proc = subprocess.run([sys.executable, "-m", "depthbench", "status"], cwd=root, capture_output=True, text=True,
-                          timeout=300, check=True)
-    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines() if line.startswith(("pre_ln",))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "depthbench", "status"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    rows = {
+        line.split()[0]: line.split()[1:]
+        for line in proc.stdout.splitlines()
+        if line.startswith(("pre_ln",))
+    }
     return rows, proc.stdout
 
 
@@ -109,7 +126,9 @@ def test_corrupt_weights_advice_retrains_the_run(workflow):
     assert command[:2] == ["snakemake", "--forcerun"]
     _snakemake(root, *command[1:])
     assert load_file(weights).keys() == good.keys()
-    _clean(root, ids, runs_only=True)  # the new weights verify against the digest recorded with them
+    _clean(
+        root, ids, runs_only=True
+    )  # the new weights verify against the digest recorded with them
 
 
 def test_summary_of_another_run_advice_retrains_it(workflow):
@@ -119,13 +138,18 @@ def test_summary_of_another_run_advice_retrains_it(workflow):
     a, b = (root / "results" / "runs" / rid / "summary.json" for rid in ids)
     s = json.loads(a.read_text())
     s["run_id"] = s["spec"]["run_id"] = ids[1]
-    s["spec_hash"] = RunSpec.from_dict(s["spec"]).spec_hash()  # self-consistent: only the grid tells
+    s["spec_hash"] = RunSpec.from_dict(
+        s["spec"]
+    ).spec_hash()  # self-consistent: only the grid tells
     b.write_text(json.dumps(s))
     rows, out = _status(root)
     assert rows[ids[1]][0] == "invalid" and rows[ids[1]][3] == "none:" and "grid's spec" in out
     assert "train" not in _plan(root)
     _snakemake(root, *_advice(out, ids[1])[1:])
-    assert json.loads(b.read_text())["run_id"] == ids[1] and json.loads(b.read_text())["spec_hash"] != s["spec_hash"]
+    assert (
+        json.loads(b.read_text())["run_id"] == ids[1]
+        and json.loads(b.read_text())["spec_hash"] != s["spec_hash"]
+    )
     _clean(root, ids, runs_only=True)
 
 

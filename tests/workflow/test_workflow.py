@@ -11,7 +11,14 @@ import pandas as pd
 import pytest
 import yaml
 
-from tests.workflow_runs import copy_workflow, edited_config, grid, job_counts, snakemake, write_config
+from tests.workflow_runs import (
+    copy_workflow,
+    edited_config,
+    grid,
+    job_counts,
+    snakemake,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +38,9 @@ def test_default_workflow_writes_tables_and_figures(workflow):
     assert set(runs.loc[runs.lr == 50.0, "status"]) == {"diverged"}
     ok = runs[runs.lr == 3e-3]
     assert set(ok.status) == {"ok"}
-    assert (ok.final_val_loss < ok.unigram_floor - 0.3).all(), ok[["run_id", "final_val_loss", "unigram_floor"]]
+    assert (ok.final_val_loss < ok.unigram_floor - 0.3).all(), ok[
+        ["run_id", "final_val_loss", "unigram_floor"]
+    ]
     assert {"params", "tokens_seen", "wall_seconds", "tokens_per_s", "ratio"} <= set(runs.columns)
     best = pd.read_parquet(root / "results/tables/best_lr.parquet")
     assert len(best) == 4 and set(best.best_lr) == {3e-3}
@@ -39,14 +48,22 @@ def test_default_workflow_writes_tables_and_figures(workflow):
     curves = pd.read_parquet(root / "results/tables/curves.parquet")
     assert set(curves.run_id) == set(runs.run_id) and curves.val_loss.notna().any()
     dynamics = pd.read_parquet(root / "results/tables/dynamics.parquet")
-    assert set(dynamics.quantity) == {"residual_rms", "grad_norm_h", "param_grad_norm", "norm_factor"}
+    assert set(dynamics.quantity) == {
+        "residual_rms",
+        "grad_norm_h",
+        "param_grad_norm",
+        "norm_factor",
+    }
     for stem in ("headline", "loss_vs_lr", "loss_curves", "dynamics"):
         png = root / f"results/figures/{stem}.png"
         pdf = root / f"results/figures/{stem}.pdf"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
         assert pdf.read_bytes()[:5] == b"%PDF-"
     # every rule has a log and a benchmark record
-    assert list((root / "results/logs/train").glob("*.log")) and len(list((root / "results/benchmarks/train").glob("*.tsv"))) == 8
+    assert (
+        list((root / "results/logs/train").glob("*.log"))
+        and len(list((root / "results/benchmarks/train").glob("*.tsv"))) == 8
+    )
 
 
 def test_probes_stage_writes_a_tidy_table_with_config_columns_and_figures(workflow):
@@ -54,27 +71,70 @@ def test_probes_stage_writes_a_tidy_table_with_config_columns_and_figures(workfl
     probes = pd.read_parquet(root / "results/tables/probes.parquet")
     runs = pd.read_parquet(root / "results/tables/runs.parquet")
     assert set(probes.run_id) == set(runs.run_id)
-    assert {"probe", "stage", "i", "j", "value", "arch", "n_layer", "lr", "is_best_lr"} <= set(probes.columns)
+    assert {"probe", "stage", "i", "j", "value", "arch", "n_layer", "lr", "is_best_lr"} <= set(
+        probes.columns
+    )
     trained = probes[probes.stage == "trained"]
-    assert set(trained.run_id) == set(runs.run_id[runs.status == "ok"])  # diverged runs: init probes only
-    for probe in ("angular_distance_last", "causal_score", "permutation_score", "usefulness_ratio",
-                  "token_similarity", "effective_rank", "causal_share", "permutation_share", "lens_cross_entropy",
-                  "lens_kl_to_final", "lens_top1_agreement"):
+    assert set(trained.run_id) == set(
+        runs.run_id[runs.status == "ok"]
+    )  # diverged runs: init probes only
+    for probe in (
+        "angular_distance_last",
+        "causal_score",
+        "permutation_score",
+        "usefulness_ratio",
+        "token_similarity",
+        "effective_rank",
+        "causal_share",
+        "permutation_share",
+        "lens_cross_entropy",
+        "lens_kl_to_final",
+        "lens_top1_agreement",
+    ):
         assert probe in set(trained.probe), probe
     assert {"init", "init_no_prefix_avg"} <= set(probes.stage)
-    for name in ("angular_distance", "angular_distance_all", "angular_adjacent", "logit_lens", "removal_curves", "causal_matrix", "permutation_matrix",
-                 "probe_shares", "token_similarity", "effective_rank", "usefulness"):
+    for name in (
+        "angular_distance",
+        "angular_distance_all",
+        "angular_adjacent",
+        "logit_lens",
+        "removal_curves",
+        "causal_matrix",
+        "permutation_matrix",
+        "probe_shares",
+        "token_similarity",
+        "effective_rank",
+        "usefulness",
+    ):
         assert (root / f"results/figures/{name}.png").stat().st_size > 10_000
-    assert not (root / "results/figures/residual_product_rank.png").exists()  # no hc/mhc in this grid
+    assert not (
+        root / "results/figures/residual_product_rank.png"
+    ).exists()  # no hc/mhc in this grid
     lens = pd.read_parquet(root / "results/tables/logit_lens.parquet")
     assert set(lens.run_id) == set(runs.run_id[runs.status == "ok"])
     assert (lens.groupby("run_id").size() == lens.groupby("run_id").n_layer.first() + 1).all()
 
 
-FIGURES = ["headline", "loss_vs_lr", "loss_curves", "dynamics", "angular_distance", "angular_distance_all", "angular_adjacent", "logit_lens",
-           "removal_curves",
-           "causal_matrix", "permutation_matrix", "probe_shares", "token_similarity", "effective_rank", "usefulness",
-           "nll_vs_ratio", "cost_vs_ratio", "loss_vs_cost"]
+FIGURES = [
+    "headline",
+    "loss_vs_lr",
+    "loss_curves",
+    "dynamics",
+    "angular_distance",
+    "angular_distance_all",
+    "angular_adjacent",
+    "logit_lens",
+    "removal_curves",
+    "causal_matrix",
+    "permutation_matrix",
+    "probe_shares",
+    "token_similarity",
+    "effective_rank",
+    "usefulness",
+    "nll_vs_ratio",
+    "cost_vs_ratio",
+    "loss_vs_cost",
+]
 
 
 def test_removal_tables_hold_every_ranking_domain_and_effective_depth(workflow):
@@ -101,7 +161,11 @@ def test_nll_and_cost_tables(workflow):
     assert set(nll.run_id) == set(runs.run_id)
     sets = nll[nll.level == "set"]
     assert len(sets) == 8 * 3 and set(sets.set) == {"humaneval", "sciq", "gsm8k"}
-    assert set(sets.n_docs) == {6} and set(sets.groupby("set").n_docs_source.first()) == {164, 1000, 1319}
+    assert set(sets.n_docs) == {6} and set(sets.groupby("set").n_docs_source.first()) == {
+        164,
+        1000,
+        1319,
+    }
     domains = nll[nll.level == "domain"]
     assert set(domains.domain) == {"code", "stem", "math"}
     ok = nll[(nll.status == "ok")]
@@ -109,7 +173,10 @@ def test_nll_and_cost_tables(workflow):
     assert nll[nll.status == "diverged"].bits_per_byte.isna().all()
     assert {"arch", "n_layer", "lr", "is_best_lr", "ratio"} <= set(nll.columns)
     cost = pd.read_parquet(root / "results/tables/cost.parquet")
-    assert len(cost) == 8 and (cost.params_total == cost.params_embedding + cost.params_non_embedding).all()
+    assert (
+        len(cost) == 8
+        and (cost.params_total == cost.params_embedding + cost.params_non_embedding).all()
+    )
     assert (cost.prefill_flops_4096 > 0).all() and (cost.kv_cache_bytes_per_token > 0).all()
     assert (cost.step_seconds > 0).all() and set(cost.peak_memory_kind) == {"process_max_rss"}
     for stem in ("nll_vs_ratio", "cost_vs_ratio", "loss_vs_cost"):
@@ -120,20 +187,42 @@ def test_nll_and_cost_tables(workflow):
 def test_report_and_claims_hold_every_figure_with_its_caption(workflow):
     root, _ = workflow
     html = (root / "results/report.html").read_text()
-    for name in FIGURES:  # every figure embedded as a PNG data URI with its caption: one offline file
-        assert f'<figure id="{name}"><img alt="{name}" src="data:image/png;base64,iVBORw0KGgo' in html, name
+    for (
+        name
+    ) in FIGURES:  # every figure embedded as a PNG data URI with its caption: one offline file
+        assert (
+            f'<figure id="{name}"><img alt="{name}" src="data:image/png;base64,iVBORw0KGgo' in html
+        ), name
     assert html.count("<figcaption>") == len(FIGURES) and "Config <tt>tiny</tt>" in html
     first = html.split('<h2 id="s0">')[0]  # what opens first: headline, best-LR and claims tables
-    assert first.count("data:image/png") == 1 and "Best learning rate per shape" in first and "Layer profile" in first
+    assert (
+        first.count("data:image/png") == 1
+        and "Best learning rate per shape" in first
+        and "Layer profile" in first
+    )
     claims = pd.read_parquet(root / "results/tables/claims.parquet")
-    assert len(claims) >= 12 and claims["verdict"].str.match(r"holds|does not hold at this scale|not testable in this grid: .+").all()
+    assert (
+        len(claims) >= 12
+        and claims["verdict"]
+        .str.match(r"holds|does not hold at this scale|not testable in this grid: .+")
+        .all()
+    )
     by_id = claims.set_index("claim_id")
-    assert by_id.loc["g_cost_grows_with_depth", "verdict"] == "holds"  # analytic: deeper at a fixed budget costs more
-    assert by_id.loc["f_mhc_rank_below_hc", "verdict"].startswith("not testable")  # no hc/mhc in this grid
+    assert (
+        by_id.loc["g_cost_grows_with_depth", "verdict"] == "holds"
+    )  # analytic: deeper at a fixed budget costs more
+    assert by_id.loc["f_mhc_rank_below_hc", "verdict"].startswith(
+        "not testable"
+    )  # no hc/mhc in this grid
     # the first screen shows the testable claims and counts the rest; all of them are in full below
     assert "<b>(g)</b>" in first and "<b>(f)</b>" not in first and "<b>(f)</b>" in html
-    assert f"{int(claims['verdict'].str.startswith('not testable').sum())} more not testable in this grid" in first
-    snakemake(root, "--report", "results/provenance.html")  # Snakemake's provenance view still works
+    assert (
+        f"{int(claims['verdict'].str.startswith('not testable').sum())} more not testable in this grid"
+        in first
+    )
+    snakemake(
+        root, "--report", "results/provenance.html"
+    )  # Snakemake's provenance view still works
 
 
 def test_regenerate_rebuilds_figures_without_training(workflow, tmp_path):
@@ -144,10 +233,19 @@ def test_regenerate_rebuilds_figures_without_training(workflow, tmp_path):
     root, _ = workflow
     (tmp_path / "laptop").mkdir()
     laptop = copy_workflow(tmp_path / "laptop")
-    shutil.copytree(root / "results", laptop / "results",
-                    ignore=shutil.ignore_patterns("*.bin", "work", "figures", "tables", "report.html"))
+    shutil.copytree(
+        root / "results",
+        laptop / "results",
+        ignore=shutil.ignore_patterns("*.bin", "work", "figures", "tables", "report.html"),
+    )
     shutil.copy(root / "config/config.yaml", laptop / "config/config.yaml")
-    proc = subprocess.run([sys.executable, "-m", "depthbench.commands.cli", "regenerate"], cwd=laptop, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "depthbench.commands.cli", "regenerate"],
+        cwd=laptop,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rule in ("rule train:", "rule probe:", "rule nll:", "rule tokenize:"):
         assert rule not in proc.stdout + proc.stderr
@@ -161,9 +259,18 @@ def test_probe_setting_reruns_probes_only(workflow, wiki_jsonl):
     root, _ = workflow
     with edited_config(root, grid(wiki_jsonl, probes={"n_sequences": 4})):
         plan = snakemake(root, "-n")
-    assert job_counts(plan.stdout + plan.stderr) == {"all": 1, "probe": 8, "probes_table": 1, "probe_figures": 1, "claims": 1,
-                                                     "report": 1, "removal": 8, "removal_table": 1,
-                                                     "figures": 1, "total": 23}  # the headline's removal panel
+    assert job_counts(plan.stdout + plan.stderr) == {
+        "all": 1,
+        "probe": 8,
+        "probes_table": 1,
+        "probe_figures": 1,
+        "claims": 1,
+        "report": 1,
+        "removal": 8,
+        "removal_table": 1,
+        "figures": 1,
+        "total": 23,
+    }  # the headline's removal panel
 
 
 def test_second_run_plans_nothing_and_says_so(workflow):
@@ -175,10 +282,21 @@ def test_second_run_plans_nothing_and_says_so(workflow):
 
 def test_figure_setting_reruns_only_figures(workflow, wiki_jsonl):
     root, _ = workflow
-    with edited_config(root, grid(wiki_jsonl, figures={"dpi": 80})):  # (test_regenerate... draws them for real)
+    with edited_config(
+        root, grid(wiki_jsonl, figures={"dpi": 80})
+    ):  # (test_regenerate... draws them for real)
         plan = snakemake(root, "-n")
-    assert job_counts(plan.stdout + plan.stderr) == {"all": 1, "figures": 1, "probe_figures": 1, "dynamics_figure": 1, "cost_figures": 1,
-                                                     "nll_figures": 1, "claims": 1, "report": 1, "total": 8}
+    assert job_counts(plan.stdout + plan.stderr) == {
+        "all": 1,
+        "figures": 1,
+        "probe_figures": 1,
+        "dynamics_figure": 1,
+        "cost_figures": 1,
+        "nll_figures": 1,
+        "claims": 1,
+        "report": 1,
+        "total": 8,
+    }
 
 
 def test_operational_settings_do_not_retrain(workflow, wiki_jsonl):
@@ -196,16 +314,34 @@ def test_adding_a_learning_rate_trains_only_the_new_runs(workflow, wiki_jsonl):
     with edited_config(root, grid(wiki_jsonl, learning_rates=[3e-3, 50.0, 1e-2])):
         plan = snakemake(root, "-n")
     assert job_counts(plan.stdout + plan.stderr) == {
-        "all": 1, "figures": 1, "tables": 1, "train": 4, "probe": 4, "probes_table": 1, "probe_figures": 1,
-        "dynamics_figure": 1, "nll": 4, "nll_table": 1, "cost_table": 1, "cost_figures": 1, "nll_figures": 1, "claims": 1,
-        "report": 1, "removal": 4, "removal_table": 1, "total": 29}
+        "all": 1,
+        "figures": 1,
+        "tables": 1,
+        "train": 4,
+        "probe": 4,
+        "probes_table": 1,
+        "probe_figures": 1,
+        "dynamics_figure": 1,
+        "nll": 4,
+        "nll_table": 1,
+        "cost_table": 1,
+        "cost_figures": 1,
+        "nll_figures": 1,
+        "claims": 1,
+        "report": 1,
+        "removal": 4,
+        "removal_table": 1,
+        "total": 29,
+    }
 
 
 def test_best_lr_evaluation_probes_and_scores_only_the_best_runs(workflow, wiki_jsonl, tmp_path):
     """probes.runs / nll.runs: best_lr: nothing retrains, and the tables then hold the runs that a
     hand selection from runs.parquet (lowest final loss per cell among finished runs) picks."""
     # in a copy (results and Snakemake's metadata, mtimes kept): the shared workflow stays as it is
-    root = shutil.copytree(workflow[0], tmp_path / "best_lr", symlinks=True, ignore=shutil.ignore_patterns("work"))
+    root = shutil.copytree(
+        workflow[0], tmp_path / "best_lr", symlinks=True, ignore=shutil.ignore_patterns("work")
+    )
     config = grid(wiki_jsonl)
     config["probes"] = {"runs": "best_lr"}
     config["nll"] = {**config["nll"], "runs": "best_lr"}
@@ -217,7 +353,9 @@ def test_best_lr_evaluation_probes_and_scores_only_the_best_runs(workflow, wiki_
     best = ok.loc[ok.groupby(["arch", "n_layer"])["final_val_loss"].idxmin(), "run_id"]
     assert len(best) == 4 and len(runs) == 8
     for table in ("probes", "nll"):
-        assert set(pd.read_parquet(root / f"results/tables/{table}.parquet").run_id) == set(best), table
+        assert set(pd.read_parquet(root / f"results/tables/{table}.parquet").run_id) == set(best), (
+            table
+        )
 
 
 def test_invalid_config_fails_before_any_job(workflow, wiki_jsonl, tmp_path):

@@ -18,7 +18,9 @@ from tests.workflow_runs import SNAKEMAKE, copy_workflow, grid, job_counts, snak
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("preset, trains", [("postnorm_collapse", 2 * 3 * 2), ("cpu_all", 11 * 3 * 2)])
+@pytest.mark.parametrize(
+    "preset, trains", [("postnorm_collapse", 2 * 3 * 2), ("cpu_all", 11 * 3 * 2)]
+)
 def test_presets_plan(preset, trains, tmp_path):
     """The CPU presets plan in a clean tree (the GPU presets plan through the SLURM profile below)."""
     root = copy_workflow(tmp_path)  # a clean tree: nothing computed yet
@@ -27,14 +29,21 @@ def test_presets_plan(preset, trains, tmp_path):
     assert counts["train"] == trains and counts["tokenize"] == 1
 
 
-@pytest.mark.parametrize("preset, trains, nodes, gpus, pieces", [("400m", 231, 1, 1, 7), ("1p6b", 36, 2, 8, 32)])
-def test_slurm_profile_plans_from_the_repository_root(preset, trains, nodes, gpus, pieces, tmp_path):
+@pytest.mark.parametrize(
+    "preset, trains, nodes, gpus, pieces", [("400m", 231, 1, 1, 7), ("1p6b", 36, 2, 8, 32)]
+)
+def test_slurm_profile_plans_from_the_repository_root(
+    preset, trains, nodes, gpus, pieces, tmp_path
+):
     """`snakemake --profile slurm` resolves ./slurm/ and plans without SLURM installed; the
     corpus is tokenized in the preset's parallel pieces (one index job, the pieces, one merge)."""
     root = copy_workflow(tmp_path)
     proc = subprocess.run(
         [*SNAKEMAKE, "--profile", "slurm", "-n", "--configfile", f"config/presets/{preset}.yaml"],
-        cwd=root, capture_output=True, text=True, timeout=600,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
@@ -49,12 +58,22 @@ def test_slurm_profile_plans_from_the_repository_root(preset, trains, nodes, gpu
 def test_ctrl_c_on_snakemake_cancels_the_submitted_training_job(tmp_path, wiki_jsonl):
     """Ctrl-C reaches the whole foreground process group; the dispatcher cancels its job."""
     root = copy_workflow(tmp_path)
-    config = grid(wiki_jsonl, architectures=["pre_ln"], shapes=[{"n_layer": 1}], learning_rates=[3e-3],
-                  launcher={"backend": "local"})
+    config = grid(
+        wiki_jsonl,
+        architectures=["pre_ln"],
+        shapes=[{"n_layer": 1}],
+        learning_rates=[3e-3],
+        launcher={"backend": "local"},
+    )
     config["train"]["tokens_per_param"] = 1000.0  # far longer than the test waits
     write_config(root, config)
-    proc = subprocess.Popen([*SNAKEMAKE, "--cores", "1"], cwd=root, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*SNAKEMAKE, "--cores", "1"],
+        cwd=root,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 300
     records = []
     while time.time() < deadline and not records:

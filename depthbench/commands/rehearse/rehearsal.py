@@ -75,11 +75,15 @@ class Target:
     spec: RunSpec
 
 
-def rehearsal_targets(exp, archs: list[str] | None = None, which: tuple[str, ...] = ("widest", "deepest")) -> list[Target]:
+def rehearsal_targets(
+    exp, archs: list[str] | None = None, which: tuple[str, ...] = ("widest", "deepest")
+) -> list[Target]:
     """Per architecture of the grid (in the order of `archs`, default the config's), its widest and its deepest shape (first
     learning rate, seed and sweep point: they do not change the model's size); `which` keeps
     only the widest or only the deepest; "both" stands for the two."""
-    which = tuple(w for part in which for w in (("widest", "deepest") if part == "both" else (part,)))
+    which = tuple(
+        w for part in which for w in (("widest", "deepest") if part == "both" else (part,))
+    )
     shapes: dict[str, dict] = {}
     for spec in exp.runs.values():
         shapes.setdefault(spec.arch, {}).setdefault(spec.shape, spec)
@@ -87,7 +91,9 @@ def rehearsal_targets(exp, archs: list[str] | None = None, which: tuple[str, ...
         raise ValueError(f"--shapes {list(which)}: valid: widest, deepest, both or widest,deepest")
     unknown = sorted(set(archs or []) - set(shapes))
     if unknown:
-        raise ValueError(f"--archs {unknown}: not architectures of this config; valid: {list(shapes)}")
+        raise ValueError(
+            f"--archs {unknown}: not architectures of this config; valid: {list(shapes)}"
+        )
     targets = []
     for arch in archs or list(shapes):  # the order asked for: the most telling architectures first
         by_shape = shapes[arch]
@@ -96,7 +102,11 @@ def rehearsal_targets(exp, archs: list[str] | None = None, which: tuple[str, ...
         if widest is deepest:
             targets.append(Target(arch, "widest+deepest", widest))
         else:
-            targets += [Target(arch, w, s) for w, s in (("widest", widest), ("deepest", deepest)) if w in which]
+            targets += [
+                Target(arch, w, s)
+                for w, s in (("widest", widest), ("deepest", deepest))
+                if w in which
+            ]
     return targets
 
 
@@ -151,18 +161,28 @@ def checkpoint_roundtrip(trainer) -> dict:
     t0 = time.time()
     save_state(trainer)
     # a checkpoint is a folder of per-rank parts (depthbench.train.checkpoint): its bytes are theirs
-    saved = sum(f.stat().st_size for _, folder in list_checkpoints(trainer.paths.checkpoints) for f in folder.iterdir())
+    saved = sum(
+        f.stat().st_size
+        for _, folder in list_checkpoints(trainer.paths.checkpoints)
+        for f in folder.iterdir()
+    )
     t1 = time.time()
     _overwrite(trainer)
     loaded = resume_state(trainer)
     after = state_fingerprint(trainer)
     diff = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
-    return {"resume_equal": loaded and not diff, "resume_mismatch": diff[:5], "checkpoint_bytes": saved,
-            "save_s": round(t1 - t0, 1), "resume_s": round(time.time() - t1, 1)}
+    return {
+        "resume_equal": loaded and not diff,
+        "resume_mismatch": diff[:5],
+        "checkpoint_bytes": saved,
+        "save_s": round(t1 - t0, 1),
+        "resume_s": round(time.time() - t1, 1),
+    }
 
 
 class _OneBatch:
     """The trainer's batch source: the same 1 x T micro-batch at every step."""
+
     accum_steps = 1
 
     def __init__(self, ids: torch.Tensor):
@@ -179,8 +199,11 @@ def _limited(passes: int):
     from depthbench.probes import interventions
 
     full = interventions.map_over_model_copies
-    return mock.patch.object(interventions, "map_over_model_copies",
-                             lambda model, items, fn, workers=1: full(model, items[:passes], fn, workers))
+    return mock.patch.object(
+        interventions,
+        "map_over_model_copies",
+        lambda model, items, fn, workers=1: full(model, items[:passes], fn, workers),
+    )
 
 
 def run_probe_families(model, vocab: int, probe_tokens: int, passes: int, seed: int) -> dict:
@@ -194,55 +217,113 @@ def run_probe_families(model, vocab: int, probe_tokens: int, passes: int, seed: 
         rows = probe_model(model.eval(), idx, "trained", probe_settings({}), full=True)
     # a share summarises the last quarters of its matrix, which limited passes leave NaN at depth
     partial = {"causal_share", "permutation_share"} if passes > 0 else set()
-    nonfinite = sorted({r["probe"] for r in rows if r["probe"] not in partial and not math.isfinite(r["value"])})
-    return {"probe_families": sorted({r["probe"] for r in rows}), "probe_rows": len(rows),
-            "probe_finite": not nonfinite, "probe_nonfinite": nonfinite, "probe_s": round(time.time() - t0, 1)}
+    nonfinite = sorted(
+        {r["probe"] for r in rows if r["probe"] not in partial and not math.isfinite(r["value"])}
+    )
+    return {
+        "probe_families": sorted({r["probe"] for r in rows}),
+        "probe_rows": len(rows),
+        "probe_finite": not nonfinite,
+        "probe_nonfinite": nonfinite,
+        "probe_s": round(time.time() - t0, 1),
+    }
 
 
 def cpu_footprint(est, n_params: int) -> float:
     """Bytes the rehearsal needs at its peak, headroom included (see step 1)."""
-    resume = (3 * FP32 + CHECKPOINT_BYTES_PER_PARAM) * n_params  # weights + AdamW, and the loaded checkpoint
+    resume = (
+        3 * FP32 + CHECKPOINT_BYTES_PER_PARAM
+    ) * n_params  # weights + AdamW, and the loaded checkpoint
     return max(est.total(False), resume) * (1 + HEADROOM)
 
 
 def _estimate_columns(est) -> dict:
     acts = est.activations + est.backward_working
-    return {"est_weights_gib": est.weights / GIB, "est_grads_gib": est.gradients / GIB,
-            "est_adamw_gib": est.optimizer / GIB, "est_acts_gib": acts / GIB, "est_gib": est.total(False) / GIB}
+    return {
+        "est_weights_gib": est.weights / GIB,
+        "est_grads_gib": est.gradients / GIB,
+        "est_adamw_gib": est.optimizer / GIB,
+        "est_acts_gib": acts / GIB,
+        "est_gib": est.total(False) / GIB,
+    }
 
 
-def rehearse_real(target: Target, out: Path, tokens: int, probe_tokens: int, probe_passes: int, est=None) -> dict:
+def rehearse_real(
+    target: Target, out: Path, tokens: int, probe_tokens: int, probe_passes: int, est=None
+) -> dict:
     """Steps 2-4 of the module docstring; `est`: the estimate of step 1, if already traced."""
     from depthbench.train.trainer import Trainer
 
     spec = target.spec
-    spec = replace(spec, train=replace(spec.train, seq_len=tokens, micro_batch_size=1, global_batch_size=1,
-                                       compile=False, device="cpu", dtype="float32"))
+    spec = replace(
+        spec,
+        train=replace(
+            spec.train,
+            seq_len=tokens,
+            micro_batch_size=1,
+            global_batch_size=1,
+            compile=False,
+            device="cpu",
+            dtype="float32",
+        ),
+    )
     work = out / "work" / f"{target.arch}_{spec.shape.tag}"
     shutil.rmtree(work, ignore_errors=True)
-    ids = torch.randint(0, spec.model.vocab_size, (1, tokens + 1), generator=torch.Generator().manual_seed(spec.train.seed))
+    ids = torch.randint(
+        0,
+        spec.model.vocab_size,
+        (1, tokens + 1),
+        generator=torch.Generator().manual_seed(spec.train.seed),
+    )
     est = est or estimate_memory(spec.model, 1, tokens, bf16=False)
     all_mem, step_mem = PeakRSS().begin(), PeakRSS().begin()  # begun together: one high-water reset
     t0 = time.time()
     try:
         torch.manual_seed(spec.train.seed)
         model = build_model(spec.model)
-        trainer = Trainer(spec, RunPaths(work, work), model, _OneBatch(ids), DistContext(), torch.device("cpu"), nullcontext())
+        trainer = Trainer(
+            spec,
+            RunPaths(work, work),
+            model,
+            _OneBatch(ids),
+            DistContext(),
+            torch.device("cpu"),
+            nullcontext(),
+        )
         trainer.fit(stop_after=STEPS)
         step_mem.end()
         step_s = time.time() - t0
         # the step's statistics stay device tensors in the loop (no host sync); read them here
-        row = {"steps": trainer.step, "loss": float(trainer.stats.train_loss), "grad_norm": float(trainer.stats.grad_norm)}
+        row = {
+            "steps": trainer.step,
+            "loss": float(trainer.stats.train_loss),
+            "grad_norm": float(trainer.stats.grad_norm),
+        }
         row.update(checkpoint_roundtrip(trainer))
-        row.update(run_probe_families(model, spec.model.vocab_size, probe_tokens, probe_passes, spec.train.seed))
+        row.update(
+            run_probe_families(
+                model, spec.model.vocab_size, probe_tokens, probe_passes, spec.train.seed
+            )
+        )
     finally:
         step_mem.end()
         all_mem.end()
         shutil.rmtree(work, ignore_errors=True)
-    row.update(params=model.num_parameters(), step_s=round(step_s, 1), measured_gib=step_mem.peak / GIB,
-               rss_method=step_mem.method, total_peak_gib=all_mem.peak / GIB, **_estimate_columns(est))
+    row.update(
+        params=model.num_parameters(),
+        step_s=round(step_s, 1),
+        measured_gib=step_mem.peak / GIB,
+        rss_method=step_mem.method,
+        total_peak_gib=all_mem.peak / GIB,
+        **_estimate_columns(est),
+    )
     row["ratio"] = row["measured_gib"] / row["est_gib"]
-    ok = row["resume_equal"] and row["probe_finite"] and math.isfinite(row["loss"]) and row["steps"] == STEPS
+    ok = (
+        row["resume_equal"]
+        and row["probe_finite"]
+        and math.isfinite(row["loss"])
+        and row["steps"] == STEPS
+    )
     row["status"] = "ok" if ok else "FAILED"
     del trainer, model
     gc.collect()
@@ -259,14 +340,32 @@ def rehearse_meta(target: Target, launcher: dict, gpu_memory: float) -> dict:
         params = list(model.parameters())
         units = model.fsdp_units()
         unit_params = [sum(p.numel() for p in u.parameters()) for u in units]
-        est = estimate_memory(spec.model, tc.micro_batch_size, tc.seq_len, bf16=True, world=world, fsdp=tc.parallel == "fsdp")
+        est = estimate_memory(
+            spec.model,
+            tc.micro_batch_size,
+            tc.seq_len,
+            bf16=True,
+            world=world,
+            fsdp=tc.parallel == "fsdp",
+        )
     all_meta = all(p.is_meta for p in params) and all(b.is_meta for b in model.buffers())
     units_are_blocks = [id(u) for u in units] == [id(b) for b in model.blocks]
-    row = {"params": sum(p.numel() for p in params), "all_meta": all_meta, "fsdp_units": len(units),
-           "units_are_blocks": units_are_blocks, "largest_unit_params": max(unit_params),
-           "root_params": sum(p.numel() for p in params) - sum(unit_params), "world": world, "parallel": tc.parallel,
-           "micro_batch": tc.micro_batch_size, "seq_len": tc.seq_len, "meta_rss_gib": mem.peak / GIB,
-           "gpu_gib": est.total(False) * (1 + HEADROOM) / GIB, "gpu_gib_ac": est.total(True) * (1 + HEADROOM) / GIB,
-           "needs_ac": est.needs_checkpointing(gpu_memory), "fits_with_ac": est.fits(gpu_memory)}
+    row = {
+        "params": sum(p.numel() for p in params),
+        "all_meta": all_meta,
+        "fsdp_units": len(units),
+        "units_are_blocks": units_are_blocks,
+        "largest_unit_params": max(unit_params),
+        "root_params": sum(p.numel() for p in params) - sum(unit_params),
+        "world": world,
+        "parallel": tc.parallel,
+        "micro_batch": tc.micro_batch_size,
+        "seq_len": tc.seq_len,
+        "meta_rss_gib": mem.peak / GIB,
+        "gpu_gib": est.total(False) * (1 + HEADROOM) / GIB,
+        "gpu_gib_ac": est.total(True) * (1 + HEADROOM) / GIB,
+        "needs_ac": est.needs_checkpointing(gpu_memory),
+        "fits_with_ac": est.fits(gpu_memory),
+    }
     row["status"] = "ok" if all_meta and units_are_blocks else "FAILED"
     return row

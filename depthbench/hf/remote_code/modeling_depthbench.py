@@ -31,7 +31,9 @@ class DepthBenchForCausalLM(PreTrainedModel, GenerationMixin):
         from depthbench.models.config import ModelConfig
         from depthbench.models.registry import build_model
 
-        self.depthbench = build_model(ModelConfig.from_dict(dict(config.depthbench_model)), initialize=False)
+        self.depthbench = build_model(
+            ModelConfig.from_dict(dict(config.depthbench_model)), initialize=False
+        )
         self._reference = {}  # a plain dict, so the CPU copy is not registered as a submodule
         self.post_init()
 
@@ -41,7 +43,11 @@ class DepthBenchForCausalLM(PreTrainedModel, GenerationMixin):
         model.safetensors (a missing one would otherwise be left at a random init)."""
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        bad = {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+        bad = {
+            k: sorted(v)
+            for k, v in info.items()
+            if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v
+        }
         if bad:
             raise ValueError(
                 f"DepthBench export {args[0] if args else ''}: the weights do not match the installed depthbench's "
@@ -60,7 +66,9 @@ class DepthBenchForCausalLM(PreTrainedModel, GenerationMixin):
             from depthbench.models.registry import build_model
 
             with torch.device("cpu"):
-                self._reference["model"] = build_model(ModelConfig.from_dict(dict(self.config.depthbench_model)), initialize=False)
+                self._reference["model"] = build_model(
+                    ModelConfig.from_dict(dict(self.config.depthbench_model)), initialize=False
+                )
             self._reference["names"] = {id(m): n for n, m in self.depthbench.named_modules()}
         source = self._reference["model"].get_submodule(self._reference["names"][id(module)])
         for name in module._non_persistent_buffers_set:
@@ -73,8 +81,18 @@ class DepthBenchForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.depthbench.lm_head
 
-    def forward(self, input_ids=None, attention_mask=None, labels=None, inputs_embeds=None, past_key_values=None,
-                use_cache=None, output_hidden_states=None, return_dict=None, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        labels=None,
+        inputs_embeds=None,
+        past_key_values=None,
+        use_cache=None,
+        output_hidden_states=None,
+        return_dict=None,
+        **kwargs,
+    ):
         if input_ids is None or inputs_embeds is not None:
             raise ValueError("DepthBenchForCausalLM takes input_ids only (no inputs_embeds)")
         if past_key_values is not None:
@@ -83,12 +101,16 @@ class DepthBenchForCausalLM(PreTrainedModel, GenerationMixin):
             mask = attention_mask.to(torch.bool)
             # right padding only: each row's mask is 1 ... 1 0 ... 0 (non-increasing)
             if (mask[:, 1:] & ~mask[:, :-1]).any():
-                raise ValueError("DepthBenchForCausalLM supports right padding only (padding_side='right')")
+                raise ValueError(
+                    "DepthBenchForCausalLM supports right padding only (padding_side='right')"
+                )
         out = self.depthbench(input_ids, return_hidden=bool(output_hidden_states))
         loss = None
         if labels is not None:
             logits = out.logits[:, :-1].float()
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+            loss = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+            )
         hidden = tuple(out.hidden) if out.hidden is not None else None
         return CausalLMOutputWithPast(loss=loss, logits=out.logits, hidden_states=hidden)
 

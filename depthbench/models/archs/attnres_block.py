@@ -15,7 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from depthbench.models.archs.attnres_full import AttnResBlock, AttnResFull, AttnResOptions, DepthSources, rms_unit
+from depthbench.models.archs.attnres_full import (
+    AttnResBlock,
+    AttnResFull,
+    AttnResOptions,
+    DepthSources,
+    rms_unit,
+)
 from depthbench.util.errors import ConfigError
 from depthbench.models.registry import register
 
@@ -29,7 +35,14 @@ class BlockSources(DepthSources):
     """Sources: v_0, the completed block sums, and the current partial sum, which only the next
     reader sees (its logit is computed when read)."""
 
-    def __init__(self, v0: torch.Tensor, queries: torch.Tensor, eps: float, ends: list[int], capacity: int = 0):
+    def __init__(
+        self,
+        v0: torch.Tensor,
+        queries: torch.Tensor,
+        eps: float,
+        ends: list[int],
+        capacity: int = 0,
+    ):
         super().__init__(v0, queries, eps, capacity)
         self.ends = set(ends)
         self.partial: torch.Tensor | None = None
@@ -37,8 +50,12 @@ class BlockSources(DepthSources):
     def read(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         if self.partial is None:
             return super().read()
-        partial_logit = (rms_unit(self.partial, self.eps) @ self.queries[:, self.next_reader, None]).squeeze(-1)
-        return self.sources(self.partial), torch.stack([*self.logits[self.next_reader], partial_logit])
+        partial_logit = (
+            rms_unit(self.partial, self.eps) @ self.queries[:, self.next_reader, None]
+        ).squeeze(-1)
+        return self.sources(self.partial), torch.stack(
+            [*self.logits[self.next_reader], partial_logit]
+        )
 
     def add(self, out: torch.Tensor, layer: int, is_last_sublayer_of_layer: bool) -> None:
         self.next_reader += 1
@@ -66,7 +83,9 @@ class AttnResBlockOptions(AttnResOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.n_blocks, int) or self.n_blocks < 1:
-            raise ConfigError("model.arch_options.n_blocks", f"must be a positive integer, got {self.n_blocks!r}")
+            raise ConfigError(
+                "model.arch_options.n_blocks", f"must be a positive integer, got {self.n_blocks!r}"
+            )
 
 
 @register("attnres_block")
@@ -96,7 +115,9 @@ class AttnResBlocks(AttnResFull):
         counts.append(completed)
         return counts
 
-    def dead_zone(self, depth_weights: list[torch.Tensor], threshold: float) -> tuple[int, list[float]]:
+    def dead_zone(
+        self, depth_weights: list[torch.Tensor], threshold: float
+    ) -> tuple[int, list[float]]:
         """Per layer, the weight its sublayers put on the current partial sum, and the dead-zone
         length: the number of leading layers whose weight is below `threshold`.
 

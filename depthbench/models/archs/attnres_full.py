@@ -37,7 +37,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from depthbench.models.archs.attnres_mix import BufferedSources, SourceBuffer, WeightedSum, batched_mix, synced_buffer
+from depthbench.models.archs.attnres_mix import (
+    BufferedSources,
+    SourceBuffer,
+    WeightedSum,
+    batched_mix,
+    synced_buffer,
+)
 from depthbench.models.base import GENERIC_PROBES, ArchOptions, Block, DecoderLM, Rope
 from depthbench.models.registry import register
 from depthbench.models.layers import RMSNorm, at_least_fp32
@@ -99,7 +105,11 @@ class AttnResBlock(Block):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn_depth = DepthAttention(cfg.d_model, cfg.norm_eps)
         self.ffn_depth = DepthAttention(cfg.d_model, cfg.norm_eps)
-        object.__setattr__(self, "units", (PreNormed(self.attn_norm, self.attn), PreNormed(self.ffn_norm, self.ffn)))
+        object.__setattr__(
+            self,
+            "units",
+            (PreNormed(self.attn_norm, self.attn), PreNormed(self.ffn_norm, self.ffn)),
+        )
 
     def sublayers(self, rope: Rope):
         """(depth attention, F(N_pre(.))) for the attention then the FFN sublayer."""
@@ -144,7 +154,12 @@ class DepthSources:
         unit = rms_unit(v, self.eps)
         self._add_logits(unit)
         buf = self.buffer
-        if buf is not None and len(buf.sources) == len(self.values) and buf.holds(self.values) and buf.fits(v):
+        if (
+            buf is not None
+            and len(buf.sources) == len(self.values)
+            and buf.holds(self.values)
+            and buf.fits(v)
+        ):
             buf.push(v)
         self.values.append(v)
         self.units.append(unit)
@@ -238,7 +253,9 @@ class AttnResFull(DecoderLM):
     def reader_queries(self) -> torch.Tensor:
         """(d, 2L + 1): the effective query of every sublayer in order, then the final one."""
         readers = [depth for block in self.blocks for depth in (block.attn_depth, block.ffn_depth)]
-        return torch.stack([depth.effective_query() for depth in readers + [self.final_depth]], dim=1)
+        return torch.stack(
+            [depth.effective_query() for depth in readers + [self.final_depth]], dim=1
+        )
 
     def fsdp_units(self) -> list[nn.Module]:
         """The trunk calls each layer's attention and FFN sublayers, never the block itself, and
@@ -255,8 +272,15 @@ class AttnResFull(DecoderLM):
     def init_state(self, h0: torch.Tensor) -> DepthSources:
         return self.make_sources(h0)
 
-    def run_layer(self, sources: DepthSources, block: AttnResBlock, rope: Rope, hidden: list | None = None,
-                  record: list | None = None, outputs: list | None = None) -> DepthSources:
+    def run_layer(
+        self,
+        sources: DepthSources,
+        block: AttnResBlock,
+        rope: Rope,
+        hidden: list | None = None,
+        record: list | None = None,
+        outputs: list | None = None,
+    ) -> DepthSources:
         for position, (depth, sublayer) in enumerate(block.sublayers(rope)):
             h, weights = sources.current(depth)
             if position == 0 and hidden is not None:
@@ -281,7 +305,9 @@ class AttnResFull(DecoderLM):
     def read_stream(self, state: DepthSources) -> torch.Tensor:
         """h_l: the aggregated input of layer l + 1's first sublayer (the final aggregation
         after the last layer), whichever reader the state has next."""
-        readers = [d for block in self.blocks for d in (block.attn_depth, block.ffn_depth)] + [self.final_depth]
+        readers = [d for block in self.blocks for d in (block.attn_depth, block.ffn_depth)] + [
+            self.final_depth
+        ]
         return state.current(readers[state.next_reader])[0]
 
     def fork_state(self, state: DepthSources) -> DepthSources:
@@ -301,7 +327,9 @@ class AttnResFull(DecoderLM):
         self.run_layer(after, self.blocks[layer - 1], rope, outputs=outputs)
         return x, torch.cat(outputs, dim=-1), after
 
-    def from_layer_features(self, state: DepthSources, layer: int, outputs: torch.Tensor, rope: Rope) -> DepthSources:
+    def from_layer_features(
+        self, state: DepthSources, layer: int, outputs: torch.Tensor, rope: Rope
+    ) -> DepthSources:
         attn_out, ffn_out = outputs.to(state.values[0].dtype).chunk(2, dim=-1)
         state.add(attn_out, layer, is_last_sublayer_of_layer=False)
         state.add(ffn_out, layer, is_last_sublayer_of_layer=True)
@@ -321,7 +349,9 @@ class AttnResFull(DecoderLM):
         """The stored sources a decode step holds (at most the final reader's)."""
         return max(self.source_counts()) * self.cfg.d_model * bytes_per_value
 
-    def trunk(self, h0: torch.Tensor, rope: Rope, hidden: list | None, internals: dict | None) -> torch.Tensor:
+    def trunk(
+        self, h0: torch.Tensor, rope: Rope, hidden: list | None, internals: dict | None
+    ) -> torch.Tensor:
         sources = self.init_state(h0)
         record = internals.setdefault("depth_weights", []) if internals is not None else None
         for block in self.blocks:

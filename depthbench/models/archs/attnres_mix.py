@@ -41,19 +41,27 @@ class SourceBuffer:
 
     def fits(self, t: torch.Tensor) -> bool:
         v = self.values
-        return t.shape == (v.shape[0], v.shape[1], v.shape[3]) and t.device == v.device and t.is_floating_point()
+        return (
+            t.shape == (v.shape[0], v.shape[1], v.shape[3])
+            and t.device == v.device
+            and t.is_floating_point()
+        )
 
     def push(self, t: torch.Tensor) -> None:
         n = len(self.sources)
         if n == self.values.shape[2]:
-            self.values = held_for_backward(torch.cat([self.values, torch.empty_like(self.values)], dim=2))
+            self.values = held_for_backward(
+                torch.cat([self.values, torch.empty_like(self.values)], dim=2)
+            )
         with torch.no_grad():
             self.values[:, :, n].copy_(t)
         self.sources.append(t)
 
     def holds(self, sources: list) -> bool:
         """Whether the first len(sources) slots are exactly these tensors."""
-        return len(self.sources) >= len(sources) and all(a is b for a, b in zip(self.sources, sources))
+        return len(self.sources) >= len(sources) and all(
+            a is b for a, b in zip(self.sources, sources)
+        )
 
 
 def synced_buffer(buffer: SourceBuffer | None, sources: list, capacity: int) -> SourceBuffer | None:
@@ -115,11 +123,19 @@ class BatchedMix(torch.autograd.Function):
         grad_w = torch.bmm(grad[:, None, :], view.transpose(1, 2)).squeeze(1)  # dw_i = dh . v_i
         grad_extra = None
         if extra is not None:
-            extra_w = torch.bmm(grad[:, None, :], extra[:, :, None].to(grad.dtype)).squeeze(1)  # dh . extra
+            extra_w = torch.bmm(grad[:, None, :], extra[:, :, None].to(grad.dtype)).squeeze(
+                1
+            )  # dh . extra
             grad_w = torch.cat([grad_w, extra_w], dim=1)
-            grad_extra = torch.bmm(weights[:, n:, None], grad[:, None, :]).squeeze(1).to(extra.dtype)
-        grad_view = torch.bmm(weights[:, :n, None], grad[:, None, :])  # (N, S_buf, d): dv_i = w_i dh
-        per_source = [g.view(shape).to(dtype) for g, (shape, dtype) in zip(grad_view.unbind(1), ctx.sources)]
+            grad_extra = (
+                torch.bmm(weights[:, n:, None], grad[:, None, :]).squeeze(1).to(extra.dtype)
+            )
+        grad_view = torch.bmm(
+            weights[:, :n, None], grad[:, None, :]
+        )  # (N, S_buf, d): dv_i = w_i dh
+        per_source = [
+            g.view(shape).to(dtype) for g, (shape, dtype) in zip(grad_view.unbind(1), ctx.sources)
+        ]
         return grad_w, None, grad_extra, *per_source
 
 
@@ -127,7 +143,9 @@ def batched_mix(sources: BufferedSources, weights: torch.Tensor) -> torch.Tensor
     """sum_i weights_i v_i over the buffered sources; weights (S, B, T) -> (B, T, d)."""
     buf = sources.buffer
     B, T, _, d = buf.values.shape
-    view = buf.values[:, :, : sources.count].reshape(B * T, sources.count, d)  # a view: (B, T) collapse
+    view = buf.values[:, :, : sources.count].reshape(
+        B * T, sources.count, d
+    )  # a view: (B, T) collapse
     w = weights.to(sources.dtype).permute(1, 2, 0).reshape(B * T, -1)
     extra = sources.extra.reshape(B * T, d) if sources.extra is not None else None
     held = buf.sources[: sources.count] if torch.is_grad_enabled() else []
@@ -158,7 +176,11 @@ class WeightedSum(torch.autograd.Function):
         grad_weights = None
         if ctx.needs_input_grad[0]:
             # (under autocast the sources may be bf16 and the sum fp32: the dot takes one dtype)
-            grad_weights = torch.stack([torch.linalg.vecdot(grad, v.to(grad.dtype)) for v in values])
-        grad_values = [grad * weights[i].unsqueeze(-1) if ctx.needs_input_grad[1 + i] else None
-                       for i in range(len(values))]
+            grad_weights = torch.stack(
+                [torch.linalg.vecdot(grad, v.to(grad.dtype)) for v in values]
+            )
+        grad_values = [
+            grad * weights[i].unsqueeze(-1) if ctx.needs_input_grad[1 + i] else None
+            for i in range(len(values))
+        ]
         return grad_weights, *grad_values

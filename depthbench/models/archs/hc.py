@@ -55,7 +55,9 @@ class HyperConnection(nn.Module):
         # one projection for [w_m | W_r | w_b]: d -> 1 + n + 1 per stream
         self.dynamic = nn.Linear(d_model, n + 2, bias=False)
         # shape (1,), not a 0-dim scalar: FSDP2 shards every parameter along dim 0
-        self.s_alpha = nn.Parameter(torch.full((1,), DYNAMIC_SCALE_INIT))  # scales tanh(.) of w_m and W_r
+        self.s_alpha = nn.Parameter(
+            torch.full((1,), DYNAMIC_SCALE_INIT)
+        )  # scales tanh(.) of w_m and W_r
         self.s_beta = nn.Parameter(torch.full((1,), DYNAMIC_SCALE_INIT))  # scales tanh(.) of w_b
         self.n = n
 
@@ -77,15 +79,26 @@ class HyperConnection(nn.Module):
     def forward(self, H: torch.Tensor, sublayer_fn: Callable[[torch.Tensor], torch.Tensor]):
         n = self.n
         # row i = stream i's [a_m,i | A_r[i, :] | b_i]: static part + the bounded dynamic part
-        static = torch.cat([self.static_read[:, None], self.static_mix, self.static_write[:, None]], dim=1)
+        static = torch.cat(
+            [self.static_read[:, None], self.static_mix, self.static_write[:, None]], dim=1
+        )
         scales = self.scales()
         if n <= KERNEL_MAX_STREAMS and kernels.apply_to(H):
             B, T, _, d = H.shape
-            weight = self.dynamic.weight * self.norm.weight  # N(H_i) W^T = (H_i (g * W)^T) / rms(H_i)
-            x, mixed, coeff = read(H.reshape(B * T, n, d), weight.to(H.dtype), static.to(H.dtype),
-                                   scales.to(H.dtype), self.norm.eps)
+            weight = (
+                self.dynamic.weight * self.norm.weight
+            )  # N(H_i) W^T = (H_i (g * W)^T) / rms(H_i)
+            x, mixed, coeff = read(
+                H.reshape(B * T, n, d),
+                weight.to(H.dtype),
+                static.to(H.dtype),
+                scales.to(H.dtype),
+                self.norm.eps,
+            )
             out = sublayer_fn(x.view(B, T, d))
-            H = write_after_read(mixed, coeff[..., n + 1], out.reshape(B * T, d), (B, T, n, d))  # + b^T F(...)
+            H = write_after_read(
+                mixed, coeff[..., n + 1], out.reshape(B * T, d), (B, T, n, d)
+            )  # + b^T F(...)
             coeff = coeff.view(B, T, n, n + 2)
             return H, coeff[..., 1 : n + 1].mT
         proj = normed_linear(H, self.norm, self.dynamic)  # N(H_i) W per stream: (B, T, n, n + 2)

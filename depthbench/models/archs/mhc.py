@@ -68,23 +68,37 @@ GAIN_INIT = 0.01  # g_pre, g_post, g_res
 @dataclass(frozen=True)
 class MHCOptions(MultiStreamOptions):
     sinkhorn_iterations: int = 20  # alternating row and column normalisations of H_res
-    res_init: str = "identity"  # the start of b_res: identity (H_res ~ I) or hc_static (HC's static weights)
+    res_init: str = (
+        "identity"  # the start of b_res: identity (H_res ~ I) or hc_static (HC's static weights)
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.require("res_init", RES_INITS)
         if not isinstance(self.sinkhorn_iterations, int) or self.sinkhorn_iterations < 1:
-            raise ConfigError("model.arch_options.sinkhorn_iterations", f"must be a positive integer, got {self.sinkhorn_iterations!r}")
+            raise ConfigError(
+                "model.arch_options.sinkhorn_iterations",
+                f"must be a positive integer, got {self.sinkhorn_iterations!r}",
+            )
 
 
 class ManifoldHyperConnection(nn.Module):
-    def __init__(self, d_model: int, n_streams: int, sublayer: int, eps: float, iterations: int,
-                 start: str = MHCOptions.res_init):
+    def __init__(
+        self,
+        d_model: int,
+        n_streams: int,
+        sublayer: int,
+        eps: float,
+        iterations: int,
+        start: str = MHCOptions.res_init,
+    ):
         super().__init__()
         n = n_streams
         self.n, self.sublayer, self.iterations, self.start = n, sublayer, iterations, start
         self.norm = RMSNorm(n * d_model, eps)
-        self.phi = nn.Linear(n * d_model, 2 * n + n * n, bias=False)  # [Phi_pre | Phi_post | Phi_res]
+        self.phi = nn.Linear(
+            n * d_model, 2 * n + n * n, bias=False
+        )  # [Phi_pre | Phi_post | Phi_res]
         self.gains = nn.Parameter(torch.full((3,), GAIN_INIT))  # g_pre, g_post, g_res
         self.b_pre = nn.Parameter(torch.zeros(n))
         self.b_post = nn.Parameter(torch.zeros(n))
@@ -107,7 +121,9 @@ class ManifoldHyperConnection(nn.Module):
         """The per-column gain and bias of u = g * (x Phi) + b, each (2n + n^2,) in the layout
         [pre | post | res]: g_pre, g_post or g_res repeated over its columns (at least fp32)."""
         n = self.n
-        gains = at_least_fp32(self.gains).repeat_interleave(torch.tensor([n, n, n * n]), output_size=2 * n + n * n)
+        gains = at_least_fp32(self.gains).repeat_interleave(
+            torch.tensor([n, n, n * n]), output_size=2 * n + n * n
+        )
         return gains, torch.cat([self.b_pre, self.b_post, self.b_res.reshape(-1)])
 
     def kernel_coefficients(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,12 +139,22 @@ class ManifoldHyperConnection(nn.Module):
     def forward(self, H: torch.Tensor, sublayer_fn: Callable[[torch.Tensor], torch.Tensor]):
         B, T, n, d = H.shape
         if kernels.apply_to(H):
-            weight = (self.phi.weight * self.norm.weight).to(H.dtype)  # N(h) Phi = (h (g * Phi)) / rms(h)
+            weight = (self.phi.weight * self.norm.weight).to(
+                H.dtype
+            )  # N(h) Phi = (h (g * Phi)) / rms(h)
             gains, biases = self.gains_and_biases()
-            x, mixed, coeff, post, _ = read(H.reshape(B * T, n, d), weight, gains.to(H.dtype), biases.to(H.dtype),
-                                            self.norm.eps, self.iterations)
+            x, mixed, coeff, post, _ = read(
+                H.reshape(B * T, n, d),
+                weight,
+                gains.to(H.dtype),
+                biases.to(H.dtype),
+                self.norm.eps,
+                self.iterations,
+            )
             out = sublayer_fn(x.view(B, T, d))
-            H = write_after_read(mixed, post, out.reshape(B * T, d), (B, T, n, d))  # + H_post^T F(...)
+            H = write_after_read(
+                mixed, post, out.reshape(B * T, d), (B, T, n, d)
+            )  # + H_post^T F(...)
             return H, coeff.view(B, T, n + 1, n)[..., 1:, :]
         # N(flatten(H)) Phi without materialising the normalised state (an RMSNorm over n*d
         # values per token has a slow backward on CPU at this size)
@@ -140,7 +166,9 @@ class ManifoldHyperConnection(nn.Module):
             g_pre, g_post, g_res = at_least_fp32(self.gains)
             pre = torch.sigmoid(g_pre * z[..., :n] + self.b_pre)
             post = 2.0 * torch.sigmoid(g_post * z[..., n : 2 * n] + self.b_post)
-            res = sinkhorn_knopp(g_res * z[..., 2 * n :].view(B, T, n, n) + self.b_res, self.iterations)
+            res = sinkhorn_knopp(
+                g_res * z[..., 2 * n :].view(B, T, n, n) + self.b_res, self.iterations
+            )
             coeff = torch.cat([pre.unsqueeze(-2), res], dim=-2)
         # read (H_pre H) and mix (H_res H) in one batched matmul: row 0 reads, rows 1..n mix
         coeff = coeff.to(H.dtype)  # the streams keep their dtype
@@ -159,7 +187,9 @@ class MHCBlock(Block):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn_mhc = ManifoldHyperConnection(cfg.d_model, n, first, cfg.norm_eps, iters, start)
-        self.ffn_mhc = ManifoldHyperConnection(cfg.d_model, n, first + 1, cfg.norm_eps, iters, start)
+        self.ffn_mhc = ManifoldHyperConnection(
+            cfg.d_model, n, first + 1, cfg.norm_eps, iters, start
+        )
 
     def forward(self, H: torch.Tensor, rope: Rope, internals: dict | None = None) -> torch.Tensor:
         H, res_attn = self.attn_mhc(H, lambda x: self.attn(self.attn_norm(x), rope))

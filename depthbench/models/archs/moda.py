@@ -46,11 +46,12 @@ from depthbench.models.registry import register
 from depthbench.models.layers import RMSNorm, apply_rotary, at_least_fp32, causal_mask
 
 
-
 @dataclass(frozen=True)
 class MoDAOptions(ArchOptions):
     variant: str = "reuse_kv"  # reuse_kv: the attention K/V as depth keys; ffn_kv: also a projection of each FFN input
-    attention_impl: str = "fused"  # fused: one online softmax over a depth K/V buffer; chunked: fused with
+    attention_impl: str = (
+        "fused"  # fused: one online softmax over a depth K/V buffer; chunked: fused with
+    )
     # the torch-written kernel pair on every device (CUDA's path); explicit: score matrices
 
     def __post_init__(self) -> None:
@@ -66,8 +67,12 @@ def joint_depth_attention(q, k, v, depth_k, depth_v):
     scale = 1.0 / math.sqrt(hd)
     # q k^T / sqrt(hd) + causal mask (0, or -inf above the diagonal) as ONE batched GEMM whose
     # input term is the mask: no separate passes to scale and mask the (T, S) scores
-    future = torch.full((T, S), float("-inf"), dtype=q.dtype, device=q.device).triu(diagonal=S - T + 1)
-    seq = torch.baddbmm(future, q.reshape(B * H, T, hd), k.reshape(B * H, S, hd).transpose(1, 2), alpha=scale)
+    future = torch.full((T, S), float("-inf"), dtype=q.dtype, device=q.device).triu(
+        diagonal=S - T + 1
+    )
+    seq = torch.baddbmm(
+        future, q.reshape(B * H, T, hd), k.reshape(B * H, S, hd).transpose(1, 2), alpha=scale
+    )
     seq = seq.view(B, H, T, S)
     depth = torch.einsum("bhtd,bhtmd->bhtm", q, depth_k) * scale
     p = torch.softmax(at_least_fp32(torch.cat([seq, depth], dim=-1)), dim=-1).to(q.dtype)
@@ -110,7 +115,12 @@ class DepthKeys:
             return
         if buf is None and n == 0:
             buf = self._buffer = DepthBuffer(pair[0], self.capacity)
-        if buf is not None and len(buf.sources) == n and buf.holds(self.pairs[:n]) and all(map(buf.fits, pair)):
+        if (
+            buf is not None
+            and len(buf.sources) == n
+            and buf.holds(self.pairs[:n])
+            and all(map(buf.fits, pair))
+        ):
             buf.push(pair)
 
     def buffer(self) -> DepthBuffer | None:
@@ -146,7 +156,11 @@ class MoDABlock(Block):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         variant = MoDAOptions.of(cfg).variant
-        self.ffn_kv = nn.Linear(cfg.d_model, 2 * self.attn.kv_dim, bias=False) if variant == "ffn_kv" else None
+        self.ffn_kv = (
+            nn.Linear(cfg.d_model, 2 * self.attn.kv_dim, bias=False)
+            if variant == "ffn_kv"
+            else None
+        )
         self.n_layer = cfg.n_layer
         if self.ffn_kv is not None and layer_index == cfg.n_layer:
             # never run (no later layer reads it, see forward) yet in the budget: frozen, so that
@@ -156,7 +170,13 @@ class MoDABlock(Block):
         self.fused = impl != "explicit"
         self.kernel = "chunked" if impl == "chunked" else "auto"
 
-    def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None, depth: DepthKeys | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        internals: dict | None = None,
+        depth: DepthKeys | None = None,
+    ) -> torch.Tensor:
         """`depth` holds the (k, v) pairs of earlier layers; this layer appends its own."""
         attn = self.attn
         B, T, _ = x.shape
@@ -166,15 +186,28 @@ class MoDABlock(Block):
         groups = attn.n_head // attn.n_kv_head
         if depth:
             buffer = depth.buffer() if self.fused else None
-            y = fused_joint_attention(q, k_seq, v_seq, buffer, len(depth), self.kernel) if buffer is not None else None
+            y = (
+                fused_joint_attention(q, k_seq, v_seq, buffer, len(depth), self.kernel)
+                if buffer is not None
+                else None
+            )
             if y is None:  # the explicit path: the reference, and where no fused kernel applies
-                dk, dv = torch.stack([d[0] for d in depth], dim=3), torch.stack([d[1] for d in depth], dim=3)
-                if groups > 1:  # GQA: each group of query heads reads one K/V head (a copy; skipped for MHA)
-                    dk, dv, k_seq, v_seq = (t.repeat_interleave(groups, dim=1) for t in (dk, dv, k_seq, v_seq))
+                dk, dv = (
+                    torch.stack([d[0] for d in depth], dim=3),
+                    torch.stack([d[1] for d in depth], dim=3),
+                )
+                if (
+                    groups > 1
+                ):  # GQA: each group of query heads reads one K/V head (a copy; skipped for MHA)
+                    dk, dv, k_seq, v_seq = (
+                        t.repeat_interleave(groups, dim=1) for t in (dk, dv, k_seq, v_seq)
+                    )
                 y = joint_depth_attention(q, k_seq, v_seq, dk, dv)
         else:
             mask = causal_mask(T, k_seq.shape[2], x.device)
-            y = F.scaled_dot_product_attention(q, k_seq, v_seq, attn_mask=mask, is_causal=mask is None, enable_gqa=groups > 1)
+            y = F.scaled_dot_product_attention(
+                q, k_seq, v_seq, attn_mask=mask, is_causal=mask is None, enable_gqa=groups > 1
+            )
         x = x + attn.wo(y.transpose(1, 2).reshape(B, T, attn.q_dim))
         # the buffer copies the keys as they come; the explicit path stacks contiguous ones
         depth.append((k, v) if self.fused else (depth_layout(k), depth_layout(v)))
@@ -200,7 +233,10 @@ class MixtureOfDepthsAttention(DecoderLM):
     # The trunk state is (x, the depth keys and values so far); see DecoderLM.layer_step.
     def init_state(self, h0: torch.Tensor) -> tuple[torch.Tensor, DepthKeys]:
         per_layer = 2 if self.options.variant == "ffn_kv" else 1
-        return h0, DepthKeys(capacity=per_layer * self.cfg.n_layer, buffered=self.options.attention_impl != "explicit")
+        return h0, DepthKeys(
+            capacity=per_layer * self.cfg.n_layer,
+            buffered=self.options.attention_impl != "explicit",
+        )
 
     def read_stream(self, state: tuple[torch.Tensor, DepthKeys]) -> torch.Tensor:
         return state[0]
@@ -225,7 +261,10 @@ class MixtureOfDepthsAttention(DecoderLM):
         cos, sin = rope
         parts = [after[0]]
         for k, v in left:
-            parts += [_per_position(apply_rotary(k, cos, -sin)), _per_position(v)]  # R(-t) undoes R(t)
+            parts += [
+                _per_position(apply_rotary(k, cos, -sin)),
+                _per_position(v),
+            ]  # R(-t) undoes R(t)
         return x, torch.cat(parts, dim=-1), after
 
     def from_layer_features(self, state, layer: int, outputs: torch.Tensor, rope: Rope):
@@ -252,9 +291,15 @@ class MixtureOfDepthsAttention(DecoderLM):
         """reuse_kv's depth keys are the sequence cache itself; ffn_kv's FFN-side K/V are extra
         per-token state."""
         cfg = self.cfg
-        return cfg.n_layer * 2 * cfg.n_kv_head * cfg.head_dim * bytes_per_value if self.options.variant == "ffn_kv" else 0
+        return (
+            cfg.n_layer * 2 * cfg.n_kv_head * cfg.head_dim * bytes_per_value
+            if self.options.variant == "ffn_kv"
+            else 0
+        )
 
-    def trunk(self, h0: torch.Tensor, rope: Rope, hidden: list | None, internals: dict | None) -> torch.Tensor:
+    def trunk(
+        self, h0: torch.Tensor, rope: Rope, hidden: list | None, internals: dict | None
+    ) -> torch.Tensor:
         x, depth = self.init_state(h0)
         if hidden is not None:
             hidden.append(x)

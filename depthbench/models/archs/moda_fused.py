@@ -103,7 +103,9 @@ def chunked_attention_backward(grad, q, k, v, out, lse, dropout_p=0.0, is_causal
     B, H, T, hd = q.shape
     qf, kf, vf, gf, of = (t.reshape(B * H, T, hd) for t in (q, k, v, grad, out))
     lf = lse.reshape(B * H, T, 1)
-    rowsum = torch.linalg.vecdot(at_least_fp32(gf), at_least_fp32(of)).unsqueeze(-1)  # D = rowsum(dy * y), (N, T, 1)
+    rowsum = torch.linalg.vecdot(at_least_fp32(gf), at_least_fp32(of)).unsqueeze(
+        -1
+    )  # D = rowsum(dy * y), (N, T, 1)
     acc, dtype = at_least_fp32(q).dtype, q.dtype
     dq = torch.empty(B * H, T, hd, dtype=acc, device=q.device)
     dk = torch.zeros(B * H, T, hd, dtype=acc, device=q.device)
@@ -128,9 +130,15 @@ def _kernel_for(q: torch.Tensor, k: torch.Tensor, kernel: str = "auto"):
     """The causal kernel pair (forward with lse, backward) for these inputs, or None. `kernel`:
     auto (aten's CPU flash pair on the CPU, for the dtypes it takes; the chunked pair otherwise)
     or chunked."""
-    if q.shape[2] != k.shape[2] or not q.is_floating_point():  # queries must be all positions (no decoding offset)
+    if (
+        q.shape[2] != k.shape[2] or not q.is_floating_point()
+    ):  # queries must be all positions (no decoding offset)
         return None
-    if kernel == "auto" and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16):
+    if (
+        kernel == "auto"
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
+    ):
         fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
         bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
         if fwd is not None and bwd is not None:
@@ -238,14 +246,16 @@ class DepthBuffer:
         self.sources: list[tuple[weakref.ref, weakref.ref]] = []
 
     def fits(self, t: torch.Tensor) -> bool:
-        return (t.shape == self.k.shape[1:] and t.dtype == self.k.dtype and t.device == self.k.device)
+        return t.shape == self.k.shape[1:] and t.dtype == self.k.dtype and t.device == self.k.device
 
     def push(self, pair: tuple[torch.Tensor, torch.Tensor]) -> None:
         n = len(self.sources)
         if n == self.k.shape[0]:  # full: double (never during a model's own forward, sized to it)
             self.k = held_for_backward(torch.cat([self.k, torch.empty_like(self.k)]))
             self.v = held_for_backward(torch.cat([self.v, torch.empty_like(self.v)]))
-        with torch.no_grad():  # a cache of values: gradients reach the sources through _JointAttention
+        with (
+            torch.no_grad()
+        ):  # a cache of values: gradients reach the sources through _JointAttention
             self.k[n].copy_(pair[0])
             self.v[n].copy_(pair[1])
         self.sources.append((weakref.ref(pair[0]), weakref.ref(pair[1])))
@@ -253,7 +263,8 @@ class DepthBuffer:
     def holds(self, pairs: list) -> bool:
         """Whether the first len(pairs) slots are exactly these tensors."""
         return len(self.sources) >= len(pairs) and all(
-            rk() is k and rv() is v for (rk, rv), (k, v) in zip(self.sources, pairs))
+            rk() is k and rv() is v for (rk, rv), (k, v) in zip(self.sources, pairs)
+        )
 
     def tensors(self, n_pairs: int) -> list[torch.Tensor] | None:
         """The tensors of the first n_pairs slots (k_1, v_1, k_2, ...), or None if one is gone."""

@@ -35,7 +35,9 @@ class PeriLNOptions(ArchOptions):
 
     def __post_init__(self) -> None:
         if not isinstance(self.embed_norm, bool):
-            raise ConfigError("model.arch_options.embed_norm", f"must be true or false, got {self.embed_norm!r}")
+            raise ConfigError(
+                "model.arch_options.embed_norm", f"must be true or false, got {self.embed_norm!r}"
+            )
 
 
 @register("peri_ln", "sandwich_ln")
