@@ -84,7 +84,7 @@ class PretrainedSpec:
             if importlib.util.find_spec("gguf") is None:
                 raise ConfigError(
                     f"{self.field}.format",
-                    "gguf needs the packages in requirements-pretrained.txt (bash scripts/setup.sh pretrained)",
+                    "gguf needs the pretrained extra (bash scripts/setup.sh pretrained)",
                 )
             local = Path(self.source()) / self.gguf_file
             if not _HUB_NAME.match(self.source()) and not local.is_file():

@@ -1,6 +1,6 @@
-"""Experiment trackers for `train.loggers: [tensorboard, wandb]` (optional packages, pinned in
-requirements-tracking.txt). metrics.jsonl stays the source of truth: a tracker receives the same
-records, flattened to scalars (`flatten`), on rank 0 only.
+"""Experiment trackers for `train.loggers: [tensorboard, wandb]` (optional packages: the tracking
+extra, `bash scripts/setup.sh tracking`). metrics.jsonl stays the source of truth: a tracker
+receives the same records, flattened to scalars (`flatten`), on rank 0 only.
 
 What a run shows in either tracker: every metrics record (train/loss, train/lr, train/grad_norm,
 perf/tokens_per_s, perf/mfu, perf/mfu_measured, val/loss, and the dynamics records as
@@ -53,7 +53,7 @@ def check_loggers(names: list[str]) -> None:
             raise ConfigError(
                 "train.loggers",
                 f"{name!r} needs the package {kind.module!r}: "
-                f"pip install -r requirements-tracking.txt (or pip install {kind.requirement})",
+                f"bash scripts/setup.sh tracking (or pip install {kind.requirement})",
             )
 
 

@@ -62,7 +62,7 @@ def _require(*modules: tuple[str, str]) -> None:
     missing = [package for module, package in modules if importlib.util.find_spec(module) is None]
     if missing:
         pytest.skip(
-            f"needs {', '.join(missing)} (pip install -r requirements.txt -r requirements-nodeps.txt)"
+            f"needs {', '.join(missing)} (bash scripts/setup.sh)"
         )
 
 
