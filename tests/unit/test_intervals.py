@@ -1,0 +1,79 @@
+"""95% intervals (depthbench.analysis.intervals) against their definitions."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from depthbench.analysis.intervals import (
+    Estimate,
+    bootstrap_mean,
+    cell_interval,
+    seed_interval,
+    separated,
+    t975,
+)
+
+
+def student_cdf(x: float, df: int) -> float:
+    """Student's t CDF by Simpson's rule on its density (independent of the table)."""
+    c = math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2))
+    n = 20000
+    h = x / n
+    f = [c * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2) for i in range(n + 1)]
+    return 0.5 + h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+
+
+@pytest.mark.parametrize("df", [1, 2, 3, 5, 10, 30])
+def test_t_quantile_is_students(df):
+    assert student_cdf(t975(df), df) == pytest.approx(0.975, abs=2e-5)
+
+
+def test_seed_interval_is_the_t_interval():
+    x = np.array([5.1, 5.3, 5.2, 5.6])
+    e = seed_interval(x)
+    half = 3.182 * x.std(ddof=1) / math.sqrt(len(x))  # t(0.975, 3) from a printed table
+    lo, hi = x.mean() - half, x.mean() + half
+    assert (e.value, e.n) == (pytest.approx(x.mean()), 4)
+    assert e.low == pytest.approx(lo, abs=1e-3) and e.high == pytest.approx(hi, abs=1e-3)
+
+
+def test_one_seed_has_no_interval_of_its_own():
+    e = seed_interval([5.2])
+    assert e.n == 1 and not e.has_interval and "no interval" in e.text()
+
+
+def test_bootstrap_is_seeded_and_covers_the_mean():
+    rng = np.random.default_rng(0)
+    x = rng.normal(1.0, 0.5, size=200)
+    a, b = bootstrap_mean(x, seed=3), bootstrap_mean(x, seed=3)
+    assert a == b
+    assert a.low < x.mean() < a.high
+    # the percentile interval of a mean is close to mean +- 1.96 s/sqrt(n)
+    half = 1.96 * x.std(ddof=1) / math.sqrt(x.size)
+    assert (a.high - a.low) / 2 == pytest.approx(half, rel=0.15)
+
+
+def test_bootstrap_coverage_is_near_95_percent():
+    rng = np.random.default_rng(1)
+    covered = 0
+    for i in range(200):
+        e = bootstrap_mean(rng.normal(0.0, 1.0, 50), seed=i, samples=400)
+        covered += e.low < 0.0 < e.high
+    assert 0.89 <= covered / 200 <= 0.99
+
+
+def test_cell_interval_uses_seeds_when_there_are_several_else_the_runs_own():
+    several = cell_interval([1.0, 1.2, 1.1], lows=[0.0, 0.0, 0.0], highs=[9.0, 9.0, 9.0])
+    assert several == seed_interval([1.0, 1.2, 1.1])
+    single = cell_interval([1.0, math.nan], lows=[0.9, math.nan], highs=[1.1, math.nan])
+    assert (single.value, single.low, single.high, single.n) == (1.0, 0.9, 1.1, 1)
+
+
+def test_separated_needs_both_intervals_apart():
+    hi, lo = Estimate(2.0, 1.9, 2.1, 3), Estimate(1.0, 0.9, 1.1, 3)
+    assert separated(hi, lo) == 1 and separated(lo, hi) == -1
+    assert separated(hi, Estimate(2.05, 2.0, 2.2, 3)) == 0
+    assert separated(hi, Estimate(1.0)) == 0
