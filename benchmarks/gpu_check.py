@@ -20,7 +20,7 @@ Made to start and stop on time on a bare GPU machine:
   (depthbench.train.memory, without activation checkpointing, 10 % headroom) fits on the device;
   an out-of-memory error is caught and recorded, and the next model goes on.
 
-Targets (issue 6): pre_ln at >= 45% MFU at the widest shape on an H100/H200-class GPU; the deepest
+Targets: pre_ln at >= 45% MFU at the widest shape on an H100/H200-class GPU; the deepest
 shape within 1.3x of the widest shape's time per token; hc, mhc, attnres_full and moda within 1.3x
 of pre_ln. Every measurement is bf16 autocast, fused AdamW, SDPA, the chunked loss of training
 (train.loss_chunk_tokens' default), and per-block torch.compile on CUDA (`--no-compile` to turn it

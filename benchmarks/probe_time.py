@@ -1,6 +1,6 @@
 """Wall time of the whole probe stage of one 32-layer model at the CPU preset's scale.
 
-Issue 4's target: probing a 32-layer model of the CPU preset (config/presets/cpu_all.yaml:
+The target: probing a 32-layer model of the CPU preset (config/presets/cpu_all.yaml:
 0.8M parameters, vocab 2048, 4 heads, 16 sequences of 128 tokens) takes at most 2 minutes on
 2 cores. Each architecture is timed through `probe_model` exactly as the probe stage runs it:
 the init-stage probes plus the full trained-stage set (angular distances, causal scores in

@@ -9,7 +9,7 @@ import pandas as pd
 from depthbench.analysis import readers as R
 from depthbench.analysis import style as S
 
-# The papers' numbers, drawn as references (design reference, probe table; issue 18 item 1).
+# The papers' numbers, drawn as references (the probe table of docs/design/probes.md).
 PAPER_RANK = {"mhc": (1.44, 1.65), "hc": (2.53, 2.81)}
 PAPER_DEAD_ZONE = {16: 2, 24: 5, 32: 8}
 

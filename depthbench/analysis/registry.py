@@ -6,7 +6,7 @@ What a grid gets is decided from the architectures' own declarations, never from
 a figure that needs probe families is drawn when some architecture of the grid supports all of
 them (`ARCHITECTURES[name].probes`), and an architecture-specific figure when some architecture
 declares it (`ARCHITECTURES[name].figures`). Config switches (probes, dynamics, NLL) decide the
-rest. Replaces the name tests of the former `common.smk:probe_figures` (issue 16 item 5).
+rest.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Backbone building blocks shared by every architecture (LLaMA style, no biases).
 
-Attention and FFN here are the *sublayers* F of the design reference: they contain no norm and
+Attention and FFN here are the *sublayers* F of docs/design/architectures.md: they contain no norm and
 no residual. Each architecture module decides where the norms and the residual go.
 """
 

@@ -19,7 +19,7 @@ input. That runs transformers' own embedding, mask and rotary code (per layer ty
 and Qwen mix sliding-window and full layers) for the price of an embedding lookup and a norm, so
 nothing of it is re-implemented here and the layers see what they see in `model(idx)`.
 
-Interventions act on the decoder layer as a whole (design reference, "Pretrained models"):
+Interventions act on the decoder layer as a whole (docs/design/pretrained.md):
 `skip` is the identity on the hidden state, `swapped` exchanges every parameter of two decoder
 layers (constants bound to a position, such as a layer's index or its sliding window, and the
 per-layer arguments stay where they are), `replace` puts given hidden states in the layer's

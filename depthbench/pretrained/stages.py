@@ -2,7 +2,7 @@
 the validation text tokenized with the model's own tokenizer, the probes through the adapter,
 and NLL on the evaluation sets tokenized with the model's own tokenizer.
 
-Tokenization choices (docs/choices.md): text is encoded without the tokenizer's special tokens
+Tokenization choices (docs/design/pretrained.md): text is encoded without the tokenizer's special tokens
 (no BOS added), as DepthBench's own shards and lm-evaluation-harness's loglikelihood encode it;
 validation documents are separated by the model's EOS token, as in DepthBench's shards; an
 empty NLL context is replaced by the BOS token where the tokenizer has one, else EOS (the prefix

@@ -4,7 +4,7 @@ Parameters are counted on the model as built (embeddings, norms and any extra pa
 architecture included), by instantiating it on the meta device, so the solver is exact for every
 registered architecture without a closed form per architecture.
 
-The budget is fixed to `budget.tolerance` (default 1%) per architecture and shape (issue 17):
+The budget is fixed to `budget.tolerance` (default 1%) per architecture and shape:
 d_model is picked on its multiple as before (the width whose model with SwiGLU's d_ff = 8/3
 d_model comes closest), so the 400M preset keeps the paper's widths; then d_ff absorbs the
 residual on a finer multiple (`budget.d_ff_step`, default 8) inside 8/3 d_model +- 15%, which

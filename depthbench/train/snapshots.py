@@ -18,7 +18,7 @@ truncated), then writes them again from the same weights; a run resumed from a c
 lacks an earlier snapshot (e.g. `at_steps` added after it was trained) trains again from step 0
 (`needs_restart`), since no other state can give the weights of that step.
 
-Step choice (`resolve_steps`, documented in docs/choices.md): a list of steps, or
+Step choice (`resolve_steps`, documented in docs/design/probes.md): a list of steps, or
 `{log_spaced: n}`, n steps rounded from a geometric sequence 1 .. total_steps; the final step is
 always included (it anchors the curves to the final model's probes) and step 0 never (the log
 step axis cannot show it; the init probes cover it); listed steps beyond a run's total_steps are

@@ -170,9 +170,9 @@ class Trainer:
         Both stay 0-d tensors on the device: nothing here reads a value on the host, so the
         host queues the next micro-batch's kernels while the device still runs this one. The
         hooks read them only at log steps and divergence checks (depthbench.train.hooks).
-        The loss is summed in float64 in micro-batch order, the very additions of the Python
-        float sum this replaced (`loss_sum += loss.item()`), so the logged losses are
-        bit-identical to it."""
+        The loss is summed in float64 in micro-batch order, the very additions of a Python
+        float sum (`loss_sum += loss.item()`), so the logged losses are bit-identical to
+        one, without its host read per micro-batch."""
         batches, tc = self.batches, self.tc
         loss_sum = torch.zeros((), dtype=accumulator_dtype(self.device), device=self.device)
         for micro in range(batches.accum_steps):
@@ -208,7 +208,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def accumulator_dtype(device: torch.device) -> torch.dtype:
-    """float64 for the loss sum (as the Python floats it replaced), float32 where the device has
+    """float64 for the loss sum (the additions of Python floats), float32 where the device has
     no float64 (MPS)."""
     return torch.float32 if device.type == "mps" else torch.float64
 

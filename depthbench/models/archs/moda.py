@@ -15,7 +15,7 @@ The residual placement is Pre-LN with a final norm. `reuse_kv` (default) adds no
 KV head), charged to the budget. Depth keys carry the RoPE rotation of their own position t,
 the same as the query they meet, so the rotation cancels in q . k as it does for j = t.
 Two implementations of the joint softmax, `arch_options.attention_impl` (choice recorded in
-docs/choices.md):
+docs/design/architectures.md):
 - `fused` (default; moda_fused.py): one online softmax over the sequence chunk, from the fused
   causal kernel with its log-sum-exp, and the depth chunk, read from a depth K/V buffer
   preallocated per forward that each layer writes its own keys into. Forward and backward hold
