@@ -32,7 +32,7 @@ CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + two fp32 AdamW moments
 WEIGHTS_BYTES_PER_PARAM = 4
 # Tokens per second of one tokenize process (one core): measured with the GPT-NeoX-OLMo tokenizer
 # (the GPU presets') on the wiki corpus, on a core of the shared 2-core development machine
-# (README, "Tokenization in pieces")
+# (docs/benchmarks.md, tokenization)
 TOKENIZE_TOKENS_PER_S = 2.0e5
 
 
@@ -89,7 +89,7 @@ def format_tokenization(t: TokenizationEstimate) -> str:
     return (
         f"tokenization: {t.tokens:.3e} tokens (one epoch of the longest run, {t.training_tokens:.3e} training tokens, "
         f"with the {t.val_fraction:g} validation share; the whole corpus is tokenized, so a larger corpus takes longer) "
-        f"at {TOKENIZE_TOKENS_PER_S:,.0f} tokens/s per process (measured, README) {how}"
+        f"at {TOKENIZE_TOKENS_PER_S:,.0f} tokens/s per process (measured: docs/benchmarks.md) {how}"
     )
 
 
