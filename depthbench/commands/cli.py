@@ -4,7 +4,9 @@ CONFIG` lists the run ids of the grid; `depthbench validate CONFIG` checks a con
 outputs under results/ without training, probing or scoring anything; `depthbench status
 [CONFIG]` tells, per run, what is done, missing or stale and what snakemake would do next;
 `depthbench rehearse CONFIG` builds, steps, checkpoints, resumes and probes each architecture's
-widest and deepest shape at full size (depthbench.commands.rehearse.rehearsal)."""
+widest and deepest shape at full size (depthbench.commands.rehearse.rehearsal); `depthbench run
+SNAKEMAKE_ARGS` runs Snakemake after reading every --configfile as YAML. What each does is in
+depthbench.commands.subcommands."""
 
 from __future__ import annotations
 
@@ -12,175 +14,20 @@ import argparse
 import os
 import sys
 
-from depthbench.grid.config import expand_grid, shape_table
-from depthbench.spec.schema import load_config
+from depthbench.commands.subcommands import (
+    cmd_checksum,
+    cmd_export,
+    cmd_plan,
+    cmd_regenerate,
+    cmd_rehearse,
+    cmd_rename_runs,
+    cmd_runs,
+    cmd_shapes,
+    cmd_status,
+    cmd_validate,
+    cmd_run,
+)
 from depthbench.util.errors import DepthBenchError
-
-
-def _experiment(path: str):
-    return expand_grid(load_config(path))
-
-
-def cmd_shapes(args) -> None:
-    exp = _experiment(args.config)
-    rows = shape_table(exp)
-    budget = exp.config.get("budget", {}).get("params")
-    header = f"{'arch':<12} {'L':>4} {'d_model':>8} {'ratio':>7} {'d_ff':>6} {'heads':>6} {'kv':>4} {'params':>15}"
-    if budget:  # relative, as in runs.parquet: -0.0031 is 0.31% under budget.params
-        header += f" {'params_vs_budget':>17}"
-    print(header)
-    for r in rows:
-        line = (
-            f"{r['arch']:<12} {r['n_layer']:>4} {r['d_model']:>8} {r['ratio']:>7.1f} {r['d_ff']:>6} "
-            f"{r['n_head']:>6} {r['n_kv_head']:>4} {r['params']:>15,}"
-        )
-        if budget:
-            line += f" {r['params_vs_budget']:>+17.4f}"
-        extra = {k: v for k, v in r.items() if k.startswith("knob:")}
-        print(line + (f"  {extra}" if extra else ""))
-
-
-def cmd_runs(args) -> None:
-    exp = _experiment(args.config)
-    for run_id, spec in exp.runs.items():
-        print(
-            run_id,
-            f"steps={spec.train.total_steps}",
-            f"tokens={spec.train.total_steps * spec.train.tokens_per_step:,}",
-        )
-
-
-def cmd_validate(args) -> None:
-    from depthbench.grid.config import ignored_settings
-
-    exp = _experiment(args.config)
-    print(
-        f"{args.config}: valid; {len(exp.runs)} runs, data {exp.data_id}, tokenizer {exp.tokenizer_id}"
-    )
-    for line in ignored_settings(exp.config):
-        print(f"  ignored (no architecture of the grid reads it): {line}")
-
-
-def cmd_plan(args) -> None:
-    from depthbench.commands.plan import format_plan, plan_experiment
-
-    exp = _experiment(args.config)
-    plans = plan_experiment(exp, mfu=args.mfu, peak=args.peak, gpu_memory=args.gpu_memory_gb * 1e9)
-    print(format_plan(plans, args.gpu, args.mfu, args.gpu_memory_gb * 1e9))
-
-
-def cmd_rehearse(args) -> int:
-    """Widest and deepest shape of every architecture at full size on this machine (see
-    depthbench.commands.rehearse.rehearsal); exit status 1 when a shape failed or was refused."""
-    import torch
-
-    from depthbench.commands.rehearse.command import format_report, rehearse_experiment
-
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    exp = _experiment(args.config)
-    archs = args.archs.split(",") if args.archs else None
-    report = rehearse_experiment(
-        exp,
-        args.out,
-        mode="meta" if args.meta else args.mode,
-        archs=archs,
-        which=tuple(args.shapes.split(",")),
-        tokens=args.tokens,
-        probe_tokens=args.probe_tokens,
-        probe_passes=args.probe_passes,
-        gpu_memory=args.gpu_memory_gb * 1e9,
-        config_path=args.config,
-    )
-    print(format_report(report))
-    return int(any(r.get("status") != "ok" for r in report["rows"]))
-
-
-# The rules that only read results/: everything else (tokenize, train, probe, nll) is not allowed.
-REGENERATE_RULES = [
-    "tables",
-    "cost_table",
-    "probes_table",
-    "nll_table",
-    "removal_table",
-    "figures",
-    "probe_figures",
-    "dynamics_figure",
-    "nll_figures",
-    "cost_figures",
-    "claims",
-    "report",
-    "all",
-]
-
-
-def regenerate_commands(config: str | None, cores: int, provenance: str) -> list[list[str]]:
-    """The two Snakemake calls: rebuild tables, figures, claims and results/report.html from run
-    outputs, then Snakemake's own provenance report (rules, code, logs) at `provenance`."""
-    base = [sys.executable, "-m", "snakemake", "--cores", str(cores)]
-    if config:
-        base += ["--configfile", config]
-    rebuild = base + [
-        "--allowed-rules",
-        *REGENERATE_RULES,
-        "--forcerun",
-        *[r for r in REGENERATE_RULES if r != "all"],
-        "--rerun-triggers",
-        "mtime",
-    ]
-    return [rebuild, base + ["--report", provenance]]
-
-
-def cmd_regenerate(args) -> None:
-    import subprocess
-
-    if args.config:
-        _experiment(args.config)  # a bad config fails here, naming the field
-    for command in regenerate_commands(args.config, args.cores, args.provenance):
-        print("+", " ".join(command), file=sys.stderr)
-        done = subprocess.run(command)
-        if done.returncode:
-            raise SystemExit(
-                f"depthbench regenerate: snakemake exited with {done.returncode}. If it names a missing "
-                "file under results/runs, results/probes, results/nll or results/removal, that run's outputs were not "
-                "copied: regenerate never trains, probes or scores."
-            )
-    print(
-        f"tables in results/tables, figures in results/figures, report in results/report.html, provenance in {args.provenance}",
-        file=sys.stderr,
-    )
-
-
-def cmd_status(args) -> None:
-    """Per run: trained / diverged / probed / scored / missing / stale, and the next snakemake
-    run's jobs, from the files under results/ (nothing is run; see depthbench.commands.status)."""
-    from depthbench.commands.status import format_status
-
-    print(format_status(_experiment(args.config), args.results))
-
-
-def cmd_checksum(args) -> None:
-    """Record the SHA-256 of an unchecked run's final weights in its summary.json (depthbench.train.runcheck)."""
-    from depthbench.train.runcheck import record_checksum
-
-    for run_dir in args.run_dirs:
-        print(f"{run_dir}: weights_sha256 {record_checksum(run_dir)}")
-
-
-def cmd_rename_runs(args) -> None:
-    """Move results trained under whole-section option hashing to today's run ids (depthbench.commands.rename)."""
-    from depthbench.commands.rename import format_plan, rename_runs
-
-    plan = rename_runs(_experiment(args.config), args.results, dry_run=args.dry_run)
-    print(format_plan(plan, args.dry_run))
-
-
-def cmd_export(args) -> None:
-    from depthbench.hf.export import export_run
-
-    info = export_run(
-        args.run_dir, args.out_dir, results_dir=args.results, overwrite=args.overwrite
-    )
-    print(f"{info['run_id']} ({info['arch']}) -> {info['out_dir']} as {info['class']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,7 +176,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     p.set_defaults(fn=cmd_export)
-    args = parser.parse_args(argv)
+    p = sub.add_parser(
+        "run",
+        help="snakemake with these arguments, after every --configfile has been read as YAML "
+        "(a syntax error names the file, line and column)",
+    )
+    p.add_argument(
+        "snakemake_args",
+        nargs=argparse.REMAINDER,
+        metavar="SNAKEMAKE_ARGS",
+        help="passed to snakemake as they are, e.g. --cores 2 --configfile my.yaml "
+        "(`depthbench run --help` is Snakemake's help)",
+    )
+    p.set_defaults(fn=cmd_run)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:  # everything after `run` is Snakemake's, options included
+        args = argparse.Namespace(snakemake_args=argv[1:], fn=cmd_run)
+    else:
+        args = parser.parse_args(argv)
     try:
         code = args.fn(args)
     except DepthBenchError as exc:
