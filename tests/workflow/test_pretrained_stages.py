@@ -14,15 +14,15 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from depthbench.spec.schema import load_config
+from depthbench.spec.schema import load_config  # noqa: E402
 from depthbench.util.errors import ConfigError  # noqa: E402
 from depthbench.pretrained import stages  # noqa: E402
-from depthbench.pretrained.loading import (
+from depthbench.pretrained.loading import (  # noqa: E402
     PretrainedSpec,
     load_model,
     load_tokenizer,
     pretrained_specs,
-)  # noqa: E402
+)
 from depthbench.pretrained.tables import pretrained_run_rows, with_pretrained  # noqa: E402
 from depthbench.analysis.tables import _with_run_columns  # noqa: E402
 from tests.conftest import tiny_config  # noqa: E402
@@ -328,23 +328,8 @@ def test_smollm2_gguf_converts_and_goes_through_the_adapter(tmp_path):
     assert tok.decode(int(logits[0, -1].argmax())).strip() == "Rome"
 
 
-def test_pretrained_cost_rows_count_what_torch_flop_counter_counts(hf_folder, tmp_path):
-    """A pretrained model's analytic FLOPs per token equal torch.utils.flop_counter's count of a
-    forward pass of the loaded model (every Linear at 2 FLOPs per weight, attention over the full
-    T x T square: the convention of depthbench.models.cost), and its KV cache follows its config."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from depthbench.analysis.tables import cost_rows
-
-    path = tmp_path / "summary.json"
-    s = stages.write_summary("pretrained_tiny", "tiny", str(hf_folder), str(hf_folder), str(path))
-    model = load_model(str(hf_folder)).eval()
-    model.set_attn_implementation(
-        "eager"
-    )  # explicit q.k and p.v products: CPU SDPA kernels have no FLOP formula
-    T = 16
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model(torch.randint(0, model.config.vocab_size, (1, T)))
+def pretrained_runs(summary_path) -> pd.DataFrame:
+    """The runs table of a grid with no trained runs and one pretrained summary."""
     runs = with_pretrained(
         pd.DataFrame(
             columns=[
@@ -362,9 +347,30 @@ def test_pretrained_cost_rows_count_what_torch_flop_counter_counts(hf_folder, tm
                 "status",
             ]
         ),
-        pretrained_run_rows([str(path)], "exp"),
+        pretrained_run_rows([str(summary_path)], "exp"),
     )
     runs["tokens_per_s"], runs["wall_seconds"], runs["device"] = math.nan, math.nan, None
+    return runs
+
+
+def test_pretrained_cost_rows_count_what_torch_flop_counter_counts(hf_folder, tmp_path):
+    """A pretrained model's analytic FLOPs per token equal torch.utils.flop_counter's count of a
+    forward pass of the loaded model (every Linear at 2 FLOPs per weight, attention over the full
+    T x T square: the convention of depthbench.models.cost), and its KV cache follows its config."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from depthbench.analysis.tables import cost_rows
+
+    path = tmp_path / "summary.json"
+    stages.write_summary("pretrained_tiny", "tiny", str(hf_folder), str(hf_folder), str(path))
+    model = load_model(str(hf_folder)).eval()
+    model.set_attn_implementation(
+        "eager"
+    )  # explicit q.k and p.v products: CPU SDPA kernels have no FLOP formula
+    T = 16
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(torch.randint(0, model.config.vocab_size, (1, T)))
+    runs = pretrained_runs(path)
     best = pd.DataFrame(columns=["arch", "n_layer", "d_model", "knobs", "best_lr"])
     (row,) = cost_rows([], runs, best, pretrained_paths=[str(path)], seq_len=T).to_dict("records")
     assert row["forward_flops_per_token"] == pytest.approx(counter.get_total_flops() / T, rel=1e-9)
@@ -404,3 +410,27 @@ def test_every_file_of_a_converted_model_gets_the_mode_the_umask_allows(hf_folde
     }
     want = {name: (0o777 if (tmp_path / name).is_dir() else 0o666) & ~umask for name in modes}
     assert modes == want
+
+
+def test_pretrained_summary_without_cost_fields_is_named_and_the_advice_rewrites_it(
+    hf_folder, tmp_path
+):
+    """A pretrained summary written without the cost fields is refused naming the file and the
+    fix; doing what the message says (delete it, let the pretrained_summary rule's function
+    write it again) gives a summary the cost table reads."""
+    from depthbench.analysis.tables import cost_rows
+    from depthbench.util.errors import DataError
+
+    path = tmp_path / "summary.json"
+    stages.write_summary("pretrained_tiny", "tiny", str(hf_folder), str(hf_folder), str(path))
+    old = {k: v for k, v in json.loads(path.read_text()).items() if k != "matmul_params"}
+    path.write_text(json.dumps(old))
+    best = pd.DataFrame(columns=["arch", "n_layer", "d_model", "knobs", "best_lr"])
+    runs = pretrained_runs(path)
+    with pytest.raises(DataError, match="no cost fields") as refused:
+        cost_rows([], runs, best, pretrained_paths=[str(path)], seq_len=16)
+    assert str(path) in str(refused.value) and "delete it" in str(refused.value)
+    path.unlink()
+    stages.write_summary("pretrained_tiny", "tiny", str(hf_folder), str(hf_folder), str(path))
+    (row,) = cost_rows([], runs, best, pretrained_paths=[str(path)], seq_len=16).to_dict("records")
+    assert row["run_id"] == "pretrained_tiny" and row["forward_flops_per_token"] > 0
