@@ -1,4 +1,8 @@
-"""The model configuration dataclass shared by every architecture."""
+"""The model configuration dataclass shared by every architecture.
+
+Its defaults are those of the config schema (workflow/schemas/config.schema.yaml) for the
+settings the schema carries; tests/unit/test_defaults.py holds every field to it or names why
+the schema has none (the fields resolved per run: arch, vocab_size and the shape)."""
 
 from __future__ import annotations
 
@@ -67,7 +71,8 @@ def evaluate_init_std(rule: float | int | str, d_model: int, n_layer: int) -> fl
             )
             raise ConfigError(
                 "model.init_std",
-                f"{rule!r} at d_model={d_model}, n_layer={n_layer}: {what}; it must evaluate to a positive number",
+                f"{rule!r} at d_model={d_model}, n_layer={n_layer}: {what}; it must evaluate "
+                "to a positive number",
             ) from None
     else:
         raise ConfigError("model.init_std", f"expected a number or a rule string, got {rule!r}")

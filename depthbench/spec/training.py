@@ -1,4 +1,8 @@
-"""The training recipe of one run, resolved from the config (all numbers final)."""
+"""The training recipe of one run, resolved from the config (all numbers final).
+
+Its defaults are those of the config schema's `train` section (workflow/schemas/config.schema.yaml)
+for every setting the schema carries; tests/unit/test_defaults.py holds every field to it or
+names why the schema has none (lr, total_steps, experiment, snapshot_steps: set per run)."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ class TrainConfig:
     seq_len: int = 2048
     global_batch_size: int = 512
     micro_batch_size: int = 8
-    tokens_per_param: float = 20.0
+    tokens_per_param: float = 20  # the schema's integer: the run id hashes it as written
     max_steps: int | None = None
     total_steps: int = 1  # resolved: tokens_per_param * n_params / tokens per step, capped
     weight_decay: float = 0.1
@@ -89,14 +93,16 @@ class TrainConfig:
         if self.parallel == "fsdp" and self.dynamics_every:
             raise ConfigError(
                 "train.dynamics_every",
-                "training dynamics are measured with DDP or on one rank; set 0 with train.parallel: fsdp",
+                "training dynamics are measured with DDP or on one rank; set 0 with "
+                "train.parallel: fsdp",
             )
         if self.global_batch_size % (self.micro_batch_size * world_size):
             ranks = f" x {world_size} ranks" if world_size > 1 else ""
             raise ConfigError(
                 "train.micro_batch_size",
                 f"global batch {self.global_batch_size} must be a multiple of micro batch "
-                f"{self.micro_batch_size}{ranks}; choose a micro batch that divides {self.global_batch_size // world_size}",
+                f"{self.micro_batch_size}{ranks}; choose a micro batch that divides "
+                f"{self.global_batch_size // world_size}",
             )
 
     def to_dict(self) -> dict[str, Any]:
