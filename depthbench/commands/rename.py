@@ -1,7 +1,7 @@
 """`depthbench rename-runs [CONFIG] [--results results] [--dry-run]`: give results trained under
 the ids of whole-section option hashing the ids of today.
 
-A run id hashes the options its architecture declares (depthbench.grid.config.run_id_of). DepthBench
+A run id hashes the options its architecture declares (depthbench.grid.ids.run_id_of). DepthBench
 versions before that hashed the whole `model.arch_options` section into every run id, so in the
 default config attnres_block's `n_blocks: 4` was part of every architecture's id. Those results
 are still valid (a pre_ln model never read n_blocks); only their ids differ. This command finds,
@@ -70,7 +70,7 @@ class RenamePlan:
 
 
 def plan_renames(exp, results: str | os.PathLike = "results") -> RenamePlan:
-    """What `rename_runs` would move for the grid `exp` (depthbench.grid.config.Experiment)."""
+    """What `rename_runs` would move for the grid `exp` (depthbench.grid.expand.Experiment)."""
     from depthbench.grid.config import shared_options_ids
 
     results = Path(results)

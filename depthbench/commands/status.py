@@ -33,7 +33,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from depthbench.grid.config import Experiment
+from depthbench.grid.expand import Experiment
 from depthbench.spec.run import short_hash
 from depthbench.util.errors import DataError
 from depthbench.train.checkpoint import list_checkpoints, verify_checkpoint

@@ -95,7 +95,7 @@ def test_interrupting_the_dispatcher_cancels_the_submitted_job(tiny_data, tmp_pa
     work = tmp_path / "work"
     script = (
         "import json, sys\n"
-        "from depthbench.grid.config import RunSpec\n"
+        "from depthbench.spec.run import RunSpec\n"
         "from depthbench.launch.local import dispatch\n"
         "spec = RunSpec.from_dict(json.load(open(sys.argv[1])))\n"
         "dispatch(spec, sys.argv[2], sys.argv[3], sys.argv[4], {'backend': 'local'})\n"

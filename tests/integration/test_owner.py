@@ -102,7 +102,7 @@ def test_a_second_trainer_of_a_running_run_refuses_at_once_naming_the_first(tiny
             sys.executable,
             "-c",
             "import json, sys\n"
-            "from depthbench.grid.config import RunSpec\n"
+            "from depthbench.spec.run import RunSpec\n"
             "from depthbench.launch.local import dispatch\n"
             "dispatch(RunSpec.from_dict(json.load(open(sys.argv[1]))), sys.argv[2], sys.argv[3], sys.argv[4], {'backend': 'local'})\n",
             str(spec_file),
@@ -160,7 +160,7 @@ def test_a_trainer_whose_snakemake_was_killed_stops_at_its_next_checkpoint_and_a
     run, work, log = tmp_path / "run", tmp_path / "work", tmp_path / "dispatcher.log"
     dispatcher = (
         "import json, sys\n"
-        "from depthbench.grid.config import RunSpec\n"
+        "from depthbench.spec.run import RunSpec\n"
         "from depthbench.launch.local import dispatch\n"
         "dispatch(RunSpec.from_dict(json.load(open(sys.argv[1]))), sys.argv[2], sys.argv[3], sys.argv[4], {'backend': 'inline'})\n"
     )

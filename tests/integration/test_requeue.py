@@ -60,7 +60,7 @@ def _same_weights(a, b) -> bool:
 
 SCRIPT = (
     "import json, sys\n"
-    "from depthbench.grid.config import RunSpec\n"
+    "from depthbench.spec.run import RunSpec\n"
     "from depthbench.train.loop import RunPaths, train\n"
     "spec = RunSpec.from_dict(json.load(open(sys.argv[1])))\n"
     "train(spec, sys.argv[2], RunPaths(sys.argv[3], sys.argv[4]), progress=False)\n"

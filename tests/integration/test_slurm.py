@@ -114,7 +114,7 @@ def start_dispatch(spec, shards: Path, tmp: Path, launcher: dict) -> subprocess.
     spec_file.write_text(json.dumps(spec.to_dict()))
     script = (
         "import json, sys\n"
-        "from depthbench.grid.config import RunSpec\n"
+        "from depthbench.spec.run import RunSpec\n"
         "from depthbench.launch.local import dispatch\n"
         "spec = RunSpec.from_dict(json.load(open(sys.argv[1])))\n"
         "print(json.dumps(dispatch(spec, sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5]))['status']))\n"

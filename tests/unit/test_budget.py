@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 import torch
 
-from depthbench.grid.config import expand_grid, shape_table
+from depthbench.grid.config import expand_grid
+from depthbench.grid.expand import shape_table
 from depthbench.spec.schema import load_config
 from depthbench.util.errors import ConfigError
 from depthbench.models.config import ModelConfig

@@ -4,7 +4,8 @@ import copy
 
 import pytest
 
-from depthbench.grid.config import expand_grid, shape_table
+from depthbench.grid.config import expand_grid
+from depthbench.grid.expand import shape_table
 from depthbench.spec.schema import load_config
 from depthbench.util.errors import ConfigError
 from depthbench.models.config import ModelConfig
@@ -232,7 +233,8 @@ def test_cli_listing_into_a_closed_pipe_exits_cleanly():
 def test_per_architecture_settings_outside_the_grid_are_ignored_and_listed(wiki_jsonl):
     """learning_rates_by_arch and arch_options may name any registered architecture: an entry no
     architecture of the grid reads changes no run and `ignored_settings` names it."""
-    from depthbench.grid.config import grid_learning_rates, ignored_settings
+    from depthbench.grid.config import ignored_settings
+    from depthbench.grid.expand import grid_learning_rates
 
     plain = make(wiki_jsonl)
     config = load_config(
@@ -257,7 +259,7 @@ def test_per_architecture_settings_outside_the_grid_are_ignored_and_listed(wiki_
 
 
 def test_an_unknown_architecture_in_learning_rates_by_arch_names_the_field(wiki_jsonl):
-    from depthbench.grid.config import grid_learning_rates
+    from depthbench.grid.expand import grid_learning_rates
 
     config = load_config(tiny_config(wiki_jsonl))
     config["learning_rates_by_arch"] = {"transformer_xl": [1e-3]}  # past the schema's enum

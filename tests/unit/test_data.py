@@ -7,7 +7,8 @@ import pandas as pd
 import pytest
 from tokenizers import Tokenizer
 
-from depthbench.grid.config import data_id, expand_grid
+from depthbench.grid.config import expand_grid
+from depthbench.grid.ids import data_id
 from depthbench.spec.schema import load_config
 from depthbench.data.corpus import is_validation, iter_documents, split_documents
 from depthbench.data.loader import ShuffledSampler, TokenWindows, TrainBatches

@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from depthbench.grid.config import data_id, expand_grid
+from depthbench.grid.config import expand_grid
+from depthbench.grid.ids import data_id
 from depthbench.spec.schema import load_config
 from depthbench.data.loader import TokenWindows
 from depthbench.data.prepare import (

@@ -211,7 +211,7 @@ def test_sigkilled_run_resumes_to_identical_weights(tiny_data, tmp_path):
     spec_file.write_text(json.dumps(spec.to_dict()))
     script = (
         "import json, sys\n"
-        "from depthbench.grid.config import RunSpec\n"
+        "from depthbench.spec.run import RunSpec\n"
         "from depthbench.train.loop import RunPaths, train\n"
         "spec = RunSpec.from_dict(json.load(open(sys.argv[1])))\n"
         "train(spec, sys.argv[2], RunPaths(sys.argv[3], sys.argv[4]), progress=False)\n"
