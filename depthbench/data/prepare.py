@@ -10,14 +10,14 @@ from tokenizers import Tokenizer
 
 from depthbench.data.corpus import (
     WIKI_OFFLINE_LICENCE,
-    check_local_corpus,
     is_validation,
     iter_documents,
     local_files,
     split_documents,
 )
+from depthbench.data.corpus_checks import check_local_corpus
 from depthbench.data.pieces import document_index, piece_documents, piece_plan
-from depthbench.data.shards import (
+from depthbench.data.shard_writing import (
     describe_external_shards,
     merge_pieces,
     write_piece,

@@ -480,7 +480,7 @@ def test_bad_bytes_past_the_checked_head_fail_before_the_tokenizer_is_trained(
 ):
     from depthbench.data import prepare
 
-    from depthbench.data.corpus import HEAD_BYTES
+    from depthbench.data.corpus_checks import HEAD_BYTES
 
     head = wiki_jsonl.read_bytes() * (1 + HEAD_BYTES // len(wiki_jsonl.read_bytes()))
     path = tmp_path / "big.jsonl"
