@@ -31,7 +31,7 @@ from depthbench.train.runcheck import WEIGHTS_DIGEST
 from depthbench.train.listing import file_sha256
 from depthbench.train import distributed, snapshots
 from depthbench.train.flops import device_peak_flops, measured_peak_flops, train_flops_per_token
-from depthbench.train.hooks import default_hooks
+from depthbench.train.hook_order import default_hooks
 from depthbench.train.recipe import (
     RunPaths,
     resolve_device,
