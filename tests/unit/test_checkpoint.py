@@ -1,6 +1,7 @@
 """Sharded checkpoint folders (depthbench.train.checkpoint) in one process: what they hold, what a
-resume may not silently do. Faults and crafted files: tests/unit/test_hardening.py; several ranks and
-strategies: tests/integration/test_distributed.py; the requeue signal: tests/integration/test_requeue.py."""
+resume may not silently do. Faults and crafted files: tests/unit/test_checkpoint_faults.py;
+several ranks and strategies: tests/integration/test_distributed.py; the requeue signal:
+tests/integration/test_requeue.py."""
 
 import hashlib
 import json

@@ -1,0 +1,74 @@
+"""Checkpoints and run outputs written as training writes them, for the tests that damage, read or
+report on them: checkpoint faults, file modes, summary checks, table stages, `depthbench status`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from depthbench.spec.run import RunSpec
+from depthbench.spec.schema import load_config
+from depthbench.train.checkpoint import load_latest, save_checkpoint
+from tests.conftest import tiny_config
+
+
+def step_state(step: int) -> dict:
+    """A model state of 256 weights, each equal to `step`."""
+    return {"model": {"w": torch.full((256,), float(step))}}
+
+
+def save_step(folder: Path, step: int, run_id: str = "r", keep: int = 5) -> Path:
+    """A checkpoint of step_state(step) at `step`, with a rank's RNG state; its folder."""
+    return save_checkpoint(
+        folder,
+        step,
+        run_id,
+        step_state(step),
+        {"last_val": float("nan")},
+        rank_tensors={"torch": torch.get_rng_state()},
+        keep=keep,
+    )
+
+
+def load_newest(folder: Path, run_id: str = "r", size: int = 256):
+    """(step, loaded weights) of the checkpoint load_latest picks, or None."""
+    template = {"model": {"w": torch.zeros(size)}}
+    found = load_latest(folder, run_id, template)
+    return None if found is None else (found.step, template["model"]["w"])
+
+
+def fake_summary(results: Path, spec: RunSpec, status: str = "ok", **extra) -> Path:
+    """A run's summary.json, metrics.jsonl and weights file under `results`/runs/; the summary's
+    path. The summary names the run and its spec hash, as training writes it."""
+    run = results / "runs" / spec.run_id
+    run.mkdir(parents=True, exist_ok=True)
+    summary = {
+        "run_id": spec.run_id,
+        "status": status,
+        "steps": 3,
+        "total_steps": 10,
+        "tokens_seen": 768,
+        "final_val_loss": 5.0 if status == "ok" else math.nan,
+        "wall_seconds": 1.0,
+        "tokens_per_s": 768.0,
+        "n_params": spec.shape.n_params,
+        "device": "cpu",
+        "world_size": 1,
+        "spec": spec.to_dict(),
+        "spec_hash": spec.spec_hash(),
+        **extra,
+    }
+    (run / "summary.json").write_text(json.dumps(summary))
+    (run / "metrics.jsonl").write_text(
+        json.dumps({"step": 2, "train_loss": 5.5, "val_loss": 5.4}) + "\n"
+    )
+    (run / "model.safetensors").write_bytes(b"weights")
+    return run / "summary.json"
+
+
+def grid_config(wiki_jsonl: Path, **kw) -> dict:
+    """The validated tiny config on the corpus `wiki_jsonl`, with `kw` overriding its sections."""
+    return load_config(tiny_config(wiki_jsonl, **kw))

@@ -1,0 +1,96 @@
+"""`depthbench status`: each run's state (trained, diverged, partial, stale, invalid, missing) and
+the jobs Snakemake would run next; with best-LR evaluation, only the best runs are named."""
+
+from __future__ import annotations
+
+import os
+
+import pandas as pd
+
+from tests.conftest import status_grid, tiny_config
+from tests.run_outputs import fake_summary, save_step
+
+
+def test_status_reports_each_run_and_the_next_jobs(wiki_jsonl, tmp_path, capsys):
+    from depthbench.commands.cli import main
+
+    config = tiny_config(
+        wiki_jsonl, architectures=["pre_ln", "post_ln", "peri_ln"], learning_rates=[3e-3, 50.0]
+    )
+    cfg, exp, res = status_grid(config, tmp_path)
+    ids = list(exp.runs)
+    trained, diverged, partial, stale_time, copied, missing = ids
+    for rid in ids[:5]:
+        fake_summary(res, exp.runs[rid], "diverged" if rid == diverged else "ok")
+    (res / "probes").mkdir()
+    (res / "probes" / f"{trained}.parquet").write_bytes(b"x")
+    (res / "runs" / partial / "summary.json").unlink()
+    save_step(res / "work" / partial / "checkpoints", 4, partial)
+    os.utime(res / "runs" / stale_time / "summary.json", (1e8, 1e8))  # older than the shards
+    (res / "runs" / copied / "summary.json").write_text(
+        (res / "runs" / trained / "summary.json").read_text()
+    )
+    assert main(["status", str(cfg), "--results", str(res)]) == 0
+    out = capsys.readouterr().out
+    rows = {
+        line.split()[0]: line.split()[1:]
+        for line in out.splitlines()
+        if line.split() and line.split()[0] in ids
+    }
+    assert rows[trained] == ["trained", "yes", "-", "-"]
+    assert rows[diverged] == ["diverged", "no", "-", "probe"]
+    assert rows[partial] == ["partial", "no", "-", "train", "(resume),", "probe"]
+    assert rows[stale_time][:2] == ["stale", "no"] and rows[missing][0] == "missing"
+    assert rows[copied][:4] == ["invalid", "no", "-", "none:"]  # snakemake would not retrain it
+    assert (
+        "belongs to run" in out and "older than its input" in out and "checkpoint at step 4" in out
+    )
+    assert "train: 2 runs" in out and "train (resume): 1 run" in out and "probe: 5 runs" in out
+    assert "tables: fail on 1 invalid summary" in out
+
+
+def test_status_with_best_lr_evaluation_names_only_the_best_runs(wiki_jsonl, tmp_path, capsys):
+    from depthbench.commands.cli import main
+    from depthbench.analysis.tables import best_learning_rates
+
+    config = tiny_config(wiki_jsonl, learning_rates=[3e-3, 1e-2])
+    config["probes"] = {"runs": "best_lr"}
+    cfg, exp, res = status_grid(config, tmp_path)
+    low, high = sorted(exp.runs, key=lambda rid: exp.runs[rid].lr)
+    for rid in (low, high):
+        fake_summary(res, exp.runs[rid])
+
+    def rows():
+        assert main(["status", str(cfg), "--results", str(res)]) == 0
+        out = capsys.readouterr().out
+        return {
+            line.split()[0]: line.split()[1:3]
+            for line in out.splitlines()
+            if line.split() and line.split()[0] in (low, high)
+        }
+
+    assert rows() == {low: ["trained", "later"], high: ["trained", "later"]}  # no best_lr table yet
+    runs = pd.DataFrame(
+        [
+            {
+                "run_id": rid,
+                "experiment": "tiny",
+                "arch": s.arch,
+                "n_layer": s.shape.n_layer,
+                "d_model": s.shape.d_model,
+                "knobs": "{}",
+                "ratio": 1.0,
+                "params": 1,
+                "params_vs_budget": 0.0,
+                "lr": s.lr,
+                "seed": s.seed,
+                "status": "ok",
+                "final_val_loss": 4.0 if rid == high else 4.5,
+            }
+            for rid, s in exp.runs.items()
+        ]
+    )
+    (res / "tables").mkdir()
+    runs.to_parquet(res / "tables" / "runs.parquet")
+    best_learning_rates(runs).to_parquet(res / "tables" / "best_lr.parquet")
+    assert rows() == {low: ["trained", "-"], high: ["trained", "no"]}  # only the best LR is probed
