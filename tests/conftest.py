@@ -36,7 +36,8 @@ LONGEST_FIRST = [
     "test_budget.py",
     "test_train.py",
     "test_requeue.py",
-    "test_hardening.py",
+    "test_ddp_unused_params.py",
+    "test_checkpoint_kill.py",
     "test_benchmarks.py",
 ]
 
