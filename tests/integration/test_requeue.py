@@ -1,4 +1,4 @@
-"""The requeue signal (issue 23 item 5): SIGUSR2 (SLURM's --signal before the time limit) or
+"""The requeue signal: SIGUSR2 (SLURM's --signal before the time limit) or
 SIGTERM (preemption) makes the training finish its step, checkpoint it and exit the way the
 launcher expects; the resumed run ends with the uninterrupted run's weights, bit for bit."""
 

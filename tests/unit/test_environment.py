@@ -110,7 +110,7 @@ def test_setup_installs_through_the_constraints_and_pyproject():
     assert 'pip install -c constraints.txt $isolation -e ".[$extras]"' in script
     assert "pip install --no-deps -c constraints.txt $nodeps" in script
     assert '["tool"]["depthbench"]["no-deps"]' in script
-    assert not list(REPO.glob("requirements*.txt")), "constraints.txt replaced them"
+    assert not list(REPO.glob("requirements*.txt")), "constraints.txt pins the versions"
 
 
 def test_installed_versions_are_the_pinned_ones():

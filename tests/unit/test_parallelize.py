@@ -203,7 +203,7 @@ def test_block_compile_matches_eager(arch):
 
 def _graphs(arch: str, n_layer: int, float_constant: str | None = None) -> int:
     model = tiny(arch, n_layer=n_layer)
-    if float_constant:  # the constant as the Python float it used to be (the control)
+    if float_constant:  # the constant as a Python float (the control)
         for block in model.blocks:
             value = float(block._buffers.pop(float_constant))
             setattr(block, float_constant, value)
