@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 
 from depthbench.models.cost import analytic_cost
-from depthbench.launch.local import ranks_per_run
+from depthbench.launch.executors import ranks_per_run
 from depthbench.train.memory import HEADROOM, estimate_memory
 
 DEFAULT_GPU = "H100 SXM"

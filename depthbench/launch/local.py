@@ -1,12 +1,14 @@
-"""Dispatch of training jobs through submitit: in-process, local subprocess, or SLURM.
+"""Dispatch of a run's training, probe, NLL and removal jobs through submitit: in-process, local
+subprocess, or SLURM (the executors: depthbench.launch.executors; what each job runs:
+depthbench.launch.jobs).
 
 The dispatching Snakemake job runs on the submitting host: it submits one submitit job per run,
-waits for it, and cancels it if Snakemake is interrupted. The submitted function is
-`Checkpointable`: on SLURM a preemption or time-out requeues it, and the requeued job resumes
-from the run's latest checkpoint (the function is idempotent: it always starts by loading one).
-A SLURM job's live state comes from `squeue` (depthbench.launch.slurm), so that re-attachment and a job
-lost without a result are seen on clusters without an accounting database (`sacct`). A failed
-job's stderr tail goes into the dispatcher's log (Snakemake's rule log) and its job record.
+waits for it, and cancels it if Snakemake is interrupted. The training job is `Checkpointable`:
+on SLURM a preemption or time-out requeues it, and the requeued job resumes from the run's
+latest checkpoint (the function is idempotent: it always starts by loading one). A SLURM job's
+live state comes from `squeue` (depthbench.launch.slurm), so that re-attachment and a job lost
+without a result are seen on clusters without an accounting database (`sacct`). A failed job's
+stderr tail goes into the dispatcher's log (Snakemake's rule log) and its job record.
 """
 
 from __future__ import annotations
@@ -20,157 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import submitit
-import submitit.local.debug
 
 from depthbench.spec.run import RunSpec
 from depthbench.util.io import atomic_write_json
 from depthbench.train.runcheck import check_run
 from depthbench.spec.schema import with_defaults
+from depthbench.launch.executors import make_executor, ranks_per_run
+from depthbench.launch.jobs import NLLJob, ProbeJob, RemovalJob, TrainingJob
 from depthbench.launch.slurm import LIVE_STATES, check_gpus, queue_state
 from depthbench.train.owner import process_identity
-
-BACKENDS = ("inline", "local", "slurm")
-
-
-class InlineJob(submitit.local.debug.DebugJob):
-    """submitit's debug job (the function runs in this process when its result is asked for),
-    except that a failure is raised as it is: the debug job opens a pdb post-mortem prompt, which
-    in a workflow job run from a terminal waits for input forever."""
-
-    def results(self):
-        self._check_not_cancelled()
-        if self._submission.done():
-            return [self._submission._result]
-        environ = dict(os.environ)
-        os.environ.clear()
-        os.environ.update(self.environ)  # the environment of submission time, as submitit's job
-        try:
-            return [self._submission.result()]
-        finally:
-            os.environ.clear()
-            os.environ.update(environ)
-
-
-class InlineExecutor(submitit.local.debug.DebugExecutor):
-    job_class = InlineJob
-
-    def _internal_process_submissions(self, delayed_submissions):
-        return [InlineJob(self.folder, ds) for ds in delayed_submissions]
-
-
-class TrainingJob(submitit.helpers.Checkpointable):
-    """The function submitit runs. `checkpoint` (inherited) resubmits it with the same
-    arguments; training state is on disk, so the resubmitted job continues the run."""
-
-    def __call__(
-        self,
-        spec: dict,
-        data_dir: str,
-        run_dir: str,
-        work_dir: str,
-        progress: bool = True,
-        owner: str | None = None,
-    ) -> dict:
-        """Train the run, holding its lock (one trainer per run, depthbench.train.owner) from before
-        anything is built until training returns; stop at a checkpoint once `owner` has ended."""
-        from depthbench.train import distributed
-        from depthbench.train.recipe import RunPaths
-        from depthbench.train.loop import train
-        from depthbench.train.owner import acquire_for_job
-
-        export_distributed_env()
-        run = RunSpec.from_dict(spec)
-        ctx, device_name = distributed.setup(
-            run.train.parallel, run.train.device
-        )  # train() finds it joined
-        lock = acquire_for_job(work_dir, run.run_id, ctx, device_name)
-        try:
-            return train(run, data_dir, RunPaths(run_dir, work_dir), progress=progress, owner=owner)
-        finally:
-            lock.release()
-
-
-def export_distributed_env() -> int:
-    """In a submitit job with several tasks (SLURM tasks, or local processes), set MASTER_ADDR,
-    MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK from submitit's job environment, so that
-    torch.distributed's env:// initialisation works without torchrun. Returns the world size."""
-    try:
-        env = submitit.JobEnvironment()
-        n_tasks = env.num_tasks
-    except Exception:  # not inside a submitit job (inline tests) or a debug job: one rank
-        return 1
-    if n_tasks > 1:
-        # CUDA_VISIBLE_DEVICES is left alone (asking torch about CUDA here could initialise it
-        # before the variable takes effect): each rank picks its GPU by LOCAL_RANK in
-        # depthbench.train.distributed.setup, whether SLURM shows a task all GPUs or one.
-        submitit.helpers.TorchDistributedEnvironment().export(
-            set_cuda_visible_devices=False, overwrite=True
-        )
-    return n_tasks
-
-
-def ranks_per_run(launcher: dict) -> int:
-    """How many training processes one run gets from the launcher settings."""
-    launcher = with_defaults("launcher", launcher)
-    backend = launcher["backend"]
-    if backend == "local":
-        return int(launcher["local_ranks"])
-    if backend == "slurm":
-        return int(launcher["slurm"]["nodes"]) * tasks_per_node(launcher["slurm"])
-    return 1
-
-
-def tasks_per_node(slurm: dict) -> int:
-    """SLURM tasks (torch.distributed ranks) per node: launcher.slurm.tasks_per_node, or one
-    per GPU, or one on a node without GPUs."""
-    if slurm["tasks_per_node"] is not None:
-        return int(slurm["tasks_per_node"])
-    return max(1, int(slurm["gpus_per_node"]))
-
-
-def make_executor(launcher: dict, folder: Path, threads: int):
-    launcher = with_defaults("launcher", launcher)
-    backend = launcher["backend"]
-    if backend == "inline":
-        return InlineExecutor(folder=folder)
-    if backend == "local":
-        executor = submitit.LocalExecutor(folder=folder)
-        executor.update_parameters(
-            timeout_min=int(launcher["slurm"]["time_min"]),
-            tasks_per_node=int(launcher["local_ranks"]),
-        )
-        return executor
-    if backend == "slurm":
-        executor = submitit.SlurmExecutor(
-            folder=folder, max_num_timeout=launcher["slurm"]["max_num_timeout"]
-        )
-        executor.update_parameters(**slurm_parameters(launcher))
-        return executor
-    raise ValueError(f"launcher.backend {backend!r}; valid: {BACKENDS}")
-
-
-def slurm_parameters(launcher: dict) -> dict[str, Any]:
-    """sbatch settings (submitit SlurmExecutor names) from config['launcher']['slurm']."""
-    s = with_defaults("launcher", launcher)["slurm"]
-    params: dict[str, Any] = {
-        "job_name": "depthbench",
-        "time": int(s["time_min"]),
-        "nodes": int(s["nodes"]),
-        "gpus_per_node": int(s["gpus_per_node"]),
-        # one task per GPU by default, each a torch.distributed rank (depthbench.train.distributed)
-        "ntasks_per_node": tasks_per_node(s),
-        "cpus_per_task": int(s["cpus_per_task"]),
-        "mem": f"{int(s['mem_gb'])}GB",
-        # SIGUSR2 this long before the time limit: submitit then calls checkpoint() and requeues.
-        "signal_delay_s": 120,
-    }
-    if s["partition"]:
-        params["partition"] = s["partition"]
-    if s["account"]:
-        params["account"] = s["account"]
-    if s["extra"]:
-        params["additional_parameters"] = dict(s["extra"])
-    return params
 
 
 def _live_slurm_job(folder: Path, record: Path):
@@ -214,50 +74,6 @@ def _stderr_tail(job, lines: int = 40) -> str:
     except Exception as exc:  # a log that cannot be read must not hide the job's own error
         text = f"(stderr unreadable: {exc})"
     return "\n".join(text.rstrip().splitlines()[-lines:])
-
-
-class ProbeJob:
-    """The probe stage of one run, run by submitit like training (not checkpointable: a probe
-    job is short and simply runs again)."""
-
-    def __call__(
-        self, spec: dict, data_dir: str, run_dir: str, out_path: str, settings: dict
-    ) -> dict:
-        from depthbench.probes.run import run_probes
-
-        return run_probes(spec, data_dir, run_dir, out_path, settings)
-
-
-class NLLJob:
-    """The NLL stage of one run (short, not checkpointable: it simply runs again)."""
-
-    def __call__(
-        self, spec: dict, run_dir: str, sets_path: str, out_path: str, settings: dict
-    ) -> dict:
-        from depthbench.evals.run import run_nll
-
-        return run_nll(spec, run_dir, sets_path, out_path, settings)
-
-
-class RemovalJob:
-    """The removal stage of one run (short, not checkpointable: it simply runs again)."""
-
-    def __call__(
-        self,
-        spec: dict,
-        data_dir: str,
-        run_dir: str,
-        probes_path: str,
-        sets_path: str,
-        out_path: str,
-        settings: dict,
-        probe_settings: dict,
-    ) -> dict:
-        from depthbench.probes.removal_run import run_removal
-
-        return run_removal(
-            spec, data_dir, run_dir, probes_path, sets_path, out_path, settings, probe_settings
-        )
 
 
 def submit_and_wait(
@@ -387,7 +203,8 @@ def dispatch_probes(
     threads: int = 1,
 ) -> dict:
     """Submit the probe stage of `spec` like its training, wait, and return its report; the run's
-    identity and final weights are checked first (depthbench.train.runcheck), before any submission."""
+    identity and final weights are checked first (depthbench.train.runcheck), before any
+    submission."""
     check_run(run_dir, spec)
     settings = _local_threads(settings, launcher, threads)
     args = (spec.to_dict(), str(data_dir), str(run_dir), str(out_path), settings)
@@ -407,7 +224,8 @@ def dispatch_nll(
     threads: int = 1,
 ) -> dict:
     """Submit the NLL stage of `spec` like its training, wait, and return its report; the run's
-    identity and final weights are checked first (depthbench.train.runcheck), before any submission."""
+    identity and final weights are checked first (depthbench.train.runcheck), before any
+    submission."""
     check_run(run_dir, spec)
     settings = _local_threads(settings, launcher, threads)
     args = (spec.to_dict(), str(run_dir), str(sets_path), str(out_path), settings)

@@ -2,10 +2,10 @@
 it, then the process exits the way whoever sent the signal expects.
 
 SLURM signals a job before it ends it: `--signal=USR2@120` (the launcher's `signal_delay_s`,
-depthbench.launch.local.slurm_parameters) 120 s before the time limit, and SIGTERM on preemption,
-`scontrol requeue` or `scancel` (SIGKILL follows after the cluster's KillWait). Without this hook
-a requeued job loses everything since the last periodic checkpoint (up to `checkpoint_every`
-steps).
+depthbench.launch.executors.slurm_parameters) 120 s before the time limit, and SIGTERM on
+preemption, `scontrol requeue` or `scancel` (SIGKILL follows after the cluster's KillWait).
+Without this hook a requeued job loses everything since the last periodic checkpoint (up to
+`checkpoint_every` steps).
 
 `RequeueHook` replaces the handlers of SIGUSR2 and SIGTERM for the duration of the loop (not one
 that was ignored: SIG_IGN stays). The handler only records the signal. After each step (after

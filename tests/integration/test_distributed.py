@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from depthbench.launch.local import dispatch, slurm_parameters
+from depthbench.launch.executors import slurm_parameters
+from depthbench.launch.local import dispatch
 from depthbench.train.recipe import RunPaths
 from depthbench.train.loop import train
 
@@ -72,13 +73,14 @@ def test_two_gloo_ranks_match_one_rank(tiny_data, one_rank, tmp_path, parallel):
 def _interrupted_two_ranks(spec, data_dir, paths) -> None:
     """Train `spec` on 2 gloo ranks for 6 steps (asynchronous checkpoint at step 4, blocking one
     at 6 where the process stops)."""
-    from depthbench.launch.local import local as launch
+    from depthbench.launch.jobs import TrainingJob, export_distributed_env
+    from depthbench.launch.local import submit_and_wait
 
-    class Interrupted(launch.TrainingJob):
+    class Interrupted(TrainingJob):
         def __call__(self, spec, data_dir, run_dir, work_dir, progress=True):
             from depthbench.spec.run import RunSpec
 
-            launch.export_distributed_env()
+            export_distributed_env()
             return train(
                 RunSpec.from_dict(spec),
                 data_dir,
@@ -88,7 +90,7 @@ def _interrupted_two_ranks(spec, data_dir, paths) -> None:
             )
 
     args = (spec.to_dict(), str(data_dir), str(paths.run_dir), str(paths.work_dir), False)
-    out = launch.submit_and_wait(
+    out = submit_and_wait(
         Interrupted(),
         args,
         "interrupted",

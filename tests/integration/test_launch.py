@@ -17,7 +17,8 @@ import pytest
 from depthbench.grid.config import expand_grid
 from depthbench.spec.schema import load_config
 from depthbench.util.errors import ConfigError
-from depthbench.launch.local import dispatch, make_executor, slurm_parameters
+from depthbench.launch.executors import make_executor, slurm_parameters
+from depthbench.launch.local import dispatch
 from tests.conftest import REPO, tiny_config, wait_until_gone
 
 pytestmark = pytest.mark.slow

@@ -126,7 +126,7 @@ def test_a_second_trainer_of_a_running_run_refuses_at_once_naming_the_first(tiny
                 sys.executable,
                 "-c",
                 "import json, sys\n"
-                "from depthbench.launch.local import TrainingJob\n"
+                "from depthbench.launch.jobs import TrainingJob\n"
                 "TrainingJob()(json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3], sys.argv[4])\n",
                 str(spec_file),
                 str(shards),

@@ -614,7 +614,7 @@ def test_launcher_slurm_fields_reach_sbatch(tmp_path):
 
 def test_a_job_killed_without_a_result_is_reported_not_waited_for(tmp_path, monkeypatch):
     """Without accounting submitit sees no job state and would wait forever; squeue shows it."""
-    from depthbench.launch.local import local as launch
+    import depthbench.launch.local as launch
 
     def killed():  # what the kernel's OOM killer does to a job
         import os

@@ -14,7 +14,7 @@ def train_threads(wildcards):
     return 1 if config["launcher"]["backend"] == "slurm" else config["train"]["threads"]
 
 
-from depthbench.launch.local import ranks_per_run
+from depthbench.launch.executors import ranks_per_run
 
 RANKS_PER_RUN = ranks_per_run(config["launcher"])
 

@@ -1,5 +1,5 @@
 """`depthbench rehearse CONFIG --out DIR`: every architecture of a preset at its real size on this
-machine, before a cluster sees it (issue 22, item 3).
+machine, before a cluster sees it.
 
 For each architecture, its widest shape (largest d_model) and its deepest (largest n_layer), as
 the shape solver resolves them for the workflow (depthbench.grid.config.expand_grid):
@@ -52,7 +52,7 @@ from unittest import mock
 
 import torch
 
-from depthbench.launch.local import ranks_per_run
+from depthbench.launch.executors import ranks_per_run
 from depthbench.models.registry import build_model
 from depthbench.commands.plan import CHECKPOINT_BYTES_PER_PARAM
 from depthbench.commands.rehearse.rss import PeakRSS
