@@ -16,7 +16,8 @@ from depthbench.grid.ids import run_id_of
 from depthbench.models.config import ModelConfig
 from depthbench.models.registry import canonical_arch
 from depthbench.models.registry import declared_options, registered_architectures
-from depthbench.spec.shapes import Shape, shape_of, solve_ratio, solve_width
+from depthbench.spec.shape_count import Shape, shape_of
+from depthbench.spec.shapes import solve_ratio, solve_width
 from depthbench.spec.run import RunSpec
 from depthbench.spec.training import TrainConfig
 

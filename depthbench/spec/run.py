@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from depthbench.models.config import ModelConfig
-from depthbench.spec.shapes import Shape
+from depthbench.spec.shape_count import Shape
 from depthbench.spec.training import TrainConfig
 
 

@@ -1,11 +1,10 @@
 """Shape solver: at a fixed parameter budget, pick d_model for a depth (or a depth for a ratio).
 
-Parameters are counted on the model as built (embeddings, norms and any extra parameters of the
-architecture included), by instantiating it on the meta device, so the solver is exact for every
-registered architecture without a closed form per architecture.
+Parameters are counted on the model as built (depthbench.spec.shape_count), so the solver is
+exact for every registered architecture without a closed form per architecture.
 
 The budget is fixed to `budget.tolerance` (default 1%) per architecture and shape:
-d_model is picked on its multiple as before (the width whose model with SwiGLU's d_ff = 8/3
+d_model is picked on its multiple (the width whose model with SwiGLU's d_ff = 8/3
 d_model comes closest), so the 400M preset keeps the paper's widths; then d_ff absorbs the
 residual on a finer multiple (`budget.d_ff_step`, default 8) inside 8/3 d_model +- 15%, which
 moves the count in steps of 3 d_model n_layer d_ff_step. Each architecture gets its own d_ff
@@ -17,83 +16,14 @@ with d_ff inside the band) and d_ff_step 4. Explicit `n_layer` + `d_model` shape
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass, replace
-from functools import lru_cache
 
 from depthbench.util.errors import ConfigError
-from depthbench.models.config import ModelConfig, swiglu_hidden
-from depthbench.models.registry import count_parameters
+from depthbench.models.config import ModelConfig
+from depthbench.spec.shape_count import Shape, extrapolated_params, shape_of
 
 FF_RATIO = 8 / 3  # SwiGLU's d_ff / d_model (LLaMA)
 FF_BAND = 0.15  # d_ff / d_model stays within 15% of 8/3 while absorbing the budget residual
-
-
-@dataclass(frozen=True)
-class Shape:
-    n_layer: int
-    d_model: int
-    d_ff: int
-    n_head: int
-    n_kv_head: int
-    n_params: int
-
-    @property
-    def ratio(self) -> float:
-        return self.d_model / self.n_layer
-
-    @property
-    def tag(self) -> str:
-        return f"L{self.n_layer}-d{self.d_model}"
-
-
-def _config_for(
-    base: ModelConfig, n_layer: int, d_model: int, d_ff: int | None, ff_multiple: int
-) -> ModelConfig:
-    return replace(
-        base,
-        n_layer=n_layer,
-        d_model=d_model,
-        d_ff=d_ff if d_ff is not None else swiglu_hidden(d_model, ff_multiple),
-    )
-
-
-def _params(
-    base: ModelConfig, n_layer: int, d_model: int, d_ff: int | None, ff_multiple: int
-) -> int:
-    """Parameter count as built; fast path extrapolates from the 1- and 2-layer models.
-
-    Every architecture's parameter count is affine in depth at fixed width (identical blocks
-    plus depth-independent embeddings). The search uses that; `_exact` checks the final pick.
-    """
-    key = json.dumps(base.to_dict(), sort_keys=True)
-    p1 = _params_cached(key, 1, d_model, d_ff, ff_multiple)
-    p2 = _params_cached(key, 2, d_model, d_ff, ff_multiple)
-    return p1 + (n_layer - 1) * (p2 - p1)
-
-
-def _exact(
-    base: ModelConfig, n_layer: int, d_model: int, d_ff: int | None, ff_multiple: int
-) -> int:
-    exact = _params_cached(
-        json.dumps(base.to_dict(), sort_keys=True), n_layer, d_model, d_ff, ff_multiple
-    )
-    predicted = _params(base, n_layer, d_model, d_ff, ff_multiple)
-    if exact != predicted:
-        raise AssertionError(
-            f"architecture {base.arch!r}: parameter count is not affine in depth "
-            f"({exact} built vs {predicted} extrapolated); the shape solver needs an exact search"
-        )
-    return exact
-
-
-@lru_cache(maxsize=8192)
-def _params_cached(
-    base_json: str, n_layer: int, d_model: int, d_ff: int | None, ff_multiple: int
-) -> int:
-    base = ModelConfig.from_dict(json.loads(base_json))
-    return count_parameters(_config_for(base, n_layer, d_model, d_ff, ff_multiple))
 
 
 def _valid_width(d_model: int, base: ModelConfig) -> bool:
@@ -113,13 +43,15 @@ def _pick_width(
     # Parameters grow monotonically with width: binary search for the first width over budget.
     while lo < hi:
         mid = (lo + hi) // 2
-        if _params(base, n_layer, candidates[mid], d_ff, ff_multiple) < budget:
+        if extrapolated_params(base, n_layer, candidates[mid], d_ff, ff_multiple) < budget:
             lo = mid + 1
         else:
             hi = mid
     return min(
         (i for i in (lo - 1, lo) if 0 <= i < len(candidates)),
-        key=lambda i: abs(_params(base, n_layer, candidates[i], d_ff, ff_multiple) - budget),
+        key=lambda i: abs(
+            extrapolated_params(base, n_layer, candidates[i], d_ff, ff_multiple) - budget
+        ),
     )
 
 
@@ -142,18 +74,18 @@ def _close_gap(
     lo, hi = ff_band(d_model, ff_step)
     if lo > hi:
         return None
-    p_lo = _params(base, n_layer, d_model, lo, ff_step)
+    p_lo = extrapolated_params(base, n_layer, d_model, lo, ff_step)
     if hi == lo:
         return lo, p_lo
-    slope = (_params(base, n_layer, d_model, hi, ff_step) - p_lo) / (hi - lo)
+    slope = (extrapolated_params(base, n_layer, d_model, hi, ff_step) - p_lo) / (hi - lo)
     k = round((budget - p_lo) / slope / ff_step)
     d_ff = min(hi, max(lo, lo + k * ff_step))
-    n_params = _params(base, n_layer, d_model, d_ff, ff_step)
+    n_params = extrapolated_params(base, n_layer, d_model, d_ff, ff_step)
     if n_params == p_lo + round(slope * (d_ff - lo)):
         return d_ff, n_params  # affine as expected: the rounded solution is the closest
     options = {min(hi, max(lo, d_ff + j * ff_step)) for j in (-1, 0, 1)}
     return min(
-        ((f, _params(base, n_layer, d_model, f, ff_step)) for f in options),
+        ((f, extrapolated_params(base, n_layer, d_model, f, ff_step)) for f in options),
         key=lambda fp: abs(fp[1] - budget),
     )
 
@@ -183,12 +115,12 @@ def _width_pick(
     if not candidates:
         raise ConfigError(field, f"no multiple of {multiple} is divisible by n_head {base.n_head}")
     i = _pick_width(base, n_layer, budget, candidates, d_ff, ff_multiple)
-    n_params = _params(base, n_layer, candidates[i], d_ff, ff_multiple)
+    n_params = extrapolated_params(base, n_layer, candidates[i], d_ff, ff_multiple)
     if abs(n_params - budget) > 0.5 * budget:
         raise ConfigError(
             field,
-            f"impossible shape: at n_layer={n_layer} the closest width d_model={candidates[i]} gives "
-            f"{n_params:,} parameters, more than 50% away from the budget {budget:,.0f}; "
+            f"impossible shape: at n_layer={n_layer} the closest width d_model={candidates[i]} "
+            f"gives {n_params:,} parameters, more than 50% away from the budget {budget:,.0f}; "
             "use fewer layers or a larger budget",
         )
     return candidates, i
@@ -226,13 +158,13 @@ def solve_width(
         window = [j for j in range(i - 3, i + 4) if 0 <= j < len(candidates) and j != i]
         yield from sorted(
             (candidates[j] for j in window),
-            key=lambda d: abs(_params(base, n_layer, d, d_ff, ff_multiple) - budget),
+            key=lambda d: abs(extrapolated_params(base, n_layer, d, d_ff, ff_multiple) - budget),
         )
 
     reached: list[tuple[int, int, int]] = []  # (parameters, d_model, d_ff) missing the tolerance
     for d_model in widths():
         if d_ff is not None:  # pinned: only d_model moves
-            got = (d_ff, _params(base, n_layer, d_model, d_ff, ff_multiple))
+            got = (d_ff, extrapolated_params(base, n_layer, d_model, d_ff, ff_multiple))
         else:
             got = _close_gap(base, n_layer, d_model, budget, ff_step)
         if got is None:
@@ -262,21 +194,6 @@ def _unreachable(
         f"at n_layer={n_layer} no shape is within budget.tolerance {tolerance:g} of the budget "
         f"{budget:,.0f} parameters; the nearest reachable counts are {nearest or 'none'}; "
         f"{fix}or a larger budget.tolerance"
-    )
-
-
-def shape_of(
-    base: ModelConfig, n_layer: int, d_model: int, d_ff: int | None = None, ff_multiple: int = 64
-) -> Shape:
-    """The shape with explicit width (d_ff defaults to 8/3 d rounded to `ff_multiple`)."""
-    cfg = _config_for(base, n_layer, d_model, d_ff, ff_multiple)
-    return Shape(
-        n_layer=n_layer,
-        d_model=d_model,
-        d_ff=cfg.d_ff,
-        n_head=cfg.n_head,
-        n_kv_head=cfg.n_kv_head,
-        n_params=_exact(base, n_layer, d_model, d_ff, ff_multiple),
     )
 
 

@@ -27,7 +27,7 @@ from depthbench.spec.schema import load_config
 from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model
 from depthbench.commands.rehearse.rss import PeakRSS
-from depthbench.spec.shapes import shape_of
+from depthbench.spec.shape_count import shape_of
 from depthbench.spec.run import RunSpec
 from depthbench.spec.training import TrainConfig
 from tests.conftest import REPO, tiny_config
