@@ -215,7 +215,7 @@ def _rewrite_parquet(path: Path, new: str) -> None:
 
 def _rewrite_checkpoints(work: Path, new: str) -> None:
     from depthbench.train import listing
-    from depthbench.train.checkpoint import MANIFEST, checksum_path, list_checkpoints
+    from depthbench.train.checkpoint_folder import MANIFEST, checksum_path, list_checkpoints
 
     for _, folder in list_checkpoints(work):
         manifest_path = folder / MANIFEST

@@ -36,7 +36,7 @@ from pathlib import Path
 from depthbench.grid.expand import Experiment
 from depthbench.spec.run import short_hash
 from depthbench.util.errors import DataError
-from depthbench.train.checkpoint import list_checkpoints, verify_checkpoint
+from depthbench.train.checkpoint_folder import list_checkpoints, verify_checkpoint
 
 RESULTS = "results"  # the workflow's output folder (the Snakefile's RESULTS), relative to the working directory
 

@@ -1,24 +1,11 @@
-"""Resumable training checkpoints, sharded with torch.distributed.checkpoint (DCP).
+"""Resumable training checkpoints, sharded with torch.distributed.checkpoint (DCP): saving and
+loading the folders whose layout, atomic completion and verification
+depthbench.train.checkpoint_folder holds.
 
-A checkpoint is the folder `step_NNNNNNNN/` in the run's work folder (never a Snakemake output,
-which would be deleted when a job fails):
-
-- `__<rank>_0.distcp`: each rank's own tensors (FSDP2 shards as shards; no rank gathers the full
-  state), and DCP's `.metadata` (written by rank 0), see depthbench.train.dcp_io;
-- `rank_<r>.safetensors`: that rank's own tensors outside the model (RNG states), and
-  `rank_<r>.sha256`: the sha256 of each file rank r wrote, computed by rank r;
-- `state.json`: the non-tensor state (run id, step, ranks, the caller's `meta`: schedule, data
-  position, optimizer hyperparameters...) and the sha256 of every file; `state.json.sha256` its
-  own checksum (sha256sum format).
-
-Completion is atomic: everything is written into `step_NNNNNNNN.tmp/`; rank 0, once DCP has
-gathered every rank's write results (so every part and listing exists), writes `state.json`,
-then its checksum, then renames the folder. A kill at any moment leaves the previous checkpoint
-in use and a `.tmp` folder that the next save removes. A checkpoint counts only when its
-`state.json.sha256` matches and every listed file matches its sha256; one that does not is
-reported (name and reason) and the previous one is used, as is one whose tensor data is not
-the tensors its metadata describes (checked before any of it reaches the model). Nothing on
-load runs code: JSON, safetensors, DCP metadata through an allow-list unpickler, tensor data with weights_only=True.
+A checkpoint that fails its checksums is reported (name and reason) and the previous one is
+used, as is one whose tensor data is not the tensors its metadata describes (checked before any
+of it reaches the model). Nothing on load runs code: JSON, safetensors, DCP metadata through an
+allow-list unpickler, tensor data with weights_only=True.
 
 Asynchronous saving (`dcp.async_save`) is used when there is a process group (several ranks):
 the state is copied to CPU memory (DCP's staging), then written by a background thread over a
@@ -26,9 +13,6 @@ dedicated gloo group, so it never interleaves with training collectives. With on
 `dcp.save` writes synchronously: those are the CPU runs of small models, where a save takes
 milliseconds and the staging copy plus a thread would buy nothing. `save(blocking=True)` (the
 requeue signal, the end of a stopped run) waits.
-
-Single-file checkpoints of earlier versions (`step_NNNNNNNN.pt`) are not loaded: a folder holding
-only such files is refused with a message saying so (a resume would silently restart otherwise).
 """
 
 from __future__ import annotations
@@ -36,8 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
-import shutil
 import sys
 import warnings
 from dataclasses import dataclass
@@ -47,63 +29,20 @@ from typing import Any
 import torch
 
 from depthbench.util.errors import CheckpointError
-from depthbench.util.io import atomic_write, atomic_write_json
-from depthbench.train import (
-    listing,
-)  # DCP itself (depthbench.train.dcp_io) only where a checkpoint is written or read
+from depthbench.util.io import atomic_write
+from depthbench.train.checkpoint_folder import (
+    FORMAT,
+    MANIFEST,
+    agreed_reason,
+    check_identity,
+    checkpoint_path,
+    complete_checkpoint,
+    list_checkpoints,
+    refuse_legacy,
+    remove_strays,
+)
 
-FORMAT = "depthbench-dcp-1"
-MANIFEST = "state.json"
-CHECKSUM_SUFFIX = ".sha256"
-_NAME = re.compile(r"^step_(\d{8})$")
-_LEGACY = re.compile(r"^step_(\d{8})\.pt$")
-
-
-def checkpoint_path(folder: str | os.PathLike, step: int) -> Path:
-    return Path(folder) / f"step_{step:08d}"
-
-
-def checksum_path(path: str | os.PathLike) -> Path:
-    """The checksum of a checkpoint's manifest: written last, a checkpoint counts only with it."""
-    return Path(path) / (MANIFEST + CHECKSUM_SUFFIX)
-
-
-def list_checkpoints(folder: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Every completed (renamed) checkpoint folder, oldest first (verified or not: see `verify_checkpoint`)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    return sorted(
-        (int(m.group(1)), folder / n)
-        for n in os.listdir(folder)
-        if (m := _NAME.match(n)) and (folder / n).is_dir()
-    )
-
-
-def verify_checkpoint(path: str | os.PathLike, share: tuple[int, int] = (0, 1)) -> str | None:
-    """None when the checkpoint at `path` is complete and intact, else the reason it is not.
-    `share` = (i, n) checks only every n-th listed file from the i-th (ranks split the reading)."""
-    path = Path(path)
-    side = checksum_path(path)
-    if not side.is_file():
-        return f"no checksum file {side.name} (the write was interrupted, or it was not written by DepthBench)"
-    try:
-        recorded = listing.read_listing(side)
-    except ValueError:
-        recorded = {}
-    if set(recorded) != {MANIFEST}:
-        return f"checksum file {side.name} is malformed (expected '<sha256>  {MANIFEST}')"
-    actual = listing.file_sha256(path / MANIFEST)
-    if actual != recorded[MANIFEST]:
-        return f"{MANIFEST}: sha256 {actual[:12]}... does not match the recorded {recorded[MANIFEST][:12]}... (corrupt)"
-    files = json.loads((path / MANIFEST).read_text()).get("files", {})
-    for name in sorted(files)[share[0] :: share[1]]:
-        if not (path / name).is_file():
-            return f"file {name} is missing"
-        actual = listing.file_sha256(path / name)
-        if actual != files[name]:
-            return f"file {name}: sha256 {actual[:12]}... does not match the recorded {files[name][:12]}... (the file is corrupt)"
-    return None
+# DCP itself (depthbench.train.dcp_io) is imported only where a checkpoint is written or read.
 
 
 @dataclass
@@ -165,7 +104,7 @@ class Checkpointer:
         self.wait()  # one save at a time: the previous one is complete before this one starts
         final, tmp = checkpoint_path(self.folder, step), self.folder / f"step_{step:08d}.tmp"
         if self.rank == 0:
-            self._remove_strays()
+            remove_strays(self.folder)
         self._barrier()  # nobody writes into the new folder before the strays are gone
         tmp.mkdir(parents=True, exist_ok=True)
         rank_file = f"rank_{self.rank}.safetensors"
@@ -179,7 +118,10 @@ class Checkpointer:
             "meta": meta or {},
         }
         writer = dcp_io.HashingWriter(
-            tmp, self.rank, [rank_file], lambda: self._complete(tmp, final, manifest)
+            tmp,
+            self.rank,
+            [rank_file],
+            lambda: complete_checkpoint(self.folder, tmp, final, manifest, self.world, self.keep),
         )
         self.last_step = step
         if self.asynchronous and not blocking:
@@ -204,34 +146,6 @@ class Checkpointer:
             self.pending = None
             future.result()
 
-    def _complete(self, tmp: Path, final: Path, manifest: dict) -> None:
-        """On rank 0, once every rank's files and listing exist: manifest, checksum, rename, prune."""
-        files: dict[str, str] = {}
-        for r in range(self.world):
-            files.update(listing.read_listing(tmp / listing.rank_listing(r)))
-        files[listing.METADATA] = listing.file_sha256(tmp / listing.METADATA)
-        atomic_write_json(tmp / MANIFEST, {**manifest, "files": files})
-        listing.write_listing(
-            tmp, checksum_path(tmp).name, [MANIFEST]
-        )  # last: the checkpoint counts from here
-        _fsync_dir(tmp)
-        if final.exists():  # the same step saved again (a resume from an older checkpoint)
-            trash = final.with_name(f".{final.name}.replaced.tmp")
-            os.replace(final, trash)
-            shutil.rmtree(trash, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
-        for _, old in list_checkpoints(self.folder)[: -self.keep]:
-            checksum_path(old).unlink(missing_ok=True)  # first: a half-deleted folder never counts
-            shutil.rmtree(old, ignore_errors=True)
-
-    def _remove_strays(self) -> None:
-        """Folders left by a write killed before its rename (no save is in flight: `wait` ran)."""
-        for stray in [*self.folder.glob("step_*.tmp"), *self.folder.glob(".step_*.tmp")]:
-            shutil.rmtree(stray, ignore_errors=True) if stray.is_dir() else stray.unlink(
-                missing_ok=True
-            )
-
     def _barrier(self) -> None:
         if self.group is not None:
             import torch.distributed as dist
@@ -243,7 +157,7 @@ class Checkpointer:
         """The folder's checkpoints, oldest first; none beside a legacy checkpoint is an error."""
         found = list_checkpoints(self.folder)
         if not found:
-            _refuse_legacy(self.folder)
+            refuse_legacy(self.folder)
         return found
 
     def has_checkpoints(self) -> bool:
@@ -270,7 +184,7 @@ class Checkpointer:
 
         rejected = []
         for step, path in reversed(found):
-            reason = self._agreed_reason(path)
+            reason = agreed_reason(path, self.rank, self.world, self.group)
             if reason is not None:
                 rejected.append(path.name)
                 self._say(
@@ -278,7 +192,7 @@ class Checkpointer:
                 )
                 continue
             manifest = json.loads((path / MANIFEST).read_text())
-            _check_identity(path, manifest, run_id, step)
+            check_identity(path, manifest, run_id, step)
             try:
                 with _single_process_quiet():
                     dcp.load(
@@ -308,33 +222,6 @@ class Checkpointer:
             )
         return None
 
-    def _agreed_reason(self, path: Path) -> str | None:
-        """`verify_checkpoint`, DCP's metadata read without executing code and every tensor's
-        data checked against it (dcp_io.check_tensor_data), the files and tensors split among the
-        ranks, the verdict the same on all. Nothing is copied into the model before this passes."""
-        from depthbench.train import dcp_io
-
-        share = (self.rank, self.world)
-        reason = verify_checkpoint(path, share)
-        if reason is None:
-            try:
-                reason = dcp_io.check_tensor_data(path, dcp_io.read_metadata(path), share)
-            except ValueError as exc:
-                reason = str(exc)
-        if self.group is None:
-            return reason
-        import torch.distributed as dist
-
-        bad = torch.tensor([int(reason is not None)])
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
-        if reason is not None:
-            print(f"rank {self.rank}: checkpoint {path}: {reason}", file=sys.stderr)
-        return (
-            (reason or "a file failed verification on another rank (see its log)")
-            if bad.item()
-            else None
-        )
-
     def _rank_tensors(self, path: Path, manifest: dict) -> dict[str, torch.Tensor]:
         """This rank's own tensors; a rank the checkpoint did not have (resumed with more ranks)
         takes rank 0's."""
@@ -352,21 +239,6 @@ class Checkpointer:
             print(text, file=sys.stderr)
 
 
-def _check_identity(path: Path, manifest: dict, run_id: str, step: int) -> None:
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{path}: format {manifest.get('format')!r}, this version reads {FORMAT!r}"
-        )
-    if manifest.get("run_id") != run_id:
-        raise CheckpointError(
-            f"{path} belongs to run {manifest.get('run_id')!r}, not {run_id!r}; move it away"
-        )
-    if manifest.get("step") != step:
-        raise CheckpointError(
-            f"{path}: folder name says step {step}, content says {manifest.get('step')}"
-        )
-
-
 def _cause(exc: BaseException) -> str:
     """The first rank's error inside DCP's CheckpointException (which names only the ranks)."""
     failures = getattr(exc, "failures", None)
@@ -377,30 +249,12 @@ def _cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
 
 
-def _refuse_legacy(folder: Path) -> None:
-    legacy = sorted(n for n in os.listdir(folder) if _LEGACY.match(n)) if folder.is_dir() else []
-    if legacy:
-        raise CheckpointError(
-            f"{folder}: {legacy[-1]} is a single-file checkpoint of an earlier DepthBench version; "
-            "this version resumes only from sharded (DCP) checkpoint folders. Finish the run with "
-            "the earlier version, or delete the step_*.pt files to train it again from step 0"
-        )
-
-
 @contextlib.contextmanager
 def _single_process_quiet():
     """DCP warns on every single-process save/load that it assumes one process: that is meant."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(

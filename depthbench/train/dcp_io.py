@@ -8,7 +8,7 @@ FSDP2 shards; under DDP an even share of the replicated tensors, DCP's de-duplic
 the rank hashes its own files and writes `rank_<r>.sha256` (sha256sum format), so no process
 reads another rank's bytes. DCP's save protocol then gathers every rank's write results to the
 coordinator (rank 0) and calls `finish` there: by then every rank's data and listing exist.
-`finish` writes DCP's `.metadata` and hands over to `on_finish` (depthbench.train.checkpoint:
+`finish` writes DCP's `.metadata` and hands over to `on_finish` (depthbench.train.checkpoint_folder:
 manifest, rename). Under `dcp.async_save` all of this runs in DCP's background thread.
 
 Reading (`SafeReader`): DCP's own `.metadata` is a pickle, read by `pickle.load`, and DCP loads

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from depthbench.train.checkpoint import checksum_path, list_checkpoints
+from depthbench.train.checkpoint_folder import checksum_path, list_checkpoints
 from tests.conftest import REPO
 from tests.run_outputs import load_newest, save_step
 
@@ -19,6 +19,7 @@ from tests.run_outputs import load_newest, save_step
 _KILL_SCRIPT = """
 import os, sys, time, torch
 from depthbench.train import checkpoint as ck
+from depthbench.train import checkpoint_folder
 folder, where = sys.argv[1], sys.argv[2]
 state = lambda s: {"model": {"w": torch.full((4096,), float(s))}}
 ck.save_checkpoint(folder, 1, "r", state(1))
@@ -28,7 +29,7 @@ def hang(*args):
 if where == "data":  # the new checkpoint's files are being written into step_2.tmp/
     os.fsync = hang
 else:  # its manifest and checksum are written, the folder not yet renamed
-    ck._fsync_dir = hang
+    checkpoint_folder._fsync_dir = hang
 ck.save_checkpoint(folder, 2, "r", state(2))
 """
 

@@ -120,7 +120,7 @@ def _saved_by_each_rank(checkpoint, parallel: str) -> None:
 def test_checkpoint_of_two_ranks_resumes_with_one(tiny_data, one_rank, tmp_path):
     """Train 2 ranks (FSDP2, sharded) until a checkpoint is written and the job stops; resume
     with 1 rank: the loss curve continues as the uninterrupted run's."""
-    from depthbench.train.checkpoint import list_checkpoints
+    from depthbench.train.checkpoint_folder import list_checkpoints
 
     spec = _spec(tiny_data, "fsdp")
     paths = RunPaths(tmp_path / "run", tmp_path / "work")
@@ -146,7 +146,7 @@ def test_asynchronous_ddp_checkpoint_resumes_under_fsdp2(tiny_data, one_rank, tm
     and 6 trained, is the one kept: 2 FSDP2 ranks resume from it to the uninterrupted weights."""
     import shutil
 
-    from depthbench.train.checkpoint import list_checkpoints
+    from depthbench.train.checkpoint_folder import list_checkpoints
 
     paths = RunPaths(tmp_path / "run", tmp_path / "work")
     _interrupted_two_ranks(_spec(tiny_data, "ddp"), tiny_data[2], paths)

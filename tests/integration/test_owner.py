@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from depthbench.train.checkpoint import list_checkpoints, verify_checkpoint
+from depthbench.train.checkpoint_folder import list_checkpoints, verify_checkpoint
 from depthbench.train.owner import (
     LOCK_NAME,
     RunLock,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from depthbench.train.checkpoint import list_checkpoints
+from depthbench.train.checkpoint_folder import list_checkpoints
 from depthbench.train.recipe import RunPaths
 from depthbench.train.loop import train
 from tests.conftest import REPO

@@ -77,7 +77,7 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.25):
 
 
 def checkpoint_steps(work: Path) -> list[int]:
-    from depthbench.train.checkpoint import list_checkpoints
+    from depthbench.train.checkpoint_folder import list_checkpoints
 
     return [step for step, _ in list_checkpoints(work / "checkpoints")]
 

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from depthbench.util.errors import CheckpointError
-from depthbench.train.checkpoint import list_checkpoints, load_latest, save_checkpoint
+from depthbench.train.checkpoint import load_latest, save_checkpoint
+from depthbench.train.checkpoint_folder import list_checkpoints
 
 
 def _tensors(value: float) -> dict:

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from depthbench.train.checkpoint import checksum_path, list_checkpoints, load_latest
+from depthbench.train.checkpoint import load_latest
+from depthbench.train.checkpoint_folder import checksum_path, list_checkpoints
 from tests.conftest import REPO
 from tests.run_outputs import load_newest, save_step
 

@@ -18,7 +18,7 @@ from depthbench.util.io import atomic_write_json
 from depthbench.commands.rename import plan_renames, rename_runs
 from depthbench.train.runcheck import read_summary
 from depthbench.train import listing
-from depthbench.train.checkpoint import MANIFEST, checksum_path
+from depthbench.train.checkpoint_folder import MANIFEST, checksum_path
 from tests.conftest import tiny_config
 
 

@@ -12,7 +12,7 @@ import pytest
 from depthbench.grid.config import expand_grid
 from depthbench.spec.schema import load_config
 from depthbench.util.errors import ConfigError
-from depthbench.train.checkpoint import list_checkpoints
+from depthbench.train.checkpoint_folder import list_checkpoints
 from depthbench.train.recipe import RunPaths
 from depthbench.train.loop import train
 from tests.conftest import tiny_config

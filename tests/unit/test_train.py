@@ -17,7 +17,7 @@ from depthbench.spec.schema import load_config
 from depthbench.models.registry import build_model
 from depthbench.models.moe import MoESwiGLU
 from depthbench.models.registry import registered_architectures
-from depthbench.train.checkpoint import list_checkpoints
+from depthbench.train.checkpoint_folder import list_checkpoints
 from depthbench.train.recipe import RunPaths, lr_at, param_groups
 from depthbench.train.loop import train
 from depthbench.train.trainer import Trainer

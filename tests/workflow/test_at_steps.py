@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from depthbench.spec.schema import load_config
 from depthbench.util.errors import ConfigError, DataError
-from depthbench.train.checkpoint import checkpoint_path, checksum_path, list_checkpoints
+from depthbench.train.checkpoint_folder import checkpoint_path, checksum_path, list_checkpoints
 from depthbench.train.recipe import RunPaths
 from depthbench.train.loop import train
 from depthbench.train.snapshots import (

@@ -56,7 +56,7 @@ from depthbench.launch.executors import ranks_per_run
 from depthbench.models.registry import build_model
 from depthbench.commands.plan import CHECKPOINT_BYTES_PER_PARAM
 from depthbench.commands.rehearse.rss import PeakRSS
-from depthbench.train.checkpoint import list_checkpoints
+from depthbench.train.checkpoint_folder import list_checkpoints
 from depthbench.spec.run import RunSpec
 from depthbench.train.distributed import DistContext
 from depthbench.train.memory import FP32, HEADROOM, estimate_memory
@@ -160,7 +160,8 @@ def checkpoint_roundtrip(trainer) -> dict:
     before = state_fingerprint(trainer)
     t0 = time.time()
     save_state(trainer)
-    # a checkpoint is a folder of per-rank parts (depthbench.train.checkpoint): its bytes are theirs
+    # a checkpoint is a folder of per-rank parts (depthbench.train.checkpoint_folder): its bytes
+    # are theirs
     saved = sum(
         f.stat().st_size
         for _, folder in list_checkpoints(trainer.paths.checkpoints)
