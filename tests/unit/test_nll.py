@@ -13,7 +13,8 @@ from depthbench.util.errors import ConfigError
 from depthbench.evals import sets as evalsets
 from depthbench.evals.nll import aggregate, encode_pair, rolling_windows, score_documents
 from depthbench.evals.run import build_sets, run_nll
-from depthbench.evals.sets import BUILTIN_SETS, EvalDoc, load_builtin, load_jsonl
+from depthbench.evals.builtin_sets import BUILTIN_SETS, load_builtin
+from depthbench.evals.eval_docs import EvalDoc, load_jsonl
 
 SOURCE_COUNTS = {
     "humaneval": 164,
