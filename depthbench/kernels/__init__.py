@@ -10,7 +10,9 @@ file; a lock left by a build that was killed is removed once it is older than
 `STALE_LOCK_SECONDS`, so a later run does not wait forever. Where the build is impossible, or
 DEPTHBENCH_CPU_KERNELS=0 asks, it returns None once with a warning and callers keep their
 PyTorch code: the kernels change speed, never definitions (tests compare them with the PyTorch
-code they replace).
+code they replace). Callers ask `apply_to(t)` whether a kernel takes a tensor; within
+`disabled()` it answers False, so that a region runs the PyTorch code (the memory trace, tests
+that measure that path).
 
 Kernels (the C++), each wrapped as torch custom ops and eager autograd Functions in a Python
 module beside it, which the architecture modules call:
@@ -36,6 +38,7 @@ import platform
 import shutil
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -78,9 +81,33 @@ def built() -> bool:
 built._dynamo_marked_constant = True
 
 
+# Depth of the open `disabled()` contexts: a module-level counter, not a thread-local, so that
+# torch.compile reads it as a plain global (guarded on its value) and never breaks its graph.
+_disabled_depth = 0
+
+
+@contextmanager
+def disabled():
+    """Within the context `apply_to` answers False, so that the models take their PyTorch code
+    (the eager path every other device runs): for the memory trace and for tests that measure
+    that path. Process-wide while open (every thread sees it); nests; restores on exit."""
+    global _disabled_depth
+    _disabled_depth += 1
+    try:
+        yield
+    finally:
+        _disabled_depth -= 1
+
+
 def apply_to(t: "torch.Tensor") -> bool:
-    """Whether a kernel can take t: a CPU float32/float64 tensor, with the kernels built."""
-    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) and built()
+    """Whether a kernel can take t: a CPU float32/float64 tensor, with the kernels built, outside
+    `disabled()`."""
+    return (
+        _disabled_depth == 0
+        and t.device.type == "cpu"
+        and t.dtype in (torch.float32, torch.float64)
+        and built()
+    )
 
 
 def unavailable_reason() -> str | None:

@@ -13,7 +13,7 @@ from torch import nn
 from depthbench.models.config import ModelConfig
 
 
-# Listeners of `held_for_backward` (depthbench.train.memory's trace adds one while it runs).
+# Listeners of `held_for_backward` (depthbench.train.activation_trace adds one while it runs).
 HELD_LISTENERS: list = []
 
 

@@ -7,8 +7,8 @@ Switch-Transformer loss E * sum_e f_e * P_e, where f_e is the fraction of the N*
 sent to expert e and P_e the mean router probability of e; it equals 1 when routing is uniform.
 The layer stores `aux_loss` = aux_loss_coef * that loss after each forward.
 
-Dispatch without host syncs (issue 23): the N*k routing slots are sorted by expert (a stable
-sort, so each expert sees its tokens in token order, as the per-expert loop this replaced did),
+Dispatch without host syncs: the N*k routing slots are sorted by expert (a stable
+sort, so each expert sees its tokens in token order, as a per-expert loop would),
 the tokens gathered into that order, and each SwiGLU projection is one grouped matrix product
 (`F.grouped_mm`) whose group boundaries are the cumulative counts per expert, a device tensor:
 no `.nonzero()`, no `.item()`, no boolean indexing, the same shapes every step (torch.compile
@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from depthbench.kernels.precision import autocast_dtype, replay
 from depthbench.models.config import ModelConfig
 
 
@@ -83,7 +84,8 @@ class MoESwiGLU(nn.Module):
         return out.view(shape)
 
     def _grouped(self, flat: torch.Tensor, top_e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Every slot's expert output, (N, k, d), by two grouped products over slots sorted by expert."""
+        """Every slot's expert output, (N, k, d), by two grouped products over slots sorted by
+        expert."""
         N, k = top_e.shape
         slot_expert = top_e.reshape(-1)
         order = torch.sort(
@@ -99,7 +101,8 @@ class MoESwiGLU(nn.Module):
         return ys.new_empty(ys.shape).index_copy(0, order, ys).view(N, k, -1)
 
     def _dense(self, flat, top_e, top_p, dtype) -> torch.Tensor:
-        """Fallback: every expert on every token, weighted by its routing weight (0 where unrouted)."""
+        """Fallback: every expert on every token, weighted by its routing weight (0 where
+        unrouted)."""
         weight = torch.zeros(flat.shape[0], self.n_experts, dtype=top_p.dtype, device=flat.device)
         weight = weight.scatter(1, top_e, top_p)
         out = torch.zeros_like(flat)
@@ -111,25 +114,32 @@ class MoESwiGLU(nn.Module):
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the expert products run in: autocast's where it is on (as `@` would be cast)."""
-    if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(
-        x.device.type
-    ):  # not on meta
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
+    """The dtype the expert products run in: autocast's where it is on (as `@` would be cast),
+    on meta the memory trace's replayed autocast (depthbench.kernels.precision)."""
+    return autocast_dtype(x)
 
 
 def _grouped_mm_serves(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether F.grouped_mm runs this dtype on this device: CPU fp32/bf16/fp16 (bf16 only under
-    torch.compile), CUDA bf16 on Hopper or newer (its documented kernels). The meta device (the
-    memory estimate) takes the dense fallback: an upper bound on the experts' activations."""
+    torch.compile), CUDA bf16 on Hopper or newer (its documented kernels). On the meta device the
+    memory trace (depthbench.kernels.precision.replay) stands for a target device and takes its
+    path, CUDA's for the planner's GPUs (Hopper or newer); outside a trace meta takes the dense
+    fallback: an upper bound on the experts' activations."""
     if not hasattr(F, "grouped_mm"):
         return False
     if torch.compiler.is_compiling() and dtype != torch.bfloat16:
         return False  # its fake-tensor rule (what torch.compile traces with) accepts bf16 only
-    if device.type == "cpu":
+    kind = device.type
+    if kind == "meta":
+        state = replay()
+        if state is None:
+            return False
+        kind = state.device
+        if kind == "cuda":
+            return dtype == torch.bfloat16
+    if kind == "cpu":
         return dtype in (torch.float32, torch.bfloat16, torch.float16)
-    if device.type == "cuda":
+    if kind == "cuda":
         return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
     return False
 
@@ -147,8 +157,8 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.T
 
 def _register_grouped_mm_flops() -> None:
     """FlopCounterMode's count for aten._grouped_mm (torch has none, so the products would count
-    zero and the FLOP checks of depthbench.models.cost would miss the experts): every row of a (M, K)
-    meets one (K, N) matrix, 2 M K N in all, the formula of mm."""
+    zero and the FLOP checks of depthbench.models.cost would miss the experts): every row of a
+    (M, K) meets one (K, N) matrix, 2 M K N in all, the formula of mm."""
     from torch.utils.flop_counter import flop_registry, register_flop_formula
 
     op = getattr(torch.ops.aten, "_grouped_mm", None)

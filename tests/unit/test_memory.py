@@ -7,7 +7,8 @@ depthbench.train.memory. The estimate traced with the CPU's autocast policy and 
 architecture and for MoE experts (it is exact on these models); the CUDA trace, which the
 planner uses, is held above it and within 1 % of it where the two devices run the same path
 (depthbench.train.memory says where they differ). Fused SDPA on CPU saves q, k, v, output and
-log-sum-exp, as the estimator assumes.
+log-sum-exp, as the estimator assumes. The trace leaves nothing of its own behind: the kernels'
+switch, the autocast replay and torch.autocast are as they were, during the trace and after.
 """
 
 from contextlib import nullcontext
@@ -16,6 +17,9 @@ from unittest import mock
 import pytest
 import torch
 
+from depthbench import kernels
+from depthbench.kernels import precision
+from depthbench.models import moe as moe_module
 from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model
 from depthbench.models.registry import registered_architectures
@@ -50,7 +54,7 @@ def measured_saved_bytes(cfg: ModelConfig, bf16: bool, grouped_mm: bool = True) 
         if not grouped_mm
         else nullcontext()
     )
-    with mock.patch("depthbench.kernels.apply_to", lambda t: False), serves, ctx:
+    with kernels.disabled(), serves, ctx:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(idx, targets=idx)
     # tensors a custom autograd.Function keeps as ctx attributes rather than saving them (buffers
@@ -139,7 +143,7 @@ def test_cuda_estimate_bounds_the_cpu_count_from_above(arch, moe):
 def test_cuda_autocast_replay_runs_rsqrt_in_fp32():
     """The fp32 op lists per device: rsqrt of a bf16 matmul saves an fp32 result on CUDA, a bf16
     one on the CPU (CPU autocast leaves rsqrt to the input's dtype)."""
-    from depthbench.train.memory import trace_activations
+    from depthbench.train.activation_trace import trace_activations
 
     class Rms(torch.nn.Module):
         def __init__(self):
@@ -163,6 +167,95 @@ def test_cuda_autocast_replay_runs_rsqrt_in_fp32():
     assert cuda == 2 * (2 * 4 * 8) + 4 * (2 * 4 * 8)
     with pytest.raises(ValueError, match="device"):
         trace_activations(model, idx, True, "tpu")
+
+
+class Witness(torch.nn.Module):
+    """A model that records, while it is traced, what model code meets: torch.autocast, the
+    kernels' answer for a CPU fp32 tensor, the replay in force and the dtypes it answers."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(8, 8))
+        self.unit = torch.nn.Linear(8, 8, bias=False)
+        self.seen = {}
+
+    def checkpoint_units(self):
+        return [self.unit]
+
+    def forward(self, idx, targets=None):
+        x = idx.float()[..., None].expand(-1, -1, 8)
+        self.seen.update(
+            autocast=torch.autocast,
+            apply_to=kernels.apply_to(torch.ones(2)),
+            replay=precision.replay(),
+            dtype=precision.autocast_dtype(x),
+        )
+        with precision.autocast_off(x.device.type):
+            self.seen["dtype_off"] = precision.autocast_dtype(x)
+        self.seen["dtype_after_off"] = precision.autocast_dtype(x)
+        return self.unit(torch.nn.functional.linear(x, self.w))
+
+
+def test_the_trace_changes_no_global_state():
+    """During a meta trace the models meet the real torch.autocast, kernels that answer False and
+    the replay of the target device; after it (and after one that fails) everything answers as
+    before: no function of another module is swapped, no replay is left in force."""
+    from depthbench.train.activation_trace import trace_activations
+
+    cpu = torch.ones(2)
+    before = {
+        "autocast": torch.autocast,
+        "apply_to": kernels.apply_to,
+        "answer": kernels.apply_to(cpu),
+        "compute_dtype": moe_module._compute_dtype,
+        "serves": moe_module._grouped_mm_serves,
+    }
+    assert before["autocast"] is torch.amp.autocast_mode.autocast
+    with torch.device("meta"):
+        model = Witness()
+    idx = torch.zeros(2, 4, dtype=torch.long, device="meta")
+    for device in ("cpu", "cuda"):
+        trace_activations(model, idx, True, device)
+        seen = model.seen
+        assert seen["autocast"] is torch.amp.autocast_mode.autocast
+        assert seen["apply_to"] is False
+        assert seen["replay"] == precision.Replay(device=device, enabled=True)
+        assert (seen["dtype"], seen["dtype_off"], seen["dtype_after_off"]) == (
+            torch.bfloat16,
+            torch.float32,
+            torch.bfloat16,
+        )
+    trace_activations(model, idx, False)
+    assert model.seen["dtype"] == torch.float32 and model.seen["replay"].enabled is False
+    with pytest.raises(ValueError, match="device"):
+        trace_activations(model, idx, True, "tpu")
+    after = {
+        "autocast": torch.autocast,
+        "apply_to": kernels.apply_to,
+        "answer": kernels.apply_to(cpu),
+        "compute_dtype": moe_module._compute_dtype,
+        "serves": moe_module._grouped_mm_serves,
+    }
+    assert after == before
+    assert precision.replay() is None
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    # on meta outside a trace: no replay, autocast_off a no-op, the tensor's own dtype
+    with precision.autocast_off("meta"):
+        assert precision.autocast_dtype(idx.float()) == torch.float32
+
+
+def test_kernels_disabled_nests_and_restores():
+    cpu = torch.ones(2)
+    answer = kernels.apply_to(cpu)
+    with kernels.disabled():
+        with kernels.disabled():
+            assert kernels.apply_to(cpu) is False
+        assert kernels.apply_to(cpu) is False
+    assert kernels.apply_to(cpu) == answer
+    with pytest.raises(RuntimeError):
+        with kernels.disabled():
+            raise RuntimeError("a failed trace")
+    assert kernels.apply_to(cpu) == answer
 
 
 @pytest.mark.parametrize(

@@ -112,7 +112,8 @@ def test_the_memory_estimate_traces_an_moe_model_on_meta():
     dense fallback it takes there bounds the grouped path's saved activations from above."""
     from depthbench.models.config import ModelConfig
     from depthbench.models.registry import build_model
-    from depthbench.train.memory import estimate_memory, trace_activations
+    from depthbench.train.activation_trace import trace_activations
+    from depthbench.train.memory import estimate_memory
 
     cfg = ModelConfig(
         arch="pre_ln",

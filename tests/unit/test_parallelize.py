@@ -5,8 +5,8 @@
 - It lowers the memory held after the forward, measured independently of the estimator: every
   storage any op creates during the forward is tracked through a weak reference, and the live
   ones are summed once the forward is done (what the graph keeps for backward, checkpoint
-  inputs included). The estimator's prediction (depthbench.train.memory, traced on the meta
-  device) is within its stated fp32 tolerance of 10 % in every mode.
+  inputs included). The estimator's prediction (depthbench.train.activation_trace, traced on
+  the meta device) is within its stated fp32 tolerance of 10 % in every mode.
 - Per-block compile (aot_eager on every architecture; inductor in one slow test) gives the eager
   loss and gradients, and LNS and DeepNorm compile one graph that serves every layer.
 """
@@ -21,10 +21,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from depthbench import kernels
 from depthbench.util.errors import ConfigError
 from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model
-from depthbench.train.memory import recompute_mask, trace_activations
+from depthbench.train.activation_trace import trace_activations
+from depthbench.train.memory import recompute_mask
 from depthbench.train.parallelize import compile_mode, mixed_precision_policy, wrap_units
 
 ARCHS = [
@@ -86,9 +88,10 @@ def assert_same(model, reference, idx, atol=0.0):
 
 
 @pytest.fixture(autouse=True)
-def _eager_paths(monkeypatch):
+def _eager_paths():
     """The PyTorch code of HC/mHC (the CPU C++ kernels never run on CUDA, where this matters)."""
-    monkeypatch.setattr("depthbench.kernels.apply_to", lambda t: False)
+    with kernels.disabled():
+        yield
 
 
 @pytest.mark.parametrize("arch", ARCHS)

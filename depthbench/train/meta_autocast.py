@@ -1,0 +1,167 @@
+"""A target device's bf16 autocast, replayed on meta tensors for the memory trace.
+
+Autocast does not act on meta tensors, so `MetaAutocast` redoes its casts as a function mode, by
+the policy of the target device ("cuda" or "cpu"). On both devices the inputs of matrix
+products, `linalg.vecdot` (the RMS of HC's and mHC's coefficient projections) and attention go
+to bf16 (autocast's lower-precision list; each argument is cast on its own, so vecdot(x, x)
+keeps two bf16 copies of x); the losses take fp32 inputs. On CUDA the other ops of ATen's fp32
+lists (exp, log, rsqrt, pow, sum, logsumexp, softmax, log-softmax; ATen/autocast_mode.h) also
+take fp32 inputs, where CPU autocast runs them in bf16. The mode's `state` is the replay that
+depthbench.kernels.precision answers from while the trace installs it: regions the models run
+with autocast off (`precision.autocast_off`) pause the casts, and MoE experts read the dtype
+and the target device from it (depthbench.models.moe).
+
+The mode also stands in for two kernels whose meta versions save other tensors than the real
+ones: fused SDPA (saves q, k, v, the output and the log-sum-exp, never the T x T probabilities)
+and `torch._grouped_mm` (its meta kernel takes bf16 only; the stand-in saves both operands and
+the offsets, as its backward does).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from depthbench.kernels.precision import Replay
+
+_LOW = {
+    F.linear,
+    torch.matmul,
+    torch.Tensor.matmul,
+    torch.Tensor.__matmul__,
+    torch.bmm,
+    torch.mm,
+    torch.baddbmm,
+    torch.addmm,
+    torch.einsum,
+    torch.linalg.vecdot,
+    F.scaled_dot_product_attention,
+}
+# autocast's fp32 ops, per device (the Python functions of ATen's lists that the models can
+# reach): every floating input in fp32; the second CUDA set only where no dtype is given
+# (fp32_set_opt_dtype)
+_FP32 = {"cpu": {F.cross_entropy, F.nll_loss, F.mse_loss}}
+_FP32["cuda"] = _FP32["cpu"] | {
+    torch.exp,
+    torch.Tensor.exp,
+    torch.log,
+    torch.Tensor.log,
+    torch.log1p,
+    torch.Tensor.log1p,
+    torch.expm1,
+    torch.Tensor.expm1,
+    torch.rsqrt,
+    torch.Tensor.rsqrt,
+    torch.reciprocal,
+    torch.Tensor.reciprocal,
+    torch.pow,
+    torch.Tensor.pow,
+    torch.Tensor.__pow__,
+    torch.logsumexp,
+    torch.Tensor.logsumexp,
+    F.softplus,
+    F.rms_norm,
+    F.layer_norm,
+    F.group_norm,
+    F.cosine_similarity,
+    F.kl_div,
+    F.l1_loss,
+    F.smooth_l1_loss,
+    F.huber_loss,
+    F.binary_cross_entropy_with_logits,
+    torch.cdist,
+}
+_FP32_UNLESS_DTYPE = {
+    "cpu": set(),
+    "cuda": {
+        F.softmax,
+        torch.softmax,
+        torch.Tensor.softmax,
+        F.log_softmax,
+        torch.log_softmax,
+        torch.Tensor.log_softmax,
+        torch.sum,
+        torch.Tensor.sum,
+        torch.cumsum,
+        torch.Tensor.cumsum,
+        torch.prod,
+        torch.Tensor.prod,
+        torch.linalg.vector_norm,
+    },
+}
+DEVICES = tuple(_FP32)
+_GROUPED_MM = getattr(torch, "_grouped_mm", None)  # F.grouped_mm's op, where torch has it
+
+
+def _cast(obj, dtype):
+    if isinstance(obj, torch.Tensor) and obj.is_floating_point() and obj.dtype != dtype:
+        return obj.to(dtype)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast(o, dtype) for o in obj)
+    return obj
+
+
+def _flash_sdpa(
+    q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    """SDPA as the fused kernels run it: saves q, k, v, the output and the log-sum-exp, never the
+    T x T probabilities (on meta, SDPA would fall back to the math path, which keeps them)."""
+    if enable_gqa and k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, dropout_p, is_causal, scale=scale
+    )[0]
+
+
+class MetaAutocast(TorchFunctionMode):
+    """On meta tensors: fused attention's saved tensors, and `device`'s bf16 autocast casts when
+    `bf16` (see the module docstring); `state` is the replay the casts follow."""
+
+    def __init__(self, bf16: bool, device: str = "cuda"):
+        super().__init__()
+        if device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+        self.state = Replay(device=device, enabled=bf16)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        casting, device = self.state.enabled, self.state.device
+        if casting and func in _LOW:
+            args, kwargs = (
+                _cast(args, torch.bfloat16),
+                {k: _cast(v, torch.bfloat16) for k, v in kwargs.items()},
+            )
+        elif casting and (
+            func in _FP32[device]
+            or (func in _FP32_UNLESS_DTYPE[device] and kwargs.get("dtype") is None)
+        ):
+            args, kwargs = (
+                _cast(args, torch.float32),
+                {k: _cast(v, torch.float32) for k, v in kwargs.items()},
+            )
+        if (
+            func is F.scaled_dot_product_attention
+            and kwargs.get("attn_mask") is None
+            and len(args) < 4
+        ):
+            return _flash_sdpa(*args, **kwargs)
+        if func is _GROUPED_MM and kwargs.get("bias") is None:
+            return _MetaGroupedMM.apply(
+                args[0], args[1], kwargs["offs"] if "offs" in kwargs else args[2]
+            )
+        return func(*args, **kwargs)
+
+
+class _MetaGroupedMM(torch.autograd.Function):
+    """`torch._grouped_mm` on meta, any dtype (its meta kernel takes bf16 only): saves the two
+    operands and the offsets, as its backward does."""
+
+    @staticmethod
+    def forward(ctx, a, b, offs):
+        ctx.save_for_backward(a, b, offs)
+        return a.new_empty(a.shape[0], b.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("traced on meta only")
