@@ -184,7 +184,7 @@ def test_parameter_columns_add_up():
 )
 def test_attnres_source_counts_are_what_each_reader_mixes(arch, options, monkeypatch):
     from depthbench.models.registry import build_model
-    from depthbench.models.archs.attnres_full import DepthAttention
+    from depthbench.models.archs.attnres_sources import DepthAttention
 
     model = build_model(small(arch, options))
     seen = []

@@ -13,7 +13,7 @@ from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model, count_parameters
 from depthbench.models.archs.hc import HyperConnection
 from depthbench.models.archs.attnres_block import block_ends
-from depthbench.models.archs.attnres_full import DepthAttention, rms_unit
+from depthbench.models.archs.attnres_sources import DepthAttention, rms_unit
 from depthbench.models.streams import mix_matrix
 from depthbench.kernels.mhc_ops import sinkhorn_knopp
 from depthbench.models.archs.moda import joint_depth_attention

@@ -15,13 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from depthbench.models.archs.attnres_full import (
-    AttnResBlock,
-    AttnResFull,
-    AttnResOptions,
-    DepthSources,
-    rms_unit,
-)
+from depthbench.models.archs.attnres_full import AttnResBlock, AttnResFull, AttnResOptions
+from depthbench.models.archs.attnres_sources import DepthSources, rms_unit
 from depthbench.util.errors import ConfigError
 from depthbench.models.registry import register
 

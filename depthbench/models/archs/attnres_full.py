@@ -14,15 +14,18 @@ Since N_s(v) = g_s * v / rms(v), the logit w_s . N_s(v_i) = (w_s * g_s) . (v_i /
 source is RMS-normalised once, and when it is added its logits against the effective queries
 q_s = w_s * g_s of every later reader come from one matmul (unit_i @ [q_s ...]). A sublayer then
 only stacks its sources' logit columns and mixes them, in one of two ways
-(`arch_options.depth_mix`, recorded in docs/choices.md):
+(`arch_options.depth_mix`, recorded in docs/design/architectures.md):
 - `batched` (attnres_mix.py): each source is written once into a buffer preallocated per
   forward, and a reader's mix is one batched product over the buffer's first S slots;
 - `loop`: one multiply-add per source (`WeightedSum`), the reference the tests compare with;
 - `auto` (default): `loop` on the CPU, where it measured faster (at L = 32, 2.00x pre_ln against
   2.62x for `batched`: per-token (1, S) x (S, d) products are slow in the CPU's bmm), `batched`
   on other devices, where the loop's kernel count (about 10,000 per forward at L = 70) dominates.
-Neither re-stacks the sources per reader (those O(L^2) copies were once most of this
+Neither re-stacks the sources per reader (O(L^2) copies, which would be most of this
 architecture's overhead on CPU).
+
+The readers' pseudo-queries and mixes (`DepthAttention`) and the sources with their logits
+(`DepthSources`, which Block AttnRes extends) are in attnres_sources.py.
 
 h_l for probes is the aggregated input of the first sublayer of layer l + 1 (h_0 = v_0; h_L is
 the final aggregation). `internals["depth_weights"]` records, per sublayer (and last the final
@@ -31,54 +34,15 @@ aggregation), the softmax weight on each available source averaged over batch an
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from depthbench.models.archs.attnres_mix import (
-    BufferedSources,
-    SourceBuffer,
-    WeightedSum,
-    batched_mix,
-    synced_buffer,
-)
+from depthbench.models.archs.attnres_sources import DepthAttention, DepthSources
 from depthbench.models.base import GENERIC_PROBES, ArchOptions, Block, DecoderLM, Rope
 from depthbench.models.registry import register
-from depthbench.models.layers import RMSNorm, at_least_fp32
-
-
-class DepthAttention(nn.Module):
-    """One reader's pseudo-query w and key-norm gain g; mixes its sources under softmax_i(logit_i)."""
-
-    def __init__(self, d_model: int, eps: float):
-        super().__init__()
-        self.query = nn.Parameter(torch.zeros(d_model))  # pseudo-query w, zero init
-        self.key_norm = RMSNorm(d_model, eps)  # N: its gain applies to the keys only
-
-    def effective_query(self) -> torch.Tensor:
-        """q = w * g, so that w . N(v) = q . (v / rms(v))."""
-        return self.query * self.key_norm.weight
-
-    @staticmethod
-    def mix(values, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """values: the S sources (a list of (B, T, d), or one (S, B, T, d) tensor); logits
-        (S, B, T) -> h = sum_i softmax_i(logits) v_i (B, T, d) and the weights (S, B, T).
-
-        A multiply-add per source: the sources are never stacked (an O(S) copy per reader, so
-        O(L^2) over the network), and no (S, B, T, d) product is materialised. `values` as
-        `BufferedSources` (`depth_mix: batched`): one batched product over the source buffer."""
-        if isinstance(values, BufferedSources):
-            weights = torch.softmax(at_least_fp32(logits), dim=0).to(values.dtype)
-            return batched_mix(values, weights), weights
-        weights = torch.softmax(at_least_fp32(logits), dim=0).to(values[0].dtype)
-        return WeightedSum.apply(weights, *values), weights
-
-
-def rms_unit(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """v / rms(v): RMSNorm without its gain."""
-    return v * torch.rsqrt(at_least_fp32(v).pow(2).mean(-1, keepdim=True) + eps).to(v.dtype)
+from depthbench.models.layers import RMSNorm
 
 
 class PreNormed(nn.Module):
@@ -118,99 +82,6 @@ class AttnResBlock(Block):
             (self.attn_depth, lambda h: attn_unit(h, rope)),
             (self.ffn_depth, lambda h: ffn_unit(h)),
         )
-
-
-class DepthSources:
-    """The sources each reader may attend to, with their logits. Full AttnRes: every earlier
-    output. Readers are numbered 0 .. 2L (the 2L sublayers, then the final aggregation);
-    `queries` (d, 2L + 1) holds their effective queries. A source added after reader r - 1 ran
-    is read by readers r .. 2L: its logits for all of them are computed at once."""
-
-    def __init__(self, v0: torch.Tensor, queries: torch.Tensor, eps: float, capacity: int = 0):
-        self.eps = eps
-        # depth_mix batched: the sources also go into one buffer (attnres_mix.py), sized for
-        # `capacity` sources and shared by forks (rebuilt by a fork whose slots another took)
-        self.capacity = capacity
-        self.buffer: SourceBuffer | None = SourceBuffer(v0, capacity) if capacity else None
-        self.queries = queries
-        self.next_reader = 0
-        self.values: list[torch.Tensor] = []
-        self.units: list[torch.Tensor] = []  # v / rms(v), kept for fork()
-        self.logits: list[list[torch.Tensor]] = [[] for _ in range(queries.shape[1])]  # per reader
-        self.reads: dict = {}  # the next reader's mix, once computed (h_l for probes, then its input)
-        self.append(v0)
-
-    def _add_logits(self, unit: torch.Tensor) -> None:
-        # a matmul (the FLOP counter counts it): 2 d per (source, reader), as cost.py charges.
-        # Computed as (readers, B*T) so that each reader's column is contiguous: read() stacks
-        # them, and stacking strided columns of a (B, T, readers) product was a slow gather.
-        B, T, d = unit.shape
-        rows = self.queries[:, self.next_reader :].t() @ unit.reshape(B * T, d).t()
-        for reader, row in enumerate(rows.view(-1, B, T).unbind(0), start=self.next_reader):
-            self.logits[reader].append(row)
-
-    def append(self, v: torch.Tensor) -> None:
-        """v becomes a source of every reader from `next_reader` on."""
-        unit = rms_unit(v, self.eps)
-        self._add_logits(unit)
-        buf = self.buffer
-        if (
-            buf is not None
-            and len(buf.sources) == len(self.values)
-            and buf.holds(self.values)
-            and buf.fits(v)
-        ):
-            buf.push(v)
-        self.values.append(v)
-        self.units.append(unit)
-
-    def sources(self, extra: torch.Tensor | None = None):
-        """The sources to mix: a list (the reference path), or the buffer's slots (batched)."""
-        if self.capacity:
-            self.buffer = synced_buffer(self.buffer, self.values, self.capacity)
-            if self.buffer is not None and (extra is None or self.buffer.fits(extra)):
-                return BufferedSources(self.buffer, len(self.values), extra)
-        return list(self.values) + ([extra] if extra is not None else [])
-
-    def read(self) -> tuple[list[torch.Tensor] | BufferedSources, torch.Tensor]:
-        """The next reader's S sources (B, T, d each) and their logits (S, B, T)."""
-        return self.sources(), torch.stack(self.logits[self.next_reader])
-
-    def current(self, depth: "DepthAttention") -> tuple[torch.Tensor, torch.Tensor]:
-        """The next reader's mix (h, weights) through `depth`, computed once per reader: the
-        probes read it as h_l, and the layer's first sublayer then takes it as its input."""
-        if self.next_reader not in self.reads:
-            self.reads = {self.next_reader: depth.mix(*self.read())}
-        return self.reads[self.next_reader]
-
-    def add(self, out: torch.Tensor, layer: int, is_last_sublayer_of_layer: bool) -> None:
-        """The reader that just ran produced `out`."""
-        self.next_reader += 1
-        self.append(out)
-
-    def skip_layer(self, layer: int) -> None:
-        """Layer `layer` removed: its two readers do not run and add no source, so later readers'
-        softmaxes run over the other sources only (a zero source would keep softmax mass)."""
-        self.next_reader += 2
-
-    def fork(self, queries: torch.Tensor) -> "DepthSources":
-        """A copy whose later additions leave this one unchanged (tensors are shared), with the
-        logits of the readers still to run recomputed for `queries`: a probe resuming from this
-        state may have swapped the pseudo-queries of later layers."""
-        other = copy.copy(self)
-        other.values, other.units = list(self.values), list(self.units)
-        other.reads = dict(self.reads) if torch.equal(queries, self.queries) else {}
-        # readers that already ran never read again: their logits are not carried over
-        past = [[] for _ in self.logits[: self.next_reader]]
-        if torch.equal(queries, self.queries):  # False for another shape too
-            # nothing swapped (a baseline pass): the pending logits still hold
-            other.logits = past + [list(column) for column in self.logits[self.next_reader :]]
-            return other
-        other.queries = queries
-        other.logits = past + [[] for _ in self.logits[self.next_reader :]]
-        for unit in other.units:
-            other._add_logits(unit)
-        return other
 
 
 @dataclass(frozen=True)
@@ -341,8 +212,8 @@ class AttnResFull(DecoderLM):
 
     def extra_flops_per_token(self, seq_len: int) -> float:
         """The depth logits w . N(v_i) and the mix sum_i w_i v_i: 2 d each per source per reader
-        (the matmul of _add_logits and the batched product of attnres_mix; the `loop` mix does
-        the same arithmetic as multiply-adds)."""
+        (the matmul of DepthSources._add_logits and the batched product of attnres_mix; the
+        `loop` mix does the same arithmetic as multiply-adds)."""
         return 4.0 * self.cfg.d_model * sum(self.source_counts())
 
     def depth_state_bytes_per_token(self, bytes_per_value: int = 2) -> int:
