@@ -10,7 +10,8 @@ import torch
 from depthbench.util.errors import ConfigError
 from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model
-from depthbench.models.archs.moda import DepthKeys, joint_depth_attention
+from depthbench.models.archs.moda import joint_depth_attention
+from depthbench.models.archs.moda_depth_keys import DepthKeys
 from depthbench.models.archs.moda_fused import DepthBuffer, fused_joint_attention
 
 TOL = dict(rtol=1e-5, atol=1e-5)

@@ -514,7 +514,7 @@ def test_moda_joint_softmax_equals_dense_reference():
 def test_moda_fused_path_equals_the_dense_reference():
     """The default fused joint attention (moda_fused.py) against the per-position reference, with
     and without autograd, MHA and GQA; tests/unit/test_fused_depth.py holds it to the explicit path."""
-    from depthbench.models.archs.moda import DepthKeys
+    from depthbench.models.archs.moda_depth_keys import DepthKeys
     from depthbench.models.archs.moda_fused import fused_joint_attention
 
     torch.manual_seed(0)

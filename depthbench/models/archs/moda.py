@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from depthbench.models.archs.moda_fused import DepthBuffer, fused_joint_attention
+from depthbench.models.archs.moda_depth_keys import DepthKeys
+from depthbench.models.archs.moda_fused import fused_joint_attention
 from depthbench.models.base import GENERIC_PROBES, ArchOptions, Block, DecoderLM, Rope
 from depthbench.models.registry import register
 from depthbench.models.layers import RMSNorm, apply_rotary, at_least_fp32, causal_mask
@@ -89,65 +90,6 @@ def depth_layout(t: torch.Tensor) -> torch.Tensor:
 def _per_position(t: torch.Tensor) -> torch.Tensor:
     """(B, H_kv, T, hd) -> (B, T, H_kv hd)."""
     return t.transpose(1, 2).reshape(t.shape[0], t.shape[2], -1)
-
-
-class DepthKeys:
-    """The (k, v) pairs (B, H_kv, T, hd) that earlier layers left for later ones, in order.
-
-    A plain object rather than a list on purpose: module hooks that walk a forward's arguments
-    as a pytree (FSDP2 moving inputs, for one) rebuild the lists they find, and every layer must
-    append to the very object the next layer reads. Iterating gives the pairs.
-
-    With `buffered` (the fused attention) the pairs are also copied, as they come, into a
-    `DepthBuffer` sized for `capacity` pairs, which forks share: a fork appends in place while it
-    is the buffer's longest user, and otherwise (a probe resuming from an earlier state, or
-    `pairs` edited from outside) `buffer()` rebuilds one from `pairs` on the next read."""
-
-    def __init__(self, pairs: list | None = None, capacity: int = 0, buffered: bool = True):
-        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = list(pairs or [])
-        self.capacity, self.buffered = capacity, buffered
-        self._buffer: DepthBuffer | None = None
-
-    def append(self, pair: tuple[torch.Tensor, torch.Tensor]) -> None:
-        buf, n = self._buffer, len(self.pairs)
-        self.pairs.append(pair)
-        if not self.buffered:
-            return
-        if buf is None and n == 0:
-            buf = self._buffer = DepthBuffer(pair[0], self.capacity)
-        if (
-            buf is not None
-            and len(buf.sources) == n
-            and buf.holds(self.pairs[:n])
-            and all(map(buf.fits, pair))
-        ):
-            buf.push(pair)
-
-    def buffer(self) -> DepthBuffer | None:
-        """A buffer whose first len(self) slots hold exactly `pairs` (None if they differ in shape)."""
-        if self._buffer is not None and self._buffer.holds(self.pairs):
-            return self._buffer
-        if not self.pairs:
-            return None
-        buf = DepthBuffer(self.pairs[0][0], max(self.capacity, len(self.pairs)))
-        if not all(buf.fits(t) for pair in self.pairs for t in pair):
-            return None
-        for pair in self.pairs:
-            buf.push(pair)
-        self._buffer = buf
-        return buf
-
-    def fork(self) -> "DepthKeys":
-        """A copy that later layers may extend without changing this one (tensors shared)."""
-        other = DepthKeys(self.pairs, self.capacity, self.buffered)
-        other._buffer = self._buffer
-        return other
-
-    def __len__(self) -> int:
-        return len(self.pairs)
-
-    def __iter__(self):
-        return iter(self.pairs)
 
 
 class MoDABlock(Block):
