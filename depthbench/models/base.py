@@ -1,27 +1,28 @@
 """The decoder LM shared by every architecture.
 
-An architecture is a subclass of `DecoderLM` registered by name (depthbench.models.registry). Single-stream architectures
-(the normalization family) only supply a `Block` class and say whether a final norm exists;
-multi-stream or aggregating ones override `trunk`.
+An architecture is a subclass of `DecoderLM` registered by name (depthbench.models.registry).
+Single-stream architectures (the normalization family) only supply a `Block` class and say
+whether a final norm exists; multi-stream or aggregating ones override `trunk`.
 
-Residual stream convention (design reference): h_l is what layer l + 1 reads before its own
-input norm; h_0 is the embedding output and h_L the input of the final norm (never its output).
+Residual stream convention (docs/design/architectures.md): h_l is what layer l + 1 reads before
+its own input norm; h_0 is the embedding output and h_L the input of the final norm (never its
+output).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from depthbench.util.errors import ConfigError
-from depthbench.models.adapter import ModelAdapter, swapped_parameters
 from depthbench.models.config import ModelConfig
 from depthbench.models.layers import CausalSelfAttention, RMSNorm, RotaryEmbedding, SwiGLU
 from depthbench.models.loss import chunked_cross_entropy
+from depthbench.models.stepping import LayerFold
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
@@ -82,16 +83,6 @@ class ArchOptions:
             )
 
 
-@dataclass(frozen=True)
-class Trunk:
-    """A DepthBench model's trunk state between two layers, as the adapter hands it out: the
-    architecture's own state (`value`: the residual stream, HC's streams, AttnRes's sources, MoDA's
-    stream and depth keys) and the RoPE tables of the pass."""
-
-    value: Any
-    rope: Rope
-
-
 class Block(nn.Module):
     """One layer: an attention sublayer and a SwiGLU sublayer, placed by the subclass.
 
@@ -119,14 +110,15 @@ def make_ffn(cfg: ModelConfig) -> nn.Module:
     return SwiGLU(cfg)
 
 
-class DecoderLM(nn.Module, ModelAdapter):
+class DecoderLM(nn.Module, LayerFold):
     """Embedding -> trunk of L layers -> optional final RMSNorm -> untied LM head.
 
-    It is its own model adapter (depthbench.models.adapter): the defaults below serve every
-    architecture whose trunk state is one tensor (the normalization family, hc, mhc); an
-    architecture with side state (attnres's sources, moda's depth keys) overrides the value-level
-    hooks `init_state`, `read_stream`, `layer_step`, `fork_state`, `skip_layer`,
-    `layer_features` and `from_layer_features` in its own module."""
+    It is its own model adapter (depthbench.models.adapter) through `LayerFold`
+    (depthbench.models.stepping), whose defaults serve every architecture whose trunk state is
+    one tensor (the normalization family, hc, mhc); an architecture with side state (attnres's
+    sources, moda's depth keys) overrides the value-level hooks `init_state`, `read_stream`,
+    `layer_step`, `fork_state`, `skip_layer`, `layer_features` and `from_layer_features` in its
+    own module."""
 
     arch_name: ClassVar[str] = ""
     # What can be measured and drawn for this architecture: the probe families it supports and
@@ -136,6 +128,11 @@ class DecoderLM(nn.Module, ModelAdapter):
     Options: ClassVar[type[ArchOptions]] = ArchOptions
     block_class: ClassVar[type[Block]] = Block
     has_final_norm: ClassVar[bool] = True
+    # True when a layer computes with a constant of its position l or of the depth L, not a
+    # parameter (LNS's 1/sqrt(l), DeepNorm's and KEEL's alpha, AttnRes block boundaries): the
+    # model with layer s skipped is then not the (L - 1)-layer model with the other layers'
+    # weights copied in, whose constants are those of the new positions.
+    position_bound_constants: ClassVar[bool] = False
     position_offset: int = 0  # position of idx[:, 0]; > 0 only while decoding with a KV cache
     # forward(idx, targets) with more target tokens than this computes the loss in chunks of this
     # many tokens and returns no logits; 0 = the plain loss with logits (set by the trainer from
@@ -176,49 +173,6 @@ class DecoderLM(nn.Module, ModelAdapter):
     def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
         """h_0: the embedding output (an architecture may normalize it)."""
         return self.embed(idx)
-
-    def init_state(self, h0: torch.Tensor):
-        """The trunk's state before layer 1 (multi-stream architectures hold n copies)."""
-        return h0
-
-    def read_stream(self, state) -> torch.Tensor:
-        """h_l from the trunk state after layer l (the sum of streams for hc/mhc)."""
-        return state
-
-    # -- layer-by-layer stepping --------------------------------------------------------------
-    # The trunk as a fold over layers: state <- layer_step(state, block); the trunk output is
-    # trunk_output(state). The adapter methods below build on these value-level hooks, so that
-    # probes can resume a pass at any layer from a saved state (a permutation that swaps layers
-    # a and b leaves layers 1 .. a-1 as they were). An architecture whose state is not one
-    # immutable tensor (attnres's source list, moda's depth keys) overrides them, and its
-    # `trunk` must take the same steps.
-    def layer_step(self, state, block: Block, rope: Rope):
-        """The trunk state after `block`, from the state before it (no probe records)."""
-        return block(state, rope, None)
-
-    def trunk_output(self, state) -> torch.Tensor:
-        """h_L from the state after the last layer: what the final norm reads."""
-        return self.read_stream(state)
-
-    def fork_state(self, state):
-        """A copy of `state` that later layer steps may advance without changing the original.
-        Tensor states are never modified in place, so the default shares them."""
-        return state
-
-    def skip_layer(self, state, layer: int):
-        """The state after layer `layer` removed, from a fork of the state entering it. A
-        skipped layer is the identity on the trunk state: for one tensor, the state itself."""
-        return state
-
-    def layer_features(self, state, layer: int, rope: Rope):
-        """(input, output features, state after) of layer `layer`: for one tensor state, the state
-        before and after, flattened per token ((N, T, d), or (N, T, n d) for n streams)."""
-        after = self.layer_step(self.fork_state(state), self.blocks[layer - 1], rope)
-        return _per_token(state), _per_token(after), after
-
-    def from_layer_features(self, state, layer: int, outputs: torch.Tensor, rope: Rope):
-        """The state after layer `layer` whose output features are `outputs` (see layer_features)."""
-        return outputs.reshape(state.shape).to(state.dtype)
 
     def trunk(
         self, h0: torch.Tensor, rope: Rope, hidden: list | None, internals: dict | None
@@ -264,51 +218,6 @@ class DecoderLM(nn.Module, ModelAdapter):
             logits=logits, loss=loss, hidden=hidden, aux_loss=aux_loss, internals=internals
         )
 
-    # -- the model adapter (depthbench.models.adapter) ------------------------------------------
-    @property
-    def n_layer(self) -> int:
-        return self.cfg.n_layer
-
-    def begin(self, idx: torch.Tensor) -> Trunk:
-        return Trunk(
-            self.init_state(self.embed_tokens(idx)), self.rope(idx.shape[1], self.position_offset)
-        )
-
-    def step(self, state: Trunk, layer: int) -> Trunk:
-        return Trunk(
-            self.layer_step(self.fork_state(state.value), self.blocks[layer - 1], state.rope),
-            state.rope,
-        )
-
-    def residual(self, state: Trunk) -> torch.Tensor:
-        return self.read_stream(state.value)
-
-    def logits(self, state: Trunk) -> torch.Tensor:
-        return self.lens_logits(self.trunk_output(state.value))
-
-    def lens_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.final_norm(hidden) if self.final_norm is not None else hidden)
-
-    def skip(self, state: Trunk, layer: int) -> Trunk:
-        return Trunk(self.skip_layer(self.fork_state(state.value), layer), state.rope)
-
-    def layer_io(self, state: Trunk, layer: int):
-        x, y, after = self.layer_features(state.value, layer, state.rope)
-        return x, y, Trunk(after, state.rope)
-
-    def replace(self, state: Trunk, layer: int, outputs: torch.Tensor) -> Trunk:
-        return Trunk(
-            self.from_layer_features(self.fork_state(state.value), layer, outputs, state.rope),
-            state.rope,
-        )
-
-    def swapped(self, a: int, b: int):
-        return swapped_parameters(list(self.blocks), a, b)
-
-    @torch.no_grad()
-    def records(self, idx: torch.Tensor) -> dict[str, list[torch.Tensor]]:
-        return self(idx, return_internals=True).internals or {}
-
     # -- sharding -----------------------------------------------------------------------------
     def fsdp_units(self) -> list[nn.Module]:
         """The submodules FSDP2 shards as separate units (one all-gather each). A unit's
@@ -335,8 +244,3 @@ class DecoderLM(nn.Module, ModelAdapter):
         """Parameters used per token: an MoE layer counts its router and its top-k experts only."""
         inactive = sum(getattr(b.ffn, "inactive_parameters", 0) for b in self.blocks)
         return self.num_parameters() - inactive
-
-
-def _per_token(state: torch.Tensor) -> torch.Tensor:
-    """(N, T, ...) -> (N, T, features)."""
-    return state.reshape(*state.shape[:2], -1)

@@ -3,7 +3,8 @@ name (and aliases); the grid, the probes and the cost build models by name from 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -13,6 +14,8 @@ from depthbench.models.config import ModelConfig
 if TYPE_CHECKING:
     from depthbench.models.base import DecoderLM
 
+# In registration order (dicts keep insertion order): depthbench/models/archs/__init__.py imports
+# the modules in the order that fixes each architecture's colour in figures.
 ARCHITECTURES: dict[str, type["DecoderLM"]] = {}
 ALIASES: dict[str, str] = {}
 
@@ -21,8 +24,9 @@ def register(name: str, *aliases: str) -> Callable[[type["DecoderLM"]], type["De
     """Class decorator: make an architecture buildable by `name` (and by its aliases)."""
 
     def wrap(cls: type[DecoderLM]) -> type[DecoderLM]:
-        if name in ARCHITECTURES or name in ALIASES:
-            raise ValueError(f"architecture {name!r} registered twice")
+        for taken in (name, *aliases):
+            if taken in ARCHITECTURES or taken in ALIASES:
+                raise ValueError(f"architecture {taken!r} registered twice")
         cls.arch_name = name
         ARCHITECTURES[name] = cls
         for alias in aliases:
@@ -45,10 +49,48 @@ def canonical_arch(name: str) -> str:
     )
 
 
+def unregister(name: str) -> None:
+    """Remove architecture `name` and its aliases from the registry (an architecture registered
+    for a test); ValueError naming the registered ones when `name` is not one of them."""
+    if name not in ARCHITECTURES:
+        raise ValueError(
+            f"architecture {name!r} is not registered; registered: {list(ARCHITECTURES)}"
+        )
+    del ARCHITECTURES[name]
+    for alias in [a for a, target in ALIASES.items() if target == name]:
+        del ALIASES[alias]
+
+
+@contextmanager
+def registered(cls: type["DecoderLM"], name: str, *aliases: str) -> Iterator[type["DecoderLM"]]:
+    """`cls` registered as `name` (and `aliases`) inside the `with` block only: on exit the
+    registry holds exactly what it held before."""
+    _import_architectures()  # the package's architectures first, so that they keep their order
+    register(name, *aliases)(cls)
+    try:
+        yield cls
+    finally:
+        unregister(name)
+
+
 def registered_architectures() -> list[str]:
     """Every registered architecture name (aliases not included), sorted."""
     _import_architectures()
     return sorted(ARCHITECTURES)
+
+
+def registration_order() -> list[str]:
+    """Every registered architecture name (aliases not included) in the order registered: the
+    package's modules in the import order of depthbench/models/archs/__init__.py, then any
+    registered later. Figures colour architectures by it (depthbench.analysis.style)."""
+    _import_architectures()
+    return list(ARCHITECTURES)
+
+
+def accepted_names() -> list[str]:
+    """Every name a config may give an architecture by: the registered names in registration
+    order, then the aliases, sorted."""
+    return registration_order() + sorted(ALIASES)
 
 
 def declared_options(arch: str, options: dict) -> dict:

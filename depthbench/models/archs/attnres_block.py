@@ -88,6 +88,7 @@ class AttnResBlocks(AttnResFull):
     block_class = AttnResBlock
     probes = AttnResFull.probes | {"partial_sum_weight", "dead_zone_layers"}
     figures = frozenset({"depth_mixing", "dead_zone"})
+    position_bound_constants = True  # the block boundaries depend on l and on the depth L
 
     Options = AttnResBlockOptions
 

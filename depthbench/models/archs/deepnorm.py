@@ -121,6 +121,7 @@ def torchscale_init_(block: DeepNormBlock, scale: float) -> None:
 class DeepNorm(DecoderLM):
     block_class = DeepNormBlock
     has_final_norm = False
+    position_bound_constants = True  # alpha = (2L)^(1/4) depends on the depth L
     Options = DeepNormOptions
 
     def init_architecture(self) -> None:

@@ -31,3 +31,4 @@ class KeelBlock(Block):
 class Keel(DecoderLM):
     block_class = KeelBlock
     has_final_norm = False
+    position_bound_constants = True  # alpha = 2L depends on the depth L

@@ -38,3 +38,4 @@ class LNSBlock(ConstantBuffers, Block):
 class LNS(DecoderLM):
     block_class = LNSBlock
     has_final_norm = True
+    position_bound_constants = True  # layer l's 1/sqrt(l)
