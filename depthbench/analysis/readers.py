@@ -104,12 +104,12 @@ def shapes(df: pd.DataFrame) -> list[tuple[int, str]]:
 
 def archs(df: pd.DataFrame) -> list[str]:
     """Architectures present, in the style's fixed order."""
-    from depthbench.analysis.style import ARCH_ORDER
+    from depthbench.analysis.style import arch_order
 
     if not has(df, "arch"):
         return []
-    present = set(df["arch"].dropna().unique())
-    return [a for a in ARCH_ORDER if a in present] + sorted(present - set(ARCH_ORDER))
+    present, order = set(df["arch"].dropna().unique()), arch_order()
+    return [a for a in order if a in present] + sorted(present - set(order))
 
 
 def grid_line(config: dict) -> str:

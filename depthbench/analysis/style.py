@@ -24,21 +24,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from depthbench.util.io import atomic_write  # noqa: E402
 
-# Fixed order of every DepthBench architecture, so an architecture keeps its colour across
-# figures and grids (a grid's own sorted list would recolour pre_ln when hc is added).
-ARCH_ORDER = [
-    "pre_ln",
-    "post_ln",
-    "peri_ln",
-    "lns",
-    "deepnorm",
-    "keel",
-    "hc",
-    "mhc",
-    "attnres_full",
-    "attnres_block",
-    "moda",
-]
 COLORS = list(plt.get_cmap("tab10").colors) + ["black", "darkgoldenrod", "slategray"]
 MARKERS = "osD^v<>ph*X"
 FONT = {"title": 9, "label": 8, "tick": 7, "legend": 7, "note": 8}
@@ -77,9 +62,21 @@ class Context:
     )
 
 
+def arch_order() -> list[str]:
+    """Every registered architecture in the registry's order (registration_order): a fixed
+    order, so an architecture keeps its colour across figures and grids (a grid's own sorted
+    list would recolour pre_ln when hc is added), and a new one, registered last, takes the
+    next colour."""
+    from depthbench.models.registry import registration_order
+
+    return registration_order()
+
+
 def arch_style(arch: str, offset: int = 0) -> dict:
-    """Colour and marker of an architecture (unknown names after the known ones)."""
-    i = ARCH_ORDER.index(arch) if arch in ARCH_ORDER else len(ARCH_ORDER) + offset
+    """Colour and marker of an architecture (names the registry does not know after the
+    registered ones)."""
+    order = arch_order()
+    i = order.index(arch) if arch in order else len(order) + offset
     return {"color": COLORS[i % len(COLORS)], "marker": MARKERS[i % len(MARKERS)], "markersize": 5}
 
 

@@ -1,8 +1,9 @@
 """The config schema (workflow/schemas/config.schema.yaml), the one place every setting's default
 lives, and the validation of a config against it: `load_config` reads a YAML file (naming the
 file and line of a syntax error), `validate_schema` fills defaults and names the first invalid
-field. A leaf module, so that the stages (probes, NLL) can read their defaults without importing
-the grid expansion (depthbench.grid.config)."""
+field. The architecture names and options come from the registry (depthbench.models.registry),
+which `load_schema` adds. A leaf module, so that the stages (probes, NLL) can read their defaults
+without importing the grid expansion (depthbench.grid.config)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,40 @@ def _schema() -> dict:
 
 
 def load_schema() -> dict:
-    """A fresh copy of the schema."""
-    return copy.deepcopy(_schema())
+    """A fresh copy of the schema, with the architecture registry's names and options filled in
+    (`_with_registry`): read on every call, so an architecture registered later is in it."""
+    return _with_registry(copy.deepcopy(_schema()))
+
+
+# The JSON Schema type of an option's annotation in its architecture's Options dataclass.
+_OPTION_TYPES = {"bool": "boolean", "int": "integer", "float": "number", "str": "string"}
+
+
+def _with_registry(schema: dict) -> dict:
+    """`schema` (in place) with what the architecture registry alone lists: every registered
+    name and alias as the enum of `architectures` items and of `learning_rates_by_arch` keys,
+    and under `model.arch_options` an entry for each option a registered architecture declares
+    that the YAML does not describe (typed from its annotation; no default, since the default
+    lives in the Options dataclass and the section holds only what a config sets)."""
+    import dataclasses
+
+    from depthbench.models.registry import ARCHITECTURES, accepted_names
+
+    props = schema["properties"]
+    props["architectures"]["items"]["enum"] = accepted_names()
+    props["learning_rates_by_arch"]["propertyNames"]["enum"] = accepted_names()
+    described = props["model"]["properties"]["arch_options"]["properties"]
+    undescribed: dict[str, tuple] = {}  # option name: (its dataclass field, the archs declaring it)
+    for arch, cls in ARCHITECTURES.items():
+        for f in dataclasses.fields(cls.Options):
+            if f.name not in described:
+                undescribed.setdefault(f.name, (f, []))[1].append(arch)
+    for name, (f, archs) in undescribed.items():
+        annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        described[name] = {"description": f"{', '.join(archs)}: an option of its Options class"}
+        if annotation in _OPTION_TYPES:
+            described[name]["type"] = _OPTION_TYPES[annotation]
+    return schema
 
 
 def schema_defaults(section: str) -> dict:
@@ -173,7 +206,8 @@ def validate_schema(config: dict) -> dict:
             allowed = sorted(err.schema.get("properties", {}))
             message += f"; valid keys: {allowed}"
         elif err.validator in ("exclusiveMinimum", "minimum"):
-            message += f" (must be {'>' if err.validator == 'exclusiveMinimum' else '>='} {err.validator_value})"
+            bound = ">" if err.validator == "exclusiveMinimum" else ">="
+            message += f" (must be {bound} {err.validator_value})"
         raise ConfigError(_field_path(err), message)
     _check_sweep_values(config.get("sweep", {}), schema)
     return config

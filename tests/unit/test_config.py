@@ -174,13 +174,11 @@ def test_shape_table_has_one_row_per_arch_and_shape(wiki_jsonl):
 
 
 def test_schema_architecture_enum_matches_the_registry():
-    import yaml
-
-    from depthbench.spec.schema import SCHEMA_PATH
+    from depthbench.spec.schema import load_schema
     from depthbench.models.registry import ALIASES, ARCHITECTURES, canonical_arch
 
     canonical_arch("pre_ln")
-    schema = yaml.safe_load(SCHEMA_PATH.read_text())
+    schema = load_schema()
     assert set(schema["properties"]["architectures"]["items"]["enum"]) == set(ARCHITECTURES) | set(
         ALIASES
     )

@@ -334,12 +334,10 @@ def test_invalid_heads_name_the_field():
 def test_the_schema_lists_exactly_the_registered_architectures_and_their_options():
     import dataclasses
 
-    import yaml
-
-    from depthbench.spec.schema import SCHEMA_PATH
+    from depthbench.spec.schema import load_schema
     from depthbench.models.registry import ALIASES
 
-    schema = yaml.safe_load(SCHEMA_PATH.read_text())["properties"]
+    schema = load_schema()["properties"]
     assert set(schema["architectures"]["items"]["enum"]) == set(ARCHITECTURES) | set(ALIASES)
     options = {f.name for cls in ARCHITECTURES.values() for f in dataclasses.fields(cls.Options)}
     assert set(schema["model"]["properties"]["arch_options"]["properties"]) == options

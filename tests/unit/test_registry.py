@@ -1,0 +1,148 @@
+"""The architecture list lives in the registry alone: the config schema's names and options, the
+figures' colour order and the tests' architecture lists are read from it, so an architecture
+registered at test time is a valid config name (and its options valid options) for exactly as
+long as it is registered, and takes the next colour without moving the others'."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from matplotlib.colors import to_hex
+
+from depthbench.analysis.style import arch_style
+from depthbench.models.archs.pre_ln import PreLN
+from depthbench.models.base import ArchOptions
+from depthbench.models.registry import (
+    ALIASES,
+    ARCHITECTURES,
+    register,
+    registered,
+    registration_order,
+    unregister,
+)
+from depthbench.spec.schema import load_config, load_schema
+from depthbench.util.errors import ConfigError
+from tests.conftest import tiny_config
+
+# The package's architectures with the colour (tab10's, then black) and marker each has had in
+# every figure; a change here recolours the default figures.
+CURRENT_STYLE = {
+    "pre_ln": ("#1f77b4", "o"),
+    "post_ln": ("#ff7f0e", "s"),
+    "peri_ln": ("#2ca02c", "D"),
+    "lns": ("#d62728", "^"),
+    "deepnorm": ("#9467bd", "v"),
+    "keel": ("#8c564b", "<"),
+    "hc": ("#e377c2", ">"),
+    "mhc": ("#7f7f7f", "p"),
+    "attnres_full": ("#bcbd22", "h"),
+    "attnres_block": ("#17becf", "*"),
+    "moda": ("#000000", "X"),
+}
+
+
+@dataclass(frozen=True)
+class LaterOptions(ArchOptions):
+    later_scale: float = 1.0
+
+
+class Later(PreLN):
+    """An architecture no module of the package registers."""
+
+    Options = LaterOptions
+
+
+def config(**overrides) -> dict:
+    # Validation reads the schema only: the corpus file is never opened.
+    return tiny_config(Path("corpus.jsonl"), **overrides)
+
+
+def snapshot():
+    return list(ARCHITECTURES.items()), list(ALIASES.items())
+
+
+def test_a_name_registered_at_test_time_is_valid_while_registered():
+    before = snapshot()
+    with registered(Later, "later_ln", "later_alias"):
+        loaded = load_config(
+            config(
+                architectures=["later_ln", "pre_ln"],
+                learning_rates_by_arch={"later_alias": [1e-3]},
+                model={"n_head": 2, "arch_options": {"later_scale": 0.5}},
+            )
+        )
+        assert loaded["architectures"] == ["later_ln", "pre_ln"]
+        assert loaded["model"]["arch_options"] == {"later_scale": 0.5}
+        with pytest.raises(ConfigError, match=r"model\.arch_options\.later_scale"):
+            load_config(config(model={"n_head": 2, "arch_options": {"later_scale": "big"}}))
+        schema = load_schema()["properties"]
+        names = schema["architectures"]["items"]["enum"]
+        assert names[-3:] == ["later_ln", "later_alias", "sandwich_ln"]
+        assert schema["learning_rates_by_arch"]["propertyNames"]["enum"] == names
+    assert snapshot() == before
+    with pytest.raises(ConfigError) as err:
+        load_config(config(architectures=["later_ln"]))
+    assert err.value.field == "architectures[0]"
+    with pytest.raises(ConfigError, match=r"learning_rates_by_arch"):
+        load_config(config(learning_rates_by_arch={"later_alias": [1e-3]}))
+    with pytest.raises(ConfigError, match=r"model\.arch_options.*later_scale"):
+        load_config(config(model={"arch_options": {"later_scale": 0.5}}))
+
+
+def test_an_unknown_architecture_is_refused_naming_the_field_and_every_valid_name():
+    with pytest.raises(ConfigError) as err:
+        load_config(config(architectures=["pre_ln", "transformer_xl"]))
+    assert err.value.field == "architectures[1]"
+    message = str(err.value)
+    assert "'transformer_xl'" in message
+    for name in [*CURRENT_STYLE, "sandwich_ln"]:
+        assert f"'{name}'" in message, name
+
+
+def test_the_yaml_lists_no_architecture_and_the_loaded_schema_every_one():
+    import yaml
+
+    from depthbench.spec.schema import SCHEMA_PATH
+
+    raw = yaml.safe_load(SCHEMA_PATH.read_text())["properties"]
+    assert "enum" not in raw["architectures"]["items"]
+    assert "enum" not in raw["learning_rates_by_arch"]["propertyNames"]
+    names = load_schema()["properties"]["architectures"]["items"]["enum"]
+    assert names == [*CURRENT_STYLE, "sandwich_ln"]
+
+
+def test_registration_keeps_the_order_of_the_package_then_later_ones():
+    assert registration_order() == list(CURRENT_STYLE)
+    with registered(Later, "later_ln"):
+        assert registration_order() == [*CURRENT_STYLE, "later_ln"]
+    assert registration_order() == list(CURRENT_STYLE)
+
+
+def test_a_name_or_alias_already_taken_is_refused_and_an_unknown_one_not_unregistered():
+    before = snapshot()
+    with pytest.raises(ValueError, match="'sandwich_ln' registered twice"):
+        register("later_ln", "sandwich_ln")(Later)
+    with pytest.raises(ValueError, match="'pre_ln' registered twice"):
+        register("pre_ln")(Later)
+    with pytest.raises(ValueError, match="'later_ln' is not registered"):
+        unregister("later_ln")
+    assert snapshot() == before
+
+
+def style_of(arch: str) -> tuple[str, str]:
+    style = arch_style(arch)
+    return to_hex(style["color"]), style["marker"]
+
+
+def test_the_package_architectures_keep_their_colours_and_markers():
+    assert {arch: style_of(arch) for arch in CURRENT_STYLE} == CURRENT_STYLE
+
+
+def test_every_registered_architecture_gets_its_own_colour():
+    with registered(Later, "later_ln"):
+        colours = [style_of(arch)[0] for arch in registration_order()]
+        assert len(colours) == len(CURRENT_STYLE) + 1
+        assert len(set(colours)) == len(colours)
+        assert {arch: style_of(arch) for arch in CURRENT_STYLE} == CURRENT_STYLE
