@@ -1,5 +1,6 @@
-"""A twelfth architecture, registered here and nowhere else, goes through training, the probe
-stage, NLL and cost: nothing outside this file knows its name.
+"""A twelfth architecture, registered here and nowhere else, goes through config validation,
+grid expansion, training, the probe stage, NLL and cost: nothing outside this file knows its name.
+It is registered for the test only (`registered`): afterwards the registry is exactly as before.
 
 The toy: Pre-LN with a learned scalar gate per sublayer (x <- x + g F(N(x)), g initialised at 1),
 plus one extra matmul term charged to the cost through its own `extra_flops_per_token`.
@@ -7,7 +8,6 @@ plus one extra matmul term charged to the cost through its own `extra_flops_per_
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass, replace
 
@@ -16,11 +16,12 @@ import pytest
 import torch
 from torch import nn
 
-from depthbench.models.cost import analytic_cost
-from depthbench.models.registry import ARCHITECTURES, canonical_arch
+from depthbench.grid.config import expand_grid
 from depthbench.models.archs.pre_ln import PreLN, PreLNBlock
 from depthbench.models.base import ArchOptions
-from depthbench.models.registry import register
+from depthbench.models.cost import analytic_cost
+from depthbench.models.registry import ALIASES, ARCHITECTURES, registered
+from depthbench.spec.schema import load_config
 
 
 @dataclass(frozen=True)
@@ -38,27 +39,29 @@ class GatedBlock(PreLNBlock):
         return x + self.gates[1] * self.ffn(self.ffn_norm(x))
 
 
-@pytest.fixture(scope="module")
+class ToyGated(PreLN):
+    """Registered by the test only (`registered`), under the name "toy_gated"."""
+
+    block_class = GatedBlock
+    Options = GatedOptions
+
+    def init_architecture(self):
+        for block in self.blocks:
+            nn.init.constant_(block.gates, self.options.gate_init)
+
+    def extra_flops_per_token(self, seq_len: int) -> float:
+        return 2.0 * self.cfg.n_layer  # the two gate multiplies per layer, as a stand-in term
+
+
+@pytest.fixture
 def toy():
-    canonical_arch("pre_ln")  # the built-in architectures first
-
-    if "toy_gated" not in ARCHITECTURES:
-
-        @register("toy_gated")
-        class ToyGated(PreLN):
-            block_class = GatedBlock
-            Options = GatedOptions
-
-            def init_architecture(self):
-                for block in self.blocks:
-                    nn.init.constant_(block.gates, self.options.gate_init)
-
-            def extra_flops_per_token(self, seq_len: int) -> float:
-                return (
-                    2.0 * self.cfg.n_layer
-                )  # the two gate multiplies per layer, as a stand-in term
-
-    return "toy_gated"
+    """The toy registered for one test; the registry (names, classes, order, aliases) is checked
+    to be exactly as before once it is unregistered."""
+    before = (list(ARCHITECTURES.items()), list(ALIASES.items()))
+    with registered(ToyGated, "toy_gated"):
+        assert list(ARCHITECTURES)[-1] == "toy_gated"
+        yield "toy_gated"
+    assert (list(ARCHITECTURES.items()), list(ALIASES.items())) == before
 
 
 def test_a_toy_architecture_trains_probes_scores_and_costs(toy, tiny_data, tmp_path):
@@ -68,10 +71,14 @@ def test_a_toy_architecture_trains_probes_scores_and_costs(toy, tiny_data, tmp_p
     from depthbench.train.loop import train
 
     config, exp, data_dir = tiny_data
-    spec = copy.deepcopy(next(iter(exp.runs.values())))
-    spec.arch, spec.run_id = toy, spec.run_id.replace("pre_ln", toy)
-    spec.model = replace(spec.model, arch=toy, arch_options={"gate_init": 0.5})
-    spec.train.total_steps = 6
+    # The pre_ln grid's config naming the toy instead, validated and expanded like any other.
+    overrides = {"architectures": [toy], "model": {"arch_options": {"gate_init": 0.5}}}
+    toy_config = load_config(config, {**overrides, "train": {"max_steps": 6}})
+    toy_exp = expand_grid(toy_config)
+    assert toy_exp.data_id == exp.data_id  # the shards built for the pre_ln grid serve it
+    (spec,) = toy_exp.runs.values()
+    assert spec.arch == toy and spec.run_id.startswith(f"{toy}_")
+    assert spec.model.arch_options == {"gate_init": 0.5} and spec.train.total_steps == 6
     paths = RunPaths(
         tmp_path / "runs" / spec.run_id, tmp_path / "work"
     )  # the stages check the folder's run id
