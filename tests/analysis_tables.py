@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pandas as pd
 
 BUDGET = 8.0e5
+FLOOR = 5.5  # the synthetic unigram floor (nats)
+JITTER = 1e-3  # seed s adds s * JITTER to every measured value: seeds differ, seed 0 is the base
+HALF_WIDTH = 5e-3  # with intervals=True: each row's ci_low / ci_high are value -+ this
 
 
 def _run_id(arch: str, L: int, lr: float, seed: int = 0) -> str:
@@ -18,36 +23,45 @@ def synthetic_tables(
     lrs=(2e-3, 4e-3),
     diverged=lambda arch, L, lr: lr > 3e-3 and arch == "hc",
     loss=None,
+    seeds=(0,),
+    intervals=False,
 ) -> dict[str, pd.DataFrame]:
     """A complete set of tables: runs (status from `diverged`), best_lr, curves, dynamics,
-    probes (trained and init), nll and cost. loss(arch, L, lr) gives each run's final loss."""
+    probes (trained and init), nll and cost. loss(arch, L, lr) gives each run's final loss; each
+    seed adds seed * JITTER to the measured values. `intervals`: the probe and NLL rows carry
+    ci_low / ci_high (value -+ HALF_WIDTH) and best_lr ci_low / ci_high / n, as the stages that
+    write intervals do."""
+    from depthbench.analysis.readers import learned
+
     loss = loss or (
         lambda arch, L, lr: 4.0 + 0.1 * abs(np.log2(lr / 2e-3)) - 0.02 * L * (arch != "pre_ln")
     )
     runs = []
-    for arch in archs:
-        for L in depths:
-            d = int(64 * np.sqrt(8 / L) // 16 * 16)
-            for lr in lrs:
-                bad = diverged(arch, L, lr)
-                runs.append(
-                    {
-                        "run_id": _run_id(arch, L, lr),
-                        "experiment": "syn",
-                        "arch": arch,
-                        "n_layer": L,
-                        "d_model": d,
-                        "ratio": d / L,
-                        "params": int(BUDGET * (1 + 0.01 * (L - 4))),
-                        "lr": lr,
-                        "seed": 0,
-                        "knobs": "{}",
-                        "status": "diverged" if bad else "ok",
-                        "final_val_loss": np.nan if bad else loss(arch, L, lr),
-                        "unigram_floor": 5.5,
-                        "device": "cpu",
-                    }
-                )
+    for arch, L, lr, seed in itertools.product(archs, depths, lrs, seeds):
+        d = int(64 * np.sqrt(8 / L) // 16 * 16)
+        bad = diverged(arch, L, lr)
+        final = np.nan if bad else loss(arch, L, lr) + JITTER * seed
+        runs.append(
+            {
+                "run_id": _run_id(arch, L, lr, seed),
+                "experiment": "syn",
+                "arch": arch,
+                "n_layer": L,
+                "d_model": d,
+                "ratio": d / L,
+                "params": int(BUDGET * (1 + 0.01 * (L - 4))),
+                "lr": lr,
+                "seed": seed,
+                "knobs": "{}",
+                "n_head": 4,
+                "n_kv_head": 4,
+                "status": "diverged" if bad else "ok",
+                "final_val_loss": final,
+                "unigram_floor": FLOOR,
+                "learned": learned(final, FLOOR, 0.1),
+                "device": "cpu",
+            }
+        )
     runs = pd.DataFrame(runs)
     from depthbench.analysis.tables import best_learning_rates
 
@@ -74,7 +88,7 @@ def synthetic_tables(
                         "quantity": "residual_rms",
                         "index": l,
                         "name": "",
-                        "value": 1 + l * step / 100,
+                        "value": 1 + l * step / 100 + JITTER * r.seed,
                     }
                 )
                 dyn.append(
@@ -84,7 +98,7 @@ def synthetic_tables(
                         "quantity": "grad_norm_h",
                         "index": l,
                         "name": "",
-                        "value": 0.1 / (1 + l),
+                        "value": 0.1 / (1 + l) + JITTER * r.seed,
                     }
                 )
             for l in range(r.n_layer):
@@ -95,7 +109,7 @@ def synthetic_tables(
                         "quantity": "norm_factor",
                         "index": -1,
                         "name": f"blocks.{l}.attn_norm",
-                        "value": 1 / (1 + l),
+                        "value": 1 / (1 + l) + JITTER * r.seed,
                     }
                 )
         probes += _probe_rows(r)
@@ -113,14 +127,21 @@ def synthetic_tables(
                 "set": "",
                 "domain": dom,
                 "n_docs": 16,
-                "nats_per_token": 3.0,
-                "bits_per_byte": 1.5 - 0.01 * r.n_layer,
+                "nats_per_token": 3.0 + JITTER * r.seed,
+                "bits_per_byte": 1.5 - 0.01 * r.n_layer + JITTER * r.seed,
             }
             for r in runs.itertuples()
             for dom in ("code", "stem", "math")
         ]
     )
     tables["nll"] = _with_run_columns(nll, runs, best)
+    if intervals:
+        for name, column in (("probes", "value"), ("nll", "bits_per_byte")):
+            df = tables[name]
+            df["ci_low"], df["ci_high"] = df[column] - HALF_WIDTH, df[column] + HALF_WIDTH
+        best["ci_low"] = best["final_val_loss"] - HALF_WIDTH
+        best["ci_high"] = best["final_val_loss"] + HALF_WIDTH
+        best["n"] = best["n_seeds"]
     cost = pd.DataFrame(
         [
             {
@@ -187,9 +208,19 @@ def _probe_rows(r) -> list[dict]:
     L, rows = r.n_layer, []
     stages = ("init", "init_no_prefix_avg") + (("trained",) if r.status == "ok" else ())
     for stage in stages:
-        add = lambda probe, i, j, v: rows.append(
-            {"run_id": r.run_id, "probe": probe, "stage": stage, "i": i, "j": j, "value": v}
-        )  # noqa: E731
+
+        def add(probe, i, j, v, stage=stage):
+            rows.append(
+                {
+                    "run_id": r.run_id,
+                    "probe": probe,
+                    "stage": stage,
+                    "i": i,
+                    "j": j,
+                    "value": v + JITTER * r.seed,
+                }
+            )
+
         for l in range(L + 1):
             add("token_similarity", l, -1, 0.1 * l)
             add("effective_rank", l, -1, 20 - l)
@@ -223,17 +254,20 @@ def _probe_rows(r) -> list[dict]:
                 add("dead_zone_layers", -1, -1, float(L // 4))
     if r.status == "ok":  # probes over training (probes.at_steps); the last step is the final model
         for step in (10, 50, 100):
-            snap = lambda probe, i, j, v: rows.append(
-                {
-                    "run_id": r.run_id,
-                    "probe": probe,
-                    "stage": "snapshot",
-                    "step": step,  # noqa: E731
-                    "i": i,
-                    "j": j,
-                    "value": v,
-                }
-            )
+
+            def snap(probe, i, j, v, step=step):
+                rows.append(
+                    {
+                        "run_id": r.run_id,
+                        "probe": probe,
+                        "stage": "snapshot",
+                        "step": step,
+                        "i": i,
+                        "j": j,
+                        "value": v,
+                    }
+                )
+
             for l in range(L + 1):
                 snap("token_similarity", l, -1, 0.1 * l * step / 100)
                 for k in range(L + 1 - l):

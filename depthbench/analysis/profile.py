@@ -47,20 +47,15 @@ def layer_profile(probes: pd.DataFrame, effective_depth: pd.DataFrame) -> pd.Dat
         )
 
     if R.has(effective_depth, "arch", "n_layer", "d_model", "ranking", "effective_fraction"):
-        depth = effective_depth
-        if "is_best_lr" in depth.columns:
-            depth = R.first_seed(depth[depth["is_best_lr"].fillna(False).astype(bool)])
-        for _, g in depth.groupby(["arch", "n_layer", "d_model"], sort=False):
-            ranked = g[g["ranking"] != "random"].sort_values(
-                ["effective_fraction", "ranking"], ascending=[False, True]
-            )
-            out = row(g.iloc[0])
-            if not ranked.empty:
-                out["removable"] = float(ranked["effective_fraction"].iloc[0])
-                out["best_ranking"] = str(ranked["ranking"].iloc[0])
-            randoms = g[g["ranking"] == "random"]["effective_fraction"]
-            if not randoms.empty:
-                out["random_removable"] = float(randoms.iloc[0])
+        removable = R.removable(effective_depth).sort_values(
+            ["removable", "best_ranking"], ascending=[True, False], na_position="first"
+        )  # a model of several knobs cells keeps the largest, as one group of its rows would
+        for r in removable.to_dict("records"):
+            out = row(r)
+            if r["removable"] == r["removable"]:  # NaN: no non-random ranking
+                out["removable"], out["best_ranking"] = r["removable"], r["best_ranking"]
+            if r["random_removable"] == r["random_removable"]:
+                out["random_removable"] = r["random_removable"]
     for share in ("causal_share", "permutation_share"):
         for _, r in R.probe(probes, share).iterrows():
             row(r)[share] = float(r["value"])

@@ -2,7 +2,7 @@
 
 Figures read these tables only. Every reader tolerates a table that is missing, empty, or
 lacks an optional column (an older run, or one written before a column was added): figures
-then say what is missing instead of failing (issue 20 item 5).
+then say what is missing instead of failing.
 """
 
 from __future__ import annotations
@@ -53,22 +53,117 @@ def first_seed(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["seed"] == lowest]
 
 
+def learned(final_val_loss: float, unigram_floor: float, margin: float) -> bool:
+    """Whether a run learned more than unigram statistics: its final validation loss lies more
+    than `margin` nats below the unigram floor. A diverged run (NaN loss) did not learn."""
+    return final_val_loss is not None and bool(final_val_loss < unigram_floor - margin)
+
+
+def not_learned(runs: pd.DataFrame) -> pd.Series:
+    """Per run: True where runs.parquet marks it `learned` false; a table without the column
+    (written before it) marks none."""
+    if not has(runs, "learned"):
+        return pd.Series(False, index=runs.index if runs is not None else None, dtype=bool)
+    return runs["learned"].eq(False).fillna(False).astype(bool)
+
+
+def not_learned_cells(runs: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
+    """The (arch, shape, knobs) cells whose best-LR runs (every seed) did not learn, with their
+    mean final validation loss."""
+    chosen = best_runs(runs, best)
+    if chosen.empty or "learned" not in chosen.columns:
+        return pd.DataFrame(columns=[*SHAPE_KEYS, "final_val_loss"])
+    flagged = chosen.assign(_not=not_learned(chosen))
+    cells = flagged.groupby(SHAPE_KEYS, as_index=False).agg(
+        _not=("_not", "all"), final_val_loss=("final_val_loss", "mean")
+    )
+    return cells[cells["_not"]].drop(columns="_not").reset_index(drop=True)
+
+
+INTERVAL = ("ci_low", "ci_high")  # a row's 95% interval, where the stage that wrote it has one
+
+
+def best_loss(runs: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
+    """Per best_lr cell: the final validation loss at the best LR (`value`) with its 95% interval
+    (`low`, `high`) and seed count (`n`): best_lr's own ci_low / ci_high / n where the table has
+    them, otherwise the t interval over the best-LR runs' seeds (analysis.intervals.seed_interval;
+    no interval for one seed)."""
+    from depthbench.analysis.intervals import seed_interval
+
+    columns = [*SHAPE_KEYS, "value", "low", "high", "n"]
+    if not has(best, *SHAPE_KEYS, "final_val_loss"):
+        return pd.DataFrame(columns=columns)
+    if all(c in best.columns for c in INTERVAL):
+        n = best["n"] if "n" in best else best.get("n_seeds", pd.Series(1, index=best.index))
+        out = best[SHAPE_KEYS].assign(
+            value=best["final_val_loss"], low=best["ci_low"], high=best["ci_high"], n=n
+        )
+        return out[columns].reset_index(drop=True)
+    chosen = best_runs(runs, best)
+    seeds = {k: seed_interval(g["final_val_loss"]) for k, g in chosen.groupby(SHAPE_KEYS)}
+    rows = []
+    for *key, loss in best[[*SHAPE_KEYS, "final_val_loss"]].itertuples(index=False):
+        e = seeds.get(tuple(key))
+        if e is None or e.n == 0:  # the runs table lacks the cell: best_lr's mean, no interval
+            rows.append([*key, float(loss), np.nan, np.nan, 1])
+        else:
+            rows.append([*key, e.value, e.low, e.high, e.n])
+    return pd.DataFrame(rows, columns=columns)
+
+
+def removable(depth: pd.DataFrame, all_seeds: bool = False) -> pd.DataFrame:
+    """Per run at its cell's best LR (the first seed unless `all_seeds`; a pretrained model's one
+    run) from effective_depth.parquet: the largest fraction of layers a non-random ranking
+    removes within the tolerance (`removable`; `best_ranking` names the ranking, the first by
+    name among ties) and the random ranking's (`random_removable`); NaN where a run lacks them."""
+    columns = ["run_id", *SHAPE_KEYS, "ratio", "status", "seed"]
+    out_columns = columns + ["removable", "best_ranking", "random_removable"]
+    if not has(depth, "run_id", "arch", "n_layer", "ranking", "effective_fraction"):
+        return pd.DataFrame(columns=out_columns)
+    if "is_best_lr" in depth.columns:
+        depth = depth[depth["is_best_lr"].fillna(False).astype(bool)]
+    depth = depth if all_seeds else first_seed(depth)
+    rows = []
+    for _, g in depth.groupby("run_id", sort=False):
+        ranked = g[g["ranking"] != "random"].sort_values(
+            ["effective_fraction", "ranking"], ascending=[False, True]
+        )
+        randoms = g[g["ranking"] == "random"]["effective_fraction"]
+        first = g.iloc[0]
+        rows.append(
+            {
+                **{c: first.get(c, np.nan) for c in columns},
+                "status": first.get("status", "ok"),
+                "removable": float(ranked["effective_fraction"].iloc[0]) if len(ranked) else np.nan,
+                "best_ranking": str(ranked["ranking"].iloc[0]) if len(ranked) else None,
+                "random_removable": float(randoms.max()) if len(randoms) else np.nan,
+            }
+        )
+    return pd.DataFrame(rows, columns=out_columns)
+
+
 def probe(
-    probes: pd.DataFrame, name: str, stage: str = "trained", best_only: bool = True
+    probes: pd.DataFrame,
+    name: str,
+    stage: str = "trained",
+    best_only: bool = True,
+    all_seeds: bool = False,
 ) -> pd.DataFrame:
     """Rows of one probe at one stage, one run per (arch, shape, knobs): the best-LR run (first
     seed) of trained rows. At init the learning rate plays no part, and diverged runs have init
-    rows too, so init stages (and best_only=False) take the lowest-LR run, first seed."""
+    rows too, so init stages (and best_only=False) take the lowest-LR run, first seed.
+    `all_seeds`: every seed of that learning rate instead of the first."""
     if not has(probes, "probe", "stage", "value", *SHAPE_KEYS):
         return pd.DataFrame(
             columns=["run_id", "probe", "stage", "i", "j", "value", *SHAPE_KEYS, "seed", "lr"]
         )
+    seeds = (lambda df: df) if all_seeds else first_seed
     sub = probes[(probes["probe"] == name) & (probes["stage"] == stage)]
     if best_only and stage == "trained" and "is_best_lr" in sub.columns:
-        return first_seed(sub[sub["is_best_lr"].fillna(False).astype(bool)])
+        return seeds(sub[sub["is_best_lr"].fillna(False).astype(bool)])
     if "lr" in sub.columns and not sub.empty:
         sub = sub[sub["lr"] == sub.groupby(SHAPE_KEYS)["lr"].transform("min")]
-    return first_seed(sub)
+    return seeds(sub)
 
 
 def deepest(df: pd.DataFrame) -> pd.DataFrame:

@@ -26,7 +26,8 @@ h1{font-size:19px;margin:10px 0 2px} h2{font-size:16px;border-bottom:1px solid #
 table{border-collapse:collapse;font-size:11px;width:100%}
 th,td{border:1px solid #ddd;padding:1px 4px;text-align:left;vertical-align:top;line-height:1.25}
 th{background:#f3f3f3} td.num{text-align:right;font-variant-numeric:tabular-nums}
-.holds{background:#dff3df} .fails{background:#f8dede} .untestable{background:#f1f1f1;color:#555}
+.holds{background:#dff3df} .contradicted{background:#f8dede} .inconclusive{background:#fbf5dc}
+.untestable{background:#f1f1f1;color:#555} .flag{color:#a15c00;font-weight:600}
 figure{margin:12px 0 22px} figure img{max-width:100%;max-height:900px;border:1px solid #ddd}
 figcaption{max-width:1100px;margin-top:4px;color:#333}
 nav a{margin-right:12px} .small{color:#666;font-size:11px}
@@ -39,13 +40,43 @@ def _img(path: Path, alt: str) -> str:
 
 
 def _verdict_class(v: str) -> str:
-    return "holds" if v == "holds" else "fails" if v.startswith("does not") else "untestable"
+    from depthbench.analysis.claims.verdict import CONTRADICTED, HOLDS, INCONCLUSIVE
+
+    return {HOLDS: "holds", CONTRADICTED: "contradicted", INCONCLUSIVE: "inconclusive"}.get(
+        v, "untestable"
+    )
+
+
+def _ours(r) -> str:
+    """Our summary, then every number compared with its 95% interval and seed count."""
+    numbers = getattr(r, "estimates", "") or ""
+    return html.escape(r.ours or "-") + (
+        f'<div class="small">{html.escape(numbers)}</div>' if numbers else ""
+    )
+
+
+def _verdict(r, with_note: bool) -> str:
+    single = bool(getattr(r, "single_seed", False))
+    flag = ' <span class="flag">single seed</span>' if single else ""
+    note = f'<div class="small">{html.escape(r.note)}</div>' if r.note and with_note else ""
+    return html.escape(r.verdict) + flag + note
+
+
+CLAIMS_LEGEND = (
+    '<p class="small">holds / contradicted: our numbers go the paper\'s way / the opposite way and '
+    "their 95% intervals separate; inconclusive at this scale: the intervals overlap, or a number "
+    'has none (one seed, no bootstrap interval); <span class="flag">single seed</span>: a '
+    "number compared rests on one seed.</p>"
+)
 
 
 def claims_html(claims: pd.DataFrame, full: bool = False) -> str:
+    """The claims table: our numbers with their 95% intervals and seed counts (n) beside each
+    verdict, verdicts that rest on one seed flagged; `full` adds how each is computed, the
+    source and the note (which names the cells left out because their best run did not learn)."""
     if claims.empty:
         return "<p>No claims table.</p>"
-    head = ["claim", "paper", "ours", "verdict"] + (
+    head = ["claim", "paper", "ours: value [95% interval] (n seeds)", "verdict"] + (
         ["how ours is computed", "source", "note"] if full else []
     )
     rows = []
@@ -53,9 +84,8 @@ def claims_html(claims: pd.DataFrame, full: bool = False) -> str:
         cells = [
             f"<b>({r.claim_id[0]})</b> {html.escape(r.claim)}",
             html.escape(r.paper),
-            html.escape(r.ours or "-"),
-            html.escape(r.verdict)
-            + (f'<div class="small">{html.escape(r.note)}</div>' if r.note and not full else ""),
+            _ours(r),
+            _verdict(r, with_note=not full),
         ]
         if full:
             cells += [html.escape(r.method), html.escape(r.source), html.escape(r.note or "")]
@@ -177,13 +207,16 @@ def build_report(names: list[str], figure_dir: str | Path, tables: dict, setting
         "<h3>Layer profile: how much of each model's depth does work (best-LR runs and pretrained "
         f"models)</h3>{layer_profile_html(profile, tolerance)}"
     )
-    # the first screen holds the claims this grid can test; the rest are counted and listed in full below
+    # the first screen holds the claims this grid can test; the rest are counted and listed in
+    # full below
     testable = (
         claims[~claims["verdict"].str.startswith("not testable")] if not claims.empty else claims
     )
     untested = len(claims) - len(testable)
     claims_part = (
-        "<h3>Claims of the source papers (sources and methods: <a href='#claims'>Claims in full</a>)</h3>"
+        "<h3>Claims of the source papers (sources and methods: "
+        "<a href='#claims'>Claims in full</a>)</h3>"
+        + CLAIMS_LEGEND
         + (
             claims_html(testable)
             if not testable.empty

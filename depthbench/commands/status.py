@@ -1,10 +1,12 @@
 """`depthbench status [CONFIG]`: where each run of the grid stands, and what the next `snakemake`
 run would do, computed from the files under results/ without running anything.
 
-Per run: `trained` (summary status ok), `diverged`, `probed` and `scored` (its probe / NLL
+Per run: `trained` (summary status ok), `at-floor` (trained, but its final validation loss is not
+analysis.learned_margin nats below the unigram floor: it did not learn, and the claims leave out
+its cell when it is the cell's best run), `diverged`, `probed` and `scored` (its probe / NLL
 Parquet exists and is current; with `probes.runs` / `nll.runs: best_lr` only the runs at their
-cell's best LR in results/tables are evaluated, `-` for the others and `later` while that table
-is missing or older than a summary), `missing` (no summary; `partial` when a checkpoint exists, so
+cell's best LR in results/tables are evaluated, `-` for the others and `later` while that table is
+missing or older than a summary), `missing` (no summary; `partial` when a checkpoint exists, so
 training resumes from it), `stale` (an output exists but is older than one of its inputs) and
 `incomplete` (Snakemake's marker under .snakemake/incomplete/ says its train job was interrupted:
 Snakemake refuses to go on without `--rerun-incomplete`, which retrains it). A summary that is
@@ -44,7 +46,8 @@ RESULTS = "results"  # the workflow's output folder (the Snakefile's RESULTS), r
 @dataclass
 class RunStatus:
     run_id: str
-    state: str  # trained | diverged | missing | partial | stale | invalid | corrupt | incomplete
+    # trained | at-floor | diverged | missing | partial | stale | invalid | corrupt | incomplete
+    state: str
     probed: str = (
         "-"  # yes | no | stale | later | - (probes disabled, or not at its cell's best LR)
     )
@@ -212,6 +215,29 @@ def _best_lr_runs(exp: Experiment, results: Path) -> set[str] | None:
     return set(best_lr_run_ids(pd.read_parquet(runs), pd.read_parquet(best), exp.runs))
 
 
+def _at_floor(exp: Experiment, meta: Path, summary: Path) -> str | None:
+    """Why a trained run did not learn (depthbench.analysis.readers.learned), or None: it did,
+    or the shards' meta.json records no unigram floor."""
+    import json
+
+    from depthbench.analysis.readers import learned
+    from depthbench.spec.schema import with_defaults
+
+    try:
+        floor = float(json.loads(meta.read_text())["unigram_val_loss"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    loss = json.loads(summary.read_text())["final_val_loss"]
+    margin = with_defaults("analysis", exp.config.get("analysis", {}))["learned_margin"]
+    if floor != floor or learned(loss, floor, margin):
+        return None
+    return (
+        f"did not learn: final validation loss {loss:.3f} is not {margin:g} nats below the "
+        f"unigram floor {floor:.3f} (analysis.learned_margin); the claims leave out its cell "
+        "when it is the cell's best run"
+    )
+
+
 def run_statuses(exp: Experiment, results: str | os.PathLike = RESULTS) -> list[RunStatus]:
     results = Path(results)
     meta = results / "data" / exp.data_id / "meta.json"
@@ -221,6 +247,9 @@ def run_statuses(exp: Experiment, results: str | os.PathLike = RESULTS) -> list[
     for run_id, spec in exp.runs.items():
         run = results / "runs" / run_id
         state, reasons = _train_state(spec, run, results / "work" / run_id, meta)
+        why = _at_floor(exp, meta, run / "summary.json") if state == "trained" else None
+        if why:
+            state, reasons = "at-floor", [*reasons, why]
         st = RunStatus(run_id, state, reasons=reasons)
         retrain = state in (
             "missing",

@@ -1,18 +1,17 @@
 """The analysis side: every registered figure on full, empty, all-diverged, single-run and
-single-shape tables; the registry's choice of figures from the architectures' declarations;
-the claims' verdicts on synthetic tables whose answer is known; the report's first screen."""
+single-shape tables; the registry's choice of figures from the architectures' declarations; the
+report's first screen (the claims' verdicts: tests/unit/test_claims.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import matplotlib.pyplot as plt
-import numpy as np
 import pandas as pd
 import pytest
 
-from depthbench.analysis import claims as C
 from depthbench.analysis import registry
+from depthbench.analysis.claims.table import claims_table, load_claims
 from depthbench.analysis.report import build_report
 from depthbench.analysis.readers import grid_line
 from depthbench.models.registry import ARCHITECTURES
@@ -185,161 +184,11 @@ def test_registry_follows_the_architectures_declarations(monkeypatch):
         assert registry.FIGURES[name].caption and registry.FIGURES[name].tables
 
 
-# -- claims ---------------------------------------------------------------------------------------
-ALL = ("pre_ln", "post_ln", "lns", "hc", "mhc", "attnres_full", "attnres_block")
-
-
-def _verdict(claim, tables, settings=None):
-    return C.CLAIMS[claim](tables, settings or {})[1]
-
-
-def test_claim_file_and_functions_match():
-    rows = C.load_claims(CLAIMS_FILE)
-    assert [r["id"] for r in rows] == list(C.CLAIMS)
-    assert len(rows) >= 12
-
-
-def test_claim_a_depth_helps_hc_and_full_attnres_only():
-    helps = lambda arch, L, lr: 4.0 - (0.05 * L if arch != "pre_ln" else 0)  # noqa: E731
-    assert (
-        _verdict(
-            "a_depth_helps_hc_attnres_not_pre_ln",
-            synthetic_tables(archs=ALL, lrs=(2e-3,), loss=helps),
-        )
-        == C.HOLDS
-    )
-    flat = lambda arch, L, lr: 4.0  # noqa: E731
-    assert (
-        _verdict(
-            "a_depth_helps_hc_attnres_not_pre_ln",
-            synthetic_tables(archs=ALL, lrs=(2e-3,), loss=flat),
-        )
-        == C.FAILS
-    )
-    assert _verdict(
-        "a_depth_helps_hc_attnres_not_pre_ln", synthetic_tables(archs=("pre_ln",))
-    ).startswith("not testable")
-
-
-def test_claim_b_interior_best_depth():
-    valley = lambda arch, L, lr: 4.0 + (L - 4) ** 2 * 0.01  # noqa: E731  best at L = 4 of 2, 4, 8
-    t = synthetic_tables(archs=("mhc", "attnres_block"), lrs=(2e-3,), loss=valley)
-    assert _verdict("b_intermediate_best_depth", t) == C.HOLDS
-    down = lambda arch, L, lr: 4.0 - 0.01 * L  # noqa: E731
-    assert (
-        _verdict(
-            "b_intermediate_best_depth",
-            synthetic_tables(archs=("mhc", "attnres_block"), lrs=(2e-3,), loss=down),
-        )
-        == C.FAILS
-    )
-    two = synthetic_tables(archs=("mhc", "attnres_block"), depths=(2, 4), lrs=(2e-3,))
-    assert "needs 3" in _verdict("b_intermediate_best_depth", two)
-
-
-def _set_probe(t, probe, fn):
-    p = t["probes"]
-    mask = p["probe"] == probe
-    p.loc[mask, "value"] = [fn(r) for r in p[mask].itertuples()]
-    return t
-
-
-def test_claim_c_and_d_from_probe_rows():
-    t = synthetic_tables(
-        archs=("pre_ln", "hc", "attnres_full", "attnres_block"), depths=(8,), lrs=(2e-3,)
-    )
-    late = lambda r: (0.3 if r.arch != "pre_ln" else 0.1) + (
-        0.2 if r.arch == "attnres_block" and r.i in (2, 4, 6) else 0
-    )  # noqa: E731
-    t = _set_probe(t, "angular_distance_last", late)
-    ours, v, note = C.CLAIMS["c_late_angular_distance"](t, {"arch_options": {"n_blocks": 4}})
-    assert v == C.HOLDS and "pre_ln 0.100" in ours and note.endswith(f"({C.HOLDS})")
-    assert (
-        _verdict("c_late_angular_distance", _set_probe(t, "angular_distance_last", lambda r: 0.2))
-        == C.FAILS
-    )
-    t = _set_probe(
-        t, "causal_share", lambda r: {"attnres_full": 0.16, "hc": 0.07}.get(r.arch, 0.01)
-    )
-    t = _set_probe(
-        t, "permutation_share", lambda r: {"attnres_full": 0.46, "hc": 0.35}.get(r.arch, 0.08)
-    )
-    ours, v, _ = C.CLAIMS["d_causal_permutation_shares"](t, {})
-    assert v == C.HOLDS and ours.startswith("causal 16% / 7% / 1%; permutation 46% / 35% / 8%")
-    assert (
-        _verdict("d_causal_permutation_shares", _set_probe(t, "causal_share", lambda r: 0.1))
-        == C.FAILS
-    )
-
-
-def test_claims_e_f_g_h():
-    t = synthetic_tables(
-        archs=("pre_ln", "hc", "mhc", "attnres_full", "attnres_block"), lrs=(2e-3,)
-    )
-    assert _verdict("e_dead_zone_grows", t) == C.HOLDS  # L // 4: 0, 1, 2
-    assert (
-        _verdict(
-            "e_dead_zone_grows",
-            _set_probe(t.copy(), "dead_zone_layers", lambda r: 3.0 - r.n_layer / 4),
-        )
-        == C.FAILS
-    )
-    assert _verdict("f_mhc_rank_below_hc", t) == C.HOLDS  # 1.5 vs 2.6
-    assert (
-        _verdict("f_mhc_rank_below_hc", _set_probe(t, "residual_product_rank", lambda r: 2.0))
-        == C.FAILS
-    )
-    assert _verdict("g_cost_grows_with_depth", t) == C.HOLDS
-    t["cost"]["prefill_flops_4096"] = 1e9
-    assert _verdict("g_cost_grows_with_depth", t) == C.FAILS
-    nll = t["nll"]
-    nll["bits_per_byte"] = np.where(nll["arch"] == "pre_ln", 1.5, 1.4)
-    assert _verdict("h_deep_nll_stem_math", t) == C.HOLDS
-    nll["bits_per_byte"] = 1.5
-    assert _verdict("h_deep_nll_stem_math", t) == C.FAILS
-
-
-def test_claims_i_j_k_l():
-    t = synthetic_tables(archs=("pre_ln", "post_ln", "lns"), depths=(2, 8), lrs=(2e-3,))
-    dyn = t["dynamics"]
-    lns_ids = set(t["runs"].loc[t["runs"]["arch"] == "lns", "run_id"])
-    dyn.loc[dyn["run_id"].isin(lns_ids) & (dyn["quantity"] == "residual_rms"), "value"] = 1.0
-    assert _verdict("i_pre_ln_rms_grows_lns_holds", t) == C.HOLDS  # pre_ln 3 -> 9, lns 1
-    dyn.loc[dyn["run_id"].isin(lns_ids) & (dyn["quantity"] == "residual_rms"), "value"] = 20.0
-    assert _verdict("i_pre_ln_rms_grows_lns_holds", t) == C.FAILS
-    grow = lambda r: r.i * (0.1 if r.arch == "post_ln" and r.stage == "init" else 0.02)  # noqa: E731
-    assert (
-        _verdict("j_post_ln_token_similarity", _set_probe(t, "token_similarity", grow)) == C.HOLDS
-    )
-    assert (
-        _verdict(
-            "j_post_ln_token_similarity", _set_probe(t, "token_similarity", lambda r: 0.05 * r.i)
-        )
-        == C.FAILS
-    )
-    assert "no run collapsed" in _verdict("k_collapse_signature", t)
-    runs = t["runs"]
-    runs.loc[runs["run_id"] == runs["run_id"].iloc[0], "final_val_loss"] = 5.52  # floor 5.5
-    dyn.loc[(dyn["quantity"] == "grad_norm_h") & (dyn["step"] == 100), "value"] = 1e-6
-    assert _verdict("k_collapse_signature", t) == C.HOLDS
-    assert (
-        "no gqa runs"
-        in _verdict(
-            "l_gqa_moe_lower_variance", {**t, "runs": runs.assign(n_head=4, n_kv_head=4)}
-        ).lower()
-    )
-
-
-def test_claims_table_on_empty_tables_is_complete():
-    table = C.claims_table(C.load_claims(CLAIMS_FILE), EMPTY, {})
-    assert len(table) == len(C.CLAIMS) and table["verdict"].str.startswith("not testable").all()
-
-
 def test_report_opens_on_headline_claims_and_best_lr(tmp_path, full):
     names = ["headline", "usefulness"]
     for n in names:
         registry.render(n, full, CTX, tmp_path / f"{n}.png", tmp_path / f"{n}.pdf")
-    full = {**full, "claims": C.claims_table(C.load_claims(CLAIMS_FILE), full, {})}
+    full = {**full, "claims": claims_table(load_claims(CLAIMS_FILE), full, {})}
     page = build_report(
         names + ["dead_zone"], tmp_path, full, {"name": "syn", "budget": {"params": 8e5}}
     )

@@ -159,47 +159,6 @@ def test_removal_of_pretrained_layers_equals_transformers_without_them(family):
         assert math.isclose(got, expected, rel_tol=1e-5), (family, removed)
 
 
-def _depth_rows(fractions: dict[str, float], n_layer: int = 8) -> pd.DataFrame:
-    rows = []
-    for arch, f in fractions.items():
-        for ranking in ("angular_block", "causal", "random"):
-            rows.append(
-                {
-                    "run_id": arch,
-                    "arch": arch,
-                    "n_layer": n_layer,
-                    "d_model": 32,
-                    "knobs": "{}",
-                    "ranking": ranking,
-                    "is_best_lr": True,
-                    "seed": 0,
-                    "effective_fraction": f if ranking != "random" else f / 2,
-                }
-            )
-    return pd.DataFrame(rows)
-
-
-@pytest.mark.parametrize(
-    "fractions, verdict",
-    [
-        ({"pre_ln": 0.5, "hc": 0.25, "attnres_full": 0.125}, "holds"),
-        ({"pre_ln": 0.25, "hc": 0.5, "attnres_full": 0.125}, "does not hold at this scale"),
-        ({"hc": 0.25, "attnres_full": 0.125}, "not testable"),
-    ],
-)
-def test_claim_on_removable_layers_against_pre_ln(fractions, verdict):
-    from depthbench.analysis.claims import claim_m
-
-    ours, got, note = claim_m({"effective_depth": _depth_rows(fractions)}, {})
-    assert got.startswith(verdict), (got, ours)
-    if verdict == "holds":
-        assert "pre_ln 0.50" in ours and set(note.split(": ")[1].split(", ")) == {
-            "hc",
-            "attnres_full",
-        }
-    assert claim_m({}, {})[1].startswith("not testable")
-
-
 def test_layer_profile_takes_each_models_numbers_from_the_tables():
     from depthbench.analysis.profile import layer_profile, layer_profile_html
     from depthbench.probes.removal_run import effective_depth

@@ -94,3 +94,38 @@ def test_status_with_best_lr_evaluation_names_only_the_best_runs(wiki_jsonl, tmp
     runs.to_parquet(res / "tables" / "runs.parquet")
     best_learning_rates(runs).to_parquet(res / "tables" / "best_lr.parquet")
     assert rows() == {low: ["trained", "-"], high: ["trained", "no"]}  # only the best LR is probed
+
+
+def test_status_marks_trained_runs_that_did_not_learn(wiki_jsonl, tmp_path, capsys):
+    """A run whose final loss is not analysis.learned_margin below the unigram floor is at-floor,
+    with the reason; a larger floor distance, or a smaller margin, leaves it trained."""
+    import json
+
+    from depthbench.commands.cli import main
+    from depthbench.data.shards import META_VERSION
+
+    config = tiny_config(wiki_jsonl, learning_rates=[3e-3, 1e-2])
+    cfg, exp, res = status_grid(config, tmp_path)
+    stuck, learned = sorted(exp.runs, key=lambda rid: exp.runs[rid].lr)
+    fake_summary(res, exp.runs[stuck], final_val_loss=5.95)  # 0.05 below the floor
+    fake_summary(res, exp.runs[learned], final_val_loss=5.5)
+    meta = res / "data" / exp.data_id / "meta.json"
+    meta.write_text(json.dumps({"version": META_VERSION, "unigram_val_loss": 6.0}))
+    os.utime(meta, (1e9, 1e9))
+
+    def states(config_file):
+        assert main(["status", str(config_file), "--results", str(res)]) == 0
+        out = capsys.readouterr().out
+        rows = {line.split()[0]: line.split()[1] for line in out.split("\n") if line.split()}
+        return {stuck: rows[stuck], learned: rows[learned]}, out
+
+    got, out = states(cfg)
+    assert got == {stuck: "at-floor", learned: "trained"}
+    assert (
+        "did not learn: final validation loss 5.950 is not 0.1 nats below the unigram floor "
+        "6.000 (analysis.learned_margin)" in out
+    )
+    assert "2 runs: 1 at-floor, 1 trained" in out
+    narrow = tmp_path / "narrow.yaml"
+    narrow.write_text(cfg.read_text() + "analysis: {learned_margin: 0.01}\n")
+    assert states(narrow)[0] == {stuck: "trained", learned: "trained"}

@@ -91,7 +91,7 @@ rule claims:
     output:
         f"{RESULTS}/tables/claims.parquet",
     params:
-        settings=FIGURE_SETTINGS,
+        settings={**FIGURE_SETTINGS, "analysis": config["analysis"]},  # analysis: the learned margin
     log:
         f"{RESULTS}/logs/claims.log",
     benchmark:

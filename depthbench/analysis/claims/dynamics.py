@@ -1,0 +1,150 @@
+"""Claims on the training dynamics (results/tables/dynamics.parquet): the residual RMS of Pre-LN
+and LNS (i), the collapse signature of runs that did not learn (k), and the residual variance
+of GQA and MoE runs (l)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from depthbench.analysis import readers as R
+from depthbench.analysis.claims.verdict import (
+    Step,
+    cell_estimates,
+    claim,
+    default_knobs,
+    exact,
+    judge,
+    untestable,
+)
+from depthbench.analysis.intervals import seed_interval
+
+
+def _final_rms(t: dict) -> pd.DataFrame:
+    """Residual RMS of h_L at the last dynamics step of each best-LR run (every seed)."""
+    dyn = t.get("dynamics", pd.DataFrame())
+    chosen = R.best_runs(t.get("runs", pd.DataFrame()), t.get("best_lr", pd.DataFrame()))
+    if not R.has(dyn, "quantity") or chosen.empty:
+        return pd.DataFrame(columns=["run_id", *R.SHAPE_KEYS, "value"])
+    rms = dyn[dyn["quantity"] == "residual_rms"]
+    rms = rms[rms["step"] == rms.groupby("run_id")["step"].transform("max")]
+    rms = rms[rms["index"] == rms.groupby("run_id")["index"].transform("max")]
+    return chosen.merge(rms[["run_id", "value"]], on="run_id")
+
+
+@claim("i_pre_ln_rms_grows_lns_holds")
+def pre_ln_rms_grows_lns_holds(t: dict, s: dict):
+    """RMS(h_L) at the last dynamics step: Pre-LN's at its deepest depth above its shallowest,
+    and LNS's at that deepest depth below Pre-LN's (two strict steps). Not testable without
+    Pre-LN at two depths and LNS at Pre-LN's deepest."""
+    rms = default_knobs(_final_rms(t))
+    pre = cell_estimates(rms[rms["arch"] == "pre_ln"], ["n_layer"])
+    lns = cell_estimates(rms[rms["arch"] == "lns"], ["n_layer"])
+    if len(pre) < 2 or max(pre) not in lns:
+        return untestable(
+            "needs dynamics of pre_ln at 2 or more depths and of lns at pre_ln's deepest"
+        )
+    lo, hi = min(pre), max(pre)
+    steps = [
+        Step(f"pre_ln L={hi}", pre[hi], f"pre_ln L={lo}", pre[lo], 1),
+        Step(f"lns L={hi}", lns[hi], f"pre_ln L={hi}", pre[hi], -1),
+    ]
+    ours = (
+        f"pre_ln RMS(h_L) {pre[lo].value:.2f} (L={lo}) -> {pre[hi].value:.2f} (L={hi}); "
+        f"lns {lns[hi].value:.2f} at L={hi}"
+    )
+    return judge(steps, ours)
+
+
+def _collapsed(t: dict, s: dict) -> tuple[pd.DataFrame, float | None, float]:
+    """The finished runs that did not learn and sit at the unigram floor (within the learned
+    margin of it, above or below), the floor and the margin."""
+    from depthbench.spec.schema import with_defaults
+
+    runs = t.get("runs", pd.DataFrame())
+    margin = with_defaults("analysis", s.get("analysis", {}))["learned_margin"]
+    floor = R.unigram_floor(runs)
+    if floor is None or not R.has(runs, "status", "final_val_loss"):
+        return runs.iloc[0:0] if runs is not None else pd.DataFrame(), floor, margin
+    near = (runs["final_val_loss"] - floor).abs() <= margin
+    return runs[(runs["status"] == "ok") & R.not_learned(runs) & near], floor, margin
+
+
+@claim("k_collapse_signature", trained=False)
+def collapse_signature(t: dict, s: dict):
+    """Over the runs that did not learn and sit at the unigram floor (one number per run, the t
+    interval over the runs): log10 of ||dL/dh_1|| at the last dynamics step over the first below
+    -2 (a fall by more than two orders of magnitude), and the smallest RMSNorm backward factor
+    below 1 (two strict steps against exact thresholds). Not testable without such runs or
+    their dynamics."""
+    collapsed, floor, margin = _collapsed(t, s)
+    if floor is None:
+        return untestable("no runs")
+    if collapsed.empty:
+        return untestable(
+            "no run collapsed to the unigram floor (config/presets/postnorm_collapse.yaml "
+            "makes them)"
+        )
+    dyn = t.get("dynamics", pd.DataFrame())
+    d = dyn[dyn["run_id"].isin(set(collapsed["run_id"]))] if R.has(dyn, "quantity") else dyn
+    grad = d[(d["quantity"] == "grad_norm_h") & (d["index"] == 1)] if not d.empty else d
+    if grad.empty:
+        return untestable(f"no dynamics rows for the {len(collapsed)} collapsed run(s)")
+    grad = grad.sort_values("step").groupby("run_id")["value"]
+    fall = seed_interval(np.log10(grad.last() / grad.first()))
+    nf = seed_interval(d[d["quantity"] == "norm_factor"].groupby("run_id")["value"].min())
+    n = len(collapsed)
+    steps = [
+        Step(
+            f"log10 ||dL/dh_1|| last/first over {fall.n} run(s)",
+            fall,
+            "log10 of a 100x fall",
+            exact(-2),
+            -1,
+        ),
+        Step(f"min norm factor over {nf.n} run(s)", nf, "unit factor", exact(1), -1),
+    ]
+    ours = (
+        f"{n} run(s) within {margin:g} nats of the floor {floor:.2f}; ||dL/dh_1|| last/first "
+        f"{10**fall.value:.2g}; min norm factor {nf.value:.3g}"
+    )
+    return judge(steps, ours)
+
+
+@claim("l_gqa_moe_lower_variance")
+def gqa_moe_lower_variance(t: dict, s: dict):
+    """Residual variance RMS(h_L)^2 at the last dynamics step, per architecture and depth: GQA
+    runs (n_kv_head < n_head) and MoE runs (model.moe in the knobs) below the MHA, dense runs
+    (one strict step per variant, architecture and depth with both; the runs of one variant
+    pool as its seeds). Not testable without a variant and its base at a common cell."""
+    rms, runs = _final_rms(t), t.get("runs", pd.DataFrame())
+    if rms.empty or not R.has(runs, "n_kv_head", "n_head"):
+        return untestable("no dynamics rows")
+    rms = rms.drop(columns=["n_head", "n_kv_head"], errors="ignore").merge(
+        runs[["run_id", "n_head", "n_kv_head"]], on="run_id"
+    )
+    rms["variant"] = np.where(
+        rms["knobs"].str.contains("moe"),
+        "moe",
+        np.where(rms["n_kv_head"] < rms["n_head"], "gqa", "base"),
+    )
+    found = [v for v in ("gqa", "moe") if v in set(rms["variant"])]
+    if not found:
+        return untestable(
+            "no GQA runs (model.n_kv_head < n_head) and no MoE runs (model.moe) in the grid"
+        )
+    est = cell_estimates(rms.assign(var=rms["value"] ** 2), ["arch", "n_layer", "variant"], "var")
+    steps, parts = [], []
+    for v in found:
+        cells = sorted((a, L) for a, L, w in est if w == v and (a, L, "base") in est)
+        if not cells:
+            return untestable(
+                f"no MHA/dense run of the same architecture and depth as the {v} runs"
+            )
+        steps += [
+            Step(f"{a} L={L} {v}", est[a, L, v], f"{a} L={L} base", est[a, L, "base"], -1)
+            for a, L in cells
+        ]
+        ratio = np.mean([est[a, L, v].value / est[a, L, "base"].value for a, L in cells])
+        parts.append(f"{v}/base variance {ratio:.2f}")
+    return judge(steps, "; ".join(parts))
