@@ -4,6 +4,10 @@ Per document, NLL = -sum_t log p(y_t | context, y_<t) over the continuation's to
   nats_per_token = sum NLL / continuation tokens
   bits_per_byte  = sum NLL / (ln 2 * UTF-8 bytes of the continuation)   (lm-evaluation-harness)
 Per domain the sums are pooled over the domain's sets (a token- and byte-weighted average).
+Each row's 95% intervals (`ci_low`, `ci_high` of bits_per_byte; `nats_per_token_ci_low`,
+`nats_per_token_ci_high`) are a percentile bootstrap over its documents: the two ratios of sums
+recomputed on resamples of the documents (depthbench.util.resample), seeded, so a rerun gives the
+same table bit for bit.
 
 Tokenization follows lm-evaluation-harness's pair encoding: trailing whitespace of the context
 moves to the front of the continuation, the pair is encoded as one string and split at the
@@ -28,7 +32,8 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from depthbench.evals.sets import EvalDoc
+from depthbench.evals.eval_docs import EvalDoc
+from depthbench.util.resample import percentile_interval, resample_counts, resampled_sums
 
 
 def encode_pair(
@@ -134,8 +139,29 @@ def score_documents(
     return out
 
 
-def aggregate(per_doc: pd.DataFrame) -> pd.DataFrame:
-    """Rows per set (level 'set') and per domain (level 'domain', sets pooled)."""
+def document_intervals(group: pd.DataFrame, seed: int) -> dict[str, float]:
+    """The 95% intervals of bits_per_byte (`ci_low`, `ci_high`) and nats_per_token of a group of
+    scored documents, from resamples of its documents: each resample's summed NLL over its
+    summed bytes (tokens). NaN with fewer than 2 documents or without NLL (a diverged run)."""
+    counts = resample_counts(len(group), seed)
+    nll, tokens, nbytes = (
+        resampled_sums(group[c].to_numpy(np.float64), counts)
+        for c in ("nll", "n_tokens", "n_bytes")
+    )
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bpb = percentile_interval(nll / (math.log(2) * nbytes))
+        npt = percentile_interval(nll / tokens)
+    return {
+        "ci_low": float(bpb[0]),
+        "ci_high": float(bpb[1]),
+        "nats_per_token_ci_low": float(npt[0]),
+        "nats_per_token_ci_high": float(npt[1]),
+    }
+
+
+def aggregate(per_doc: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
+    """Rows per set (level 'set') and per domain (level 'domain', sets pooled), each with its
+    bootstrap intervals over documents (`document_intervals`, seeded by `seed`)."""
 
     def summarize(group: pd.DataFrame) -> pd.Series:
         nll, tokens, nbytes = group["nll"].sum(), group["n_tokens"].sum(), group["n_bytes"].sum()
@@ -147,6 +173,7 @@ def aggregate(per_doc: pd.DataFrame) -> pd.DataFrame:
                 "nll_sum": nll,
                 "nats_per_token": nll / tokens if tokens else math.nan,
                 "bits_per_byte": nll / (math.log(2) * nbytes) if nbytes else math.nan,
+                **document_intervals(group, seed),
             }
         )
 

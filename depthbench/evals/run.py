@@ -3,7 +3,9 @@
 `build_sets` writes one Parquet table of documents (set, domain, doc_id, token ids, bytes) for
 the experiment's tokenizer; `run_nll` scores one run's final weights on it and writes per-set
 and per-domain rows. With `max_docs_per_set` > 0 each set is a seeded random subset of its
-source (the same subset for every run); `n_docs_source` keeps the source's full count.
+source (the same subset for every run); `n_docs_source` keeps the source's full count. Each
+row's 95% intervals (depthbench.evals.nll.document_intervals) are a bootstrap over its documents
+seeded with the run's seed.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 
 from depthbench.spec.schema import schema_defaults
 from depthbench.evals.nll import aggregate, score_documents, tokenize_docs
-from depthbench.evals.sets import load_builtin, load_jsonl
+from depthbench.evals.builtin_sets import load_builtin
+from depthbench.evals.eval_docs import load_jsonl
 from depthbench.util.io import atomic_write
 
 
@@ -37,6 +40,10 @@ SET_COLUMNS = [
     "nll_sum",
     "nats_per_token",
     "bits_per_byte",
+    "ci_low",
+    "ci_high",
+    "nats_per_token_ci_low",
+    "nats_per_token_ci_high",
 ]
 
 
@@ -91,7 +98,8 @@ def run_nll(spec_dict: dict, run_dir: str, sets_path: str, out_path: str, settin
         model = load_final_model(spec.model, run_dir).to(device).eval()
         window = min(settings["seq_len"] or spec.train.seq_len, spec.model.max_seq_len)
         table = aggregate(
-            score_documents(model, docs, window, int(settings["tokens_per_batch"]), device)
+            score_documents(model, docs, window, int(settings["tokens_per_batch"]), device),
+            seed=spec.train.seed,
         )
         table["window"] = window
     else:  # a diverged run has no meaningful weights: keep its rows, without numbers

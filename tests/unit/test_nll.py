@@ -307,3 +307,90 @@ def test_aggregate_pools_sets_by_domain():
     assert out.loc[("domain", "code"), "nats_per_token"] == pytest.approx(6 / 10)
     assert out.loc[("domain", "code"), "bits_per_byte"] == pytest.approx(6 / 32 / math.log(2))
     assert out.loc[("domain", "code"), "n_docs"] == 3
+
+
+def _documents(n_per_set: int = 12) -> pd.DataFrame:
+    """Scored documents of two sets of one domain and one of another, with unequal lengths."""
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    rows = []
+    for s, domain in (("a", "code"), ("b", "code"), ("c", "math")):
+        for k in range(n_per_set):
+            tokens = int(rng.integers(3, 40))
+            rows.append(
+                {
+                    "set": s,
+                    "domain": domain,
+                    "doc_id": str(k),
+                    "n_tokens": tokens,
+                    "n_bytes": int(tokens * rng.uniform(2.5, 4.5)),
+                    "nll": float(tokens * rng.uniform(1.0, 3.0)),
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def test_nll_intervals_are_the_bootstrap_of_the_pooled_ratio_over_documents():
+    import numpy as np
+
+    per_doc, seed = _documents(), 11
+    out = aggregate(per_doc, seed=seed).set_index(["level", "set"])
+    for level, key, docs in (
+        ("set", "a", per_doc[per_doc["set"] == "a"]),
+        ("domain", "code", per_doc[per_doc["domain"] == "code"]),
+    ):
+        # resample the documents themselves (numpy's draws, as analysis.intervals does)
+        draws = np.random.default_rng(seed).integers(0, len(docs), size=(1000, len(docs)))
+        nll, nbytes, tokens = (
+            docs[c].to_numpy(float)[draws].sum(1) for c in ("nll", "n_bytes", "n_tokens")
+        )
+        bpb = np.quantile(nll / (math.log(2) * nbytes), [0.025, 0.975])
+        npt = np.quantile(nll / tokens, [0.025, 0.975])
+        got = out.loc[(level, key)]
+        assert (got["ci_low"], got["ci_high"]) == (pytest.approx(bpb[0]), pytest.approx(bpb[1]))
+        assert (got["nats_per_token_ci_low"], got["nats_per_token_ci_high"]) == (
+            pytest.approx(npt[0]),
+            pytest.approx(npt[1]),
+        )
+        assert got["ci_low"] < got["bits_per_byte"] < got["ci_high"]
+
+
+def test_nll_intervals_are_seeded_and_absent_for_one_document_or_no_numbers():
+    per_doc = _documents()
+    a, b = aggregate(per_doc, seed=3), aggregate(per_doc, seed=3)
+    pd.testing.assert_frame_equal(a, b, check_exact=True)
+    c = aggregate(per_doc, seed=4)
+    assert not a["ci_low"].equals(c["ci_low"])
+    pd.testing.assert_series_equal(a["bits_per_byte"], c["bits_per_byte"], check_exact=True)
+    one = aggregate(per_doc.iloc[:1])
+    assert one[["ci_low", "ci_high"]].isna().all().all()
+    diverged = aggregate(per_doc.assign(nll=math.nan))
+    assert diverged[["ci_low", "ci_high", "nats_per_token_ci_low"]].isna().all().all()
+
+
+def test_nll_stage_intervals_are_seeded_by_the_run(trained_run, tiny_data, tmp_path):
+    spec, run_dir = trained_run
+    settings = {"sets": ["humaneval", "gsm8k"], "max_docs_per_set": 5, "tokens_per_batch": 200}
+    sets_path = tmp_path / "sets.parquet"
+    docs = build_sets(settings, str(tiny_data[2].parent / "tokenizer.json"), None, str(sets_path))
+    tables = []
+    for name in ("a.parquet", "b.parquet"):
+        run_nll(spec.to_dict(), str(run_dir), str(sets_path), str(tmp_path / name), settings)
+        tables.append(pd.read_parquet(tmp_path / name))
+    pd.testing.assert_frame_equal(tables[0], tables[1], check_exact=True)
+    from safetensors.torch import load_file
+
+    from depthbench.models.registry import build_model
+
+    model = build_model(spec.model)
+    model.load_state_dict(load_file(run_dir / "model.safetensors"))
+    window = min(spec.train.seq_len, spec.model.max_seq_len)
+    per_doc = score_documents(model.eval(), docs, window, 200, "cpu")
+    expected = aggregate(per_doc, seed=spec.train.seed)
+    columns = ["ci_low", "ci_high", "nats_per_token_ci_low", "nats_per_token_ci_high"]
+    pd.testing.assert_frame_equal(
+        tables[0][columns].reset_index(drop=True), expected[columns], rtol=1e-6
+    )
+    t = tables[0]
+    assert ((t["ci_low"] <= t["bits_per_byte"]) & (t["bits_per_byte"] <= t["ci_high"])).all()
