@@ -1,4 +1,4 @@
-"""`depthbench rehearse` (depthbench.commands.rehearse.rehearsal, depthbench.commands.rehearse.command, depthbench.commands.rehearse.rss).
+"""`depthbench rehearse` (depthbench.commands.rehearse.rehearsal, .command and .rss).
 
 The tiny rehearsal checks what the command promises: every shape resumes to the state it saved
 (a fingerprint taken before the save, compared after the live state was destroyed and resumed),
@@ -75,7 +75,7 @@ def test_rehearsal_rows(tiny_exp, tiny_report):
         shape = solved[(r["arch"], r["n_layer"])]
         assert r["params"] == shape.n_params == r["solver_params"]
         assert r["d_model"] == shape.d_model
-        # the checkpoint holds fp32 weights and two fp32 AdamW moments: at least 12 bytes per parameter
+        # the checkpoint holds fp32 weights and two fp32 AdamW moments: >= 12 bytes per parameter
         assert r["checkpoint_bytes"] >= 12 * r["params"]
         assert {"causal_score", "permutation_score", "usefulness_ratio", "effective_rank"} <= set(
             r["probe_families"]
@@ -229,6 +229,20 @@ def test_meta_mode_on_the_1p6b_preset(tmp_path, capsys):
         assert r["meta_rss_gib"] < 0.25
     assert mem.peak < 2**30
     assert "GPU GiB" in capsys.readouterr().out
+
+
+def test_probe_passes_bound_each_intervention_family():
+    """`probe_passes=1` evaluates one pass per family: at L = 3 the causal matrix keeps row 1 of
+    its rows 1-2 (2 of 3 entries), the permutation matrix pair (1, 2) of its 3 pairs and the
+    usefulness ratios layer 1 of 3, so 5 rows fewer than in full; every row left is finite."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(arch="pre_ln", vocab_size=64, d_model=32, n_layer=3, n_head=2, max_seq_len=16)
+    model = build_model(cfg)
+    full = rh.run_probe_families(model, 64, 8, passes=0, seed=0)
+    bounded = rh.run_probe_families(model, 64, 8, passes=1, seed=0)
+    assert full["probe_rows"] - bounded["probe_rows"] == 1 + 2 + 2
+    assert full["probe_families"] == bounded["probe_families"]
+    assert full["probe_finite"] and bounded["probe_finite"]
 
 
 def test_peak_rss_sees_an_allocation():

@@ -117,7 +117,8 @@ def _rehearse_one(
     probe_passes: int,
     gpu_memory: float,
 ) -> dict:
-    """The memory guard, then the real or the meta check (depthbench.commands.rehearse.rehearsal, steps 1-5)."""
+    """The memory guard, then the real or the meta check (depthbench.commands.rehearse.rehearsal,
+    steps 1-5)."""
     launcher = exp.config.get("launcher", {})
     if mode == "meta":
         return {"mode": "meta", **rehearse_meta(target, launcher, gpu_memory)}
@@ -126,8 +127,8 @@ def _rehearse_one(
     guard = {"cpu_need_gib": need / GIB, "available_gib": avail / GIB}
     if need > avail:
         why = (
-            f"needs {need / GIB:.1f} GiB on the host (estimate with {HEADROOM:.0%} headroom: AdamW training "
-            f"step or resume), {avail / GIB:.1f} GiB available"
+            f"needs {need / GIB:.1f} GiB on the host (estimate with {HEADROOM:.0%} headroom: "
+            f"AdamW training step or resume), {avail / GIB:.1f} GiB available"
         )
         if mode == "real":
             return {
@@ -162,7 +163,8 @@ def rehearse_experiment(
     config_path: str = "",
     log=lambda line: print(line, file=sys.stderr, flush=True),
 ) -> dict:
-    """Rehearse every target of `exp` (depthbench.commands.rehearse.rehearsal); the report that rehearsal.json holds."""
+    """Rehearse every target of `exp` (depthbench.commands.rehearse.rehearsal); the report that
+    rehearsal.json holds."""
     if mode not in MODES:
         raise ValueError(f"--mode {mode!r}: valid: {list(MODES)}")
     out = Path(out)
@@ -237,7 +239,8 @@ def _header(names, columns) -> str:
 def format_rows(rows: list[dict], header: bool = True) -> str:
     """The real rows as one table (GiB: measured peak RSS over build + two steps vs the estimate:
     W weights, G gradients, AdamW moments, acts activations + one block's backward), the meta
-    and refused rows as another (per-GPU GiB with headroom, without / with activation checkpointing)."""
+    and refused rows as another (per-GPU GiB with headroom, without / with activation
+    checkpointing)."""
     lines = []
     real = [r for r in rows if r.get("mode") == "real" and r.get("status") != "refused"]
     other = [r for r in rows if r not in real]
@@ -257,8 +260,8 @@ def format_report(report: dict) -> str:
     bad = [r for r in rows if r.get("status") != "ok"]
     real = any(r.get("mode") == "real" and r.get("status") != "refused" for r in rows)
     sizes = (
-        f"micro-batch 1 x {report['tokens']} random tokens, probes on {report['probe_sequences']} x "
-        f"{report['probe_tokens']} tokens; "
+        f"micro-batch 1 x {report['tokens']} random tokens, probes on "
+        f"{report['probe_sequences']} x {report['probe_tokens']} tokens; "
         if real
         else ""
     )

@@ -16,7 +16,8 @@ the shape solver resolves them for the workflow (depthbench.grid.config.expand_g
    1 x `tokens` random token ids drawn uniformly from the preset's vocabulary (seeded): the
    corpus is not needed, and the loss of random tokens is about ln(vocab), which is what step 0
    of a real run sees too. Peak memory: the process's RSS high-water mark from just before the
-   model is built to the end of the second step (depthbench.commands.rehearse.rss), next to the estimate.
+   model is built to the end of the second step (depthbench.commands.rehearse.rss), next to the
+   estimate.
 3. **Checkpoint and resume** through `save_state` / `resume_state`, the two narrow calls into the
    trainer's checkpointing (adapt them, not this module, when it moves to
    torch.distributed.checkpoint): the state is fingerprinted (SHA-256 of every tensor's bytes:
@@ -27,7 +28,8 @@ the shape solver resolves them for the workflow (depthbench.grid.config.expand_g
    2 random sequences of `probe_tokens` + 1 tokens, every family that applies to the
    architecture. The intervention families (causal, permutation, usefulness) cost about L^2/2,
    L^3/3 and L^2/2 layer passes (about 1,600 full forwards for the permutation matrix at L = 70),
-   so each is evaluated on its first `probe_passes` items only (the longest passes: they resume
+   so each is evaluated on its first `probe_passes` items only (the setting `max_passes` of
+   probe_model, which depthbench.probes.interventions takes; the longest passes: they resume
    at layer 1), the rest of its matrix left NaN (and with it the causal and permutation shares,
    which summarise the matrices' last quarters); `probe_passes=0` runs them in full.
 5. **Meta mode** (automatic when the estimate does not fit, or `mode="meta"`): the model is built
@@ -48,7 +50,6 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -78,9 +79,10 @@ class Target:
 def rehearsal_targets(
     exp, archs: list[str] | None = None, which: tuple[str, ...] = ("widest", "deepest")
 ) -> list[Target]:
-    """Per architecture of the grid (in the order of `archs`, default the config's), its widest and its deepest shape (first
-    learning rate, seed and sweep point: they do not change the model's size); `which` keeps
-    only the widest or only the deepest; "both" stands for the two."""
+    """Per architecture of the grid (in the order of `archs`, default the config's), its widest
+    and its deepest shape (first learning rate, seed and sweep point: they do not change the
+    model's size); `which` keeps only the widest or only the deepest; "both" stands for the
+    two."""
     which = tuple(
         w for part in which for w in (("widest", "deepest") if part == "both" else (part,))
     )
@@ -193,20 +195,6 @@ class _OneBatch:
         return self.x, self.y
 
 
-def _limited(passes: int):
-    """Intervention probes on their first `passes` items (see the module docstring, step 4)."""
-    if passes <= 0:
-        return nullcontext()
-    from depthbench.probes import interventions
-
-    full = interventions.map_over_model_copies
-    return mock.patch.object(
-        interventions,
-        "map_over_model_copies",
-        lambda model, items, fn, workers=1: full(model, items[:passes], fn, workers),
-    )
-
-
 def run_probe_families(model, vocab: int, probe_tokens: int, passes: int, seed: int) -> dict:
     from depthbench.probes.measure import probe_model
     from depthbench.probes.run import probe_settings
@@ -214,8 +202,9 @@ def run_probe_families(model, vocab: int, probe_tokens: int, passes: int, seed: 
     g = torch.Generator().manual_seed(seed + 1)
     idx = torch.randint(0, vocab, (PROBE_SEQUENCES, probe_tokens + 1), generator=g)
     t0 = time.time()
-    with _limited(passes):
-        rows = probe_model(model.eval(), idx, "trained", probe_settings({}), full=True)
+    # the intervention families on their first `passes` items (see the module docstring, step 4)
+    settings = probe_settings({"max_passes": passes if passes > 0 else None})
+    rows = probe_model(model.eval(), idx, "trained", settings, full=True)
     # a share summarises the last quarters of its matrix, which limited passes leave NaN at depth
     partial = {"causal_share", "permutation_share"} if passes > 0 else set()
     nonfinite = sorted(

@@ -85,7 +85,8 @@ def current_rss() -> int:
 
 
 def available_memory() -> int:
-    """Bytes the machine can give now without swapping (MemAvailable: free plus reclaimable cache)."""
+    """Bytes the machine can give now without swapping (MemAvailable: free plus reclaimable
+    cache)."""
     return int(psutil.virtual_memory().available)
 
 
