@@ -156,7 +156,7 @@ def run_pretrained_probes(
     rows = probe_model(
         PretrainedAdapter(load_model(model_dir)).to(idx.device), idx, "trained", settings, full=True
     )
-    df = pd.DataFrame(rows, columns=["probe", "stage", "i", "j", "value"])
+    df = pd.DataFrame(rows, columns=["probe", "stage", "i", "j", "value", "ci_low", "ci_high"])
     df.insert(0, "run_id", run_id)
     df["status"] = STATUS
     atomic_write(out_path, lambda tmp: df.to_parquet(tmp, index=False))

@@ -101,3 +101,76 @@ def share_above(matrix: torch.Tensor, threshold: float) -> float:
     values = matrix[layers][:, layers]
     values = values[~torch.isnan(values)]
     return float((values > threshold).float().mean()) if values.numel() else float("nan")
+
+
+# -- per-sequence values: the units of the bootstrap intervals (depthbench.probes.spread) ----------
+# Every sequence of the sample has the same T tokens, so a mean over the sample's tokens is the
+# mean over sequences of each sequence's own token mean: these return the per-sequence means
+# whose mean over sequences is the probe above (up to the order of float summation).
+def angular_distance_by_sequence(
+    hidden: list[torch.Tensor], last_token_only: bool = True
+) -> torch.Tensor:
+    """angular_distance of each sequence n alone: (L + 1, L + 1, N), NaN where l + k > L."""
+    H = torch.stack(hidden)  # (L+1, N, T, d)
+    if last_token_only:
+        H = H[:, :, -1:]
+    H = torch.nn.functional.normalize(H, dim=-1)
+    L1, N = H.shape[0], H.shape[1]
+    out = torch.full((L1, L1, N), float("nan"))
+    for l in range(L1):
+        cos = (H[l : l + 1] * H[l:]).sum(-1).clamp(-1.0, 1.0)  # (L1 - l, N, T)
+        out[l, : L1 - l] = (torch.arccos(cos) / math.pi).mean(dim=2).cpu()
+    return out
+
+
+def token_similarity_by_sequence(h: torch.Tensor, skip_first: bool = False) -> torch.Tensor:
+    """token_similarity of each sequence alone: its mean over token pairs i < j, (N,)."""
+    if skip_first:
+        h = h[:, 1:]
+    x = torch.nn.functional.normalize(at_least_fp32(h), dim=-1)
+    T = x.shape[1]
+    upper = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), diagonal=1)
+    return (x @ x.transpose(1, 2))[:, upper].mean(dim=1).cpu()
+
+
+def effective_rank_by_sequence(hidden: list[torch.Tensor]) -> list[list[float]]:
+    """erank of each sequence's token matrix at every layer, [layer][sequence]: the terms that
+    effective_rank_by_layer sums, in its order (so sum(v) / len(v) is its value exactly)."""
+    return [[effective_rank(seq) for seq in h] for h in hidden]
+
+
+def residual_product_rank_by_sequence(stream_mixing: list[torch.Tensor]) -> torch.Tensor:
+    """residual_product_rank per sequence: the erank of the product averaged over the tokens of
+    each sequence, (N,)."""
+    product = None
+    for M in stream_mixing:  # (N, T, n, n), applied in order
+        M = M.detach()
+        product = M if product is None else M @ product
+    s = torch.linalg.svdvals(product.double())  # (N, T, n)
+    p = s / s.sum(-1, keepdim=True)
+    ent = -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(-1)
+    return ent.exp().mean(dim=1).cpu()
+
+
+def residual_rms(hidden: list[torch.Tensor]) -> list[float]:
+    """RMS of h_l over every token and coordinate of the sample, l = 0..L (the dynamics' own
+    definition, depthbench.train.dynamics, on the probe sample)."""
+    return [float(h.pow(2).mean().sqrt()) for h in hidden]
+
+
+def mean_square_by_sequence(hidden: list[torch.Tensor]) -> torch.Tensor:
+    """Mean square of h_l over each sequence's tokens and coordinates, (L + 1, N): RMS(h_l) of
+    the sample is the square root of its mean over sequences."""
+    return torch.stack([h.pow(2).mean(dim=(1, 2)).double().cpu() for h in hidden])
+
+
+def sequence_losses(
+    adapter: ModelAdapter, state, targets: torch.Tensor
+) -> tuple[float, torch.Tensor]:
+    """next_token_loss of a final state (the same computation, so the same float) and each
+    sequence's mean next-token cross-entropy, (N,), from one evaluation of the logits."""
+    logits = adapter.logits(state).float()
+    flat, target = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    per_token = torch.nn.functional.cross_entropy(flat, target, reduction="none")
+    pooled = float(torch.nn.functional.cross_entropy(flat, target))
+    return pooled, per_token.reshape(targets.shape).mean(dim=1).double().cpu()

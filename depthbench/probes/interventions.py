@@ -8,7 +8,8 @@ code. Each changed pass resumes at the first changed layer from the state enteri
 one baseline pass: layers 1 .. l-1 are unchanged by a change at l, so the causal matrix takes one
 baseline pass and L resumed ones (about half of L + 1 full passes in layer evaluations), the
 L(L-1)/2 permutation passes resume at layer a, and usefulness fits each layer's map once. The
-passes are shared among `workers` (depthbench.probes.workers).
+passes are shared among `workers` (depthbench.probes.workers). `max_passes` bounds each family
+to its first passes (the longest: they resume earliest), the rest of its result left NaN.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import torch
 from depthbench.models.adapter import (
     ModelAdapter,
     final_state,
-    next_token_loss,
     run_from,
     trunk_states,
 )
 from depthbench.models.layers import at_least_fp32
+from depthbench.probes.core import sequence_losses
 from depthbench.probes.workers import map_over_model_copies
 
 
@@ -34,54 +35,91 @@ def _deltas(hidden: list[torch.Tensor]) -> torch.Tensor:
     return at_least_fp32(torch.stack([hidden[l] - hidden[l - 1] for l in range(1, len(hidden))]))
 
 
+def _first(items: list, max_passes: int | None) -> list:
+    """The passes a family evaluates: every item, or its first `max_passes` (the longest)."""
+    if max_passes is None:
+        return items
+    if isinstance(max_passes, bool) or not isinstance(max_passes, int) or max_passes < 1:
+        raise ValueError(f"max_passes must be a positive integer or None (all), got {max_passes!r}")
+    return items[:max_passes]
+
+
 def _mean_norm(t: torch.Tensor) -> torch.Tensor:
     """E||.|| over tokens of (K, N, T, d) -> (K,): the expectation is over tokens."""
     return t.norm(dim=-1).mean(dim=(1, 2))
 
 
 @torch.no_grad()
-def causal_scores(adapter: ModelAdapter, idx: torch.Tensor, workers: int = 1) -> torch.Tensor:
+def causal_scores(
+    adapter: ModelAdapter,
+    idx: torch.Tensor,
+    workers: int = 1,
+    per_sequence: bool = False,
+    max_passes: int | None = None,
+):
     """C[s, l] = E||(h'_l - h'_(l-1)) - (h_l - h_(l-1))|| / E||h_l - h_(l-1)|| for l > s (a ratio
     of means over tokens), h' the pass with layer s skipped (adapter.skip: nothing of layer s
-    reaches later layers); NaN elsewhere; 1-based (L + 1, L + 1) with row and column 0 unused."""
+    reaches later layers); NaN elsewhere; 1-based (L + 1, L + 1) with row and column 0 unused.
+    per_sequence: (C, A, B), the two means over each sequence's tokens, A[s, l, n] of the
+    numerator's norm and B[l, n] of the denominator's (C = mean_n A / mean_n B)."""
     states = trunk_states(adapter, idx)
     base = _deltas([adapter.residual(s) for s in states])  # (L, N, T, d): layer l at index l - 1
     L = adapter.n_layer
     denom = _mean_norm(base)
 
-    def skipped(m: ModelAdapter, s: int) -> torch.Tensor:
+    def skipped(m: ModelAdapter, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         state = m.skip(states[s - 1], s)  # h'_s = h_(s-1): nothing of layer s
         resumed = [m.residual(state)] + [m.residual(st) for st in run_from(m, state, s + 1)]
-        return _mean_norm(_deltas(resumed) - base[s:])  # layers s+1 .. L
+        norms = (_deltas(resumed) - base[s:]).norm(dim=-1)  # layers s+1 .. L
+        return norms.mean(dim=(1, 2)), norms.mean(dim=2).double().cpu()
 
     C = torch.full((L + 1, L + 1), float("nan"))
+    A = torch.full((L + 1, L + 1, idx.shape[0]), float("nan"), dtype=torch.float64)
     # skipping layer L changes no later layer: L - 1 resumed passes
-    for s, diff in enumerate(
-        map_over_model_copies(adapter, list(range(1, L)), skipped, workers), start=1
+    for s, (diff, by_seq) in enumerate(
+        map_over_model_copies(adapter, _first(list(range(1, L)), max_passes), skipped, workers),
+        start=1,
     ):
         C[s, s + 1 :] = diff / denom[s:]
-    return C
+        A[s, s + 1 :] = by_seq
+    if not per_sequence:
+        return C
+    B = torch.full((L + 1, idx.shape[0]), float("nan"), dtype=torch.float64)
+    B[1:] = base.norm(dim=-1).mean(dim=2).double().cpu()
+    return C, A, B
 
 
 @torch.no_grad()
-def permutation_scores(adapter: ModelAdapter, idx: torch.Tensor, workers: int = 1) -> torch.Tensor:
+def permutation_scores(
+    adapter: ModelAdapter,
+    idx: torch.Tensor,
+    workers: int = 1,
+    per_sequence: bool = False,
+    max_passes: int | None = None,
+):
     """P[a, b] = |loss_swapped - loss| / loss for a < b (1-based, NaN elsewhere), with every
-    parameter of layers a and b exchanged (adapter.swapped; position-bound constants stay)."""
+    parameter of layers a and b exchanged (adapter.swapped; position-bound constants stay).
+    per_sequence: (P, S, b), each sequence's mean loss swapped, S[a, b, n], and unchanged, b[n]
+    (P = |mean_n S - mean_n b| / mean_n b)."""
     inputs, targets = idx[:, :-1], idx[:, 1:]
     states = trunk_states(adapter, inputs)
-    base = next_token_loss(adapter, states[-1], targets)
+    base, base_by_seq = sequence_losses(adapter, states[-1], targets)
     L = adapter.n_layer
     pairs = [(a, b) for a in range(1, L + 1) for b in range(a + 1, L + 1)]  # longest passes first
 
-    def swapped_loss(m: ModelAdapter, pair: tuple[int, int]) -> float:
+    def swapped_loss(m: ModelAdapter, pair: tuple[int, int]) -> tuple[float, torch.Tensor]:
         a, b = pair
         with m.swapped(a, b):  # layers 1 .. a-1 are unchanged: resume at layer a
-            return next_token_loss(m, final_state(m, states[a - 1], a), targets)
+            return sequence_losses(m, final_state(m, states[a - 1], a), targets)
 
     P = torch.full((L + 1, L + 1), float("nan"))
-    for (a, b), loss in zip(pairs, map_over_model_copies(adapter, pairs, swapped_loss, workers)):
+    S = torch.full((L + 1, L + 1, idx.shape[0]), float("nan"), dtype=torch.float64)
+    for (a, b), (loss, by_seq) in zip(
+        pairs, map_over_model_copies(adapter, _first(pairs, max_passes), swapped_loss, workers)
+    ):
         P[a, b] = abs(loss - base) / base
-    return P
+        S[a, b] = by_seq
+    return (P, S, base_by_seq) if per_sequence else P
 
 
 def affine_fit(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -117,26 +155,35 @@ def layer_fits(
 
 
 @torch.no_grad()
-def usefulness_ratios(adapter: ModelAdapter, idx: torch.Tensor, workers: int = 1) -> torch.Tensor:
+def usefulness_ratios(
+    adapter: ModelAdapter,
+    idx: torch.Tensor,
+    workers: int = 1,
+    per_sequence: bool = False,
+    max_passes: int | None = None,
+):
     """r_l = loss with layer l replaced by its least-squares affine fit / loss (1-based, index 0
     unused). The replacement maps the layer's input features to all it contributes (see
-    adapter.layer_io: for moda its depth keys too, for attnres its two sources)."""
+    adapter.layer_io: for moda its depth keys too, for attnres its two sources).
+    per_sequence: (r, R, b), each sequence's mean loss replaced, R[l, n], and unchanged, b[n]
+    (r_l = mean_n R / mean_n b, with the fits of the whole sample)."""
     inputs, targets = idx[:, :-1], idx[:, 1:]
     states, fits = layer_fits(adapter, inputs)
-    base = next_token_loss(adapter, states[-1], targets)
+    base, base_by_seq = sequence_losses(adapter, states[-1], targets)
 
-    def replaced_ratio(m: ModelAdapter, layer: int) -> float:
+    def replaced_loss(m: ModelAdapter, layer: int) -> tuple[float, torch.Tensor]:
         x, weight = fits[layer - 1]
         state = m.replace(states[layer - 1], layer, apply_affine(x, weight))
-        return next_token_loss(m, final_state(m, state, layer + 1), targets) / base
+        return sequence_losses(m, final_state(m, state, layer + 1), targets)
 
     layers = list(range(1, adapter.n_layer + 1))
     ratios = torch.full((adapter.n_layer + 1,), float("nan"))
-    for layer, ratio in zip(
-        layers, map_over_model_copies(adapter, layers, replaced_ratio, workers)
+    R = torch.full((adapter.n_layer + 1, idx.shape[0]), float("nan"), dtype=torch.float64)
+    for layer, (loss, by_seq) in zip(
+        layers, map_over_model_copies(adapter, _first(layers, max_passes), replaced_loss, workers)
     ):
-        ratios[layer] = ratio
-    return ratios
+        ratios[layer], R[layer] = loss / base, by_seq
+    return (ratios, R, base_by_seq) if per_sequence else ratios
 
 
 @contextmanager

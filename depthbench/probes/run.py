@@ -5,9 +5,13 @@ Tidy form: one row per (probe, stage, i, j) with `value`; `stage` is "trained" o
 (the same architecture and seed, freshly initialised) or "init_no_prefix_avg"; i and j are
 layer (or sublayer / source) indices, -1 where unused; `step` is the number of updates of the
 weights probed (0 at init, the run's last step for "trained"). Summary probes (shares above
-threshold, fraction of useful layers, residual-product rank, dead zone) are rows too. With
-probes.at_steps the run's snapshots add rows of stage "snapshot" at their steps
-(depthbench.probes.steps).
+threshold, fraction of useful layers, residual-product rank, dead zone, the mean late-layer
+angular distance, RMS growth) are rows too. With probes.at_steps the run's snapshots add rows of
+stage "snapshot" at their steps (depthbench.probes.steps).
+
+`ci_low` and `ci_high` are each row's 95% interval, a percentile bootstrap over the sample's
+sequences (depthbench.probes.spread), NaN where the row has none; the bootstrap is seeded with
+the run's seed, so the file is the same bit for bit on a rerun.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from depthbench.train.checkpoint import load_final_model
 
 def probe_settings(settings: dict) -> dict:
     """The schema's probe defaults, then the operational thread count (1 unless the dispatcher
-    passes the cores of the job), then `settings`."""
-    return {**schema_defaults("probes"), "threads": 1, **settings}
+    passes the cores of the job) and the intervals' bootstrap seed (0 unless the stage passes
+    the run's seed), then `settings`."""
+    return {**schema_defaults("probes"), "threads": 1, "bootstrap_seed": 0, **settings}
 
 
 def validation_tokens(data_dir: str) -> np.ndarray:
@@ -68,9 +73,9 @@ def probe_sample(data_dir: str, n_sequences: int, seq_len: int, seed: int) -> to
 
 def run_probes(spec_dict: dict, data_dir: str, run_dir: str, out_path: str, settings: dict) -> dict:
     """Probe one run (trained weights, and its initialisation) and write its Parquet file."""
-    settings = probe_settings(settings)
-    torch.set_num_threads(int(settings["threads"]))
     spec = RunSpec.from_dict(spec_dict)
+    settings = {**probe_settings(settings), "bootstrap_seed": spec.train.seed}
+    torch.set_num_threads(int(settings["threads"]))
     summary = check_run(run_dir, spec)  # identity and weights, before any work
     seq_len = settings["seq_len"] or spec.train.seq_len
     idx = probe_sample(
@@ -90,7 +95,9 @@ def run_probes(spec_dict: dict, data_dir: str, run_dir: str, out_path: str, sett
         rows += [{**r, "step": summary["steps"]} for r in trained]
     if settings["at_steps"]:  # diverged runs too: their snapshots end before the divergence
         rows += snapshot_rows(spec, run_dir, idx, settings)
-    df = pd.DataFrame(rows, columns=["probe", "stage", "i", "j", "value", "step"])
+    df = pd.DataFrame(
+        rows, columns=["probe", "stage", "i", "j", "value", "ci_low", "ci_high", "step"]
+    )
     df.insert(0, "run_id", spec.run_id)
     df["status"] = summary["status"]
     atomic_write(out_path, lambda tmp: df.to_parquet(tmp, index=False))
