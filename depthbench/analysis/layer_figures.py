@@ -1,6 +1,7 @@
 """Per-layer probe figures: usefulness ratio r_l with the threshold drawn, token similarity and
 effective rank per layer (at init, at init without the prefix-average part of attention, and
-trained). From results/tables/probes.parquet, best-LR run per architecture and shape."""
+trained). From results/tables/probes.parquet: every seed of each cell at its best LR (at init,
+its lowest LR), combined per layer with a 95% interval drawn as a band (analysis.summaries)."""
 
 from __future__ import annotations
 
@@ -8,19 +9,28 @@ import pandas as pd
 
 from depthbench.analysis import readers as R
 from depthbench.analysis import style as S
+from depthbench.analysis import summaries as SM
 
 NO_PROBES = "no probe rows at this stage (probes disabled, or every run diverged)"
+SEQUENCES = "the probe sequences"
 
 
-def _per_layer(ax, data: pd.DataFrame, L: int, first: int = 0) -> dict:
-    """One line per architecture of value against layer i (i >= first) at depth L."""
+def _layer_cells(probes: pd.DataFrame, probe: str, stage: str = "trained") -> pd.DataFrame:
+    return SM.probe_cells(probes, probe, stage, index=("i",))
+
+
+def _per_layer(ax, data: pd.DataFrame, L: int, first: int = 0, within=None) -> dict:
+    """One line per architecture of value against layer i (i >= first) at depth L, its 95%
+    interval as a band (drawn inside `within`, the quantity's range, where it has one)."""
     curves = {}
     for arch in R.archs(data):
         g = data[
             (data["arch"] == arch) & (data["n_layer"] == L) & (data["i"] >= first)
         ].sort_values("i")
         if not g.empty:
-            ax.plot(g["i"], g["value"], label=arch, **S.arch_style(arch))
+            st = S.arch_style(arch)
+            ax.plot(g["i"], g["value"], label=arch, **st)
+            SM.band(ax, g["i"], g["ci_low"], g["ci_high"], st["color"], within)
             curves[arch] = g.set_index("i")["value"]
     ax.set_xticks(range(first, L + 1, max(1, L // 4)))
     ax.grid(alpha=0.3)
@@ -33,7 +43,7 @@ def _per_layer(ax, data: pd.DataFrame, L: int, first: int = 0) -> dict:
 def usefulness(tables: dict, ctx: S.Context):
     """r_l = loss with layer l replaced by its affine least-squares fit / loss, per layer, one
     panel per depth; the dashed line is the usefulness threshold (a layer above it is useful)."""
-    data = R.probe(tables.get("probes", pd.DataFrame()), "usefulness_ratio")
+    data = _layer_cells(tables.get("probes", pd.DataFrame()), "usefulness_ratio")
     if data.empty:
         return S.message_figure(ctx, "usefulness ratio r_l per layer", NO_PROBES)
     shapes = R.shapes(data)
@@ -57,8 +67,10 @@ def usefulness(tables: dict, ctx: S.Context):
         set(tables.get("probes", pd.DataFrame()).get("arch", pd.Series(dtype=str)).unique())
         - set(data["arch"])
     )
+    notes = [f"bands: {SM.interval_text(data, SEQUENCES)}"]
     if missing:
-        S.fig_note(fig, f"not defined for {', '.join(missing)} (no usefulness rows)")
+        notes.append(f"not defined for {', '.join(missing)} (no usefulness rows)")
+    S.fig_note(fig, "\n".join(notes))
     S.title(fig, ctx, "usefulness: per-layer ratio r_l (above the red line: layer useful)")
     return fig
 
@@ -70,10 +82,10 @@ STAGES = (
 )
 
 
-def _stages_figure(tables: dict, ctx: S.Context, probe: str, ylabel: str, what: str):
+def _stages_figure(tables: dict, ctx: S.Context, probe: str, ylabel: str, what: str, within=None):
     """Three panels (init, init without prefix-average, trained) at the deepest shape."""
     probes = tables.get("probes", pd.DataFrame())
-    parts = [(R.probe(probes, probe, stage), lab) for stage, lab in STAGES]
+    parts = [(_layer_cells(probes, probe, stage), lab) for stage, lab in STAGES]
     present = [p for p, _ in parts if not p.empty]
     if not present:
         return S.message_figure(ctx, what, NO_PROBES)
@@ -81,7 +93,7 @@ def _stages_figure(tables: dict, ctx: S.Context, probe: str, ylabel: str, what: 
     fig, axes = S.panels(3, ctx, cols=3, sharey=True)
     for ax, (data, lab) in zip(axes, parts):
         data = data[data["n_layer"] == L]
-        _per_layer(ax, data, L)
+        _per_layer(ax, data, L, within=within)
         if data.empty:
             S.note(ax, f"no rows {lab}")
         ax.set_title(lab)
@@ -93,6 +105,8 @@ def _stages_figure(tables: dict, ctx: S.Context, probe: str, ylabel: str, what: 
         if (present[0]["n_layer"] == L).any()
         else None
     )
+    bands = SM.interval_text(pd.concat(present), SEQUENCES)
+    S.fig_note(fig, f"bands: {bands}" + (SM.within_text(within) if within else ""))
     S.title(fig, ctx, what, f"deepest shape L={L}" + (f", d={d}" if d else ""))
     return fig
 
@@ -104,6 +118,7 @@ def token_similarity(tables: dict, ctx: S.Context):
         "token_similarity",
         "mean pairwise cosine of tokens\n(within a sequence)",
         "token similarity per layer",
+        within=(-1.0, 1.0),  # a cosine
     )
 
 

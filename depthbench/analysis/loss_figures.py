@@ -7,6 +7,7 @@ import pandas as pd
 
 from depthbench.analysis import readers as R
 from depthbench.analysis import style as S
+from depthbench.analysis import summaries as SM
 
 WHAT_HEADLINE = "validation loss at the best LR vs shape (fixed budget)"
 
@@ -28,18 +29,30 @@ def _removable_by_shape(depth: pd.DataFrame) -> pd.DataFrame:
     within the tolerance (effective_depth.parquet), with the cell's d_model / n_layer."""
     if not R.has(depth, "arch", "knobs", "ratio", "ranking", "effective_fraction"):
         return pd.DataFrame()
-    if "is_best_lr" in depth.columns:
-        depth = R.first_seed(depth[depth["is_best_lr"].fillna(False).astype(bool)])
-    ranked = depth[
-        (depth["ranking"] != "random")
-        & (depth["status"] != "pretrained" if "status" in depth else True)
-    ]
-    return ranked.groupby(["arch", "knobs", "ratio"], as_index=False)["effective_fraction"].max()
+    removable = R.removable(depth)
+    removable = removable[(removable["status"] != "pretrained") & removable["removable"].notna()]
+    return removable.rename(columns={"removable": "effective_fraction"})[
+        ["arch", "knobs", "ratio", "effective_fraction"]
+    ].reset_index(drop=True)
+
+
+def _seed_text(best: pd.DataFrame, seeds: pd.Series) -> str:
+    """What the headline's bars are, from the cells' seed counts (best_lr's `n`)."""
+    if "ci_low" not in best.columns:
+        return "no interval columns in best_lr"
+    if seeds.empty:
+        return ""
+    if (seeds == 1).all():
+        return "n=1 in every cell (one seed): no interval"
+    several = "/".join(str(int(k)) for k in sorted(set(seeds[seeds >= 2])))
+    bars = f"bars: 95% t interval over {several} seeds"
+    return bars + ("; n=1: one seed, no interval" if (seeds == 1).any() else "")
 
 
 def headline(tables: dict, ctx: S.Context):
-    """Top: loss at the best LR (seed spread as +-1 std bars, open markers where the best LR is
-    at the edge of the swept range) against d_model / n_layer; middle, where the grid has layer
+    """Top: loss at the best LR (its 95% t interval over seeds as bars, "n=1" beside a cell of
+    one seed among cells of several, open markers where the best LR is at the edge of the
+    swept range) against d_model / n_layer; middle, where the grid has layer
     removal: the fraction of layers removable within the tolerance (effective depth, the best
     ranking); bottom: budget deviation."""
     best, runs = tables.get("best_lr", pd.DataFrame()), tables.get("runs", pd.DataFrame())
@@ -78,17 +91,32 @@ def headline(tables: dict, ctx: S.Context):
         rem_ax.set_ylim(-0.05, 1.0)
         rem_ax.grid(alpha=0.3)
     deviation = _budget_deviation(best, runs, ctx.budget)
+    seeds = best["n"] if "n" in best.columns else best.get("n_seeds", pd.Series(dtype=int))
+    mixed_n = "n" in best.columns and (seeds == 1).any() and (seeds >= 2).any()
     curves, dev_curves = {}, {}
-    for arch, knobs in (
+    series = list(
         best[["arch", "knobs"]]
         .drop_duplicates()
         .sort_values("arch", key=lambda a: a.map(R.archs(best).index))
         .itertuples(index=False)
-    ):
+    )
+    for k, (arch, knobs) in enumerate(series):
         g = best[(best["arch"] == arch) & (best["knobs"] == knobs)].sort_values("ratio")
         st, name = S.arch_style(arch), S.label(arch, knobs)
-        std = g["final_val_loss_std"].fillna(0.0) if "final_val_loss_std" in g.columns else None
-        ax.errorbar(g["ratio"], g["final_val_loss"], yerr=std, label=name, capsize=3, **st)
+        ax.plot(g["ratio"], g["final_val_loss"], label=name, **st)
+        if R.has(g, "ci_low", "ci_high"):  # side by side at a shared ratio, not on one another
+            x = SM.dodge(g["ratio"], k, len(series))
+            SM.error_bars(ax, x, g["ci_low"], g["ci_high"], st["color"])
+        if mixed_n:  # some cells have one seed, others several: say which have no interval
+            for one in g[g["n"] == 1].itertuples():
+                ax.annotate(
+                    "n=1",
+                    (one.ratio, one.final_val_loss),
+                    xytext=(4, -9),
+                    textcoords="offset points",
+                    fontsize=S.FONT["tick"] - 1,
+                    color=st["color"],
+                )
         if "lr_at_edge" in g.columns:
             edge = g[g["lr_at_edge"].fillna(False).astype(bool)]
             ax.scatter(
@@ -124,13 +152,9 @@ def headline(tables: dict, ctx: S.Context):
         if "lr_at_edge" in best.columns
         else "LR-at-edge not in best_lr table"
     )
-    n_seeds = int(best["n_seeds"].max()) if "n_seeds" in best.columns else 0
-    seeds = (
-        f"bars: +-1 std over {n_seeds} seeds"
-        if n_seeds > 1
-        else ("one seed: no spread to draw" if n_seeds == 1 else "")
+    ax.set_title(
+        "; ".join(p for p in (extra, _seed_text(best, seeds)) if p), fontsize=S.FONT["label"]
     )
-    ax.set_title("; ".join(p for p in (extra, seeds) if p), fontsize=S.FONT["label"])
     S.legend(ax, ncol=2 if len(curves) > 5 else 1)
     if deviation is None:
         S.note(dev_ax, "budget deviation unknown (no params_vs_budget, no budget)")

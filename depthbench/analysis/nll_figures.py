@@ -1,5 +1,7 @@
 """Teacher-forced NLL figures from results/tables/nll.parquet: bits per byte per domain
-(code, STEM, math) against d_model / n_layer, at each architecture's best LR."""
+(code, STEM, math) against d_model / n_layer, at each architecture's best LR, with each cell's
+95% interval (analysis.summaries: over seeds, or with one seed the run's bootstrap over the
+domain's documents)."""
 
 from __future__ import annotations
 
@@ -7,10 +9,11 @@ import pandas as pd
 
 from depthbench.analysis import readers as R
 from depthbench.analysis import style as S
+from depthbench.analysis import summaries as SM
 
 
 def nll_vs_ratio(tables: dict, ctx: S.Context):
-    """One panel per domain, one line per architecture (seeds averaged)."""
+    """One panel per domain, one line per architecture (seeds combined), a bar per cell."""
     nll = tables.get("nll", pd.DataFrame())
     if not R.has(nll, "level", "domain", "bits_per_byte", "is_best_lr"):
         return S.message_figure(
@@ -26,16 +29,19 @@ def nll_vs_ratio(tables: dict, ctx: S.Context):
             ctx, "teacher-forced NLL by domain", "no NLL rows of a run that did not diverge"
         )
     domains = sorted(data["domain"].unique())
+    estimates = SM.cells(data, SM.CELL_KEYS + ["domain"], value="bits_per_byte")
     fig, axes = S.panels(len(domains), ctx, cols=3)
     for ax, domain in zip(axes, domains):
         part = data[data["domain"] == domain]
-        for (arch, knobs), g in sorted(
-            part.groupby(["arch", "knobs"]), key=lambda kv: R.archs(part).index(kv[0][0])
-        ):
-            g = g.groupby("ratio", as_index=False)["bits_per_byte"].mean().sort_values("ratio")
-            ax.plot(
-                g["ratio"], g["bits_per_byte"], label=S.label(arch, knobs), **S.arch_style(arch)
-            )
+        cells = estimates[estimates["domain"] == domain]
+        series = sorted(
+            cells.groupby(["arch", "knobs"]), key=lambda kv: R.archs(part).index(kv[0][0])
+        )
+        for k, ((arch, knobs), g) in enumerate(series):
+            g, st = g.sort_values("ratio"), S.arch_style(arch)
+            ax.plot(g["ratio"], g["value"], label=S.label(arch, knobs), **st)
+            x = SM.dodge(g["ratio"], k, len(series))  # bars side by side at a shared ratio
+            SM.error_bars(ax, x, g["ci_low"], g["ci_high"], st["color"])
         S.log_ticks(ax, part["ratio"].round(1))
         n_docs = f" ({int(part['n_docs'].iloc[0])} docs)" if "n_docs" in part else ""
         ax.set_title(f"{domain}{n_docs}")
@@ -43,5 +49,6 @@ def nll_vs_ratio(tables: dict, ctx: S.Context):
         ax.set_ylabel("teacher-forced NLL (bits per byte)")
         ax.grid(alpha=0.3)
     S.legend(axes[-1])
+    S.fig_note(fig, "bars: " + SM.interval_text(estimates, "the domain's documents"))
     S.title(fig, ctx, "teacher-forced NLL by domain at the best LR")
     return fig

@@ -1,7 +1,8 @@
 """Probe figures over layer pairs: angular distance d(l, l+k) heatmaps and the adjacent curve
 d(l, l+1); causal score C(s, l) and permutation score P(a, b) matrices with the last-3/4 region
-and the thresholds marked; the shares against depth. Drawn from results/tables/probes.parquet
-(best-LR run of each architecture and shape, its first seed)."""
+and the thresholds marked; the shares against depth. Drawn from results/tables/probes.parquet:
+the matrices from the best-LR run of each architecture and shape (its first seed), the curve and
+the shares from every seed at the best LR with their 95% intervals (analysis.summaries)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ import pandas as pd
 
 from depthbench.analysis import readers as R
 from depthbench.analysis import style as S
+from depthbench.analysis import summaries as SM
+
+SEQUENCES = "the probe sequences"
+UNIT = (0.0, 1.0)  # the range of a share and of an angular distance
 
 NO_PROBES = "no trained probe rows (probes disabled, or every run diverged)"
 
@@ -55,11 +60,19 @@ def angular_distance_all(tables: dict, ctx: S.Context):
     return _angular(tables, ctx, "angular_distance_all", "angular distance d(l, l+k), all tokens")
 
 
+def _adjacent_cells(probes: pd.DataFrame, probe: str) -> pd.DataFrame:
+    """d(l, l+1) per cell and layer l, seeds combined (summaries.cells)."""
+    runs = SM.probe_runs(probes, probe)
+    return SM.cells(runs[runs["j"] == 1], SM.CELL_KEYS + ["i"])
+
+
 def angular_adjacent(tables: dict, ctx: S.Context):
-    """d(l, l+1) against l / L for each architecture, one panel per depth (last token; dashed:
-    all tokens)."""
+    """d(l, l+1) against l for each architecture, one panel per depth (last token, with its 95%
+    interval as a band; dashed: all tokens)."""
     probes = tables.get("probes", pd.DataFrame())
-    last, allt = R.probe(probes, "angular_distance_last"), R.probe(probes, "angular_distance_all")
+    last, allt = (
+        _adjacent_cells(probes, p) for p in ("angular_distance_last", "angular_distance_all")
+    )
     if last.empty:
         return S.message_figure(ctx, "adjacent-layer angular distance", NO_PROBES)
     shapes = R.shapes(last)
@@ -68,16 +81,19 @@ def angular_adjacent(tables: dict, ctx: S.Context):
         for arch in R.archs(last):
             st = S.arch_style(arch)
             for data, ls, lab in ((last, "-", arch), (allt, "--", None)):
-                g = data[
-                    (data["arch"] == arch) & (data["n_layer"] == L) & (data["j"] == 1)
-                ].sort_values("i")
+                g = data[(data["arch"] == arch) & (data["n_layer"] == L)].sort_values("i")
                 ax.plot(g["i"], g["value"], linestyle=ls, label=lab, **st)
+                if ls == "-":
+                    SM.band(ax, g["i"], g["ci_low"], g["ci_high"], st["color"], UNIT)
         ax.set_title(f"L={L}, d={d}")
         ax.set_xlabel("layer l (pair h_l, h_l+1)")
         ax.set_xticks(range(0, L, max(1, L // 4)))
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("d(l, l+1)\nsolid: last token, dashed: all tokens")
     S.legend(axes[-1])
+    S.fig_note(
+        fig, f"bands (last token): {SM.interval_text(last, SEQUENCES)}" + SM.within_text(UNIT)
+    )
     S.title(fig, ctx, "adjacent-layer angular distance d(l, l+1)")
     return fig
 
@@ -160,10 +176,11 @@ def permutation_matrix(tables: dict, ctx: S.Context):
 
 
 def probe_shares(tables: dict, ctx: S.Context):
-    """Share of layer pairs in the last 3/4 of depth above threshold, against depth."""
+    """Share of layer pairs in the last 3/4 of depth above threshold, against depth, with each
+    cell's 95% interval as a bar."""
     probes = tables.get("probes", pd.DataFrame())
     parts = [
-        (R.probe(probes, p), k, lab)
+        (SM.probe_cells(probes, p, index=()), k, lab)
         for p, k, lab in (
             ("causal_share", "causal_threshold", "causal score"),
             ("permutation_share", "permutation_threshold", "permutation score"),
@@ -172,12 +189,20 @@ def probe_shares(tables: dict, ctx: S.Context):
     if all(p[0].empty for p in parts):
         return S.message_figure(ctx, "causal and permutation shares vs depth", NO_PROBES)
     fig, axes = S.panels(2, ctx, cols=2)
+    notes = []
     for ax, (data, key, lab) in zip(axes, parts):
         curves = {}
-        for arch in R.archs(data):
-            g = data[data["arch"] == arch].groupby("n_layer")["value"].mean()
-            ax.plot(g.index, g.values, label=arch, **S.arch_style(arch))
-            curves[arch] = g
+        series = [
+            (arch, knobs, g.sort_values("n_layer"))
+            for arch in R.archs(data)
+            for knobs, g in data[data["arch"] == arch].groupby("knobs")
+        ]
+        for k, (arch, knobs, g) in enumerate(series):
+            st = S.arch_style(arch)
+            ax.plot(g["n_layer"], g["value"], label=S.label(arch, knobs), **st)
+            x = SM.dodge(g["n_layer"], k, len(series), step=0.08, log=False)  # bars side by side
+            SM.error_bars(ax, x, g["ci_low"], g["ci_high"], st["color"], UNIT)
+            curves[S.label(arch, knobs)] = g.set_index("n_layer")["value"]
         if data.empty:
             S.note(ax, f"no {lab} rows")
         else:
@@ -187,9 +212,11 @@ def probe_shares(tables: dict, ctx: S.Context):
         ax.set_title(f"{lab} (pairs in the last 3/4 of depth)")
         ax.grid(alpha=0.3)
         groups = S.coinciding(curves)
-        if groups:
-            S.note(ax, S.coincide_text(groups), y=0.9)
+        if groups:  # under the panels: inside one, a long note would cover its axis label
+            notes.append(f"{lab}: {S.coincide_text(groups)}")
     S.legend(axes[1])
+    bars = SM.interval_text(pd.concat([p[0] for p in parts]), SEQUENCES)
+    S.fig_note(fig, "\n".join([f"bars: {bars}" + SM.within_text(UNIT), *notes]))
     S.title(fig, ctx, "causal and permutation shares vs depth")
     return fig
 

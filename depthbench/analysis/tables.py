@@ -14,6 +14,7 @@ from typing import Iterable
 import numpy as np
 import pandas as pd
 
+from depthbench.analysis.summaries import NLL_INTERVAL_COLUMNS, seed_columns, with_interval_columns
 from depthbench.util.errors import DataError
 from depthbench.util.io import atomic_write
 from depthbench.train.runcheck import read_summary
@@ -31,10 +32,18 @@ def run_rows(
     experiment: str,
     budget_params: float | None = None,
     expected: dict[str, str] | None = None,
+    learned_margin: float | None = None,
 ) -> pd.DataFrame:
     """One row per run. `budget_params` is the config's budget.params (None: no budget, so
     `params_vs_budget`, the relative deviation of the built model from it, is NaN); `expected`:
-    the grid's spec hash per run id (see read_summary)."""
+    the grid's spec hash per run id (see read_summary). `learned` is false for a run whose
+    final validation loss is not `learned_margin` nats (analysis.learned_margin; None: the
+    schema's default) below the unigram floor (depthbench.analysis.readers.learned)."""
+    from depthbench.analysis.readers import learned
+    from depthbench.spec.schema import schema_defaults
+
+    if learned_margin is None:
+        learned_margin = schema_defaults("analysis")["learned_margin"]
     rows = []
     for path in summary_paths:
         s = read_summary(path, expected)
@@ -78,10 +87,11 @@ def run_rows(
                 "device": s.get("device"),
                 "data_id": spec["data_id"],
                 "unigram_floor": unigram_floor,
+                "learned": learned(s["final_val_loss"], unigram_floor, learned_margin),
             }
         )
     if not rows:  # an empty grid (or none of it trained): the columns every reader selects
-        return pd.DataFrame(columns=RUN_CONFIG_COLUMNS + ["unigram_floor"])
+        return pd.DataFrame(columns=RUN_CONFIG_COLUMNS + ["unigram_floor", "learned"])
     return pd.DataFrame(rows).sort_values(["arch", "n_layer", "lr", "seed"], ignore_index=True)
 
 
@@ -122,6 +132,9 @@ BEST_LR_COLUMNS = GROUP_COLUMNS + [
     "final_val_loss",
     "final_val_loss_std",
     "n_seeds",
+    "ci_low",
+    "ci_high",
+    "n",
     "n_lrs_tried",
     "n_diverged",
     "lr_at_edge",
@@ -133,7 +146,9 @@ def best_learning_rates(runs: pd.DataFrame) -> pd.DataFrame:
     that did not diverge (seeds are averaged first, so a lucky seed does not pick the LR).
 
     `final_val_loss` is that LR's mean over seeds, `final_val_loss_std` the sample standard
-    deviation (ddof 1; NaN for one seed) and `n_seeds` their count. `lr_at_edge` is true when
+    deviation (ddof 1; NaN for one seed) and `n_seeds` their count. `ci_low`, `ci_high` are the
+    95% t interval of that mean over the seeds (intervals.seed_interval) and `n` the number of
+    seeds behind it; with n = 1 the interval is NaN. `lr_at_edge` is true when
     the best LR is the smallest or the largest LR tried for the cell (diverged runs count as
     tried: an LR that diverged bounds the grid from above), so the optimum may lie outside it.
     """
@@ -150,6 +165,13 @@ def best_learning_rates(runs: pd.DataFrame) -> pd.DataFrame:
         params=("params", "first"),
         params_vs_budget=("params_vs_budget", "first"),
     )
+    per_lr = per_lr.merge(
+        ok.groupby(GROUP_COLUMNS + ["lr"])["final_val_loss"]
+        .apply(seed_columns)
+        .unstack()
+        .reset_index(),
+        on=GROUP_COLUMNS + ["lr"],
+    ).astype({"n": "int64"})
     best = per_lr.loc[per_lr.groupby(GROUP_COLUMNS)["final_val_loss"].idxmin()].rename(
         columns={"lr": "best_lr"}
     )
@@ -217,13 +239,16 @@ def probe_rows(probe_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFram
 
     `step`: updates of the weights probed (depthbench.probes.run): stage "trained" rows are the
     final model at its last step, "snapshot" rows the probes over training (probes.at_steps);
-    <NA> for files written without it (pretrained models, older probe files)."""
+    <NA> for files written without it (pretrained models, older probe files). `ci_low`,
+    `ci_high`: the row's 95% bootstrap interval over the probe sequences (depthbench.probes.run),
+    NaN where the row has none or its file was written without intervals."""
     frames = [pd.read_parquet(p) for p in probe_paths]
     probes = (
         pd.concat(frames, ignore_index=True)
         if frames
         else pd.DataFrame(columns=["run_id", "probe", "stage", "i", "j", "value"])
     )
+    probes = with_interval_columns(probes, ("ci_low", "ci_high"))
     probes["step"] = (
         probes["step"] if "step" in probes.columns else pd.Series(pd.NA, index=probes.index)
     ).astype("Int64")
@@ -318,10 +343,14 @@ def dynamics_rows(run_ids: Iterable[str], metric_paths: Iterable[str]) -> pd.Dat
 
 
 def nll_rows(nll_paths: Iterable[str], runs: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
-    """Every run's per-set and per-domain NLL rows with the runs' config columns."""
+    """Every run's per-set and per-domain NLL rows with the runs' config columns. `ci_low`,
+    `ci_high` (of bits_per_byte) and `nats_per_token_ci_low`, `nats_per_token_ci_high`: the 95%
+    bootstrap intervals over the row's documents (depthbench.evals.nll), NaN for files written
+    without them."""
     frames = [pd.read_parquet(p) for p in nll_paths]
     columns = ["run_id", "level", "set", "domain", "nats_per_token", "bits_per_byte"]
     table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
+    table = with_interval_columns(table, NLL_INTERVAL_COLUMNS)
     return _with_run_columns(table, runs, best)  # config columns also when there are no rows
 
 
