@@ -22,6 +22,7 @@ runs = run_rows(
     snakemake.params.experiment,
     snakemake.params.budget_params,  # noqa: F821
     expected=snakemake.params.spec_hashes,
+    learned_margin=snakemake.params.learned_margin,
 )  # noqa: F821
 runs = with_pretrained(
     runs, pretrained_run_rows(snakemake.input.pretrained, snakemake.params.experiment)

@@ -486,3 +486,23 @@ def test_report_shows_the_numbers_and_flags_single_seed_verdicts(two_seeds, one_
     assert 'class="holds"' in f_row and "single seed" not in f_row and "(n=2)" in f_row
     assert 'class="inconclusive"' in a_row and "single seed" in a_row
     assert "(n=1, no interval)" in a_row
+
+
+def test_run_rows_mark_the_runs_that_did_not_learn(wiki_jsonl, tmp_path):
+    """runs.parquet `learned`: the final loss more than the margin below the floor; a diverged
+    run did not learn."""
+    from depthbench.analysis.tables import run_rows
+    from tests.conftest import status_grid, tiny_config
+    from tests.run_outputs import fake_summary
+
+    config = tiny_config(wiki_jsonl, learning_rates=[1e-3, 3e-3, 1e-2])
+    _, exp, res = status_grid(config, tmp_path)
+    losses = dict(zip(sorted(exp.runs, key=lambda rid: exp.runs[rid].lr), [5.85, 5.95, None]))
+    paths = [
+        fake_summary(res, exp.runs[rid], "diverged" if loss is None else "ok", final_val_loss=loss)
+        for rid, loss in losses.items()
+    ]
+    runs = run_rows([str(p) for p in paths], 6.0, "tiny").set_index("run_id")["learned"]
+    assert runs.to_dict() == dict(zip(losses, [True, False, False]))  # the default margin, 0.1
+    wide = run_rows([str(p) for p in paths], 6.0, "tiny", learned_margin=0.2)
+    assert not wide["learned"].any()

@@ -114,7 +114,11 @@ def test_every_table_stage_finishes_on_degenerate_grids(wiki_jsonl, tmp_path, ki
         output=out,
         log=log,
         params=SimpleNamespace(
-            experiment="tiny", run_ids=list(statuses), spec_hashes=hashes, budget_params=None
+            experiment="tiny",
+            run_ids=list(statuses),
+            spec_hashes=hashes,
+            budget_params=None,
+            learned_margin=0.1,
         ),
     )
     made = {}

@@ -23,6 +23,7 @@ checkpoint tables:
         run_ids=list(RUNS),
         spec_hashes=SPEC_HASHES,  # each summary.json must match its run's identity
         budget_params=config.get("budget", {}).get("params"),
+        learned_margin=config["analysis"]["learned_margin"],  # runs.parquet `learned`
     log:
         f"{RESULTS}/logs/tables.log",
     benchmark:
