@@ -31,7 +31,7 @@ th{background:#f3f3f3} td.num{text-align:right;font-variant-numeric:tabular-nums
 figure{margin:12px 0 22px} figure img{max-width:100%;max-height:900px;border:1px solid #ddd}
 figcaption{max-width:1100px;margin-top:4px;color:#333}
 nav a{margin-right:12px} .small{color:#666;font-size:11px}
-"""
+"""  # noqa: E501
 
 
 def _img(path: Path, alt: str) -> str:
@@ -196,7 +196,8 @@ def build_report(names: list[str], figure_dir: str | Path, tables: dict, setting
         fig, png = FIGURES[name], figure_dir / f"{name}.png"
         body = _img(png, name) if png.exists() else f"<p>{name}.png was not drawn.</p>"
         sections.setdefault(fig.section, []).append(
-            f'<figure id="{name}">{body}<figcaption><b>{name}.</b> {html.escape(fig.caption)}</figcaption></figure>'
+            f'<figure id="{name}">{body}<figcaption><b>{name}.</b> '
+            f"{html.escape(fig.caption)}</figcaption></figure>"
         )
     nav = "".join(f'<a href="#s{i}">{html.escape(s)}</a>' for i, s in enumerate(sections))
     profile = layer_profile(
@@ -234,10 +235,15 @@ def build_report(names: list[str], figure_dir: str | Path, tables: dict, setting
     pretrained = "status" in runs.columns and (runs["status"] == "pretrained").any()
     right = profile_part + claims_part if pretrained else claims_part + profile_part
     parts = [
-        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>DepthBench {html.escape(settings.get('name', ''))}</title><style>{CSS}</style></head><body>",
-        f"<h1>DepthBench: does depth at a fixed budget turn into computation? Config <tt>{html.escape(settings.get('name', ''))}</tt></h1>",
-        f'<p class="sub">{html.escape(archs)}; {html.escape(grid)}. Claims measured at: {html.escape(claims["scale"].iloc[0] if not claims.empty else "-")}.</p>',
-        f'<div class="top"><div>{top_img}<h3>Best learning rate per shape</h3>{best_lr_html(best, budget)}</div>',
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>"
+        f"<title>DepthBench {html.escape(settings.get('name', ''))}</title>"
+        f"<style>{CSS}</style></head><body>",
+        "<h1>DepthBench: does depth at a fixed budget turn into computation? "
+        f"Config <tt>{html.escape(settings.get('name', ''))}</tt></h1>",
+        f'<p class="sub">{html.escape(archs)}; {html.escape(grid)}. Claims measured at: '
+        f"{html.escape(claims['scale'].iloc[0] if not claims.empty else '-')}.</p>",
+        f'<div class="top"><div>{top_img}<h3>Best learning rate per shape</h3>'
+        f"{best_lr_html(best, budget)}</div>",
         f"<div>{right}</div></div>",
         f'<p class="small">{html.escape(FIGURES["headline"].caption)}</p>',
         f"<nav>{nav}</nav>",
@@ -247,7 +253,8 @@ def build_report(names: list[str], figure_dir: str | Path, tables: dict, setting
     parts += [
         f"<h2 id='claims'>Claims in full</h2>{claims_html(claims, full=True)}",
         f"<h2>Runs</h2>{runs_html(runs)}",
-        '<p class="small">Tables: results/tables/*.parquet. Provenance (rules, code, logs): results/provenance.html via snakemake --report.</p>',
+        '<p class="small">Tables: results/tables/*.parquet. Provenance (rules, code, logs): '
+        "results/provenance.html via snakemake --report.</p>",
         "</body></html>",
     ]
     return "\n".join(parts)

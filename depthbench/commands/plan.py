@@ -5,9 +5,10 @@ run's tokens), GPU-hours at a stated MFU on a stated GPU (peak dense bf16 FLOP/s
 at the configured micro-batch without and with full activation checkpointing
 (depthbench.train.memory), the checkpointing mode `train.activation_checkpointing: auto` picks
 (the least of none / selective / full that fits; depthbench.train.parallelize), its memory,
-whether the run fits with it, and disk. Disk per run = one training checkpoint (fp32 weights + AdamW's two fp32 moments: 12 bytes
-per parameter; the step counter, RNG states and the loop state are negligible) + the final fp32
-safetensors weights (4 bytes per parameter); logs and probe outputs are small and not counted.
+whether the run fits with it, and disk. Disk per run = one training checkpoint (fp32 weights +
+AdamW's two fp32 moments: 12 bytes per parameter; the step counter, RNG states and the loop state
+are negligible) + the final fp32 safetensors weights (4 bytes per parameter); logs and probe
+outputs are small and not counted.
 
 For the sweep: the tokenization's time (`tokenization_estimate`), tokens to tokenize / (the
 tokenizer's throughput per process x corpus.pieces, the pieces running at once). The tokens are
@@ -61,7 +62,8 @@ class TokenizationEstimate:
 
 
 def tokenization_estimate(exp) -> TokenizationEstimate | None:
-    """The tokenization's time for `exp` (see the module docstring); None for pre-tokenized shards."""
+    """The tokenization's time for `exp` (see the module docstring); None for pre-tokenized
+    shards."""
     corpus = exp.config["corpus"]
     if corpus["source"] == "shards":
         return None
@@ -80,16 +82,18 @@ def format_tokenization(t: TokenizationEstimate) -> str:
     hours = t.seconds / 3600
     how = (
         (
-            f"in {t.pieces} parallel pieces: {hours:,.1f} h ({hours * t.pieces:,.1f} h in one job), plus one indexing "
-            "pass (tokenize_index)"
+            f"in {t.pieces} parallel pieces: {hours:,.1f} h "
+            f"({hours * t.pieces:,.1f} h in one job), plus one indexing pass (tokenize_index)"
         )
         if t.pieces > 1
         else f"in one job: {hours:,.1f} h"
     )
     return (
-        f"tokenization: {t.tokens:.3e} tokens (one epoch of the longest run, {t.training_tokens:.3e} training tokens, "
-        f"with the {t.val_fraction:g} validation share; the whole corpus is tokenized, so a larger corpus takes longer) "
-        f"at {TOKENIZE_TOKENS_PER_S:,.0f} tokens/s per process (measured: docs/benchmarks.md) {how}"
+        f"tokenization: {t.tokens:.3e} tokens (one epoch of the longest run, "
+        f"{t.training_tokens:.3e} training tokens, with the {t.val_fraction:g} validation share; "
+        "the whole corpus is tokenized, so a larger corpus takes longer) "
+        f"at {TOKENIZE_TOKENS_PER_S:,.0f} tokens/s per process (measured: docs/benchmarks.md) "
+        f"{how}"
     )
 
 
@@ -151,23 +155,29 @@ def plan_experiment(
 def format_plan(plans: list[RunPlan], gpu: str, mfu: float, gpu_memory: float) -> str:
     gib = 2**30
     lines = [
-        f"{'run':<44} {'tokens':>15} {'FLOPs':>10} {'GPU-h':>8} {'mem GiB':>8} {'ckpt GiB':>8} {'AC':>9} "
-        f"{'AC GiB':>8} {'fits':>4} {'disk GiB':>8}"
+        f"{'run':<44} {'tokens':>15} {'FLOPs':>10} {'GPU-h':>8} {'mem GiB':>8} "
+        f"{'ckpt GiB':>8} {'AC':>9} {'AC GiB':>8} {'fits':>4} {'disk GiB':>8}"
     ]
     for p in plans:
         lines.append(
-            f"{p.run_id:<44} {p.tokens:>15,} {p.flops:>10.3e} {p.gpu_hours:>8.1f} {p.memory / gib:>8.1f} "
+            f"{p.run_id:<44} {p.tokens:>15,} {p.flops:>10.3e} {p.gpu_hours:>8.1f} "
+            f"{p.memory / gib:>8.1f} "
             f"{p.memory_checkpointed / gib:>8.1f} {p.checkpointing:>9} {p.memory_auto / gib:>8.1f} "
             f"{'yes' if p.fits else 'NO':>4} {p.disk / gib:>8.2f}"
         )
     total_h = sum(p.gpu_hours for p in plans)
     lines.append(
-        f"total: {len(plans)} runs, {sum(p.tokens for p in plans):,} tokens, {sum(p.flops for p in plans):.3e} FLOPs, "
-        f"{total_h:,.0f} GPU-hours on {gpu} at MFU {mfu:g}, disk {sum(p.disk for p in plans) / 1e12:.2f} TB; "
-        f"{sum(p.needs_checkpointing for p in plans)} runs need activation checkpointing on a {gpu_memory / 1e9:g} GB GPU "
-        f"({sum(p.checkpointing == 'selective' for p in plans)} selective, {sum(p.checkpointing == 'full' for p in plans)} full), "
+        f"total: {len(plans)} runs, {sum(p.tokens for p in plans):,} tokens, "
+        f"{sum(p.flops for p in plans):.3e} FLOPs, "
+        f"{total_h:,.0f} GPU-hours on {gpu} at MFU {mfu:g}, "
+        f"disk {sum(p.disk for p in plans) / 1e12:.2f} TB; "
+        f"{sum(p.needs_checkpointing for p in plans)} runs need activation checkpointing "
+        f"on a {gpu_memory / 1e9:g} GB GPU "
+        f"({sum(p.checkpointing == 'selective' for p in plans)} selective, "
+        f"{sum(p.checkpointing == 'full' for p in plans)} full), "
         f"{sum(not p.fits for p in plans)} do not fit even with it "
-        f"(memory includes {HEADROOM:.0%} headroom; AC = the mode train.activation_checkpointing: auto picks, AC GiB its memory)"
+        f"(memory includes {HEADROOM:.0%} headroom; "
+        "AC = the mode train.activation_checkpointing: auto picks, AC GiB its memory)"
     )
     if getattr(plans, "tokenization", None) is not None:
         lines.append(format_tokenization(plans.tokenization))

@@ -12,9 +12,10 @@ training resumes from it), `stale` (an output exists but is older than one of it
 Snakemake refuses to go on without `--rerun-incomplete`, which retrains it). A summary that is
 unreadable, copied from another run or edited (see depthbench.analysis.tables.read_summary) is
 `invalid`: Snakemake would not retrain it (nothing it tracks changed) and the tables would refuse
-it, so the fix is `snakemake --forcerun` on its summary. Final weights that do not hash to the digest their
-summary records are `corrupt` (depthbench.train.runcheck): every stage that reads them refuses them,
-and `snakemake --forcerun` on them retrains the run, resuming from its last checkpoint.
+it, so the fix is `snakemake --forcerun` on its summary. Final weights that do not hash to the
+digest their summary records are `corrupt` (depthbench.train.runcheck): every stage that reads
+them refuses them, and `snakemake --forcerun` on them retrains the run, resuming from its last
+checkpoint.
 Weights whose summary records no digest are reported `unchecked` beside the run's state, with
 the `depthbench checksum RUN_DIR` command that records it. Checking the digests reads every
 run's weights.
@@ -40,7 +41,8 @@ from depthbench.spec.run import short_hash
 from depthbench.util.errors import DataError
 from depthbench.train.checkpoint_folder import list_checkpoints, verify_checkpoint
 
-RESULTS = "results"  # the workflow's output folder (the Snakefile's RESULTS), relative to the working directory
+# the workflow's output folder (the Snakefile's RESULTS), relative to the working directory
+RESULTS = "results"
 
 
 @dataclass
@@ -151,7 +153,8 @@ def _train_state(spec, run: Path, work: Path, meta: Path) -> tuple[str, list[str
     marked = _incomplete(root, outputs)
     if marked:
         return "incomplete", [
-            f"{', '.join(map(str, marked))}: marked incomplete by Snakemake (its train job was interrupted); "
+            f"{', '.join(map(str, marked))}: marked incomplete by Snakemake "
+            "(its train job was interrupted); "
             "`snakemake --rerun-incomplete` trains the run again (the slurm profile sets it)"
         ]
     if not summary.exists():
@@ -201,7 +204,8 @@ def _stage_state(
 
 def _best_lr_runs(exp: Experiment, results: Path) -> set[str] | None:
     """The runs at their cell's best LR per results/tables, or None while the tables are missing
-    or older than a run's summary, or a run has none yet (the workflow's tables checkpoint would choose again)."""
+    or older than a run's summary, or a run has none yet (the workflow's tables checkpoint would
+    choose again)."""
     runs, best = results / "tables" / "runs.parquet", results / "tables" / "best_lr.parquet"
     if not (runs.exists() and best.exists()):
         return None
@@ -311,17 +315,20 @@ def plan(
     invalid = [s.run_id for s in statuses if s.state == "invalid"]
     if invalid:
         lines.append(
-            f"tables: fail on {len(invalid)} invalid summar{'ies' if len(invalid) != 1 else 'y'} (see above)"
+            f"tables: fail on {len(invalid)} "
+            f"invalid summar{'ies' if len(invalid) != 1 else 'y'} (see above)"
         )
     corrupt = [s.run_id for s in statuses if s.state == "corrupt"]
     if corrupt:
         lines.append(
-            f"probe, nll, export: fail on {len(corrupt)} run{'s' * (len(corrupt) != 1)} with corrupt weights (see above)"
+            f"probe, nll, export: fail on {len(corrupt)} run{'s' * (len(corrupt) != 1)} "
+            "with corrupt weights (see above)"
         )
     incomplete = [s.run_id for s in statuses if s.state == "incomplete"]
     if incomplete:
         lines.append(
-            f"refused without --rerun-incomplete: {len(incomplete)} run{'s' * (len(incomplete) != 1)} (see above)"
+            f"refused without --rerun-incomplete: {len(incomplete)} "
+            f"run{'s' * (len(incomplete) != 1)} (see above)"
         )
     # the aggregate outputs every grid has (the figures' own names depend on the grid)
     finals = [
@@ -345,7 +352,8 @@ def format_status(exp: Experiment, results: str | os.PathLike = RESULTS) -> str:
     lines = [f"{'run':<{width}}  {'train':<10}  {'probed':<6}  {'scored':<6}  next"]
     for s in statuses:
         lines.append(
-            f"{s.run_id:<{width}}  {s.state:<10}  {s.probed:<6}  {s.scored:<6}  {', '.join(s.jobs) or '-'}"
+            f"{s.run_id:<{width}}  {s.state:<10}  {s.probed:<6}  {s.scored:<6}  "
+            f"{', '.join(s.jobs) or '-'}"
         )
         lines += [f"{'':<{width}}  ^ {reason}" for reason in s.reasons]
     counts: dict[str, int] = {}

@@ -21,14 +21,17 @@ def cmd_shapes(args) -> None:
     exp = _experiment(args.config)
     rows = shape_table(exp)
     budget = exp.config.get("budget", {}).get("params")
-    header = f"{'arch':<12} {'L':>4} {'d_model':>8} {'ratio':>7} {'d_ff':>6} {'heads':>6} {'kv':>4} {'params':>15}"
+    header = (
+        f"{'arch':<12} {'L':>4} {'d_model':>8} {'ratio':>7} {'d_ff':>6} {'heads':>6} "
+        f"{'kv':>4} {'params':>15}"
+    )
     if budget:  # relative, as in runs.parquet: -0.0031 is 0.31% under budget.params
         header += f" {'params_vs_budget':>17}"
     print(header)
     for r in rows:
         line = (
-            f"{r['arch']:<12} {r['n_layer']:>4} {r['d_model']:>8} {r['ratio']:>7.1f} {r['d_ff']:>6} "
-            f"{r['n_head']:>6} {r['n_kv_head']:>4} {r['params']:>15,}"
+            f"{r['arch']:<12} {r['n_layer']:>4} {r['d_model']:>8} {r['ratio']:>7.1f} "
+            f"{r['d_ff']:>6} {r['n_head']:>6} {r['n_kv_head']:>4} {r['params']:>15,}"
         )
         if budget:
             line += f" {r['params_vs_budget']:>+17.4f}"
@@ -51,7 +54,8 @@ def cmd_validate(args) -> None:
 
     exp = _experiment(args.config)
     print(
-        f"{args.config}: valid; {len(exp.runs)} runs, data {exp.data_id}, tokenizer {exp.tokenizer_id}"
+        f"{args.config}: valid; {len(exp.runs)} runs, data {exp.data_id}, "
+        f"tokenizer {exp.tokenizer_id}"
     )
     for line in ignored_settings(exp.config):
         print(f"  ignored (no architecture of the grid reads it): {line}")
@@ -136,12 +140,14 @@ def cmd_regenerate(args) -> None:
         done = subprocess.run(command)
         if done.returncode:
             raise SystemExit(
-                f"depthbench regenerate: snakemake exited with {done.returncode}. If it names a missing "
-                "file under results/runs, results/probes, results/nll or results/removal, that run's outputs were not "
-                "copied: regenerate never trains, probes or scores."
+                f"depthbench regenerate: snakemake exited with {done.returncode}. "
+                "If it names a missing file under results/runs, results/probes, results/nll "
+                "or results/removal, that run's outputs were not copied: "
+                "regenerate never trains, probes or scores."
             )
     print(
-        f"tables in results/tables, figures in results/figures, report in results/report.html, provenance in {args.provenance}",
+        "tables in results/tables, figures in results/figures, report in results/report.html, "
+        f"provenance in {args.provenance}",
         file=sys.stderr,
     )
 
@@ -155,7 +161,8 @@ def cmd_status(args) -> None:
 
 
 def cmd_checksum(args) -> None:
-    """Record the SHA-256 of an unchecked run's final weights in its summary.json (depthbench.train.runcheck)."""
+    """Record the SHA-256 of an unchecked run's final weights in its summary.json
+    (depthbench.train.runcheck)."""
     from depthbench.train.runcheck import record_checksum
 
     for run_dir in args.run_dirs:
@@ -163,7 +170,8 @@ def cmd_checksum(args) -> None:
 
 
 def cmd_rename_runs(args) -> None:
-    """Move results trained under whole-section option hashing to today's run ids (depthbench.commands.rename)."""
+    """Move results trained under whole-section option hashing to today's run ids
+    (depthbench.commands.rename)."""
     from depthbench.commands.rename import format_plan, rename_runs
 
     plan = rename_runs(_experiment(args.config), args.results, dry_run=args.dry_run)

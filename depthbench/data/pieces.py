@@ -1,4 +1,5 @@
-"""Pieces (corpus.pieces > 1): contiguous ranges of the global document order, one Snakemake job each.
+"""Pieces (corpus.pieces > 1): contiguous ranges of the global document order, one Snakemake job
+each.
 
 Piece p of P holds the documents i with start_p <= i < start_{p+1} of the same global order that
 `iter_documents` yields, and splits them with is_validation(i, ...) on that global i, so the
@@ -43,7 +44,8 @@ def check_pieces(corpus: dict) -> None:
     if by is not None and source not in ("local", "hub"):
         raise ConfigError(
             "corpus.piece_by",
-            f"applies to corpus.source local (files or bytes) or hub (files), not {source!r}; remove it",
+            "applies to corpus.source local (files or bytes) or hub (files), "
+            f"not {source!r}; remove it",
         )
     if by == "bytes" and source == "hub":
         raise ConfigError(
@@ -57,14 +59,16 @@ def check_pieces(corpus: dict) -> None:
             "corpus.pieces", "pre-tokenized shards are not tokenized again: set corpus.pieces: 1"
         )
     if source != "local":
-        return  # hub: the data files are listed (online) by the tokenize_index job, before any piece
+        # hub: the data files are listed (online) by the tokenize_index job, before any piece
+        return
     files, fmt = local_files(corpus)
     if piece_by(corpus, len(files)) == "files":
         if len(files) < pieces:
             raise ConfigError(
                 "corpus.pieces",
-                f"{pieces} pieces but corpus.path has {len(files)} files and corpus.piece_by is 'files' "
-                f"(at most one piece per file): use at most {len(files)} pieces, or piece_by: bytes for JSONL/text",
+                f"{pieces} pieces but corpus.path has {len(files)} files and "
+                "corpus.piece_by is 'files' (at most one piece per file): "
+                f"use at most {len(files)} pieces, or piece_by: bytes for JSONL/text",
             )
         return
     compressed = [f for f in files if f.endswith(".gz")]
@@ -78,7 +82,8 @@ def check_pieces(corpus: dict) -> None:
         raise ConfigError(
             "corpus.piece_by",
             f"'bytes' needs uncompressed {' or '.join(BYTE_RANGE_FORMATS)} files, but {what}; "
-            "use piece_by: files with several files (at most one piece per file), or corpus.pieces: 1",
+            "use piece_by: files with several files (at most one piece per file), "
+            "or corpus.pieces: 1",
         )
 
 
@@ -98,7 +103,8 @@ def hub_data_files(corpus: dict) -> list[str]:
     if not data_files:
         raise ConfigError(
             "corpus.pieces",
-            f"{corpus['dataset']!r} lists no data files (a loading-script dataset?); set corpus.pieces: 1",
+            f"{corpus['dataset']!r} lists no data files (a loading-script dataset?); "
+            "set corpus.pieces: 1",
         )
     if split not in data_files:
         raise ConfigError(
@@ -187,7 +193,8 @@ def _group_units(index: dict, pieces: int) -> list[list[int]]:
     if len(counts) < pieces:
         raise ConfigError(
             "corpus.pieces",
-            f"{pieces} pieces but the corpus has {len(counts)} files (at most one piece per file): use at most {len(counts)}",
+            f"{pieces} pieces but the corpus has {len(counts)} files "
+            f"(at most one piece per file): use at most {len(counts)}",
         )
     # file k goes to the piece its middle document falls in (by its first document, two equal
     # files in two pieces would both go to the first)
@@ -200,7 +207,8 @@ def _group_units(index: dict, pieces: int) -> list[list[int]]:
     if not all(groups):
         raise ConfigError(
             "corpus.pieces",
-            f"a piece of {pieces} gets no file (files are too unequal in size); lower corpus.pieces",
+            f"a piece of {pieces} gets no file (files are too unequal in size); "
+            "lower corpus.pieces",
         )
     return groups
 

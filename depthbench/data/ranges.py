@@ -1,4 +1,5 @@
-"""Byte ranges of large local JSONL / text files, aligned to document boundaries and read by streaming.
+"""Byte ranges of large local JSONL / text files, aligned to document boundaries and read by
+streaming.
 
 A cut at byte c moves forward to the first document boundary at or after c: for JSON lines, just
 after the first b"\\n" at or after c; for text (documents separated by blank lines, as the
@@ -70,7 +71,8 @@ def _text_boundary(f, c: int, size: int) -> int:
 def _check_format(path: str, fmt: str) -> None:
     if fmt not in BYTE_RANGE_FORMATS or path.endswith(".gz"):
         raise DataError(
-            f"corpus.path: {path}: byte ranges need an uncompressed {' or '.join(BYTE_RANGE_FORMATS)} file, not {fmt!r}"
+            f"corpus.path: {path}: byte ranges need an uncompressed "
+            f"{' or '.join(BYTE_RANGE_FORMATS)} file, not {fmt!r}"
         )
 
 
@@ -133,7 +135,8 @@ def _jsonl_documents(path: str, start: int, end: int, text_field: str) -> Iterat
             text = record.get(text_field) if isinstance(record, dict) else None
             if text is not None and not isinstance(text, str):
                 raise DataError(
-                    f"corpus.path: {path}: the line at byte {where}: {text_field!r} is a {type(text).__name__}, not text"
+                    f"corpus.path: {path}: the line at byte {where}: "
+                    f"{text_field!r} is a {type(text).__name__}, not text"
                 )
             if text:
                 yield text
@@ -156,7 +159,8 @@ def _text_documents(path: str, start: int, end: int) -> Iterator[str]:
                 carry = parts[-1]
         except UnicodeDecodeError as exc:
             raise DataError(
-                f"corpus.path: {path}: bytes {start}..{end} are not UTF-8 ({exc.reason}); re-encode the file as UTF-8"
+                f"corpus.path: {path}: bytes {start}..{end} are not UTF-8 ({exc.reason}); "
+                "re-encode the file as UTF-8"
             ) from None
         if carry:
             yield carry

@@ -20,12 +20,14 @@ def _loading(class_name: str) -> str:
         return (
             "A plain `LlamaForCausalLM` (DepthBench's pre_ln is Llama): no remote code.\n\n"
             "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-            "model = AutoModelForCausalLM.from_pretrained(path)\ntokenizer = AutoTokenizer.from_pretrained(path)\n```\n"
+            "model = AutoModelForCausalLM.from_pretrained(path)\n"
+            "tokenizer = AutoTokenizer.from_pretrained(path)\n```\n"
         )
     return (
-        "Remote code (`modeling_depthbench.py`) wrapping DepthBench's own `DecoderLM`: it needs the "
-        "`depthbench` package installed beside transformers, and `trust_remote_code=True`. Token ids only, "
-        "right padding only, no KV cache (generation reruns the sequence each step).\n\n"
+        "Remote code (`modeling_depthbench.py`) wrapping DepthBench's own `DecoderLM`: "
+        "it needs the `depthbench` package installed beside transformers, and "
+        "`trust_remote_code=True`. Token ids only, right padding only, no KV cache "
+        "(generation reruns the sequence each step).\n\n"
         "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
         "model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)\n"
         "tokenizer = AutoTokenizer.from_pretrained(path)\n```\n"
@@ -49,29 +51,37 @@ def model_card(run, class_name: str) -> str:
         "",
         "## Architecture",
         f"- residual architecture: **{run.arch}**; transformers class `{class_name}`",
-        f"- L = {cfg.n_layer} layers, d_model = {cfg.d_model}, d_ff = {cfg.d_ff}, {cfg.n_head} heads "
-        f"({cfg.n_kv_head} K/V heads), head_dim {cfg.head_dim}, vocabulary {cfg.vocab_size}, context {cfg.max_seq_len}",
+        f"- L = {cfg.n_layer} layers, d_model = {cfg.d_model}, d_ff = {cfg.d_ff}, "
+        f"{cfg.n_head} heads ({cfg.n_kv_head} K/V heads), head_dim {cfg.head_dim}, "
+        f"vocabulary {cfg.vocab_size}, context {cfg.max_seq_len}",
         f"- RMSNorm eps {cfg.norm_eps}, RoPE theta {cfg.rope_theta}, untied embeddings, no biases",
-        f"- arch_options: {declared_options(run.arch, cfg.arch_options) or 'none'}; MoE: {cfg.moe or 'none (dense SwiGLU)'}",
+        f"- arch_options: {declared_options(run.arch, cfg.arch_options) or 'none'}; "
+        f"MoE: {cfg.moe or 'none (dense SwiGLU)'}",
         "",
         "## Budget",
-        f"- parameters: {_fmt(summary.get('n_params'), ',')} as trained (the shape's count: {_fmt(shape.get('n_params'), ',')}); "
+        f"- parameters: {_fmt(summary.get('n_params'), ',')} as trained "
+        f"(the shape's count: {_fmt(shape.get('n_params'), ',')}); "
         f"d_model / L = {cfg.d_model / cfg.n_layer:.1f}; knobs: {spec.get('knobs') or 'none'}",
-        f"- tokens seen: {_fmt(summary.get('tokens_seen'), ',')} in {_fmt(summary.get('steps'))} steps "
+        f"- tokens seen: {_fmt(summary.get('tokens_seen'), ',')} "
+        f"in {_fmt(summary.get('steps'))} steps "
         f"({train.get('tokens_per_param')} tokens per parameter requested)",
         "",
         "## Data",
-        f"- corpus: {corpus.get('name', 'n/a')} (source {corpus.get('source', 'n/a')}), data id `{spec['data_id']}`, "
+        f"- corpus: {corpus.get('name', 'n/a')} (source {corpus.get('source', 'n/a')}), "
+        f"data id `{spec['data_id']}`, "
         f"tokenizer id `{spec['tokenizer_id']}`",
         f"- training tokens available: {_fmt(meta.get('train', {}).get('n_tokens'), ',')}; "
         f"validation tokens: {_fmt(meta.get('val', {}).get('n_tokens'), ',')}",
         f"- licence: {meta.get('licence', 'n/a')}",
         "",
         "## Recipe",
-        f"- AdamW, lr {spec['lr']}, betas ({train.get('beta1')}, {train.get('beta2')}), eps {train.get('adam_eps')}, "
+        f"- AdamW, lr {spec['lr']}, betas ({train.get('beta1')}, {train.get('beta2')}), "
+        f"eps {train.get('adam_eps')}, "
         f"weight decay {train.get('weight_decay')}, gradient clip {train.get('grad_clip')}",
-        f"- linear warm-up over {train.get('warmup_fraction')} of the steps, cosine decay to {train.get('min_lr_ratio')} x lr",
-        f"- global batch {train.get('global_batch_size')} x {train.get('seq_len')} tokens, seed {spec['seed']}, "
+        f"- linear warm-up over {train.get('warmup_fraction')} of the steps, "
+        f"cosine decay to {train.get('min_lr_ratio')} x lr",
+        f"- global batch {train.get('global_batch_size')} x {train.get('seq_len')} tokens, "
+        f"seed {spec['seed']}, "
         f"init std {cfg.init_std}, dtype {train.get('dtype')}",
         "",
         "## Final losses (nats per token)",

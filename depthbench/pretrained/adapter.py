@@ -65,7 +65,8 @@ def _recording(layers: nn.ModuleList) -> Iterator[list]:
         def forward(hidden_states, *args, **kwargs):
             if args:  # every family passes all but the hidden state by keyword
                 raise TypeError(
-                    f"decoder layer {i + 1} was called with {len(args)} positional arguments beyond the hidden state"
+                    f"decoder layer {i + 1} was called with {len(args)} positional arguments "
+                    "beyond the hidden state"
                 )
             calls[i] = (hidden_states, kwargs)
             return hidden_states
@@ -99,11 +100,12 @@ class PretrainedAdapter(nn.Module, ModelAdapter):
         self.n_layer = int(model.config.num_hidden_layers)
         if len(layers) != self.n_layer:
             raise ValueError(
-                f"{type(model).__name__}: {len(layers)} decoder layers but config.num_hidden_layers = {self.n_layer}"
+                f"{type(model).__name__}: {len(layers)} decoder layers "
+                f"but config.num_hidden_layers = {self.n_layer}"
             )
         self.d_model = int(model.config.hidden_size)
 
-    # -- parts of the wrapped model (looked up on each call: they move with deepcopy and .to) -------
+    # -- parts of the wrapped model (looked up on each call: they move with deepcopy and .to) -----
     @property
     def base(self) -> nn.Module:
         return self.family.parts(self.model)[0]
@@ -148,7 +150,7 @@ class PretrainedAdapter(nn.Module, ModelAdapter):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    # -- interventions: the decoder layer as a whole ------------------------------------------------
+    # -- interventions: the decoder layer as a whole ----------------------------------------------
     def skip(self, state: HFState, layer: int) -> HFState:
         return state  # states are values: the layer removed passes the hidden state on unchanged
 

@@ -113,7 +113,8 @@ def read_metadata(folder: Path) -> Metadata:
     ]
     if objects:  # DCP would unpickle these without restriction
         raise ValueError(
-            f"{METADATA} lists non-tensor entries {objects[:3]}: not loadable without executing code"
+            f"{METADATA} lists non-tensor entries {objects[:3]}: "
+            "not loadable without executing code"
         )
     return metadata
 
@@ -130,7 +131,10 @@ def check_tensor_data(
     for index, info in items[share[0] :: share[1]]:
         where = f"tensor {index.fqn!r} in {info.relative_path}"
         if getattr(info, "transform_descriptors", None):
-            return f"{where} is stored with transforms {list(info.transform_descriptors)}, which DepthBench never writes"
+            return (
+                f"{where} is stored with transforms {list(info.transform_descriptors)}, "
+                "which DepthBench never writes"
+            )
         entry = metadata.state_dict_metadata.get(index.fqn)
         chunk = next(
             (c for c in getattr(entry, "chunks", []) if tuple(c.offsets) == tuple(index.offset)),
@@ -146,14 +150,21 @@ def check_tensor_data(
         try:
             value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError:
-            return f"{where} holds a pickled object, not a tensor (refused: loading it would execute code)"
+            return (
+                f"{where} holds a pickled object, not a tensor "
+                "(refused: loading it would execute code)"
+            )
         except Exception as exc:
-            return f"{where} is not a loadable tensor ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+            return (
+                f"{where} is not a loadable tensor "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+            )
         if not isinstance(value, torch.Tensor):
             return f"{where} holds a {type(value).__name__}, not a tensor"
         if value.dtype != entry.properties.dtype or value.numel() != math.prod(chunk.sizes):
             return (
-                f"{where} holds a {value.dtype} tensor of {value.numel()} elements where the metadata says "
+                f"{where} holds a {value.dtype} tensor of {value.numel()} elements "
+                "where the metadata says "
                 f"{entry.properties.dtype} of shape {tuple(chunk.sizes)}"
             )
     return None

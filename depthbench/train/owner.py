@@ -38,12 +38,14 @@ class RunLockedError(DepthBenchError):
 
 def process_identity(pid: int) -> str:
     """'<pid>:<start time>': a process's pid with its start time (from /proc, in clock ticks since
-    boot) so that a later process given the same pid is not mistaken for it; '<pid>:' without /proc."""
+    boot) so that a later process given the same pid is not mistaken for it; '<pid>:' without
+    /proc."""
     return f"{pid}:{_start_time(pid) or ''}"
 
 
 def process_exists(identity: str) -> bool:
-    """Whether the process `process_identity` described is still running (not a later one with its pid)."""
+    """Whether the process `process_identity` described is still running (not a later one with
+    its pid)."""
     pid_text, _, started = identity.partition(":")
     pid = int(pid_text)
     now = _start_time(pid)
@@ -95,13 +97,16 @@ class RunLock:
                 holder = _describe(file.read())
                 file.close()
                 raise RunLockedError(
-                    f"run {run_id} is already being trained by {holder}, which holds the lock {path}; "
-                    "a second trainer would write into the same checkpoints. Wait for it to end, or stop that "
-                    "process, then run again (it resumes from the last checkpoint)"
+                    f"run {run_id} is already being trained by {holder}, "
+                    f"which holds the lock {path}; "
+                    "a second trainer would write into the same checkpoints. "
+                    "Wait for it to end, or stop that process, then run again "
+                    "(it resumes from the last checkpoint)"
                 ) from None
             file.close()
             print(
-                f"[{run_id}] warning: {path}: the file system does not support flock ({exc.strerror}); "
+                f"[{run_id}] warning: {path}: the file system does not support flock "
+                f"({exc.strerror}); "
                 "training without the one-trainer-per-run lock",
                 file=sys.stderr,
             )
@@ -167,7 +172,8 @@ def acquire_for_job(work_dir: str | os.PathLike, run_id: str, ctx, device_name: 
 class OwnerHook(Hook):
     """After each periodic checkpoint (`every` steps, not at the last step), stop the run if the
     process `owner` (a `process_identity`) has ended: the checkpoint is waited for, and the process
-    exits with status 1. The ranks agree (the largest verdict over a CPU group) and stop together."""
+    exits with status 1. The ranks agree (the largest verdict over a CPU group) and stop
+    together."""
 
     def __init__(self, owner: str, every: int, total: int):
         self.owner, self.every, self.total = owner, every, total
@@ -198,9 +204,10 @@ class OwnerHook(Hook):
         trainer.snapshot(blocking=True)  # the periodic save of this step, complete before the exit
         if trainer.ctx.is_main:
             print(
-                f"[{trainer.spec.run_id}] the process {self.owner.split(':')[0]} that started this training "
-                f"(Snakemake) has ended: stopped at the checkpoint of step {step}; run Snakemake again to "
-                "resume from it",
+                f"[{trainer.spec.run_id}] the process {self.owner.split(':')[0]} "
+                "that started this training (Snakemake) has ended: "
+                f"stopped at the checkpoint of step {step}; "
+                "run Snakemake again to resume from it",
                 file=sys.stderr,
             )
         raise SystemExit(1)

@@ -2,9 +2,9 @@
 
 Every stage that reads a trained run (probes, NLL, export, status) calls `check_run` first:
 
-- identity: `depthbench.analysis.tables.read_summary` (the summary parses, carries its folder's run id,
-  and its spec hashes to the spec hash it records and, where the caller knows the grid, to the
-  grid's spec hash of that run);
+- identity: `depthbench.analysis.tables.read_summary` (the summary parses, carries its folder's
+  run id, and its spec hashes to the spec hash it records and, where the caller knows the grid,
+  to the grid's spec hash of that run);
 - final weights: `model.safetensors` hashes (SHA-256 of the file's bytes) to the
   `weights_sha256` that training recorded in summary.json. Training computes it from the
   temporary file just before that file is renamed into place, and writes summary.json after it,
@@ -42,14 +42,16 @@ def recover_corrupt(run_dir: str | os.PathLike) -> str:
     run's last checkpoint (results/work/<run id>), and then every stage after it."""
     weights = Path(run_dir) / WEIGHTS
     return (
-        f"`snakemake --forcerun {weights}` (with the --configfile or --profile you run the workflow with) "
+        f"`snakemake --forcerun {weights}` "
+        "(with the --configfile or --profile you run the workflow with) "
         "trains the run again, resuming from its last checkpoint"
     )
 
 
 def verify_weights(run_dir: str | os.PathLike, summary: dict) -> bool:
     """True when the weights match the recorded digest, False when none is recorded
-    ("unchecked"); CorruptWeights naming the file on a mismatch, DataError if the file is missing."""
+    ("unchecked"); CorruptWeights naming the file on a mismatch, DataError if the file is
+    missing."""
     run_dir = Path(run_dir)
     weights = run_dir / WEIGHTS
     if not weights.is_file():
@@ -62,7 +64,8 @@ def verify_weights(run_dir: str | os.PathLike, summary: dict) -> bool:
     actual = file_sha256(weights)
     if actual != want:
         raise CorruptWeights(
-            f"{weights}: corrupt: its SHA-256 is {actual[:16]}..., not the {want[:16]}... recorded in "
+            f"{weights}: corrupt: its SHA-256 is {actual[:16]}..., "
+            f"not the {want[:16]}... recorded in "
             f"{run_dir / 'summary.json'} when it was written; {recover_corrupt(run_dir)}"
         )
     return True
@@ -76,7 +79,8 @@ def check_run(run_dir: str | os.PathLike, spec=None, weights: bool = True) -> di
     run_dir = Path(run_dir)
     if spec is not None and spec.run_id != run_dir.name:
         raise DataError(
-            f"{run_dir}: is the folder of run {run_dir.name!r}, but the stage was given run {spec.run_id!r}"
+            f"{run_dir}: is the folder of run {run_dir.name!r}, "
+            f"but the stage was given run {spec.run_id!r}"
         )
     summary = read_summary(
         run_dir / "summary.json", {spec.run_id: spec.spec_hash()} if spec is not None else None
@@ -142,21 +146,25 @@ def read_summary(path: str | Path, expected: dict[str, str] | None = None) -> di
         s = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DataError(
-            f"{path}: unreadable or truncated summary ({exc}); `snakemake --forcerun {path}` trains the run again"
+            f"{path}: unreadable or truncated summary ({exc}); "
+            f"`snakemake --forcerun {path}` trains the run again"
         ) from None
     missing = [k for k in SUMMARY_KEYS if not isinstance(s, dict) or k not in s]
     if missing:
         raise DataError(
-            f"{path}: not a run summary (missing {missing}); `snakemake --forcerun {path}` trains the run again"
+            f"{path}: not a run summary (missing {missing}); "
+            f"`snakemake --forcerun {path}` trains the run again"
         )
     if s["run_id"] != path.parent.name:
         raise DataError(
-            f"{path}: belongs to run {s['run_id']!r}, not to its folder's run {path.parent.name!r} (copied?); "
+            f"{path}: belongs to run {s['run_id']!r}, "
+            f"not to its folder's run {path.parent.name!r} (copied?); "
             f"`snakemake --forcerun {path}` trains the run again"
         )
     if isinstance(s["spec"], dict) and s["spec"].get("run_id", s["run_id"]) != s["run_id"]:
         raise DataError(
-            f"{path}: records run id {s['run_id']!r} but its spec is run {s['spec']['run_id']!r} (edited?); "
+            f"{path}: records run id {s['run_id']!r} "
+            f"but its spec is run {s['spec']['run_id']!r} (edited?); "
             f"`snakemake --forcerun {path}` trains the run again"
         )
     try:
@@ -168,7 +176,8 @@ def read_summary(path: str | Path, expected: dict[str, str] | None = None) -> di
         ) from None
     if s.get("spec_hash", actual) != actual:
         raise DataError(
-            f"{path}: records spec hash {s['spec_hash']} but its spec hashes to {actual} (edited?); "
+            f"{path}: records spec hash {s['spec_hash']} "
+            f"but its spec hashes to {actual} (edited?); "
             f"`snakemake --forcerun {path}` trains the run again"
         )
     want = (expected or {}).get(s["run_id"], actual)

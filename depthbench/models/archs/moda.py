@@ -8,7 +8,8 @@ position t, takes ONE softmax over
       extra projection of each earlier layer's FFN-sublayer input N(x),
 and mixes the corresponding values under that softmax:
 
-    y_t = sum_{j<=t} p_tj v_j + sum_{m<l} p_tm v^depth_{m,t},   p = softmax([q_t k_j / sqrt(hd) ; q_t k^depth_{m,t} / sqrt(hd)])
+    y_t = sum_{j<=t} p_tj v_j + sum_{m<l} p_tm v^depth_{m,t},
+    p = softmax([q_t k_j / sqrt(hd) ; q_t k^depth_{m,t} / sqrt(hd)])
 
 The residual placement is Pre-LN with a final norm. `reuse_kv` (default) adds no parameters;
 `ffn_kv` adds a d -> 2 * kv_dim projection per layer (2 d^2 / G parameters, G = query heads per
@@ -49,7 +50,8 @@ from depthbench.models.layers import RMSNorm, apply_rotary, at_least_fp32, causa
 
 @dataclass(frozen=True)
 class MoDAOptions(ArchOptions):
-    variant: str = "reuse_kv"  # reuse_kv: the attention K/V as depth keys; ffn_kv: also a projection of each FFN input
+    # reuse_kv: the attention K/V as depth keys; ffn_kv: also a projection of each FFN input
+    variant: str = "reuse_kv"
     attention_impl: str = (
         "fused"  # fused: one online softmax over a depth K/V buffer; chunked: fused with
     )
@@ -123,7 +125,8 @@ class MoDABlock(Block):
         attn = self.attn
         B, T, _ = x.shape
         q, k, v = attn.project_qkv(self.attn_norm(x), rope)
-        # the sequence keys: with a decoding cache, every position so far (depth keys stay per position)
+        # the sequence keys: with a decoding cache, every position so far (depth keys stay per
+        # position)
         k_seq, v_seq = attn.cache.extend(k, v) if attn.cache is not None else (k, v)
         groups = attn.n_head // attn.n_kv_head
         if depth:
@@ -169,7 +172,8 @@ class MixtureOfDepthsAttention(DecoderLM):
     block_class = MoDABlock
     has_final_norm = True
     Options = MoDAOptions
-    # the prefix-average intervention needs the standard attention sublayer; moda's is joint over depth
+    # the prefix-average intervention needs the standard attention sublayer; moda's is joint over
+    # depth
     probes = GENERIC_PROBES - {"prefix_average"}
 
     # The trunk state is (x, the depth keys and values so far); see DecoderLM.layer_step.

@@ -50,7 +50,8 @@ from depthbench.models.layers import at_least_fp32, held_for_backward
 
 
 QUERY_CHUNK = 256  # queries per block of the chunked pair: at T = 2048 eight blocks per layer
-DEPTH_GROUP = 16  # depth slots per broadcast product: the transients of D slots at once were the backward's peak
+# depth slots per broadcast product: the transients of D slots at once were the backward's peak
+DEPTH_GROUP = 16
 
 
 def _bmm32(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -70,7 +71,8 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
 
 def _causal_block(s: torch.Tensor, start: int) -> torch.Tensor:
     """Mask (in place, -inf) the keys after each query of a block of queries start.. of scores
-    (N, c, S) over keys 0..S-1, S = start + c: only the block's last c key columns can be in the future."""
+    (N, c, S) over keys 0..S-1, S = start + c: only the block's last c key columns can be in the
+    future."""
     c = s.shape[1]
     future = torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1)
     s[:, :, start:].masked_fill_(future, float("-inf"))
@@ -79,7 +81,8 @@ def _causal_block(s: torch.Tensor, start: int) -> torch.Tensor:
 
 def chunked_attention_forward(q, k, v, dropout_p=0.0, is_causal=True, *, scale):
     """Causal attention and its log-sum-exp, block by block of queries; the signature and
-    results of aten's CPU flash forward: q, k, v (B, H, T, hd) -> y (B, H, T, hd), lse (B, H, T) in float32 (float64 for float64 inputs)."""
+    results of aten's CPU flash forward: q, k, v (B, H, T, hd) -> y (B, H, T, hd), lse (B, H, T)
+    in float32 (float64 for float64 inputs)."""
     assert dropout_p == 0.0 and is_causal
     B, H, T, hd = q.shape
     qf, kf, vf = (t.reshape(B * H, T, hd) for t in (q, k, v))
@@ -274,7 +277,8 @@ class DepthBuffer:
 
 def fused_joint_attention(q, k, v, buffer: DepthBuffer, n_pairs: int, kernel: str = "auto"):
     """Equation (1) over the first `n_pairs` (k, v) pairs in `buffer`, or None where no fused
-    kernel applies. q (B, H, T, hd); k, v (B, H_kv, T, hd) -> (B, H, T, hd). `kernel`: see _kernel_for."""
+    kernel applies. q (B, H, T, hd); k, v (B, H_kv, T, hd) -> (B, H, T, hd). `kernel`: see
+    _kernel_for."""
     kernels = _kernel_for(q, k, kernel)
     if kernels is None or not buffer.fits(k):
         return None
