@@ -148,19 +148,22 @@ def main() -> None:
             times["pre_ln"].append(timed("pre_ln"))
     ratios["pre_ln"] = [1.0]
     print(
-        f"budget {args.budget:,.0f} params, L={args.n_layer}, batch {args.batch}x{args.seq}, vocab {args.vocab}, "
+        f"budget {args.budget:,.0f} params, L={args.n_layer}, batch {args.batch}x{args.seq}, "
+        f"vocab {args.vocab}, "
         f"threads {args.threads}, {'torch.compile' if args.compile else 'eager'}, "
         f"CPU kernels {'on' if kernels.cpu_kernels() is not None else 'off'}"
     )
     width = max(14, *map(len, archs))
     print(
-        f"{'arch':<{width}} {'d_model':>7} {'params':>10} {'step ms':>9} {'vs pre_ln':>9} {'first step s':>12}"
+        f"{'arch':<{width}} {'d_model':>7} {'params':>10} {'step ms':>9} {'vs pre_ln':>9} "
+        f"{'first step s':>12}"
     )
     for arch in archs:
         med, ratio = statistics.median(times[arch]), statistics.median(ratios[arch])
         info[arch].update(step_seconds=med, ratio_to_pre_ln=ratio, ratios=ratios[arch])
         print(
-            f"{arch:<{width}} {info[arch]['d_model']:>7} {info[arch]['params']:>10,} {1000 * med:>9.1f} {ratio:>8.2f}x"
+            f"{arch:<{width}} {info[arch]['d_model']:>7} {info[arch]['params']:>10,} "
+            f"{1000 * med:>9.1f} {ratio:>8.2f}x"
             f" {info[arch]['first_step_seconds']:>12.1f}"
         )
     if args.json:

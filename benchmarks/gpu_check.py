@@ -44,8 +44,8 @@ sys.path.insert(0, str(REPO))  # the repository's depthbench, installed or not
 import torch  # noqa: E402
 
 from depthbench.util.io import atomic_write_json  # noqa: E402
-from depthbench.models.config import ModelConfig
-from depthbench.models.registry import build_model, registered_architectures
+from depthbench.models.config import ModelConfig  # noqa: E402
+from depthbench.models.registry import build_model, registered_architectures  # noqa: E402
 from depthbench.spec.shapes import solve_width  # noqa: E402
 from depthbench.spec.training import TrainConfig  # noqa: E402
 from depthbench.train.flops import device_peak_flops, mfu, train_flops_per_token  # noqa: E402
@@ -190,7 +190,8 @@ class Report(dict):
         (estimated as the slowest measurement so far)."""
         if self.left() < self.slowest:
             return {
-                "skipped": f"wall-clock budget: {self.left():.0f} s left, about {self.slowest:.0f} s needed"
+                "skipped": f"wall-clock budget: {self.left():.0f} s left, "
+                f"about {self.slowest:.0f} s needed"
             }
         t = time.monotonic()
         result = work()
@@ -212,7 +213,8 @@ def run_model(report: Report, arch: str, n_layer: int, args, device: torch.devic
 
 
 def gpu_tests(report: Report, args) -> dict:
-    """tests/integration/test_gpu.py in a subprocess with what is left of the budget (at most --tests-timeout)."""
+    """tests/integration/test_gpu.py in a subprocess with what is left of the budget (at most
+    --tests-timeout)."""
     if importlib.util.find_spec("pytest") is None:
         return {"skipped": "pytest is not installed"}
     timeout = min(args.tests_timeout, report.left() - report.slowest)

@@ -1,4 +1,5 @@
-"""Snakemake entry: dispatch the removal stage of one run (logic in depthbench.probes.removal_run)."""
+"""Snakemake entry: dispatch the removal stage of one run (logic in
+depthbench.probes.removal_run)."""
 
 import sys
 
@@ -23,4 +24,5 @@ report = dispatch_removal(
 print(report, file=sys.stderr)
 
 if __name__ == "__main__":  # a Snakemake job's own process (tests run these files inside theirs)
-    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.launch.process)
+    # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.launch.process)
+    exit_without_teardown()

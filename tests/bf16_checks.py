@@ -78,7 +78,8 @@ def assert_bf16_matches_fp32(
         torch.set_float32_matmul_precision(precision)
     ref_loss = ref.loss.item()
     assert ref_loss < TRAINED_LOSS_FRACTION * math.log(vocab), (
-        f"fp32 loss {ref_loss:.3f} is not well below log V = {math.log(vocab):.3f}: the weights are not trained enough"
+        f"fp32 loss {ref_loss:.3f} is not well below log V = {math.log(vocab):.3f}: "
+        "the weights are not trained enough"
     )
     out, grads = _loss_and_grads(model, x, y, autocast=True, device_type=device_type)
     assert out.logits.dtype == torch.bfloat16, "the LM head did not run under autocast"
@@ -88,7 +89,10 @@ def assert_bf16_matches_fp32(
     logits_err = ((centred(out.logits) - c_ref).norm() / c_ref.norm()).item()
     assert set(grads) == set(ref_grads)
     assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads.values())
-    flat = lambda gs: torch.cat([gs[n].flatten().double() for n in sorted(ref_grads)])
+
+    def flat(gs):
+        return torch.cat([gs[n].flatten().double() for n in sorted(ref_grads)])
+
     g_ref = flat(ref_grads)
     grad_err = ((flat(grads) - g_ref).norm() / g_ref.norm()).item()
     tensor_errs = {

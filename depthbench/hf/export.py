@@ -70,14 +70,16 @@ def load_run(run_dir: str | os.PathLike, results_dir: str | os.PathLike | None =
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
         raise DataError(
-            f"{summary_path}: no such file; RUN_DIR must be a finished run's folder (results/runs/<run_id>)"
+            f"{summary_path}: no such file; "
+            "RUN_DIR must be a finished run's folder (results/runs/<run_id>)"
         )
     summary = check_run(
         run_dir, weights=False
     )  # its identity: run id of its folder, spec hash of its spec
     if summary.get("status") != "ok":
         raise DataError(
-            f"{summary_path}: status {summary.get('status')!r}; only runs with status 'ok' can be exported"
+            f"{summary_path}: status {summary.get('status')!r}; "
+            "only runs with status 'ok' can be exported"
         )
     verify_weights(run_dir, summary)  # before anything is written
     spec = summary["spec"]
@@ -85,8 +87,8 @@ def load_run(run_dir: str | os.PathLike, results_dir: str | os.PathLike | None =
     tok = results / "tokenizers" / spec["tokenizer_id"] / "tokenizer.json"
     if not tok.is_file():
         raise DataError(
-            f"{tok}: no such file (the run's tokenizer, tokenizer_id {spec['tokenizer_id']}); pass --results "
-            "with the results folder that holds tokenizers/ and data/"
+            f"{tok}: no such file (the run's tokenizer, tokenizer_id {spec['tokenizer_id']}); "
+            "pass --results with the results folder that holds tokenizers/ and data/"
         )
     meta_path = results / "data" / spec["data_id"] / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}

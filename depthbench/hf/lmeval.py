@@ -31,7 +31,8 @@ TASK = "depthbench_nll"
 
 
 def fits_window(docs: pd.DataFrame, window: int) -> pd.Series:
-    """Documents whose continuation lm-eval's loglikelihood scores whole in a `window`-token input."""
+    """Documents whose continuation lm-eval's loglikelihood scores whole in a `window`-token
+    input."""
     return docs["continuation_ids"].map(len) <= window
 
 
@@ -40,7 +41,8 @@ def write_task(docs: pd.DataFrame, task_dir: str | os.PathLike, name: str = TASK
     missing = {"set", "domain", "doc_id", "context", "continuation"} - set(docs.columns)
     if missing:
         raise ValueError(
-            f"NLL set table lacks columns {sorted(missing)}: build it with depthbench.evals.run.build_sets"
+            f"NLL set table lacks columns {sorted(missing)}: "
+            "build it with depthbench.evals.run.build_sets"
         )
     task_dir = Path(task_dir)
     data = task_dir / f"{name}.jsonl"
@@ -95,7 +97,8 @@ def lmeval_loglikelihoods(
     )
     # lm-eval's evaluate() on the loaded task (what simple_evaluate calls, without its environment
     # report: torch's collect_env runs pip and other subprocesses for a minute on 2 cores).
-    # include_defaults=False: only our task is indexed, not lm-eval's ~14,000 built-in YAMLs (2 min).
+    # include_defaults=False: only our task is indexed, not lm-eval's ~14,000 built-in YAMLs
+    # (2 min).
     tasks = TaskManager(include_path=str(task_dir), include_defaults=False).load([name])
     tasks["tasks"][name].set_fewshot_seed(seed=0)
     results = evaluate(lm=lm, task_dict=tasks, log_samples=True, bootstrap_iters=0)

@@ -2,8 +2,9 @@
 
 FLOP convention (the one of MFU, PaLM appendix B and `torch.utils.flop_counter`): count the
 multiply-adds of matrix products, 2 FLOPs each, and nothing element-wise (norms, activations,
-softmax, HC's write of a sublayer's output into the streams, Sinkhorn iterations). Attention scores and value mixing are
-counted over the full T x T square, not the causal half (as fused SDPA kernels are counted).
+softmax, HC's write of a sublayer's output into the streams, Sinkhorn iterations). Attention
+scores and value mixing are counted over the full T x T square, not the causal half (as fused
+SDPA kernels are counted).
 Per token, at sequence length T:
 
     forward(T) = 2 N_mm + 4 L T d_q + depth(T)        training(T) = 3 forward(T)
@@ -15,11 +16,12 @@ the norm family; HC's dynamic projection over all streams and the read and mix o
 AttnRes's depth logits and mix, MoDA's depth attention).
 Backward costs twice the forward, as for every matmul: both operands' gradients count, also
 where one is an outer product (the gradient w_i dh of a weighted sum's sources, a product with
-inner size 1); element-wise work of the forward stays uncounted in the backward too. The count is exact:
-on the PyTorch paths (HC's and mHC's PyTorch code, MoDA's explicit attention, AttnRes's batched
-mix; the C++ kernels, fused attention and the `loop` mix do the same arithmetic) every term is a
-product `torch.utils.flop_counter` sees, and tests/unit/test_cost.py holds every architecture to it at a
-relative 1e-9. Prefill of a 4096-token sequence is 4096 x forward(4096).
+inner size 1); element-wise work of the forward stays uncounted in the backward too. The count
+is exact: on the PyTorch paths (HC's and mHC's PyTorch code, MoDA's explicit attention,
+AttnRes's batched mix; the C++ kernels, fused attention and the `loop` mix do the same
+arithmetic) every term is a product `torch.utils.flop_counter` sees, and
+tests/unit/test_cost.py holds every architecture to it at a relative 1e-9. Prefill of a
+4096-token sequence is 4096 x forward(4096).
 
 KV cache (bytes per token at bf16, what persists across tokens in decoding): K and V of every
 attention layer, 2 L n_kv_head head_dim x 2 bytes (checked against the cache that

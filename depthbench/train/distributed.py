@@ -7,10 +7,10 @@ RANK, WORLD_SIZE, LOCAL_RANK). Under submitit (SLURM or the local executor with 
 Each rank takes the GPU of its LOCAL_RANK (or the only one it sees when SLURM binds GPUs).
 NCCL on GPUs, gloo on CPU.
 
-What does not depend on the number of ranks: the global batch (each rank takes every R-th micro-batch
-of a step, see depthbench.data.loader, and accumulates global / (micro x R) micro-batches), the
-learning-rate schedule and the token budget. Gradients are averaged over ranks, so R ranks
-compute the same update as one rank up to floating-point summation order.
+What does not depend on the number of ranks: the global batch (each rank takes every R-th
+micro-batch of a step, see depthbench.data.loader, and accumulates global / (micro x R)
+micro-batches), the learning-rate schedule and the token budget. Gradients are averaged over
+ranks, so R ranks compute the same update as one rank up to floating-point summation order.
 
 Training checkpoints are sharded (torch.distributed.checkpoint: each rank writes its own part,
 keyed by parameter name; depthbench.train.checkpoint), and DCP reshards them on load, so a run
@@ -139,7 +139,8 @@ def all_reduce_mean_tensor(value: torch.Tensor, ctx: DistContext) -> torch.Tenso
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The full value of a tensor that may be a DTensor (FSDP2 gradient norms), kept on the device."""
+    """The full value of a tensor that may be a DTensor (FSDP2 gradient norms), kept on the
+    device."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
@@ -152,8 +153,8 @@ def full_model_state(model: nn.Module, ctx: DistContext) -> dict[str, torch.Tens
     """The model's full (unsharded) state dict, keys without wrapper prefixes."""
     if not ctx.enabled:
         # One process and no wrapper in the keys: DCP's full state dict is the module's own
-        # (tests/integration/test_distributed.py compares them for every architecture); skipping it skips
-        # importing torch.distributed.checkpoint, about a second of every training job.
+        # (tests/integration/test_distributed.py compares them for every architecture); skipping
+        # it skips importing torch.distributed.checkpoint, about a second of every training job.
         state = model.state_dict()
         if not any(part in key for key in state for part in _WRAPPER_KEY_PARTS):
             return state

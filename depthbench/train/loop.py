@@ -49,7 +49,8 @@ def _data(
     meta = read_meta(data_dir)
     if meta["vocab_size"] != spec.model.vocab_size:
         raise ValueError(
-            f"{data_dir}: shards have vocab {meta['vocab_size']}, model expects {spec.model.vocab_size}"
+            f"{data_dir}: shards have vocab {meta['vocab_size']}, "
+            f"model expects {spec.model.vocab_size}"
         )
     train_windows = TokenWindows(split_files(data_dir, meta, "train"), meta["dtype"], tc.seq_len)
     val_windows = TokenWindows(split_files(data_dir, meta, "val"), meta["dtype"], tc.seq_len)
@@ -103,7 +104,8 @@ def train(
         missing := snapshots.needs_restart(paths, tc.snapshot_steps, trainer.step)
     ):
         print(
-            f"[{spec.run_id}] the checkpoint at step {trainer.step} lacks the snapshots of steps {missing} "
+            f"[{spec.run_id}] the checkpoint at step {trainer.step} "
+            f"lacks the snapshots of steps {missing} "
             "(probes.at_steps): training again from step 0",
             file=sys.stderr,
         )
@@ -205,7 +207,8 @@ def finish(
         "world_size": ctx.world_size,
         "parallel": ctx.strategy,
         "spec": spec.to_dict(),
-        "spec_hash": spec.spec_hash(),  # checked by the tables against the grid (depthbench.analysis.tables)
+        # checked by the tables against the grid (depthbench.analysis.tables)
+        "spec_hash": spec.spec_hash(),
         WEIGHTS_DIGEST: digest[
             0
         ],  # checked by every stage that reads the weights (depthbench.train.runcheck)

@@ -9,8 +9,9 @@ FSDP2 shards `DecoderLM.fsdp_units` (the blocks, or attnres's attention and FFN 
 attnres the FSDP2 unit therefore sits inside the checkpointed and compiled one: the
 recomputation all-gathers the sublayer's parameters again (as FSDP2 expects of checkpointing),
 and under `compile: block` dynamo breaks the graph at FSDP2's hooks, so the pre-norm and the
-sublayer compile as separate graphs (tested equal to one rank in tests/unit/test_parallelize.py). A unit is wrapped by setting its instance
-`forward` to `run_unit`, so parameter names, state dicts and checkpoints do not change.
+sublayer compile as separate graphs (tested equal to one rank in tests/unit/test_parallelize.py).
+A unit is wrapped by setting its instance `forward` to `run_unit`, so parameter names, state
+dicts and checkpoints do not change.
 
 `train.activation_checkpointing` (torch.utils.checkpoint, non-reentrant):
 - `none`: every unit keeps its saved activations.
@@ -156,7 +157,8 @@ class _UnitForward:
 def wrap_units(
     model: nn.Module, checkpointing: str, compile: str = "none", backend: str = "inductor"
 ) -> list[nn.Module]:
-    """Activation checkpointing and per-block compile on the model's units, in place; returns them."""
+    """Activation checkpointing and per-block compile on the model's units, in place; returns
+    them."""
     units = list(model.checkpoint_units())
     recompute = checkpointed_units(checkpointing, len(units))
     fn = run_unit
@@ -186,7 +188,8 @@ def parallelize(
     model: nn.Module, tc, ctx, device: torch.device, dtype: torch.dtype, backend: str = "inductor"
 ):
     """(net, step_fn): the module the step's gradient sync acts on and the callable it runs.
-    Order: checkpointing, per-block compile, then DDP / FSDP2 / nothing, then whole-model compile."""
+    Order: checkpointing, per-block compile, then DDP / FSDP2 / nothing, then whole-model
+    compile."""
     from depthbench.train import distributed
 
     mode = resolve_checkpointing(

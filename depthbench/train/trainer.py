@@ -67,7 +67,8 @@ class Trainer:
     """Model, optimizer, data and context of one run, and the state of its step loop.
 
     Seeding, model construction, wrapping and optimizer creation happen here in the order that
-    fixes the initial weights (seed, build, move, checkpointing and compile, DDP/FSDP wrap, AdamW)."""
+    fixes the initial weights (seed, build, move, checkpointing and compile, DDP/FSDP wrap,
+    AdamW)."""
 
     def __init__(
         self,
@@ -86,7 +87,8 @@ class Trainer:
         model.loss_chunk_tokens = (
             tc.loss_chunk_tokens
         )  # training's loss in chunks (depthbench.models.loss)
-        # checkpointing, per-block compile, then DDP wrapper / FSDP2 sharding in place (depthbench.train.parallelize)
+        # checkpointing, per-block compile, then DDP wrapper / FSDP2 sharding in place
+        # (depthbench.train.parallelize)
         self.net, self.step_fn, self.checkpointing = parallelize(
             model, tc, ctx, device, resolve_dtype(tc.dtype, device)
         )

@@ -104,7 +104,8 @@ def test_a_second_trainer_of_a_running_run_refuses_at_once_naming_the_first(tiny
             "import json, sys\n"
             "from depthbench.spec.run import RunSpec\n"
             "from depthbench.launch.local import dispatch\n"
-            "dispatch(RunSpec.from_dict(json.load(open(sys.argv[1]))), sys.argv[2], sys.argv[3], sys.argv[4], {'backend': 'local'})\n",
+            "dispatch(RunSpec.from_dict(json.load(open(sys.argv[1]))), "
+            "sys.argv[2], sys.argv[3], sys.argv[4], {'backend': 'local'})\n",
             str(spec_file),
             str(shards),
             str(run),
@@ -127,7 +128,8 @@ def test_a_second_trainer_of_a_running_run_refuses_at_once_naming_the_first(tiny
                 "-c",
                 "import json, sys\n"
                 "from depthbench.launch.jobs import TrainingJob\n"
-                "TrainingJob()(json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3], sys.argv[4])\n",
+                "TrainingJob()(json.load(open(sys.argv[1])), "
+                "sys.argv[2], sys.argv[3], sys.argv[4])\n",
                 str(spec_file),
                 str(shards),
                 str(run),
@@ -162,11 +164,13 @@ def test_a_trainer_whose_snakemake_was_killed_stops_at_its_next_checkpoint_and_a
         "import json, sys\n"
         "from depthbench.spec.run import RunSpec\n"
         "from depthbench.launch.local import dispatch\n"
-        "dispatch(RunSpec.from_dict(json.load(open(sys.argv[1]))), sys.argv[2], sys.argv[3], sys.argv[4], {'backend': 'inline'})\n"
+        "dispatch(RunSpec.from_dict(json.load(open(sys.argv[1]))), "
+        "sys.argv[2], sys.argv[3], sys.argv[4], {'backend': 'inline'})\n"
     )
     snakemake = (  # starts the dispatcher as its child, tells its pid, waits
         "import subprocess, sys, time\n"
-        "d = subprocess.Popen([sys.executable, '-c', sys.argv[1], *sys.argv[2:6]], stderr=open(sys.argv[6], 'w'))\n"
+        "d = subprocess.Popen([sys.executable, '-c', sys.argv[1], *sys.argv[2:6]], "
+        "stderr=open(sys.argv[6], 'w'))\n"
         "print(d.pid, flush=True)\n"
         "time.sleep(600)\n"
     )

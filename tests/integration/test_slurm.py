@@ -51,10 +51,12 @@ def slurm_cluster():
     if not re.search(r"^ClusterName\s*=\s*depthbench$", out.stdout, flags=re.M):
         if os.environ.get("CI") or out.returncode != 0:
             pytest.fail(
-                f"the DepthBench SLURM cluster is not up (`scripts/slurm_cluster.sh start`): {out.stderr.strip()}"
+                "the DepthBench SLURM cluster is not up (`scripts/slurm_cluster.sh start`): "
+                f"{out.stderr.strip()}"
             )
         pytest.skip(
-            "this SLURM is not the one-node DepthBench cluster; these tests submit to its partitions"
+            "this SLURM is not the one-node DepthBench cluster; "
+            "these tests submit to its partitions"
         )
 
 
@@ -117,7 +119,8 @@ def start_dispatch(spec, shards: Path, tmp: Path, launcher: dict) -> subprocess.
         "from depthbench.spec.run import RunSpec\n"
         "from depthbench.launch.local import dispatch\n"
         "spec = RunSpec.from_dict(json.load(open(sys.argv[1])))\n"
-        "print(json.dumps(dispatch(spec, sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5]))['status']))\n"
+        "print(json.dumps(dispatch(spec, sys.argv[2], sys.argv[3], sys.argv[4], "
+        "json.loads(sys.argv[5]))['status']))\n"
     )
     return subprocess.Popen(
         [
@@ -317,7 +320,8 @@ def _run_seconds(text: str) -> int:
 
 @pytest.fixture(scope="module")
 def tokenized(wiki_jsonl, tmp_path_factory) -> Path:
-    """The tokenizer and shards of the tests' grids (they share corpus and tokenizer), built once."""
+    """The tokenizer and shards of the tests' grids (they share corpus and tokenizer), built
+    once."""
     from tests.workflow_runs import copy_workflow, write_config
 
     root = copy_workflow(tmp_path_factory.mktemp("tokenized"))

@@ -143,7 +143,8 @@ def test_stream_mixing_matmul_gradient_matches_finite_differences_and_the_broadc
             torch.testing.assert_close(g, w)
 
 
-# every registered architecture, and pre_ln with an MoE FFN (its router and top-k choice under autocast)
+# every registered architecture, and pre_ln with an MoE FFN (its router and top-k choice under
+# autocast)
 BF16_CASES = [pytest.param((arch, {}), id=arch) for arch in registered_architectures()] + [
     pytest.param(("pre_ln", {"moe": {"n_experts": 4, "top_k": 2}}), id="pre_ln-moe"),
 ]
@@ -266,8 +267,9 @@ def test_bf16_autocast_training_step_updates_the_fp32_master_weights(trained_cas
     "res_init, phi_std, gain",
     [
         *[("hc_static", *regime) for regime in [(0.0, 0.01), (1.0, 0.01), (1.0, 0.04), (0.1, 0.3)]],
-        # near the identity (a vertex of the Birkhoff polytope) 20 iterations leave row errors of the
-        # order of the off-diagonal mass: within 1e-3 up to a logit noise of about 0.1 (docs/choices.md)
+        # near the identity (a vertex of the Birkhoff polytope) 20 iterations leave row errors of
+        # the order of the off-diagonal mass: within 1e-3 up to a logit noise of about 0.1
+        # (docs/choices.md)
         *[("identity", *regime) for regime in [(0.0, 0.01), (1.0, 0.01)]],
     ],
 )
@@ -513,7 +515,8 @@ def test_moda_joint_softmax_equals_dense_reference():
 
 def test_moda_fused_path_equals_the_dense_reference():
     """The default fused joint attention (moda_fused.py) against the per-position reference, with
-    and without autograd, MHA and GQA; tests/unit/test_fused_depth.py holds it to the explicit path."""
+    and without autograd, MHA and GQA; tests/unit/test_fused_depth.py holds it to the explicit
+    path."""
     from depthbench.models.archs.moda_depth_keys import DepthKeys
     from depthbench.models.archs.moda_fused import fused_joint_attention
 

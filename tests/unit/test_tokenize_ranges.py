@@ -38,10 +38,15 @@ def _datasets_documents(path, fmt):
 # lone "\r" line ends, newline runs of every length, a multi-byte character next to a cut, and a
 # last line without a newline.
 _EDGE_FILES = {
-    "a.jsonl": b'\xef\xbb\xbf{"text": "\\u00e9t\\u00e9"}\r\n\n   \n{"text": ""}\n{"text": null}\n{"text": "  "}\n'
-    + b"".join(b'{"text": "doc %d \xc3\xa9"}\n' % i for i in range(9))
-    + b'{"text": "last, no newline"}',
-    "b.txt": b"p1 l1\r\np1 l2\r\n\r\np2\r\r\r\np3\n\n\n\n\nq\n\n\n\xc3\xa9a\r\n\nb\n\r\nc \n\n\n\nend",
+    "a.jsonl": (
+        b'\xef\xbb\xbf{"text": "\\u00e9t\\u00e9"}\r\n\n   \n'
+        b'{"text": ""}\n{"text": null}\n{"text": "  "}\n'
+        + b"".join(b'{"text": "doc %d \xc3\xa9"}\n' % i for i in range(9))
+        + b'{"text": "last, no newline"}'
+    ),
+    "b.txt": (
+        b"p1 l1\r\np1 l2\r\n\r\np2\r\r\r\np3\n\n\n\n\nq\n\n\n\xc3\xa9a\r\n\nb\n\r\nc \n\n\n\nend"
+    ),
     "c.txt": b"\n\none\n\n\n\ntwo\r\r\rthree\n" * 5,
 }
 

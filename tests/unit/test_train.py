@@ -142,7 +142,8 @@ def test_resumed_run_is_bit_identical_for_every_architecture_and_setting(
     spec = with_steps(
         only_run(expand_grid(load_config(config))), 7, checkpoint_every=3, eval_every=3, log_every=1
     )
-    ends = []  # per train() call: the trainer's step it started at, its model and optimizer state after fit
+    # per train() call: the trainer's step it started at, its model and optimizer state after fit
+    ends = []
     fit = Trainer.fit
 
     def recording_fit(self, stop_after=None):
@@ -256,10 +257,17 @@ def test_sigkilled_run_resumes_to_identical_weights(tiny_data, tmp_path):
         assert torch.equal(a[name], b[name]), name
     ref_curve = (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()
     got_curve = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
-    strip = lambda lines: [
-        {k: v for k, v in json.loads(l).items() if k not in ("tokens_per_s", "mfu", "mfu_measured")}
-        for l in lines
-    ]
+
+    def strip(lines):
+        return [
+            {
+                k: v
+                for k, v in json.loads(l).items()
+                if k not in ("tokens_per_s", "mfu", "mfu_measured")
+            }
+            for l in lines
+        ]
+
     assert strip(ref_curve) == strip(got_curve)
 
 

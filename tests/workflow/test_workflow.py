@@ -217,8 +217,8 @@ def test_report_and_claims_hold_every_figure_with_its_caption(workflow):
     # the first screen shows the testable claims and counts the rest; all of them are in full below
     assert "<b>(g)</b>" in first and "<b>(f)</b>" not in first and "<b>(f)</b>" in html
     assert (
-        f"{int(claims['verdict'].str.startswith('not testable').sum())} more not testable in this grid"
-        in first
+        f"{int(claims['verdict'].str.startswith('not testable').sum())} "
+        "more not testable in this grid" in first
     )
     snakemake(
         root, "--report", "results/provenance.html"
@@ -274,7 +274,8 @@ def test_probe_setting_reruns_probes_only(workflow, wiki_jsonl):
 
 
 def test_second_run_plans_nothing_and_says_so(workflow):
-    """After a complete run, Snakemake plans no job (a dry run: what it plans is what it would run)."""
+    """After a complete run, Snakemake plans no job (a dry run: what it plans is what it would
+    run)."""
     root, _ = workflow
     proc = snakemake(root, "-n")
     assert "Nothing to be done" in proc.stdout + proc.stderr
