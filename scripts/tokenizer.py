@@ -9,4 +9,5 @@ sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
 build_tokenizer(snakemake.params.config, snakemake.output[0])  # noqa: F821
 
 if __name__ == "__main__":  # a Snakemake job's own process (tests run these files inside theirs)
-    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.launch.process)
+    # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.launch.process)
+    exit_without_teardown()
