@@ -4,7 +4,8 @@ import sys
 
 import pandas as pd
 
-from depthbench.analysis.tables import nll_rows, write_parquet
+from depthbench.analysis.stage_tables import nll_rows
+from depthbench.analysis.tables import write_parquet
 from depthbench.launch.process import exit_without_teardown
 
 sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821

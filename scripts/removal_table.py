@@ -6,7 +6,8 @@ import sys
 import pandas as pd
 
 from depthbench.launch.process import exit_without_teardown
-from depthbench.analysis.tables import removal_tables, write_parquet
+from depthbench.analysis.stage_tables import removal_tables
+from depthbench.analysis.tables import write_parquet
 
 sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
 runs = pd.read_parquet(snakemake.input.runs)  # noqa: F821

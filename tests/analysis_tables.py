@@ -116,9 +116,9 @@ def synthetic_tables(
     tables["curves"] = pd.DataFrame(curves)
     tables["dynamics"] = pd.DataFrame(dyn)
     probes = pd.DataFrame(probes)
-    from depthbench.analysis.tables import _with_run_columns  # the join the workflow applies
+    from depthbench.analysis.stage_tables import with_run_columns
 
-    tables["probes"] = _with_run_columns(probes, runs, best)
+    tables["probes"] = with_run_columns(probes, runs, best)
     nll = pd.DataFrame(
         [
             {
@@ -134,7 +134,7 @@ def synthetic_tables(
             for dom in ("code", "stem", "math")
         ]
     )
-    tables["nll"] = _with_run_columns(nll, runs, best)
+    tables["nll"] = with_run_columns(nll, runs, best)
     if intervals:
         for name, column in (("probes", "value"), ("nll", "bits_per_byte")):
             df = tables[name]
@@ -157,7 +157,7 @@ def synthetic_tables(
         ]
     )
     tables["cost"] = (
-        _with_run_columns(cost, runs, best)
+        with_run_columns(cost, runs, best)
         .merge(runs[["run_id", "device"]].rename(columns={"device": "d2"}), on="run_id")
         .drop(columns="d2")
     )
@@ -195,10 +195,10 @@ def synthetic_tables(
         "change",
         "status",
     ]
-    tables["removal"] = _with_run_columns(pd.DataFrame(removal, columns=columns), runs, best)
+    tables["removal"] = with_run_columns(pd.DataFrame(removal, columns=columns), runs, best)
     from depthbench.probes.removal_run import effective_depth
 
-    tables["effective_depth"] = _with_run_columns(
+    tables["effective_depth"] = with_run_columns(
         effective_depth(pd.DataFrame(removal, columns=columns), 0.05), runs, best
     )
     return tables

@@ -163,7 +163,7 @@ def test_lens_of_pretrained_families_ends_at_transformers_logits(family):
 
 
 def test_lens_table_has_one_row_per_run_and_layer_with_the_three_scores():
-    from depthbench.analysis.tables import lens_table
+    from depthbench.analysis.stage_tables import lens_table
     from tests.analysis_tables import synthetic_tables
 
     probes = synthetic_tables(archs=("pre_ln", "hc"), depths=(2, 4))["probes"]
@@ -183,7 +183,7 @@ def test_lens_table_of_many_runs_with_distinct_config_columns_stays_small():
     product over them has 40^11 rows."""
     import pandas as pd
 
-    from depthbench.analysis.tables import lens_table
+    from depthbench.analysis.stage_tables import lens_table
 
     rows = []
     for r in range(40):

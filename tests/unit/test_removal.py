@@ -162,11 +162,11 @@ def test_removal_of_pretrained_layers_equals_transformers_without_them(family):
 def test_layer_profile_takes_each_models_numbers_from_the_tables():
     from depthbench.analysis.profile import layer_profile, layer_profile_html
     from depthbench.probes.removal_run import effective_depth
-    from depthbench.analysis.tables import _with_run_columns
+    from depthbench.analysis.stage_tables import with_run_columns
     from tests.analysis_tables import synthetic_tables
 
     t = synthetic_tables(archs=("pre_ln", "hc"), depths=(4, 8))
-    depth = _with_run_columns(
+    depth = with_run_columns(
         effective_depth(t["removal"].drop(columns=["status"]).assign(status="ok"), 0.05),
         t["runs"],
         t["best_lr"],

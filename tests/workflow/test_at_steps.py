@@ -218,7 +218,7 @@ def test_every_snapshot_gets_the_final_models_probe_families(probed_run):
 
 
 def test_probes_table_keeps_final_rows_and_carries_the_steps(probed_run, tmp_path):
-    from depthbench.analysis.tables import probe_rows
+    from depthbench.analysis.stage_tables import probe_rows
 
     spec, df = probed_run
     df.to_parquet(tmp_path / "p.parquet", index=False)

@@ -24,7 +24,7 @@ from depthbench.pretrained.loading import (  # noqa: E402
     pretrained_specs,
 )
 from depthbench.pretrained.tables import pretrained_run_rows, with_pretrained  # noqa: E402
-from depthbench.analysis.tables import _with_run_columns  # noqa: E402
+from depthbench.analysis.stage_tables import with_run_columns
 from tests.conftest import tiny_config  # noqa: E402
 
 DOCS = [
@@ -210,7 +210,7 @@ def test_summary_rows_join_the_runs_table(hf_folder, tmp_path):
     best = pd.DataFrame(
         [{"arch": "pre_ln", "n_layer": 2, "d_model": 16, "knobs": "{}", "best_lr": 1e-3}]
     )
-    rows = _with_run_columns(
+    rows = with_run_columns(
         pd.DataFrame({"run_id": ["pre_ln_x", "pretrained_tiny"], "value": [1.0, 2.0]}), runs, best
     )
     assert rows.set_index("run_id")["is_best_lr"].to_dict() == {
@@ -359,7 +359,7 @@ def test_pretrained_cost_rows_count_what_torch_flop_counter_counts(hf_folder, tm
     T x T square: the convention of depthbench.models.cost), and its KV cache follows its config."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from depthbench.analysis.tables import cost_rows
+    from depthbench.analysis.stage_tables import cost_rows
 
     path = tmp_path / "summary.json"
     stages.write_summary("pretrained_tiny", "tiny", str(hf_folder), str(hf_folder), str(path))
@@ -418,7 +418,7 @@ def test_pretrained_summary_without_cost_fields_is_named_and_the_advice_rewrites
     """A pretrained summary written without the cost fields is refused naming the file and the
     fix; doing what the message says (delete it, let the pretrained_summary rule's function
     write it again) gives a summary the cost table reads."""
-    from depthbench.analysis.tables import cost_rows
+    from depthbench.analysis.stage_tables import cost_rows
     from depthbench.util.errors import DataError
 
     path = tmp_path / "summary.json"
