@@ -121,7 +121,8 @@ def main() -> None:
         "flops_per_token": flops_tok,
     }
     print(
-        f"shape d_model={args.d_model} n_layer={args.n_layer} vocab={args.vocab} batch={args.batch}x{args.seq} "
+        f"shape d_model={args.d_model} n_layer={args.n_layer} vocab={args.vocab} "
+        f"batch={args.batch}x{args.seq} "
         f"dtype={args.dtype} threads={args.threads} params={n_ours:,}"
     )
     print(f"measured matmul peak: {peak / 1e9:.1f} GFLOP/s")
@@ -133,7 +134,8 @@ def main() -> None:
             "mfu": med * flops_tok / peak,
         }
         print(
-            f"{name:>18}: {med:10.0f} tokens/s  (min {min(r):.0f}, max {max(r):.0f})  MFU {100 * med * flops_tok / peak:.1f}%"
+            f"{name:>18}: {med:10.0f} tokens/s  (min {min(r):.0f}, max {max(r):.0f})  "
+            f"MFU {100 * med * flops_tok / peak:.1f}%"
         )
     ratio = (
         result["depthbench_pre_ln"]["tokens_per_s_median"]

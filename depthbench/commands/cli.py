@@ -78,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         "--mode",
         choices=["auto", "real", "meta"],
         default="auto",
-        help="auto: real where the estimate fits available memory, else meta; real: refuse what does not fit",
+        help=(
+            "auto: real where the estimate fits available memory, else meta; "
+            "real: refuse what does not fit"
+        ),
     )
     p.add_argument(
         "--meta",
@@ -137,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_regenerate)
     p = sub.add_parser(
         "status",
-        help="per run: trained, diverged, probed, scored, missing or stale, and what snakemake would do next",
+        help=(
+            "per run: trained, diverged, probed, scored, missing or stale, "
+            "and what snakemake would do next"
+        ),
     )
     p.add_argument("config", nargs="?", default="config/config.yaml")
     p.add_argument("--results", default="results", help="the results folder (default: results)")

@@ -5,8 +5,9 @@ A run id hashes the options its architecture declares (depthbench.grid.ids.run_i
 versions before that hashed the whole `model.arch_options` section into every run id, so in the
 default config attnres_block's `n_blocks: 4` was part of every architecture's id. Those results
 are still valid (a pre_ln model never read n_blocks); only their ids differ. This command finds,
-for each run of CONFIG, the folder of its whole-section id (depthbench.grid.config.shared_options_ids)
-and moves everything named by the run id to the current one:
+for each run of CONFIG, the folder of its whole-section id
+(depthbench.grid.config.shared_options_ids) and moves everything named by the run id to the
+current one:
 
     runs/<id>/                 summary.json (run_id, spec, spec_hash rewritten), weights, metrics,
                                snapshots (their metadata's run_id rewritten)
@@ -194,7 +195,8 @@ def _rewrite_summary(path: Path, new: str, spec) -> None:
     s["spec_hash"] = RunSpec.from_dict(s["spec"]).spec_hash()
     if s["spec_hash"] != spec.spec_hash():
         raise DataError(
-            f"{path}: its spec under {new} hashes to {s['spec_hash']}, the grid's to {spec.spec_hash()}"
+            f"{path}: its spec under {new} hashes to {s['spec_hash']}, "
+            f"the grid's to {spec.spec_hash()}"
         )
     atomic_write_json(path, s)
 

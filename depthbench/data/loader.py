@@ -72,7 +72,8 @@ class TrainBatches:
     ):
         if global_batch % (micro_batch * world):
             raise ValueError(
-                f"global batch {global_batch} is not a multiple of micro batch {micro_batch} x {world} ranks"
+                f"global batch {global_batch} is not a multiple of "
+                f"micro batch {micro_batch} x {world} ranks"
             )
         self.windows = windows
         self.sampler = ShuffledSampler(len(windows), seed)

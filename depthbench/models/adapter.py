@@ -88,7 +88,7 @@ class ModelAdapter(ABC):
     def swapped(self, a: int, b: int):
         """Context manager: every parameter of layers a and b exchanged, restored on exit."""
 
-    # -- records and cost ----------------------------------------------------------------------------
+    # -- records and cost --------------------------------------------------------------------------
     def records(self, idx: torch.Tensor) -> dict[str, list[torch.Tensor]]:
         """Per-sublayer records of one forward pass: `stream_mixing` (the matrices M acting as
         H <- M H + ..., (N, T, n, n), hc/mhc), `depth_weights` (mean depth-softmax weight per
@@ -100,7 +100,8 @@ class ModelAdapter(ABC):
         return 0.0
 
     def depth_state_bytes_per_token(self, bytes_per_value: int = 2) -> int:
-        """Per-token state a decode step holds across depth beyond the d-vector every model holds."""
+        """Per-token state a decode step holds across depth beyond the d-vector every model
+        holds."""
         return 0
 
 

@@ -1,7 +1,7 @@
 """Backbone building blocks shared by every architecture (LLaMA style, no biases).
 
-Attention and FFN here are the *sublayers* F of docs/design/architectures.md: they contain no norm and
-no residual. Each architecture module decides where the norms and the residual go.
+Attention and FFN here are the *sublayers* F of docs/design/architectures.md: they contain no norm
+and no residual. Each architecture module decides where the norms and the residual go.
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ class RMSNorm(nn.Module):
 def normed_linear(x: torch.Tensor, norm: RMSNorm, linear: nn.Linear) -> torch.Tensor:
     """linear(norm(x)) for a bias-free linear, in at least fp32, without materialising norm(x):
     N(x) W^T = (x (g * W)^T) / rms(x), the gain folded into the weight. For projections that only
-    feed coefficients (HC's dynamic weights, mHC's Phi), where the normalised input is not needed."""
+    feed coefficients (HC's dynamic weights, mHC's Phi), where the normalised input is not
+    needed."""
     return at_least_fp32(F.linear(x, linear.weight * norm.weight)) * inverse_rms(x, norm.eps)
 
 

@@ -49,7 +49,8 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
         valid = targets != IGNORE_INDEX
         n = valid.sum().clamp(min=1).to(torch.float32)  # a device tensor: no host read
         w = weight.to(dtype)
-        # chunk sums added in float64 (float32 on MPS): as accurate for 1-token chunks as one reduction
+        # chunk sums added in float64 (float32 on MPS): as accurate for 1-token chunks as one
+        # reduction
         loss = torch.zeros(
             (), dtype=torch.float32 if x.device.type == "mps" else torch.float64, device=x.device
         )

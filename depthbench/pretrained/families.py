@@ -59,6 +59,7 @@ def family_of(model: nn.Module, field: str = "pretrained") -> Family:
     if name not in FAMILIES:
         raise ConfigError(
             field,
-            f"transformers class {name} is not a supported pretrained family; supported classes: {sorted(FAMILIES)}",
+            f"transformers class {name} is not a supported pretrained family; "
+            f"supported classes: {sorted(FAMILIES)}",
         )
     return FAMILIES[name]

@@ -66,14 +66,16 @@ class PretrainedSpec:
         if not _NAME.match(self.name or ""):
             raise ConfigError(
                 f"{self.field}.name",
-                f"{self.name!r}; letters, digits, '_', '.' and '-', starting with a letter or digit",
+                f"{self.name!r}; letters, digits, '_', '.' and '-', "
+                "starting with a letter or digit",
             )
         if self.format not in FORMATS:
             raise ConfigError(f"{self.field}.format", f"{self.format!r}; valid: {list(FORMATS)}")
         if (self.path is None) == (self.package is None):
             raise ConfigError(
                 self.field,
-                "give exactly one of path (a folder or hub name) or package (an installed Python package)",
+                "give exactly one of path (a folder or hub name) "
+                "or package (an installed Python package)",
             )
         if self.format == "gguf":
             if not self.gguf_file:

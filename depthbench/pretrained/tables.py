@@ -1,4 +1,5 @@
-"""Rows of pretrained runs in the runs table, beside trained runs (depthbench.analysis.tables.run_rows).
+"""Rows of pretrained runs in the runs table, beside trained runs
+(depthbench.analysis.tables.run_rows).
 
 A pretrained run has no recipe: lr is NaN, seed -1, no knobs, no training steps, status
 'pretrained' (so that best_learning_rates, which takes status 'ok' runs only, leaves it out, and
@@ -43,7 +44,8 @@ def pretrained_run_rows(summary_paths: Iterable[str], experiment: str) -> pd.Dat
                 "pretrained_name": s["name"],
                 "pretrained_source": s["source"],
                 "transformers_class": s["transformers_class"],
-                # the unigram floor is the DepthBench tokenizer's: it does not apply to another vocabulary
+                # the unigram floor is the DepthBench tokenizer's: it does not apply to another
+                # vocabulary
                 "unigram_floor": math.nan,
             }
         )

@@ -111,7 +111,8 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     if peak is None:
         print(
             f"MFU: peak of {torch.cuda.get_device_name(device)!r} unknown (not in "
-            "depthbench.train.flops.GPU_BF16_PEAK); mfu is NaN, mfu_measured uses the measured matmul peak",
+            "depthbench.train.flops.GPU_BF16_PEAK); mfu is NaN, "
+            "mfu_measured uses the measured matmul peak",
             file=sys.stderr,
         )
     return peak

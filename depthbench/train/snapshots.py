@@ -1,8 +1,8 @@
 """Model snapshots at chosen training steps (`probes.at_steps`), for the probes over training.
 
-A snapshot is the model weights only (safetensors; metadata `depthbench_snapshot`: run_id and step) after `s` updates,
-the state the probes of step `s` read; it is not a resumable checkpoint (no optimizer, RNG or
-schedule: depthbench.train.checkpoint keeps those) and never replaces one.
+A snapshot is the model weights only (safetensors; metadata `depthbench_snapshot`: run_id and
+step) after `s` updates, the state the probes of step `s` read; it is not a resumable checkpoint
+(no optimizer, RNG or schedule: depthbench.train.checkpoint keeps those) and never replaces one.
 
 Where they live, and why:
 - while training, in the run's work folder (`work/{run_id}/snapshots/step_NNNNNNNN.safetensors`),

@@ -58,7 +58,8 @@ def check_loggers(names: list[str]) -> None:
 
 
 def flatten(record: dict[str, Any]) -> dict[str, float]:
-    """The numbers of a metrics record under tracker names; dynamics lists by index, dicts by key."""
+    """The numbers of a metrics record under tracker names; dynamics lists by index, dicts by
+    key."""
     out: dict[str, float] = {}
     for key, value in record.items():
         if key in SCALAR_NAMES:

@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterator
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
-    """Call `write(tmp_path)` on a temporary file beside `path`, fsync it, then rename over `path`."""
+    """Call `write(tmp_path)` on a temporary file beside `path`, fsync it, then rename over
+    `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

@@ -2,8 +2,9 @@
 
 Needs the `depthbench` package importable beside transformers: the model is DepthBench's own
 `DecoderLM`, built from the `ModelConfig` in config.json (`depthbench_model`) and holding
-DepthBench's parameter names under the prefix `depthbench.` (`depthbench.blocks.0.attn.wqkv.weight`).
-Nothing here knows an architecture's parameters, so any DepthBench state dict loads.
+DepthBench's parameter names under the prefix `depthbench.`
+(`depthbench.blocks.0.attn.wqkv.weight`). Nothing here knows an architecture's parameters, so any
+DepthBench state dict loads.
 
 Inputs: token ids only. An attention mask may mark right padding (harmless under causal
 attention: no scored position sees it); left padding, inputs_embeds and a KV cache are refused.
@@ -50,7 +51,8 @@ class DepthBenchForCausalLM(PreTrainedModel, GenerationMixin):
         }
         if bad:
             raise ValueError(
-                f"DepthBench export {args[0] if args else ''}: the weights do not match the installed depthbench's "
+                f"DepthBench export {args[0] if args else ''}: "
+                "the weights do not match the installed depthbench's "
                 f"model ({bad}); install the depthbench version that trained the run"
             )
         return (model, info) if want_info else model

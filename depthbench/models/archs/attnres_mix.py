@@ -9,8 +9,8 @@ the (1, S) x (S, d) product w^T V. With the sources held token-major in one buff
 multiply-adds forward and 2S kernels backward per reader (about 10,000 small kernels per forward
 at L = 70 for Full AttnRes). Every product of the mix, the extra source's too, is a bmm, so
 `torch.utils.flop_counter` counts the 2 S d forward and 4 S d backward FLOPs per token and reader
-that depthbench.models.cost charges (backward twice the forward, as for every matmul); an outer product
-as a bmm rounds as the element-wise product does (one multiplication per output).
+that depthbench.models.cost charges (backward twice the forward, as for every matmul); an outer
+product as a bmm rounds as the element-wise product does (one multiplication per output).
 Block AttnRes's partial sum changes after every sublayer and is read by one reader only: it is
 not written to the buffer but enters as one extra source next to the view.
 

@@ -38,7 +38,8 @@ def xavier_normal_rows_(weight: torch.Tensor, start: int, stop: int, gain: float
 
 
 def xavier_uniform_rows_(weight: torch.Tensor, start: int, stop: int, gain: float) -> None:
-    """Xavier-uniform init of rows [start, stop): U(-a, a), a = gain sqrt(6 / (fan_in + fan_out))."""
+    """Xavier-uniform init of rows [start, stop): U(-a, a),
+    a = gain sqrt(6 / (fan_in + fan_out))."""
     fan_out, fan_in = stop - start, weight.shape[1]
     bound = gain * math.sqrt(6.0 / (fan_in + fan_out))
     with torch.no_grad():
@@ -67,8 +68,8 @@ class DeepNormBlock(ConstantBuffers, Block):
         super().__init__(cfg, layer_index)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        # a tensor, not a Python float, so that a compiled block does not bake the depth in; (2L)^(1/4)
-        # rounded once into the model's dtype (ConstantBuffers)
+        # a tensor, not a Python float, so that a compiled block does not bake the depth in;
+        # (2L)^(1/4) rounded once into the model's dtype (ConstantBuffers)
         self.register_constant("alpha", (2 * cfg.n_layer) ** 0.25)
 
     def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None) -> torch.Tensor:

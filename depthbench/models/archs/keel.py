@@ -18,7 +18,8 @@ class KeelBlock(Block):
         self.attn_norm_out = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn_norm_in = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn_norm_out = RMSNorm(cfg.d_model, cfg.norm_eps)
-        # a tensor, not a Python float, so that a compiled block does not bake the depth in (LNS's scale)
+        # a tensor, not a Python float, so that a compiled block does not bake the depth in
+        # (LNS's scale)
         self.register_buffer("alpha", torch.tensor(float(2 * cfg.n_layer)), persistent=False)
 
     def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None) -> torch.Tensor:

@@ -28,7 +28,8 @@ training, so the paper's rank finding could not be told from the init. -8 rather
 the gradient reaching H_res's logits scales with the off-diagonal mass e^-8 = 3.4e-4 (50x more
 than at -12, where it measured below Adam's epsilon on a tiny model at init). The cost: near the
 identity, 20 Sinkhorn iterations leave row-sum errors of the order of the off-diagonal mass
-times the logit noise (7e-4 at noise 0.1, 6e-3 at 0.45; exact at init; docs/design/architectures.md).
+times the logit noise (7e-4 at noise 0.1, 6e-3 at 0.45; exact at init;
+docs/design/architectures.md).
 
 Sinkhorn-Knopp runs 20 alternating row and column normalisations (stabilised, see
 `sinkhorn_knopp`), so the result's columns sum to 1 exactly and its rows to within a tolerance
