@@ -1,4 +1,5 @@
-"""Running the workflow as a user does, in a copy of the repository: shared by the end-to-end tests."""
+"""Running the workflow as a user does, in a copy of the repository: shared by the end-to-end
+tests."""
 
 from __future__ import annotations
 

@@ -105,7 +105,7 @@ class Bare(importlib.abc.MetaPathFinder):  # the packages a bare GPU machine lac
 sys.meta_path.insert(0, Bare())
 sys.argv = [sys.argv[1], *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+"""  # noqa: E501
 
 
 @pytest.mark.slow

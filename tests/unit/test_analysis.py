@@ -227,9 +227,9 @@ def test_titles_of_a_grid_with_pretrained_models_say_whose_budget_they_state():
     }
     assert grid_line(settings) == "budget 3.9e+05 params; L = 4; LR 0.004; seeds 0"
     line = grid_line({**settings, "pretrained": ["smollm2_135m_instruct"]})
-    assert (
-        line
-        == "trained: budget 3.9e+05 params; L = 4; LR 0.004; seeds 0; pretrained: smollm2_135m_instruct"
+    assert line == (
+        "trained: budget 3.9e+05 params; L = 4; LR 0.004; seeds 0; "
+        "pretrained: smollm2_135m_instruct"
     )
     assert grid_line({**settings, "pretrained": [{"name": "a"}, {"name": "b"}]}).endswith(
         "pretrained: a, b"

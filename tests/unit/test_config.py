@@ -222,7 +222,8 @@ def test_cli_listing_into_a_closed_pipe_exits_cleanly():
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    proc.stdout.close()  # before the listing is written (the import alone takes seconds), as `head` may
+    # before the listing is written (the import alone takes seconds), as `head` may
+    proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait() == 0, err
     assert "Traceback" not in err

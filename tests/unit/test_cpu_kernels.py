@@ -135,7 +135,8 @@ def test_mhc_coefficient_custom_op_registration():
 
 
 def test_compiled_mhc_keeps_the_kernel_and_matches_eager(monkeypatch):
-    """Under torch.compile each sublayer's read stays one custom-op call: same loss and gradients."""
+    """Under torch.compile each sublayer's read stays one custom-op call: same loss and
+    gradients."""
     torch.manual_seed(0)
     model = build_model(
         ModelConfig(arch="mhc", vocab_size=64, n_layer=1, d_model=16, n_head=2, max_seq_len=8)

@@ -211,7 +211,8 @@ def test_attnres_batched_mix_equals_the_per_source_loop(arch, n_layer, options):
 
 def test_attnres_batched_mix_gradients_per_source_with_an_extra_source():
     """The batched product's gradients w.r.t. the weights, every buffered source and the extra
-    (partial-sum) source equal autograd through sum_i w_i v_i written out here; float64 gradcheck."""
+    (partial-sum) source equal autograd through sum_i w_i v_i written out here; float64
+    gradcheck."""
     from depthbench.models.archs.attnres_mix import BufferedSources, SourceBuffer, batched_mix
 
     torch.manual_seed(0)

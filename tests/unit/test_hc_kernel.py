@@ -162,7 +162,8 @@ def test_training_step_is_the_same_with_and_without_the_kernels(monkeypatch, arc
 
 
 def test_compiled_hc_keeps_the_kernel_and_matches_eager(monkeypatch):
-    """Under torch.compile each sublayer's read stays one custom-op call: same loss and gradients."""
+    """Under torch.compile each sublayer's read stays one custom-op call: same loss and
+    gradients."""
     model = _perturbed_hc(n_layer=1, d_model=16)
     idx, targets = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
     assert_compiled_calls_kernels_and_matches_eager(

@@ -87,7 +87,8 @@ def random_model(arch: str, seed: int = 0):
 
 
 def fake_run(root, model, tokenizer_file, status: str = "ok"):
-    """results/{runs/<id>, tokenizers/<tid>, data/<did>} as training and the Snakefile leave them."""
+    """results/{runs/<id>, tokenizers/<tid>, data/<did>} as training and the Snakefile leave
+    them."""
     cfg = model.cfg
     run_id = f"{cfg.arch}-test"
     train = TrainConfig(seq_len=32, total_steps=10)

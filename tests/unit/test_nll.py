@@ -87,7 +87,11 @@ def test_hub_sources_format_like_the_shipped_requests(monkeypatch):
 
 
 def test_hub_gsm8k_answer_is_rewritten_like_olmes():
-    answer = "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = $<<9*2=18>>18 every day at the farmer\u2019s market.\n#### 18"
+    answer = (
+        "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\n"
+        "She makes 9 * 2 = $<<9*2=18>>18 every day at the farmer\u2019s market.\n"
+        "#### 18"
+    )
     assert evalsets._gsm8k_solution(answer) == load_builtin("gsm8k")[0].continuation
 
 

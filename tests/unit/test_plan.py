@@ -16,7 +16,8 @@ from depthbench.commands.plan import (
 def test_gpu_presets_tokenize_in_pieces_and_the_plan_prints_the_time(preset, pieces):
     """8B and 32B training tokens: one tokenize job would take 11 and 45 hours at the measured
     200,000 tokens/s per process; in pieces it is that divided by the piece count, which the
-    plan's last line states with its basis (the Snakemake side: tests/workflow/test_workflow_plans.py)."""
+    plan's last line states with its basis (the Snakemake side:
+    tests/workflow/test_workflow_plans.py)."""
     exp = expand_grid(load_config(f"config/presets/{preset}.yaml"))
     t = tokenization_estimate(exp)
     longest = max(s.train.total_steps * s.train.tokens_per_step for s in exp.runs.values())

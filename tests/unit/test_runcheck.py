@@ -190,7 +190,7 @@ def test_export_checks_the_runs_identity_before_writing(grid2, tmp_path):
     assert not (tmp_path / "export").exists()
 
 
-# -- depthbench status ----------------------------------------------------------------------------------
+# -- depthbench status ---------------------------------------------------------------------------
 def _status(cfg: Path, res: Path, capsys) -> tuple[dict, str]:
     from depthbench.commands.cli import main
 

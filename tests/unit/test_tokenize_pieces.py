@@ -1,4 +1,5 @@
-"""corpus.pieces: tokenization in N jobs whose union equals the single-job output token for token."""
+"""corpus.pieces: tokenization in N jobs whose union equals the single-job output token for
+token."""
 
 import json
 

@@ -63,7 +63,8 @@ def wandb_records(path):
 
 
 def _key(item):
-    """An item's name: wandb writes it as `key` or, for the history, as a one-element `nested_key`."""
+    """An item's name: wandb writes it as `key` or, for the history, as a one-element
+    `nested_key`."""
     return item.key or "/".join(item.nested_key)
 
 

@@ -14,7 +14,8 @@ from depthbench.commands.cli import main
 from depthbench.commands.subcommands import configfiles
 from tests.conftest import REPO
 
-BROKEN = "name: x\ntrain:\n  seq_len: [32\n  lr: 3\n"  # the flow sequence is not closed: line 4, column 5
+# the flow sequence is not closed: line 4, column 5
+BROKEN = "name: x\ntrain:\n  seq_len: [32\n  lr: 3\n"
 
 
 @pytest.mark.slow

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
     "preset, trains", [("postnorm_collapse", 2 * 3 * 2), ("cpu_all", 11 * 3 * 2)]
 )
 def test_presets_plan(preset, trains, tmp_path):
-    """The CPU presets plan in a clean tree (the GPU presets plan through the SLURM profile below)."""
+    """The CPU presets plan in a clean tree (the GPU presets plan through the SLURM profile
+    below)."""
     root = copy_workflow(tmp_path)  # a clean tree: nothing computed yet
     proc = snakemake(root, "-n", "--configfile", f"config/presets/{preset}.yaml")
     counts = job_counts(proc.stdout + proc.stderr)
