@@ -29,4 +29,5 @@ shown = [
 print(table[shown].to_string() if not table.empty else "no runs", file=sys.stderr)
 
 if __name__ == "__main__":  # a Snakemake job's own process (tests run these files inside theirs)
-    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.launch.process)
+    # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.launch.process)
+    exit_without_teardown()

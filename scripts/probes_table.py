@@ -18,4 +18,5 @@ write_parquet(lens_table(table), snakemake.output.lens)  # noqa: F821
 print(f"{len(table)} probe rows from {table['run_id'].nunique()} runs", file=sys.stderr)
 
 if __name__ == "__main__":  # a Snakemake job's own process (tests run these files inside theirs)
-    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.launch.process)
+    # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.launch.process)
+    exit_without_teardown()

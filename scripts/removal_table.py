@@ -16,9 +16,11 @@ removal, depth = removal_tables(snakemake.input.removal, runs, best, snakemake.p
 write_parquet(removal, snakemake.output.removal)  # noqa: F821
 write_parquet(depth, snakemake.output.effective_depth)  # noqa: F821
 print(
-    f"{len(removal)} removal rows, {len(depth)} effective depths from {removal['run_id'].nunique()} runs",
+    f"{len(removal)} removal rows, {len(depth)} effective depths "
+    f"from {removal['run_id'].nunique()} runs",
     file=sys.stderr,
 )
 
 if __name__ == "__main__":  # a Snakemake job's own process (tests run these files inside theirs)
-    exit_without_teardown()  # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.launch.process)
+    # skip the interpreter's teardown: 1.4-1.8 s per job (depthbench.launch.process)
+    exit_without_teardown()

@@ -139,7 +139,8 @@ def cost_rows(
         s = read_pretrained_summary(path)
         if "matmul_params" not in s:  # written before the cost fields: say which file to redo
             raise DataError(
-                f"{path} has no cost fields (matmul_params): delete it, and the pretrained_summary rule writes it again"
+                f"{path} has no cost fields (matmul_params): "
+                "delete it, and the pretrained_summary rule writes it again"
             )
         rows.append({"run_id": s["run_id"], **pretrained_cost(s, seq_len or s["context_length"])})
     out = pd.DataFrame(rows)

@@ -35,7 +35,8 @@ def sample(n: int = 3, t: int = 13, vocab: int = V, seed: int = 1) -> torch.Tens
 
 
 def by_hand(per_layer_logits: list[torch.Tensor], targets: torch.Tensor) -> dict[str, list[float]]:
-    """Cross-entropy, KL(final || layer) and top-1 agreement written out per position, in float64."""
+    """Cross-entropy, KL(final || layer) and top-1 agreement written out per position, in
+    float64."""
     final = per_layer_logits[-1].double().reshape(-1, per_layer_logits[-1].shape[-1])
     out = {"lens_cross_entropy": [], "lens_kl_to_final": [], "lens_top1_agreement": []}
     flat_targets = targets.reshape(-1).tolist()

@@ -173,7 +173,8 @@ def test_layer_profile_takes_each_models_numbers_from_the_tables():
     )
     profile = layer_profile(t["probes"], depth)
     assert len(profile) == 4 and list(profile["arch"]) == ["pre_ln", "pre_ln", "hc", "hc"]
-    # synthetic curves: change = (k/L)^2 (pre_ln) or 2 (k/L)^2, so within 5%: k/L <= sqrt(0.05) or sqrt(0.025)
+    # synthetic curves: change = (k/L)^2 (pre_ln) or 2 (k/L)^2, so within 5%: k/L <= sqrt(0.05)
+    # or sqrt(0.025)
     row = profile[(profile["arch"] == "pre_ln") & (profile["n_layer"] == 8)].iloc[0]
     assert row["removable"] == 1 / 8 and row["causal_share"] == 0.05
     assert row["lens_half_agreement"] == 0.5  # the synthetic lens agreement is l / L

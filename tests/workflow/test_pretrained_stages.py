@@ -24,7 +24,7 @@ from depthbench.pretrained.loading import (  # noqa: E402
     pretrained_specs,
 )
 from depthbench.pretrained.tables import pretrained_run_rows, with_pretrained  # noqa: E402
-from depthbench.analysis.stage_tables import with_run_columns
+from depthbench.analysis.stage_tables import with_run_columns  # noqa: E402
 from tests.conftest import tiny_config  # noqa: E402
 
 DOCS = [
