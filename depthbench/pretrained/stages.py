@@ -2,7 +2,8 @@
 the validation text tokenized with the model's own tokenizer, the probes through the adapter,
 and NLL on the evaluation sets tokenized with the model's own tokenizer.
 
-Tokenization choices (docs/design/pretrained.md): text is encoded without the tokenizer's special tokens
+Tokenization choices (docs/design/pretrained.md): text is encoded without the tokenizer's special
+tokens
 (no BOS added), as DepthBench's own shards and lm-evaluation-harness's loglikelihood encode it;
 validation documents are separated by the model's EOS token, as in DepthBench's shards; an
 empty NLL context is replaced by the BOS token where the tokenizer has one, else EOS (the prefix
@@ -97,7 +98,7 @@ def write_sample(model_dir: str, corpus: dict, settings: dict, seq_len: int, out
     return {"shape": list(sample.shape)}
 
 
-# -- the run's summary ------------------------------------------------------------------------------
+# -- the run's summary -----------------------------------------------------------------------------
 def cost_fields(model) -> dict:
     """What depthbench.models.cost.pretrained_cost needs, counted on the loaded transformers model:
     `matmul_params`, the weights of every nn.Linear (the LM head included, also when it is tied
@@ -116,7 +117,8 @@ def cost_fields(model) -> dict:
 
 
 def write_summary(run_id: str, name: str, model_dir: str, source: str, out_path: str) -> dict:
-    """summary.json of a pretrained run: what the runs table needs (depthbench.pretrained.tables)."""
+    """summary.json of a pretrained run: what the runs table needs
+    (depthbench.pretrained.tables)."""
     adapter = PretrainedAdapter(load_model(model_dir))
     summary = {
         "run_id": run_id,
@@ -140,7 +142,7 @@ def write_summary(run_id: str, name: str, model_dir: str, source: str, out_path:
     return summary
 
 
-# -- probes and NLL -----------------------------------------------------------------------------------
+# -- probes and NLL --------------------------------------------------------------------------------
 def run_pretrained_probes(
     run_id: str, model_dir: str, sample_path: str, out_path: str, settings: dict
 ) -> dict:

@@ -44,7 +44,7 @@ def angular_distance(hidden: list[torch.Tensor], last_token_only: bool = True) -
     return out
 
 
-# -- token similarity and effective rank ------------------------------------------------------------
+# -- token similarity and effective rank -----------------------------------------------------------
 def token_similarity(h: torch.Tensor, skip_first: bool = False) -> float:
     """Mean over token pairs i < j of cos(h[i], h[j]) within a sequence, averaged over sequences."""
     if skip_first:
@@ -87,7 +87,7 @@ def residual_product_rank(stream_mixing: list[torch.Tensor]) -> float:
     return float(ent.exp().mean())
 
 
-# -- summaries --------------------------------------------------------------------------------------
+# -- summaries -------------------------------------------------------------------------------------
 def last_quarters(L: int) -> range:
     """Layers in the last three quarters of depth: l > L/4 (1-based)."""
     return range(L // 4 + 1, L + 1)

@@ -194,7 +194,8 @@ def without_prefix_average(model):
     'prefix_average' probe; not moda, whose attention is joint over depth)."""
     if "prefix_average" not in model.probes:
         raise ValueError(
-            f"{model.arch_name}: the prefix-average intervention needs the standard attention sublayer"
+            f"{model.arch_name}: the prefix-average intervention needs the standard attention "
+            "sublayer"
         )
 
     def make_forward(attn):

@@ -33,8 +33,10 @@ def check_lens_at_last_layer(adapter: ModelAdapter, state_last, lens_last: torch
     if not torch.allclose(lens_last, own, rtol=LENS_RTOL, atol=LENS_ATOL):
         worst = float((lens_last - own).abs().max())
         raise RuntimeError(
-            f"{adapter.arch_name}: the logit lens at the last layer differs from the model's logits "
-            f"by up to {worst:.3g} (tolerance {LENS_ATOL} + {LENS_RTOL} |z|): the adapter's residual "
+            f"{adapter.arch_name}: the logit lens at the last layer differs from the model's "
+            "logits "
+            f"by up to {worst:.3g} (tolerance {LENS_ATOL} + {LENS_RTOL} |z|): "
+            "the adapter's residual "
             "h_L is not the input of its final norm, or lens_logits is not its final norm and head"
         )
 

@@ -52,7 +52,8 @@ def held_apart_windows(
     rest = np.array(sorted(set(range(n_windows)) - probe_picks))
     if len(rest) == 0:
         raise ValueError(
-            f"the validation split has {n_windows} windows of {seq_len + 1} tokens and the probe sample "
+            f"the validation split has {n_windows} windows of {seq_len + 1} tokens "
+            "and the probe sample "
             "takes them all: none is left for the removal losses (lower probes.n_sequences)"
         )
     picks = sorted(
@@ -99,7 +100,8 @@ def ranking_inputs(
     bi = trained[trained["probe"] == "block_influence"].sort_values("i")
     if sorted(bi["i"]) != list(range(1, n_layer + 1)):
         raise ValueError(
-            "the probe rows have no trained 'block_influence' for layers 1 .. L (probe files written "
+            "the probe rows have no trained 'block_influence' for layers 1 .. L "
+            "(probe files written "
             "before it existed: rerun the probe stage)"
         )
     return (
@@ -120,7 +122,9 @@ def removal_rows(
         sets = removal_sets(
             influence, distance, causal, L, layer_counts(L, settings["fractions"]), settings["seed"]
         )
-    else:  # one layer: nothing can be removed with a layer kept; each ranking's curve is its k = 0 point
+    else:
+        # one layer: nothing can be removed with a layer kept; each ranking's curve is its
+        # k = 0 point
         sets = []
     full, measured = removal_losses(adapter, sets, data)
     rankings = sorted(RANKINGS)

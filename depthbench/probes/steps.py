@@ -36,7 +36,8 @@ def load_snapshot(spec: RunSpec, path: Path) -> torch.nn.Module:
         meta = json.loads((f.metadata() or {}).get(META_KEY, "{}"))
     if meta.get("run_id") != spec.run_id:
         raise DataError(
-            f"{path}: a snapshot of run {meta.get('run_id')!r}, not {spec.run_id!r} (a misplaced folder?)"
+            f"{path}: a snapshot of run {meta.get('run_id')!r}, not {spec.run_id!r} "
+            "(a misplaced folder?)"
         )
     model = build_model(spec.model)
     model.load_state_dict(load_file(path))

@@ -125,7 +125,8 @@ def _map_in_forked_processes(model, items: list, fn: Callable, workers: int) -> 
                     proc.join()
                     failure = (
                         failure
-                        or f"a probe worker process exited with code {proc.exitcode} before finishing"
+                        or f"a probe worker process exited with code {proc.exitcode} "
+                        "before finishing"
                     )
                     continue
                 if kind == "ok":

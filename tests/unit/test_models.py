@@ -1,4 +1,4 @@
-"""Each architecture computes exactly the update the design reference defines."""
+"""Each architecture computes exactly the update its paper defines."""
 
 import math
 
@@ -99,7 +99,8 @@ def test_lns_first_layer_equals_pre_ln_and_later_layers_scale_the_norm_output():
 
 def _written_out_logits(model, arch, idx):
     """The whole forward of an LNS or DeepNorm model from its sublayers, with the constants as
-    Python floats: LNS x <- x + F(N(x) / sqrt(l)), DeepNorm x <- N(alpha x + F(x)), alpha = (2L)^(1/4)."""
+    Python floats: LNS x <- x + F(N(x) / sqrt(l)), DeepNorm x <- N(alpha x + F(x)),
+    alpha = (2L)^(1/4)."""
     L = model.cfg.n_layer
     rope = model.rope(idx.shape[1])
     x = model.embed_tokens(idx)
