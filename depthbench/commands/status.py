@@ -10,15 +10,13 @@ missing or older than a summary), `missing` (no summary; `partial` when a checkp
 training resumes from it), `stale` (an output exists but is older than one of its inputs) and
 `incomplete` (Snakemake's marker under .snakemake/incomplete/ says its train job was interrupted:
 Snakemake refuses to go on without `--rerun-incomplete`, which retrains it). A summary that is
-unreadable, copied from another run or edited (see depthbench.analysis.tables.read_summary) is
+unreadable, copied from another run or edited (see depthbench.train.runcheck.read_summary) is
 `invalid`: Snakemake would not retrain it (nothing it tracks changed) and the tables would refuse
 it, so the fix is `snakemake --forcerun` on its summary. Final weights that do not hash to the
-digest their summary records are `corrupt` (depthbench.train.runcheck): every stage that reads
-them refuses them, and `snakemake --forcerun` on them retrains the run, resuming from its last
-checkpoint.
-Weights whose summary records no digest are reported `unchecked` beside the run's state, with
-the `depthbench checksum RUN_DIR` command that records it. Checking the digests reads every
-run's weights.
+digest their summary records are `corrupt` (depthbench.train.runcheck): every stage refuses
+them, and `snakemake --forcerun` on them retrains the run from its last checkpoint. Weights
+whose summary records no digest are `unchecked`, with the `depthbench checksum RUN_DIR` command
+that records it. Checking the digests reads every run's weights.
 
 The plan mirrors the workflow's rules (train -> probe, nll -> tables and figures) with
 Snakemake's mtime trigger as the pinned Snakemake (9) applies it by default: an input newer than
@@ -36,13 +34,18 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from depthbench.commands.snakemake_records import (
+    file_mtime,
+    newer_input,
+    incomplete_outputs,
+    updated_input,
+)
 from depthbench.grid.expand import Experiment
 from depthbench.spec.run import short_hash
 from depthbench.util.errors import DataError
 from depthbench.train.checkpoint_folder import list_checkpoints, verify_checkpoint
 
-# the workflow's output folder (the Snakefile's RESULTS), relative to the working directory
-RESULTS = "results"
+RESULTS = "results"  # the Snakefile's RESULTS folder, relative to the working directory
 
 
 @dataclass
@@ -50,29 +53,11 @@ class RunStatus:
     run_id: str
     # trained | at-floor | diverged | missing | partial | stale | invalid | corrupt | incomplete
     state: str
-    probed: str = (
-        "-"  # yes | no | stale | later | - (probes disabled, or not at its cell's best LR)
-    )
-    scored: str = "-"  # yes | no | stale | later | - (nll disabled, or not at its cell's best LR)
+    # probed, scored: yes | no | stale | later | - (disabled, or not at its cell's best LR)
+    probed: str = "-"
+    scored: str = "-"
     reasons: list[str] = field(default_factory=list)
     jobs: list[str] = field(default_factory=list)  # what the next snakemake run does for it
-
-
-def _mtime(path: Path) -> float | None:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return None
-
-
-def _newer_input(output: Path, inputs: list[Path]) -> Path | None:
-    """The first input newer than `output` (Snakemake's mtime trigger), or None."""
-    out = _mtime(output)
-    for path in inputs:
-        t = _mtime(path)
-        if out is not None and t is not None and t > out:
-            return path
-    return None
 
 
 def _nll_sets_path(exp: Experiment, results: Path) -> Path:
@@ -85,64 +70,6 @@ def _nll_sets_path(exp: Experiment, results: Path) -> Path:
     return results / "evals" / exp.tokenizer_id / f"nll_sets_{short_hash(settings)}.parquet"
 
 
-MAX_CHECKSUM_FILE_SIZE = 1_000_000  # Snakemake's default --max-checksum-file-size (bytes)
-
-
-def _record(root: Path, kind: str, path: Path) -> Path:
-    """Where Snakemake keeps its record of kind `kind` (metadata, incomplete) about `path`: under
-    .snakemake/<kind>/ in its working directory `root`, named by the URL-safe base64 of the path
-    as the workflow spells it (relative to `root`), cut into parts of at most NAME_MAX - 1
-    characters, every part but the last prefixed by '@' (snakemake.persistence)."""
-    import base64
-
-    key = base64.urlsafe_b64encode(os.path.relpath(path, root).encode()).decode()
-    parts = [key[i : i + 254] for i in range(0, len(key), 254)]
-    return root.joinpath(".snakemake", kind, *["@" + p for p in parts[:-1]], parts[-1])
-
-
-def _incomplete(root: Path, outputs: list[Path]) -> list[Path]:
-    """The outputs Snakemake marked incomplete: a job that wrote them started and never finished
-    (killed). A marked output that is gone is simply missing, as for Snakemake."""
-    return [
-        path for path in outputs if _record(root, "incomplete", path).exists() and path.exists()
-    ]
-
-
-def _same_checksum(root: Path, outputs: list[Path], path: Path) -> bool:
-    """Snakemake's exception to its mtime trigger: an input no larger than
-    MAX_CHECKSUM_FILE_SIZE whose SHA-256 equals the one recorded for it in every output's
-    metadata (one checksum for all) has not changed, however new its mtime."""
-    import hashlib
-    import json
-
-    if not path.is_file() or path.stat().st_size > MAX_CHECKSUM_FILE_SIZE:
-        return False
-    recorded = set()
-    for output in outputs:
-        try:
-            meta = json.loads(_record(root, "metadata", output).read_text())
-        except (OSError, ValueError):
-            return False
-        checksum = (meta.get("input_checksums") or {}).get(os.path.relpath(path, root))
-        recorded.add(checksum if checksum is None or ":" in checksum else f"sha256:{checksum}")
-    if len(recorded) != 1 or None in recorded:
-        return False
-    return recorded.pop() == "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _updated_input(root: Path, outputs: list[Path], inputs: list[Path]) -> Path | None:
-    """The first input that makes Snakemake (9, default rerun triggers) redo the job of `outputs`
-    by its mtime: newer than the oldest output and not excused by `_same_checksum`; or None."""
-    times = [_mtime(path) for path in outputs]
-    if not times or None in times:
-        return None
-    for path in inputs:
-        t = _mtime(path)
-        if t is not None and t > min(times) and not _same_checksum(root, outputs, path):
-            return path
-    return None
-
-
 def _train_state(spec, run: Path, work: Path, meta: Path) -> tuple[str, list[str]]:
     from depthbench.train.runcheck import WEIGHTS, WEIGHTS_DIGEST, CorruptWeights, verify_weights
     from depthbench.train.runcheck import read_summary
@@ -150,7 +77,7 @@ def _train_state(spec, run: Path, work: Path, meta: Path) -> tuple[str, list[str
     summary = run / "summary.json"
     root = run.parent.parent.parent  # Snakemake's working directory, which holds results/
     outputs = [summary, run / WEIGHTS, run / "metrics.jsonl"]  # the train rule's
-    marked = _incomplete(root, outputs)
+    marked = incomplete_outputs(root, outputs)
     if marked:
         return "incomplete", [
             f"{', '.join(map(str, marked))}: marked incomplete by Snakemake "
@@ -181,7 +108,7 @@ def _train_state(spec, run: Path, work: Path, meta: Path) -> tuple[str, list[str
             f"the digest was kept); `depthbench checksum {run}` records it"
         ]
     )
-    newer = _updated_input(root, outputs, [meta])
+    newer = updated_input(root, outputs, [meta])
     if newer is not None:
         return "stale", [f"{summary} is older than its input {newer}"]
     return ("trained" if s["status"] == "ok" else "diverged"), reasons
@@ -194,7 +121,7 @@ def _stage_state(
         return "no", None
     if retrain:
         return "stale", f"{output} will be redone after training"
-    newer = _updated_input(root, [output], inputs)
+    newer = updated_input(root, [output], inputs)
     return (
         ("stale", f"{output} is older than its input {newer}")
         if newer is not None
@@ -210,7 +137,7 @@ def _best_lr_runs(exp: Experiment, results: Path) -> set[str] | None:
     if not (runs.exists() and best.exists()):
         return None
     summaries = [results / "runs" / run_id / "summary.json" for run_id in exp.runs]
-    if any(not path.exists() for path in summaries) or _newer_input(best, summaries):
+    if any(not path.exists() for path in summaries) or newer_input(best, summaries):
         return None
     import pandas as pd
 
@@ -337,10 +264,15 @@ def plan(
     ]
     finals += [results / "figures" / "headline.png"]
     newest = max(
-        (t for s in statuses for t in [_mtime(results / "runs" / s.run_id / "summary.json")] if t),
+        (
+            t
+            for s in statuses
+            for t in [file_mtime(results / "runs" / s.run_id / "summary.json")]
+            if t
+        ),
         default=None,
     )
-    oldest = min((_mtime(p) or 0.0 for p in finals), default=0.0)
+    oldest = min((file_mtime(p) or 0.0 for p in finals), default=0.0)
     if lines or not oldest or (newest is not None and newest > oldest):
         lines.append("tables, figures and report: rebuilt")
     return lines or ["nothing to do: every output is up to date"]

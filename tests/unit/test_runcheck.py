@@ -338,9 +338,9 @@ def test_status_reads_snakemakes_incomplete_markers(wiki_jsonl, tmp_path, capsys
 
 
 def test_a_long_path_is_split_as_snakemake_splits_its_record_names(tmp_path):
-    from depthbench.commands.status import _record
+    from depthbench.commands.snakemake_records import snakemake_record as record_path
 
     path = tmp_path / "results" / "runs" / ("x" * 300) / "summary.json"
-    ours = _record(tmp_path, "incomplete", path)
+    ours = record_path(tmp_path, "incomplete", path)
     assert ours == _snakemake_record(tmp_path, "incomplete", path)
     assert len(ours.relative_to(tmp_path / ".snakemake" / "incomplete").parts) == 2

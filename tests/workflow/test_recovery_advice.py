@@ -154,11 +154,11 @@ def test_summary_of_another_run_advice_retrains_it(workflow):
 
 
 def test_incomplete_marker_is_reported_as_snakemake_sees_it(workflow):
-    from depthbench.commands.status import _record
+    from depthbench.commands.snakemake_records import snakemake_record as record_path
 
     root, ids = workflow
     summary = root / "results" / "runs" / ids[0] / "summary.json"
-    marker = _record(root, "incomplete", summary)
+    marker = record_path(root, "incomplete", summary)
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text('{"external_jobid": null}')
     try:
