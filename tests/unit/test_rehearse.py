@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from depthbench.commands.rehearse import rehearsal as rh
+from depthbench.commands.rehearse import roundtrip
 from depthbench.commands.rehearse import command as rehearse_run
 from depthbench.commands.cli import main
 from depthbench.grid.config import expand_grid
@@ -157,10 +158,10 @@ def _trainer(tmp_path, arch="pre_ln"):
 
 def test_roundtrip_detects_a_resume_that_loads_nothing(tmp_path, monkeypatch):
     trainer = _trainer(tmp_path)
-    good = rh.checkpoint_roundtrip(trainer)
+    good = roundtrip.checkpoint_roundtrip(trainer)
     assert good["resume_equal"] and trainer.step == 2
-    monkeypatch.setattr(rh, "resume_state", lambda t: True)  # claims success, loads nothing
-    bad = rh.checkpoint_roundtrip(trainer)
+    monkeypatch.setattr(roundtrip, "resume_state", lambda t: True)  # claims success, loads nothing
+    bad = roundtrip.checkpoint_roundtrip(trainer)
     assert not bad["resume_equal"]
     assert any(k.startswith("model.") for k in bad["resume_mismatch"]) and trainer.step == 0
 
