@@ -269,7 +269,7 @@ def test_bf16_autocast_training_step_updates_the_fp32_master_weights(trained_cas
         *[("hc_static", *regime) for regime in [(0.0, 0.01), (1.0, 0.01), (1.0, 0.04), (0.1, 0.3)]],
         # near the identity (a vertex of the Birkhoff polytope) 20 iterations leave row errors of
         # the order of the off-diagonal mass: within 1e-3 up to a logit noise of about 0.1
-        # (docs/choices.md)
+        # (docs/design/architectures.md)
         *[("identity", *regime) for regime in [(0.0, 0.01), (1.0, 0.01)]],
     ],
 )

@@ -254,7 +254,7 @@ def test_piece_job_memory_does_not_grow_with_the_corpus(wiki_jsonl, tmp_path, mo
     fraction of the extra bytes it reads (a reader or writer that kept documents, lines or
     offsets would grow by at least that much). Batches of 16 documents and a 4 kB read buffer,
     so that both sizes span many of each; `datasets` reads each ~50 kB file in one chunk (10 MB
-    at most). The RSS at 4-48 MB corpora is measured in docs/choices.md."""
+    at most). The RSS at 4-48 MB corpora is measured in docs/benchmarks.md."""
     import functools
 
     import pyarrow as pa
