@@ -49,9 +49,10 @@ FIGURES: dict[str, Figure] = {
             LOSS,
             "figures",
             _LOSS + ("effective_depth",),
-            "Validation loss at the best learning rate (seeds averaged; bars +-1 std where several "
-            "seeds) against d_model / n_layer at a fixed parameter budget, one line per "
-            "architecture; open circles: the best LR is at the edge of the swept range (the true "
+            "Validation loss at the best learning rate (seeds averaged; bars: the 95% t interval "
+            "over seeds where a cell has several, n=1 where it has one) against d_model / "
+            "n_layer at a fixed parameter budget, one line per architecture; "
+            "open circles: the best LR is at the edge of the swept range (the true "
             "optimum may lie outside); dashed: the unigram floor. Where the grid removes layers, "
             "the middle panel is the fraction of layers that can be removed with the validation "
             "loss within the tolerance (effective depth, the best ranking). The lower panel is "

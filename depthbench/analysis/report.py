@@ -21,6 +21,7 @@ body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:0 18px;color
 h1{font-size:19px;margin:10px 0 2px} h2{font-size:16px;border-bottom:1px solid #ccc;margin-top:26px}
 .sub{color:#555;margin:0 0 8px}
 .top{display:grid;grid-template-columns:minmax(380px,38%) 1fr;gap:12px;align-items:start}
+.top>*{min-width:0;overflow-x:auto}
 .top img{max-width:100%;max-height:470px;border:1px solid #ddd}
 .top h3{font-size:13px;margin:4px 0}
 table{border-collapse:collapse;font-size:11px;width:100%}
