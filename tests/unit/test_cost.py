@@ -12,20 +12,13 @@ from torch.utils.flop_counter import FlopCounterMode
 from depthbench import kernels
 from depthbench.models.cost import analytic_cost, forward_flops_per_token, measured_cost
 from depthbench.models.config import ModelConfig
-from depthbench.models.registry import build_model
+from depthbench.models.registry import build_model, registered_architectures
 
-ARCHS = [
-    ("pre_ln", {}),
-    ("post_ln", {}),
-    ("peri_ln", {}),
-    ("lns", {}),
-    ("deepnorm", {}),
-    ("keel", {}),
-    ("hc", {}),
-    ("mhc", {}),
-    ("attnres_full", {}),
-    ("attnres_block", {"n_blocks": 2}),
-    ("moda", {}),
+# Every registered architecture at its default options (so a new one is covered without an edit
+# here), Block AttnRes with 2 blocks of the 4 layers (its default of 8 blocks gives every layer a
+# block of its own at this depth), and MoDA's FFN-KV variant besides.
+DEFAULT_OPTIONS_OVERRIDE = {"attnres_block": {"n_blocks": 2}}
+ARCHS = [(arch, DEFAULT_OPTIONS_OVERRIDE.get(arch, {})) for arch in registered_architectures()] + [
     ("moda", {"variant": "ffn_kv"}),
 ]
 
