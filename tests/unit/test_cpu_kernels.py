@@ -236,7 +236,7 @@ def test_kernels_are_independent_of_thread_count_under_mkl_conditional_reproduci
         env=env,
         capture_output=True,
         text=True,
-        cwd=here.parent,
+        cwd=here.parents[1],  # the repository root: the tests import tests.kernel_checks
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "3 passed" in done.stdout

@@ -20,6 +20,10 @@ from tests.conftest import REPO, tiny_config
 
 pytestmark = pytest.mark.slow
 
+# A finished run's states: its tiny model may end near the unigram floor (`at-floor`), which
+# is a trained run that did not learn, as far as recovery goes the same as `trained`.
+TRAINED = ("trained", "at-floor")
+
 
 def _snakemake(root: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(
@@ -73,7 +77,7 @@ def _clean(root: Path, ids: list[str], runs_only: bool = False) -> None:
     aggregate jobs (figures, report) may still be planned by Snakemake: once a run is retrained
     to other weights, the figures are sometimes planned once more."""
     rows, out = _status(root)
-    assert all(rows[rid][:2] == ["trained", "yes"] for rid in ids), out
+    assert all(rows[rid][0] in TRAINED and rows[rid][1] == "yes" for rid in ids), out
     plan = _plan(root)
     if runs_only:
         assert not {"train", "probe"} & set(plan), plan
@@ -121,7 +125,7 @@ def test_corrupt_weights_advice_retrains_the_run(workflow):
     data[-5] ^= 1
     weights.write_bytes(bytes(data))
     rows, out = _status(root)
-    assert rows[ids[0]][0] == "corrupt" and rows[ids[1]][0] == "trained"
+    assert rows[ids[0]][0] == "corrupt" and rows[ids[1]][0] in TRAINED
     command = _advice(out, ids[0])
     assert command[:2] == ["snakemake", "--forcerun"]
     _snakemake(root, *command[1:])
