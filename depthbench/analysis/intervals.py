@@ -20,8 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-LEVEL = 0.95
-BOOTSTRAP_SAMPLES = 1000
+# the level and resample count of the stages' bootstrap intervals, so a table's interval and
+# one computed here agree
+from depthbench.util.resample import LEVEL
+from depthbench.util.resample import SAMPLES as BOOTSTRAP_SAMPLES
 
 # t(0.975, df) for df = 1..30; above 30 the normal quantile is within 2% of it.
 _T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
