@@ -140,9 +140,16 @@ BEST_LR_COLUMNS = GROUP_COLUMNS + [
 ]
 
 
-def best_learning_rates(runs: pd.DataFrame) -> pd.DataFrame:
+def best_learning_rates(
+    runs: pd.DataFrame, sweep_seeds: Iterable[int] | None = None
+) -> pd.DataFrame:
     """Per (architecture, shape, knobs): the LR with the lowest final validation loss among runs
     that did not diverge (seeds are averaged first, so a lucky seed does not pick the LR).
+
+    With `sweep_seeds` (the grid's `seeds` when `seeds_at_best_lr` adds replicates at the best
+    LR) the LR is chosen on the mean over those seeds only, and the statistics below are then
+    over every seed at that LR: choosing on the replicates too would favour the one LR that has
+    them, and reporting only the sweep's seeds would discard them.
 
     `final_val_loss` is that LR's mean over seeds, `final_val_loss_std` the sample standard
     deviation (ddof 1; NaN for one seed) and `n_seeds` their count. `ci_low`, `ci_high` are the
@@ -171,7 +178,10 @@ def best_learning_rates(runs: pd.DataFrame) -> pd.DataFrame:
         .reset_index(),
         on=GROUP_COLUMNS + ["lr"],
     ).astype({"n": "int64"})
-    best = per_lr.loc[per_lr.groupby(GROUP_COLUMNS)["final_val_loss"].idxmin()].rename(
+    choice = ok if sweep_seeds is None else ok[ok["seed"].isin(list(sweep_seeds))]
+    chosen = choice.groupby(GROUP_COLUMNS + ["lr"], as_index=False)["final_val_loss"].mean()
+    chosen = chosen.loc[chosen.groupby(GROUP_COLUMNS)["final_val_loss"].idxmin()]
+    best = per_lr.merge(chosen[GROUP_COLUMNS + ["lr"]], on=GROUP_COLUMNS + ["lr"]).rename(
         columns={"lr": "best_lr"}
     )
     tried = (
@@ -200,6 +210,20 @@ def best_lr_run_ids(runs: pd.DataFrame, best: pd.DataFrame, run_ids: Iterable[st
     chosen = runs[runs["status"] == "ok"].merge(best[keys + ["best_lr"]], on=keys)
     picked = set(chosen.loc[np.isclose(chosen["lr"], chosen["best_lr"]), "run_id"])
     return [run_id for run_id in run_ids if run_id in picked]
+
+
+def replicate_run_ids(
+    runs: pd.DataFrame, best: pd.DataFrame, replicates: dict[str, dict[str, object]]
+) -> list[str]:
+    """The replicate runs (`seeds_at_best_lr`) that exist once the LR sweep is done: those of the
+    sweep runs at each cell's best LR, `replicates` mapping a sweep run id at the first seed to
+    its replicates' ids (depthbench.grid.expand.replicate_runs), in the grid's order."""
+    keys = ["arch", "n_layer", "d_model", "knobs"]
+    if runs.empty or best.empty:
+        return []
+    chosen = runs.merge(best[keys + ["best_lr"]], on=keys)
+    at_best = set(chosen.loc[np.isclose(chosen["lr"], chosen["best_lr"]), "run_id"])
+    return [rid for sweep_id, ids in replicates.items() if sweep_id in at_best for rid in ids]
 
 
 def write_parquet(df: pd.DataFrame, path: str | Path) -> None:

@@ -10,7 +10,7 @@ import copy
 from dataclasses import replace
 
 from depthbench.grid.checks import check_named
-from depthbench.grid.expand import Experiment, grid_runs
+from depthbench.grid.expand import Experiment, grid_runs, replicate_runs
 from depthbench.grid.ids import data_id, run_id_of, tokenizer_id
 from depthbench.models.registry import canonical_arch
 from depthbench.models.registry import declared_options, registered_architectures
@@ -26,6 +26,7 @@ def expand_grid(config: dict) -> Experiment:
         data_id=data_id(config),
     )
     exp.runs = grid_runs(exp)
+    exp.replicates = replicate_runs(exp)
     return exp
 
 

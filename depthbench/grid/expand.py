@@ -29,10 +29,21 @@ class Experiment:
     tokenizer_id: str
     data_id: str
     runs: dict[str, RunSpec] = field(default_factory=dict)
+    # `seeds_at_best_lr`: {sweep run id at the first seed: {replicate run id: spec}} for every
+    # cell x learning rate; which of them exist is decided once the LR sweep (`runs`) is done
+    replicates: dict[str, dict[str, RunSpec]] = field(default_factory=dict)
 
     @property
     def run_ids(self) -> list[str]:
         return list(self.runs)
+
+    @property
+    def candidate_runs(self) -> dict[str, RunSpec]:
+        """Every run the workflow may train: the sweep and every replicate candidate."""
+        out = dict(self.runs)
+        for replicas in self.replicates.values():
+            out.update(replicas)
+        return out
 
 
 def _sweep_points(sweep: dict[str, list]) -> Iterable[dict[str, Any]]:
@@ -172,6 +183,36 @@ def grid_runs(exp: Experiment) -> dict[str, RunSpec]:
                         spec.run_id = run_id_of(spec)
                         runs[spec.run_id] = spec
     return runs
+
+
+def replicate_seeds(config: dict) -> list[int]:
+    """The seeds that `seeds_at_best_lr: n` adds at each cell's best learning rate: the next
+    integers after the largest of `seeds`, until the best LR has n seeds; none when `seeds`
+    already has n."""
+    seeds = [int(s) for s in config.get("seeds", [0])]
+    wanted = int(config.get("seeds_at_best_lr") or 0)
+    return list(range(max(seeds) + 1, max(seeds) + 1 + max(0, wanted - len(seeds))))
+
+
+def replicate_runs(exp: Experiment) -> dict[str, dict[str, RunSpec]]:
+    """{run id of each sweep run at the first seed: {run id: spec} of its replicates}, one per
+    seed of `replicate_seeds`: the same run but for the seed (its data order and initialisation),
+    so a replicate's run id is the one the plain product `seeds:` would give it."""
+    extra = replicate_seeds(exp.config)
+    if not extra:
+        return {}
+    first = int(exp.config.get("seeds", [0])[0])
+    out: dict[str, dict[str, RunSpec]] = {}
+    for run_id, spec in exp.runs.items():
+        if spec.seed != first:
+            continue
+        replicas = {}
+        for seed in extra:
+            replica = replace(spec, run_id="", seed=seed, train=replace(spec.train, seed=seed))
+            replica.run_id = run_id_of(replica)
+            replicas[replica.run_id] = replica
+        out[run_id] = replicas
+    return out
 
 
 def grid_learning_rates(config: dict) -> dict[str, list[float]]:

@@ -7,6 +7,7 @@ import re
 import statistics
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -19,6 +20,7 @@ from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model, count_parameters
 from depthbench.spec.shapes import FF_BAND, solve_width
 from depthbench.analysis.tables import GROUP_COLUMNS, best_learning_rates, best_lr_run_ids, run_rows
+from depthbench.analysis.tables import replicate_run_ids
 from tests.conftest import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -278,3 +280,70 @@ def test_best_lr_runs_are_every_finished_seed_at_each_cells_best_lr():
     # the best LR is not evaluated, and the grid's order is kept.
     assert picked == ["L4_lr0.001_s1", "L4_lr0.001_s0", "L2_lr0.002_s1", "L2_lr0.002_s0"]
     assert best_lr_run_ids(runs.iloc[0:0], best_learning_rates(runs.iloc[0:0]), grid_order) == []
+
+
+def _cell_runs(losses: dict[tuple[float, int], float]) -> pd.DataFrame:
+    """One hc cell's runs, {(lr, seed): final loss}."""
+    return pd.DataFrame(
+        [
+            {
+                "experiment": "t",
+                "arch": "hc",
+                "n_layer": 2,
+                "d_model": 32,
+                "knobs": "{}",
+                "ratio": 16.0,
+                "params": 1000,
+                "params_vs_budget": 0.0,
+                "lr": lr,
+                "seed": seed,
+                "status": "ok",
+                "final_val_loss": loss,
+                "run_id": f"lr{lr}_s{seed}",
+            }
+            for (lr, seed), loss in losses.items()
+        ]
+    )
+
+
+def test_best_lr_with_replicates_is_chosen_on_the_sweep_seeds_and_reported_over_all():
+    """seeds_at_best_lr: the replicates of the chosen LR (seed 1, a worse draw: 5.4) must not
+    move the choice to the LR that has only the sweep's seed (5.1 < the mean 5.2), and the row
+    reports the mean, n and interval over both seeds."""
+    runs = _cell_runs({(1e-3, 0): 5.0, (1e-3, 1): 5.4, (2e-3, 0): 5.1})
+    (row,) = best_learning_rates(runs, sweep_seeds=[0]).to_dict("records")
+    assert row["best_lr"] == 1e-3 and row["n"] == 2 and row["n_seeds"] == 2
+    assert row["final_val_loss"] == pytest.approx(5.2)
+    assert row["final_val_loss_std"] == pytest.approx(np.std([5.0, 5.4], ddof=1))
+    assert row["ci_low"] < 5.0 and row["ci_high"] > 5.4  # the t interval of two seeds is wide
+    # without the sweep's seeds named, the choice is the lower seed mean: selection bias
+    (biased,) = best_learning_rates(runs).to_dict("records")
+    assert biased["best_lr"] == 2e-3
+
+
+def test_replicates_exist_only_at_each_cells_best_lr():
+    runs = _cell_runs({(1e-3, 0): 5.0, (2e-3, 0): 5.1})
+    replicates = {"lr0.002_s0": {"lr0.002_s1": None}, "lr0.001_s0": {"lr0.001_s1": None}}
+    best = best_learning_rates(runs)
+    assert replicate_run_ids(runs, best, replicates) == ["lr0.001_s1"]
+    assert replicate_run_ids(runs.iloc[0:0], best.iloc[0:0], replicates) == []
+
+
+def test_seeds_at_best_lr_adds_the_next_seeds_to_every_sweep_run_as_candidates(tiny_data):
+    """Each sweep run at the first seed gets the seeds after the largest of `seeds` (here 3 and 4
+    to reach 4 seeds from [0, 2]); a replicate is the run the plain `seeds:` product would give."""
+    from depthbench.grid.config import expand_grid
+
+    config, _, _ = tiny_data
+    config = {**config, "learning_rates": [1e-3, 3e-3], "seeds": [0, 2], "seeds_at_best_lr": 4}
+    exp = expand_grid(config)
+    assert len(exp.runs) == 4 and set(exp.replicates) == {
+        r for r, s in exp.runs.items() if s.seed == 0
+    }
+    product = expand_grid({**config, "seeds": [0, 2, 3, 4], "seeds_at_best_lr": 0})
+    assert not product.replicates
+    replicas = {r: s for reps in exp.replicates.values() for r, s in reps.items()}
+    assert sorted(s.seed for s in replicas.values()) == [3, 3, 4, 4]
+    for run_id, spec in replicas.items():
+        assert product.runs[run_id].identity_dict() == spec.identity_dict()
+    assert set(exp.candidate_runs) == set(product.runs)

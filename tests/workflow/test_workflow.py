@@ -3,6 +3,7 @@ once for the module; each test reads its results or plans an edit of its config.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -357,6 +358,38 @@ def test_best_lr_evaluation_probes_and_scores_only_the_best_runs(workflow, wiki_
         assert set(pd.read_parquet(root / f"results/tables/{table}.parquet").run_id) == set(best), (
             table
         )
+
+
+def test_seeds_at_best_lr_trains_replicates_of_the_best_lr_only_after_the_sweep(
+    workflow, wiki_jsonl, tmp_path
+):
+    """seeds_at_best_lr: 2 on the trained sweep (seed 0): the plan holds no training until the
+    lr_sweep checkpoint has read the sweep; then exactly one replicate (seed 1) per cell trains,
+    at the LR that did not diverge, and best_lr.parquet has n = 2 with an interval per cell."""
+    root = shutil.copytree(
+        workflow[0], tmp_path / "replicas", symlinks=True, ignore=shutil.ignore_patterns("work")
+    )
+    write_config(root, grid(wiki_jsonl, seeds_at_best_lr=2))
+    dry = snakemake(root, "-n")
+    planned = job_counts(dry.stdout + dry.stderr)
+    assert planned.get("lr_sweep") == 1 and planned.get("train", 0) == 0, planned
+    proc = snakemake(root)
+    log = proc.stdout + proc.stderr  # its Job stats are the plan before the checkpoint: count jobs
+    assert len(re.findall(r"^(?:local)?rule train:", log, re.M)) == 4
+    assert len(re.findall(r"^(?:local)?checkpoint lr_sweep:", log, re.M)) == 1
+    again = snakemake(root, "-n")
+    assert "Nothing to be done" in again.stdout + again.stderr
+    runs = pd.read_parquet(root / "results/tables/runs.parquet")
+    assert len(runs) == 12
+    replicas = runs[runs.seed == 1]
+    assert set(replicas.lr) == {3e-3} and len(replicas) == 4
+    best = pd.read_parquet(root / "results/tables/best_lr.parquet")
+    assert len(best) == 4 and set(best.n) == {2} and set(best.best_lr) == {3e-3}
+    assert (best.ci_low < best.final_val_loss).all() and (best.final_val_loss < best.ci_high).all()
+    sweep = pd.read_parquet(root / "results/tables/lr_sweep.parquet")
+    assert set(sweep.n) == {1} and sorted(
+        r for ids in sweep.replicate_run_ids for r in ids
+    ) == sorted(replicas.run_id)
 
 
 def test_invalid_config_fails_before_any_job(workflow, wiki_jsonl, tmp_path):

@@ -2,7 +2,33 @@
 
 # The grid's identity of each run (RunSpec.spec_hash): the tables refuse a summary.json that
 # belongs to another run or to an older version of this grid, naming the file.
-SPEC_HASHES = {run_id: spec.spec_hash() for run_id, spec in RUNS.items()}
+SPEC_HASHES = {run_id: spec.spec_hash() for run_id, spec in ALL_RUNS.items()}
+
+
+if EXP.replicates:
+
+    # A checkpoint: `seeds_at_best_lr` replicates each cell's best LR, chosen here on the sweep's
+    # seeds; tabled_runs (common.smk) reads which replicates exist from its table.
+    checkpoint lr_sweep:
+        input:
+            summaries=[f"{RESULTS}/runs/{run_id}/summary.json" for run_id in RUNS],
+            data=f"{DATA_DIR}/meta.json",
+        output:
+            sweep=f"{RESULTS}/tables/lr_sweep.parquet",
+        params:
+            experiment=EXPERIMENT,
+            spec_hashes={run_id: SPEC_HASHES[run_id] for run_id in RUNS},
+            budget_params=config.get("budget", {}).get("params"),
+            learned_margin=config["analysis"]["learned_margin"],
+            replicates={run_id: list(replicas) for run_id, replicas in EXP.replicates.items()},
+        log:
+            f"{RESULTS}/logs/lr_sweep.log",
+        benchmark:
+            f"{RESULTS}/benchmarks/lr_sweep.tsv"
+        conda:
+            "../../envs/depthbench.yaml"
+        script:
+            "../../scripts/lr_sweep.py"
 
 
 # A checkpoint: with `probes.runs: best_lr` or `nll.runs: best_lr` the probe and NLL jobs are
@@ -20,8 +46,8 @@ checkpoint tables:
         dynamics=f"{RESULTS}/tables/dynamics.parquet",
     params:
         experiment=EXPERIMENT,
-        run_ids=list(RUNS),
         spec_hashes=SPEC_HASHES,  # each summary.json must match its run's identity
+        sweep_seeds=config["seeds"],  # the best LR is chosen on these (replicates: seeds_at_best_lr)
         budget_params=config.get("budget", {}).get("params"),
         learned_margin=config["analysis"]["learned_margin"],  # runs.parquet `learned`
     log:

@@ -4,9 +4,22 @@ wildcard_constraints:
     run_id="[A-Za-z0-9_.+-]+",
 
 
+def tabled_runs():
+    """The run ids the tables merge: the grid's runs (the LR sweep) and, with `seeds_at_best_lr`,
+    the replicates at each cell's best LR, read from the lr_sweep checkpoint's table, so
+    Snakemake schedules them only once the sweep has trained."""
+    if not EXP.replicates:
+        return list(RUNS)
+    import pandas as pd
+
+    sweep = pd.read_parquet(checkpoints.lr_sweep.get().output.sweep)
+    chosen = {run_id for ids in sweep["replicate_run_ids"] for run_id in ids}
+    return list(RUNS) + [run_id for run_id in ALL_RUNS if run_id in chosen]
+
+
 def run_outputs(name):
-    """Paths of one declared output file for every run of the grid."""
-    return [f"{RESULTS}/runs/{run_id}/{name}" for run_id in RUNS]
+    """Input function: paths of one declared output file for every run the tables merge."""
+    return lambda wildcards: [f"{RESULTS}/runs/{run_id}/{name}" for run_id in tabled_runs()]
 
 
 def train_threads(wildcards):
@@ -55,6 +68,7 @@ FIGURE_SETTINGS = {
     "learning_rates": config["learning_rates"],
     "learning_rates_by_arch": config["learning_rates_by_arch"],
     "seeds": config["seeds"],
+    "seeds_at_best_lr": config["seeds_at_best_lr"],
     "arch_options": config["model"]["arch_options"],
     "probes": {k: config["probes"][k] for k in ("causal_threshold", "permutation_threshold", "usefulness_threshold", "dead_zone_threshold")},
     "removal": {k: config["removal"][k] for k in ("enabled", "tolerance")},
@@ -70,12 +84,12 @@ def evaluated_runs(stage):
 
     def run_ids(wildcards):
         if config[stage]["runs"] == "all":
-            return list(RUNS)
+            return tabled_runs()
         import pandas as pd
 
         from depthbench.analysis.tables import best_lr_run_ids
 
         out = checkpoints.tables.get().output
-        return best_lr_run_ids(pd.read_parquet(out.runs), pd.read_parquet(out.best_lr), RUNS)
+        return best_lr_run_ids(pd.read_parquet(out.runs), pd.read_parquet(out.best_lr), ALL_RUNS)
 
     return run_ids

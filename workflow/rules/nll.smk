@@ -31,7 +31,7 @@ rule nll:
     output:
         f"{RESULTS}/nll/{{run_id}}.parquet",
     params:
-        spec=lambda wc: RUNS[wc.run_id].identity_dict(),
+        spec=lambda wc: ALL_RUNS[wc.run_id].identity_dict(),
         settings=NLL_SETTINGS,  # tokens_per_batch is operational: read from the config by the script
         run_dir=lambda wc: f"{RESULTS}/runs/{wc.run_id}",
         work_dir=lambda wc: f"{RESULTS}/work/{wc.run_id}",

@@ -12,7 +12,7 @@ rule probe:
     output:
         f"{RESULTS}/probes/{{run_id}}.parquet",
     params:
-        spec=lambda wc: RUNS[wc.run_id].identity_dict(),
+        spec=lambda wc: ALL_RUNS[wc.run_id].identity_dict(),
         # at_steps only when on, so that probe files made before it existed are not redone
         settings={k: v for k, v in config["probes"].items() if k not in ("enabled", "runs") and (k != "at_steps" or v)},
         data_dir=DATA_DIR,

@@ -17,7 +17,7 @@ rule removal:
     output:
         f"{RESULTS}/removal/{{run_id}}.parquet",
     params:
-        spec=lambda wc: RUNS[wc.run_id].identity_dict(),
+        spec=lambda wc: ALL_RUNS[wc.run_id].identity_dict(),
         settings=REMOVAL_SETTINGS,
         probe_settings=REMOVAL_PROBE_SAMPLE,
         data_dir=DATA_DIR,

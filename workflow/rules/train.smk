@@ -9,7 +9,7 @@ AT_STEPS = config["probes"]["at_steps"] if config["probes"]["enabled"] else []
 
 
 def snapshot_steps(wildcards):
-    return resolve_steps(AT_STEPS, RUNS[wildcards.run_id].train.total_steps)
+    return resolve_steps(AT_STEPS, ALL_RUNS[wildcards.run_id].train.total_steps)
 
 
 SNAPSHOTS = f"{RESULTS}/runs/{{run_id}}/snapshots"
@@ -25,7 +25,7 @@ rule train:
         **({"snapshots": directory(SNAPSHOTS)} if AT_STEPS else {}),
     params:
         # the run's identity only: operational settings are read from the config by the script
-        spec=lambda wc: RUNS[wc.run_id].identity_dict(),
+        spec=lambda wc: ALL_RUNS[wc.run_id].identity_dict(),
         data_dir=DATA_DIR,
         run_dir=lambda wc: f"{RESULTS}/runs/{wc.run_id}",
         work_dir=lambda wc: f"{RESULTS}/work/{wc.run_id}",
