@@ -103,6 +103,8 @@ class SweepPlan(list):
     def __init__(self, plans=(), tokenization: TokenizationEstimate | None = None):
         super().__init__(plans)
         self.tokenization = tokenization
+        # seeds_at_best_lr: one cell's replicates each, standing for those the sweep will choose
+        self.replicates: list[RunPlan] = []
 
 
 def plan_experiment(
@@ -113,8 +115,8 @@ def plan_experiment(
         raise ValueError(f"--mfu {mfu}: must be in (0, 1]")
     world = ranks_per_run(exp.config["launcher"])
     cache: dict = {}
-    plans = SweepPlan(tokenization=tokenization_estimate(exp))
-    for run_id, spec in exp.runs.items():
+
+    def run_plan(run_id, spec) -> RunPlan:
         tc = spec.train
         tokens = tc.total_steps * tc.tokens_per_step
         key = json.dumps(
@@ -134,21 +136,36 @@ def plan_experiment(
         cost, est = cache[key]
         flops = cost["train_flops_per_token"] * tokens
         params = cost["params_total"]
-        plans.append(
-            RunPlan(
-                run_id=run_id,
-                tokens=tokens,
-                flops=flops,
-                gpu_hours=flops / (mfu * peak) / 3600.0,  # GPU-hours: total work / per-GPU rate
-                memory=est.total(False) * (1 + HEADROOM),
-                memory_checkpointed=est.total(True) * (1 + HEADROOM),
-                needs_checkpointing=est.needs_checkpointing(gpu_memory),
-                fits=est.fits(gpu_memory),
-                disk=params * (CHECKPOINT_BYTES_PER_PARAM + WEIGHTS_BYTES_PER_PARAM),
-                checkpointing=est.checkpointing_for(gpu_memory),
-                memory_auto=est.total(est.checkpointing_for(gpu_memory)) * (1 + HEADROOM),
-            )
+        return RunPlan(
+            run_id=run_id,
+            tokens=tokens,
+            flops=flops,
+            gpu_hours=flops / (mfu * peak) / 3600.0,  # GPU-hours: total work / per-GPU rate
+            memory=est.total(False) * (1 + HEADROOM),
+            memory_checkpointed=est.total(True) * (1 + HEADROOM),
+            needs_checkpointing=est.needs_checkpointing(gpu_memory),
+            fits=est.fits(gpu_memory),
+            disk=params * (CHECKPOINT_BYTES_PER_PARAM + WEIGHTS_BYTES_PER_PARAM),
+            checkpointing=est.checkpointing_for(gpu_memory),
+            memory_auto=est.total(est.checkpointing_for(gpu_memory)) * (1 + HEADROOM),
         )
+
+    plans = SweepPlan(
+        [run_plan(run_id, spec) for run_id, spec in exp.runs.items()],
+        tokenization=tokenization_estimate(exp),
+    )
+    # seeds_at_best_lr: one cell's replicates cost the same at any of its LRs, so those of the
+    # cell's first LR stand for the ones the sweep will choose
+    cells: dict[str, dict] = {}
+    for sweep_id, replicas in exp.replicates.items():
+        spec = exp.runs[sweep_id]
+        cell = json.dumps(
+            [spec.arch, spec.model.to_dict(), spec.knobs], sort_keys=True, default=str
+        )
+        cells.setdefault(cell, replicas)
+    plans.replicates = [
+        run_plan(rid, spec) for reps in cells.values() for rid, spec in reps.items()
+    ]
     return plans
 
 
@@ -179,6 +196,15 @@ def format_plan(plans: list[RunPlan], gpu: str, mfu: float, gpu_memory: float) -
         f"(memory includes {HEADROOM:.0%} headroom; "
         "AC = the mode train.activation_checkpointing: auto picks, AC GiB its memory)"
     )
+    replicates = getattr(plans, "replicates", [])
+    if replicates:
+        lines.append(
+            f"after the LR sweep: {len(replicates)} replicate runs at the cells' best LRs "
+            f"(seeds_at_best_lr), {sum(p.tokens for p in replicates):,} tokens, "
+            f"{sum(p.flops for p in replicates):.3e} FLOPs, "
+            f"{sum(p.gpu_hours for p in replicates):,.0f} GPU-hours; "
+            f"{sum(not p.fits for p in replicates)} do not fit"
+        )
     if getattr(plans, "tokenization", None) is not None:
         lines.append(format_tokenization(plans.tokenization))
     return "\n".join(lines)

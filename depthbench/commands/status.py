@@ -1,22 +1,24 @@
 """`depthbench status [CONFIG]`: where each run of the grid stands, and what the next `snakemake`
 run would do, computed from the files under results/ without running anything.
 
-Per run: `trained` (summary status ok), `at-floor` (trained, but its final validation loss is not
-analysis.learned_margin nats below the unigram floor: it did not learn, and the claims leave out
-its cell when it is the cell's best run), `diverged`, `probed` and `scored` (its probe / NLL
-Parquet exists and is current; with `probes.runs` / `nll.runs: best_lr` only the runs at their
-cell's best LR in results/tables are evaluated, `-` for the others and `later` while that table is
-missing or older than a summary), `missing` (no summary; `partial` when a checkpoint exists, so
-training resumes from it), `stale` (an output exists but is older than one of its inputs) and
-`incomplete` (Snakemake's marker under .snakemake/incomplete/ says its train job was interrupted:
-Snakemake refuses to go on without `--rerun-incomplete`, which retrains it). A summary that is
-unreadable, copied from another run or edited (see depthbench.train.runcheck.read_summary) is
-`invalid`: Snakemake would not retrain it (nothing it tracks changed) and the tables would refuse
-it, so the fix is `snakemake --forcerun` on its summary. Final weights that do not hash to the
-digest their summary records are `corrupt` (depthbench.train.runcheck): every stage refuses
-them, and `snakemake --forcerun` on them retrains the run from its last checkpoint. Weights
-whose summary records no digest are `unchecked`, with the `depthbench checksum RUN_DIR` command
-that records it. Checking the digests reads every run's weights.
+Runs: the grid's, and with `seeds_at_best_lr` the replicates that the LR sweep's table
+(results/tables/lr_sweep.parquet) calls for once it is current; until then the plan says that they
+follow the sweep. Per run: `trained` (summary status ok), `at-floor` (trained, but its final
+validation loss is not analysis.learned_margin nats below the unigram floor: it did not learn, and
+the claims leave out its cell when it is the cell's best run), `diverged`, `probed` and `scored`
+(its probe / NLL Parquet exists and is current; with `probes.runs` / `nll.runs: best_lr` only the
+runs at their cell's best LR in results/tables are evaluated, `-` for the others and `later` while
+that table is missing or older than a summary), `missing` (no summary; `partial` when a checkpoint
+exists, so training resumes from it), `stale` (an output exists but is older than one of its
+inputs) and `incomplete` (Snakemake's marker under .snakemake/incomplete/ says its train job was
+interrupted: Snakemake refuses to go on without `--rerun-incomplete`, which retrains it). A summary
+that is unreadable, copied from another run or edited (see depthbench.train.runcheck.read_summary)
+is `invalid`: Snakemake would not retrain it (nothing it tracks changed) and the tables would
+refuse it, so the fix is `snakemake --forcerun` on its summary. Final weights that do not hash to
+the digest their summary records are `corrupt` (depthbench.train.runcheck): every stage refuses
+them, and `snakemake --forcerun` on them retrains the run from its last checkpoint. Weights whose
+summary records no digest are `unchecked`, with the `depthbench checksum RUN_DIR` command that
+records it. Checking the digests reads every run's weights.
 
 The plan mirrors the workflow's rules (train -> probe, nll -> tables and figures) with
 Snakemake's mtime trigger as the pinned Snakemake (9) applies it by default: an input newer than
@@ -34,9 +36,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from depthbench.commands.sweep_state import best_lr_runs, chosen_replicates
 from depthbench.commands.snakemake_records import (
     file_mtime,
-    newer_input,
     incomplete_outputs,
     updated_input,
 )
@@ -129,23 +131,6 @@ def _stage_state(
     )
 
 
-def _best_lr_runs(exp: Experiment, results: Path) -> set[str] | None:
-    """The runs at their cell's best LR per results/tables, or None while the tables are missing
-    or older than a run's summary, or a run has none yet (the workflow's tables checkpoint would
-    choose again)."""
-    runs, best = results / "tables" / "runs.parquet", results / "tables" / "best_lr.parquet"
-    if not (runs.exists() and best.exists()):
-        return None
-    summaries = [results / "runs" / run_id / "summary.json" for run_id in exp.runs]
-    if any(not path.exists() for path in summaries) or newer_input(best, summaries):
-        return None
-    import pandas as pd
-
-    from depthbench.analysis.tables import best_lr_run_ids
-
-    return set(best_lr_run_ids(pd.read_parquet(runs), pd.read_parquet(best), exp.runs))
-
-
 def _at_floor(exp: Experiment, meta: Path, summary: Path) -> str | None:
     """Why a trained run did not learn (depthbench.analysis.readers.learned), or None: it did,
     or the shards' meta.json records no unigram floor."""
@@ -173,9 +158,10 @@ def run_statuses(exp: Experiment, results: str | os.PathLike = RESULTS) -> list[
     results = Path(results)
     meta = results / "data" / exp.data_id / "meta.json"
     sets = _nll_sets_path(exp, results)
-    best = _best_lr_runs(exp, results)
+    runs = {**exp.runs, **(chosen_replicates(exp, results) or {})}
+    best = best_lr_runs(exp, results, list(runs))
     out = []
-    for run_id, spec in exp.runs.items():
+    for run_id, spec in runs.items():
         run = results / "runs" / run_id
         state, reasons = _train_state(spec, run, results / "work" / run_id, meta)
         why = _at_floor(exp, meta, run / "summary.json") if state == "trained" else None
@@ -235,6 +221,12 @@ def plan(
     lines = []
     if not (results / "data" / exp.data_id / "meta.json").exists():
         lines.append(f"tokenize: build results/data/{exp.data_id} (tokenizer and shards) first")
+    if chosen_replicates(exp, results) is None:
+        n = exp.config["seeds_at_best_lr"]
+        lines.append(
+            f"train, later: the replicates that give each cell's best LR {n} seeds "
+            "(seeds_at_best_lr), once every run of the LR sweep has trained"
+        )
     for job in ("train", "train (resume)", "probe", "nll"):
         ids = [s.run_id for s in statuses if job in s.jobs]
         if ids:

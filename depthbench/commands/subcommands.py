@@ -53,9 +53,12 @@ def cmd_validate(args) -> None:
     from depthbench.grid.config import ignored_settings
 
     exp = _experiment(args.config)
+    cells = {(s.arch, s.model.n_layer, s.model.d_model, str(s.knobs)) for s in exp.runs.values()}
+    extra = len(next(iter(exp.replicates.values()), {})) * len(cells)
     print(
-        f"{args.config}: valid; {len(exp.runs)} runs, data {exp.data_id}, "
-        f"tokenizer {exp.tokenizer_id}"
+        f"{args.config}: valid; {len(exp.runs)} runs"
+        + (f" and {extra} replicates at the cells' best LRs (seeds_at_best_lr)" if extra else "")
+        + f", data {exp.data_id}, tokenizer {exp.tokenizer_id}"
     )
     for line in ignored_settings(exp.config):
         print(f"  ignored (no architecture of the grid reads it): {line}")

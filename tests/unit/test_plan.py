@@ -55,3 +55,21 @@ def test_pre_tokenized_shards_have_no_tokenization_estimate(tmp_path):
         "vocab_size": 512,
     }  # the default grid's, for which its budget is solved
     assert tokenization_estimate(expand_grid(config)) is None
+
+
+def test_the_plan_counts_one_cells_replicates_per_cell_after_the_sweep():
+    """seeds_at_best_lr: 3 over seeds [0] on the default grid: 2 replicates for each of its 18
+    cells, whatever LR the sweep picks (the cost of a run does not depend on its LR)."""
+    from depthbench.commands.plan import plan_experiment
+
+    config = load_config("config/config.yaml")
+    exp = expand_grid({**config, "seeds": [0], "seeds_at_best_lr": 3})
+    plans = plan_experiment(exp)
+    cells = {(s.arch, s.model.n_layer) for s in exp.runs.values()}
+    assert len(cells) == 18 and len(plans.replicates) == 36 and len(plans) == len(exp.runs)
+    by_cell = {(s.arch, s.model.n_layer): s for s in exp.runs.values()}
+    assert sum(p.tokens for p in plans.replicates) == 2 * sum(
+        s.train.total_steps * s.train.tokens_per_step for s in by_cell.values()
+    )
+    text = format_plan(plans, "H100 SXM", 0.4, 80e9)
+    assert "after the LR sweep: 36 replicate runs at the cells' best LRs" in text

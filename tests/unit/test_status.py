@@ -129,3 +129,29 @@ def test_status_marks_trained_runs_that_did_not_learn(wiki_jsonl, tmp_path, caps
     narrow = tmp_path / "narrow.yaml"
     narrow.write_text(cfg.read_text() + "analysis: {learned_margin: 0.01}\n")
     assert states(narrow)[0] == {stuck: "trained", learned: "trained"}
+
+
+def test_status_lists_replicates_once_the_lr_sweep_has_chosen_them(wiki_jsonl, tmp_path, capsys):
+    """seeds_at_best_lr: while the sweep's table is missing, status says replicates follow the
+    sweep and lists none; once results/tables/lr_sweep.parquet names one, it is a run of the
+    grid (missing, to train) and the plan counts it."""
+    from depthbench.commands.cli import main
+
+    config = tiny_config(wiki_jsonl, learning_rates=[3e-3, 1e-2], seeds_at_best_lr=2)
+    cfg, exp, res = status_grid(config, tmp_path)
+    for rid in exp.runs:
+        fake_summary(res, exp.runs[rid])
+    assert main(["status", str(cfg), "--results", str(res)]) == 0
+    out = capsys.readouterr().out
+    assert "2 runs: 2 trained" in out and "once every run of the LR sweep has trained" in out
+    sweep_id = min(exp.runs, key=lambda rid: exp.runs[rid].lr)
+    (replica,) = exp.replicates[sweep_id]
+    (res / "tables").mkdir()
+    pd.DataFrame({"best_lr": [3e-3], "replicate_run_ids": [[replica]]}).to_parquet(
+        res / "tables" / "lr_sweep.parquet"
+    )
+    assert main(["status", str(cfg), "--results", str(res)]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines() if line.split()}
+    assert rows[replica] == "missing" and "3 runs: 1 missing, 2 trained" in out
+    assert "train: 1 run" in out and "LR sweep" not in out
