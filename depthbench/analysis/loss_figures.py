@@ -52,7 +52,8 @@ def _seed_text(best: pd.DataFrame, seeds: pd.Series) -> str:
 def headline(tables: dict, ctx: S.Context):
     """Top: loss at the best LR (its 95% t interval over seeds as bars, "n=1" beside a cell of
     one seed among cells of several, open markers where the best LR is at the edge of the
-    swept range) against d_model / n_layer; middle, where the grid has layer
+    swept range, a cross on a cell whose best-LR runs did not learn: runs.parquet `learned`)
+    against d_model / n_layer; middle, where the grid has layer
     removal: the fraction of layers removable within the tolerance (effective depth, the best
     ranking); bottom: budget deviation."""
     best, runs = tables.get("best_lr", pd.DataFrame()), tables.get("runs", pd.DataFrame())
@@ -93,6 +94,8 @@ def headline(tables: dict, ctx: S.Context):
     deviation = _budget_deviation(best, runs, ctx.budget)
     seeds = best["n"] if "n" in best.columns else best.get("n_seeds", pd.Series(dtype=int))
     mixed_n = "n" in best.columns and (seeds == 1).any() and (seeds >= 2).any()
+    # cells whose best-LR runs all ended within analysis.learned_margin of the unigram floor
+    unlearned = R.not_learned_cells(runs, best)
     curves, dev_curves = {}, {}
     series = list(
         best[["arch", "knobs"]]
@@ -127,6 +130,8 @@ def headline(tables: dict, ctx: S.Context):
                 edgecolors=st["color"],
                 linewidths=1.5,
             )
+        flat = g.merge(unlearned[R.SHAPE_KEYS], on=R.SHAPE_KEYS)
+        ax.scatter(flat["ratio"], flat["final_val_loss"], s=90, marker="x", color=st["color"])
         curves[name] = g.set_index("ratio")["final_val_loss"]
         if deviation is not None:
             dev_curves[name] = (
@@ -152,8 +157,15 @@ def headline(tables: dict, ctx: S.Context):
         if "lr_at_edge" in best.columns
         else "LR-at-edge not in best_lr table"
     )
+    flat_text = (
+        "x: did not learn (within the learned margin of the floor; the claims leave it out)"
+        if not unlearned.empty
+        else ""
+    )
     ax.set_title(
-        "; ".join(p for p in (extra, _seed_text(best, seeds)) if p), fontsize=S.FONT["label"]
+        "; ".join(p for p in (extra, _seed_text(best, seeds)) if p)
+        + (f"\n{flat_text}" if flat_text else ""),
+        fontsize=S.FONT["label"],
     )
     S.legend(ax, ncol=2 if len(curves) > 5 else 1)
     if deviation is None:

@@ -36,7 +36,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from depthbench.commands.sweep_state import best_lr_runs, chosen_replicates
+from depthbench.commands.sweep_state import best_lr_runs, chosen_replicates, tabled_run_ids
 from depthbench.commands.snakemake_records import (
     file_mtime,
     incomplete_outputs,
@@ -60,6 +60,7 @@ class RunStatus:
     scored: str = "-"
     reasons: list[str] = field(default_factory=list)
     jobs: list[str] = field(default_factory=list)  # what the next snakemake run does for it
+    state_needs_force: bool = False  # outputs lost after the tables: only --forcerun redoes it
 
 
 def _nll_sets_path(exp: Experiment, results: Path) -> Path:
@@ -131,6 +132,11 @@ def _stage_state(
     )
 
 
+def _older_input(reasons: list[str]) -> bool:
+    # stale by an input newer than the summary: Snakemake's mtime trigger redoes it by itself
+    return any("is older than its input" in reason for reason in reasons)
+
+
 def _at_floor(exp: Experiment, meta: Path, summary: Path) -> str | None:
     """Why a trained run did not learn (depthbench.analysis.readers.learned), or None: it did,
     or the shards' meta.json records no unigram floor."""
@@ -159,6 +165,7 @@ def run_statuses(exp: Experiment, results: str | os.PathLike = RESULTS) -> list[
     meta = results / "data" / exp.data_id / "meta.json"
     sets = _nll_sets_path(exp, results)
     runs = {**exp.runs, **(chosen_replicates(exp, results) or {})}
+    tabled = tabled_run_ids(results)
     best = best_lr_runs(exp, results, list(runs))
     out = []
     for run_id, spec in runs.items():
@@ -175,7 +182,20 @@ def run_statuses(exp: Experiment, results: str | os.PathLike = RESULTS) -> list[
             "incomplete",
             "corrupt",
         )  # corrupt: once its advice is taken
-        if state == "incomplete":
+        lost = state in ("missing", "partial", "stale") and not _older_input(reasons)
+        if lost and run_id in tabled:
+            # Its outputs went missing after the tables read them: Snakemake reruns a job for a
+            # missing output only when a consumer of that output has to run, and none does.
+            st.reasons.append(
+                "results/tables/runs.parquet already holds this run, so snakemake alone redoes "
+                "nothing for it"
+            )
+            st.jobs.append(
+                f"none: `snakemake --forcerun {run / 'summary.json'}` trains it again"
+                + (" (from its checkpoint)" if state == "partial" else "")
+            )
+            st.state_needs_force = True
+        elif state == "incomplete":
             st.jobs.append("train (--rerun-incomplete)")
         elif state == "corrupt":
             st.jobs.append(
@@ -205,9 +225,8 @@ def run_statuses(exp: Experiment, results: str | os.PathLike = RESULTS) -> list[
             setattr(st, attr, value)
             if reason:
                 st.reasons.append(reason)
-            if (
-                value != "yes" and state != "corrupt"
-            ):  # its stages fail until the run is trained again
+            # corrupt: its stages fail until it is trained again; forced: they follow the force
+            if value != "yes" and state != "corrupt" and not st.state_needs_force:
                 st.jobs.append(job)
         out.append(st)
     return out
@@ -242,6 +261,12 @@ def plan(
         lines.append(
             f"probe, nll, export: fail on {len(corrupt)} run{'s' * (len(corrupt) != 1)} "
             "with corrupt weights (see above)"
+        )
+    forced = [s.run_id for s in statuses if s.state_needs_force]
+    if forced:
+        lines.append(
+            f"not redone without --forcerun: {len(forced)} run{'s' * (len(forced) != 1)} whose "
+            "outputs are missing but already in the tables (see above)"
         )
     incomplete = [s.run_id for s in statuses if s.state == "incomplete"]
     if incomplete:

@@ -1,8 +1,8 @@
-"""Which runs the workflow's checkpoints have chosen, read from results/tables as
-`depthbench status` needs them: the replicates `seeds_at_best_lr` adds at each cell's best LR
-(the lr_sweep checkpoint's table) and the runs `probes.runs` / `nll.runs: best_lr` evaluate (the
-tables checkpoint's best_lr table). Each is None while its table is missing or older than a run
-it reads: the workflow would choose again."""
+"""What results/tables says about the runs, as `depthbench status` needs it: which runs the tables
+already hold, and which the workflow's checkpoints have chosen: the replicates
+`seeds_at_best_lr` adds at each cell's best LR (the lr_sweep checkpoint's table) and the runs
+`probes.runs` / `nll.runs: best_lr` evaluate (the tables checkpoint's best_lr table). Each is
+None while its table is missing or older than a run it reads: the workflow would choose again."""
 
 from __future__ import annotations
 
@@ -48,3 +48,16 @@ def best_lr_runs(exp: Experiment, results: Path, run_ids: list[str]) -> set[str]
     from depthbench.analysis.tables import best_lr_run_ids
 
     return set(best_lr_run_ids(pd.read_parquet(runs), pd.read_parquet(best), exp.candidate_runs))
+
+
+def tabled_run_ids(results: Path) -> set[str]:
+    """The run ids results/tables/runs.parquet holds (none while it is missing or unreadable)."""
+    table = results / "tables" / "runs.parquet"
+    if not table.exists():
+        return set()
+    import pandas as pd
+
+    try:
+        return set(pd.read_parquet(table, columns=["run_id"])["run_id"])
+    except (OSError, ValueError, KeyError):
+        return set()

@@ -171,3 +171,29 @@ def test_figures_of_tables_without_interval_columns_say_so(base):
     fig = registry.FIGURES["probe_shares"].draw(tables, CTX)
     assert "no intervals in the table" in _texts(fig)
     plt.close(fig)
+
+
+def test_headline_crosses_the_cells_that_did_not_learn(base):
+    """A cell whose best-LR runs are `learned: false` gets a cross and the title says what it
+    means; without such a cell there is neither."""
+    runs = base["runs"].assign(learned=True)
+    fig = registry.FIGURES["headline"].draw({**base, "runs": runs}, CTX)
+    assert "did not learn" not in _texts(fig)
+    assert not [c for c in fig.axes[0].collections if len(c.get_offsets()) and _is_cross(c)]
+    plt.close(fig)
+    flat = runs.assign(learned=~((runs["arch"] == "hc") & (runs["n_layer"] == 4)))
+    fig = registry.FIGURES["headline"].draw({**base, "runs": flat}, CTX)
+    crosses = [c for c in fig.axes[0].collections if len(c.get_offsets()) and _is_cross(c)]
+    assert len(crosses) == 1 and len(crosses[0].get_offsets()) == 1
+    assert "x: did not learn" in _texts(fig)
+    plt.close(fig)
+
+
+def _is_cross(collection) -> bool:
+    from matplotlib.markers import MarkerStyle
+
+    cross = MarkerStyle("x").get_path().transformed(MarkerStyle("x").get_transform())
+    return any(
+        len(p.vertices) == len(cross.vertices) and (p.vertices == cross.vertices).all()
+        for p in collection.get_paths()
+    )

@@ -157,6 +157,22 @@ def test_summary_of_another_run_advice_retrains_it(workflow):
     _clean(root, ids, runs_only=True)
 
 
+def test_weights_deleted_after_the_tables_advice_retrains_the_run(workflow):
+    """A trained run's weights deleted once the tables hold it: Snakemake alone redoes nothing (a
+    missing intermediate file reruns no job whose consumers are done), so status does not
+    promise a train job but prints the --forcerun that retrains it."""
+    root, ids = workflow
+    weights = root / "results" / "runs" / ids[0] / "model.safetensors"
+    weights.unlink()
+    rows, out = _status(root)
+    assert rows[ids[0]][0] == "stale" and rows[ids[0]][3] == "none:", out
+    assert "train: " not in out and "not redone without --forcerun: 1 run" in out
+    assert _plan(root) == {}
+    _snakemake(root, *_advice(out, ids[0])[1:])
+    assert weights.exists()
+    _clean(root, ids, runs_only=True)
+
+
 def test_incomplete_marker_is_reported_as_snakemake_sees_it(workflow):
     from depthbench.commands.snakemake_records import snakemake_record as record_path
 
