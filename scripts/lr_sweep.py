@@ -4,7 +4,8 @@
 import sys
 from pathlib import Path
 
-from depthbench.analysis.tables import best_learning_rates, replicate_run_ids, run_rows
+from depthbench.analysis.tables import best_learning_rates, best_lr_run_ids, replicate_run_ids
+from depthbench.analysis.tables import run_rows
 from depthbench.analysis.tables import write_parquet
 from depthbench.data.shards import unigram_floor
 from depthbench.launch.process import exit_without_teardown
@@ -21,6 +22,11 @@ runs = run_rows(
 best = best_learning_rates(runs)
 replicates = dict(snakemake.params.replicates)  # noqa: F821
 keys = ["arch", "n_layer", "d_model", "knobs"]
+# the sweep's finished runs at each cell's best LR: with the replicates, what best_lr evaluation
+# probes and scores (evaluated_runs, common.smk), known here before the replicates train
+best["sweep_run_ids"] = [
+    best_lr_run_ids(runs, best.iloc[[i]], runs["run_id"]) for i in range(len(best))
+]
 best["replicate_run_ids"] = [
     replicate_run_ids(runs, best.iloc[[i]], replicates) for i in range(len(best))
 ]

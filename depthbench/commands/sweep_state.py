@@ -38,7 +38,18 @@ def chosen_replicates(exp: Experiment, results: Path) -> dict[str, RunSpec] | No
 
 def best_lr_runs(exp: Experiment, results: Path, run_ids: list[str]) -> set[str] | None:
     """The runs at their cell's best LR per results/tables, or None while the tables are missing
-    or older than the summary of one of `run_ids` (the runs the tables merge), or one has none."""
+    or older than the summary of one of `run_ids` (the runs the tables merge), or one has none.
+    With `seeds_at_best_lr` the LR sweep's table names them (the sweep's runs at the best LR and
+    the replicates), as for the workflow, which evaluates them beside the replicates' training."""
+    if exp.replicates:
+        table = results / "tables" / "lr_sweep.parquet"
+        sweep = [results / "runs" / run_id / "summary.json" for run_id in exp.runs]
+        if not _current(table, sweep):
+            return None
+        import pandas as pd
+
+        chosen = pd.read_parquet(table)
+        return {r for c in ("sweep_run_ids", "replicate_run_ids") for ids in chosen[c] for r in ids}
     runs, best = results / "tables" / "runs.parquet", results / "tables" / "best_lr.parquet"
     summaries = [results / "runs" / run_id / "summary.json" for run_id in run_ids]
     if not (runs.exists() and _current(best, summaries)):

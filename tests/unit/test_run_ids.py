@@ -93,7 +93,7 @@ def test_n_blocks_renames_only_attnres_block_runs_of_the_default(tmp_path):
     before = [spec.arch + ":" + run_id for run_id, spec in expand_grid(config).runs.items()]
     config["model"]["arch_options"]["n_blocks"] = 2
     after = [spec.arch + ":" + run_id for run_id, spec in expand_grid(config).runs.items()]
-    assert len(before) == len(after) == 63
+    assert len(before) == len(after) == 54
     differ = {b.split(":")[0] for b, a in zip(before, after) if b != a}
     assert differ == {"attnres_block"}
     assert sum(b != a for b, a in zip(before, after)) == 9
@@ -102,8 +102,13 @@ def test_n_blocks_renames_only_attnres_block_runs_of_the_default(tmp_path):
 def test_shared_options_ids_are_the_ids_hashed_over_the_whole_section():
     """The ids DepthBench gave the default's runs when every run hashed the whole
     model.arch_options section (`depthbench runs config/config.yaml` then): what
-    `depthbench rename-runs` finds on disk."""
-    exp = expand_grid(load_config("config/config.yaml"))
+    `depthbench rename-runs` finds on disk; the default's recipe of that time restored."""
+    config = load_config("config/config.yaml")
+    config["train"].update(
+        global_batch_size=12, micro_batch_size=12, tokens_per_param=0.375, min_lr_ratio=0.1
+    )
+    config["learning_rates_by_arch"]["pre_ln"] = [8.0e-4, 2.0e-3, 5.0e-3, 1.25e-2]
+    exp = expand_grid(config)
     old = shared_options_ids(exp)
     by_arch = {}
     for new, legacy in old.items():

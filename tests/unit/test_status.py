@@ -138,6 +138,7 @@ def test_status_lists_replicates_once_the_lr_sweep_has_chosen_them(wiki_jsonl, t
     from depthbench.commands.cli import main
 
     config = tiny_config(wiki_jsonl, learning_rates=[3e-3, 1e-2], seeds_at_best_lr=2)
+    config["probes"] = {"runs": "best_lr"}
     cfg, exp, res = status_grid(config, tmp_path)
     for rid in exp.runs:
         fake_summary(res, exp.runs[rid])
@@ -147,11 +148,15 @@ def test_status_lists_replicates_once_the_lr_sweep_has_chosen_them(wiki_jsonl, t
     sweep_id = min(exp.runs, key=lambda rid: exp.runs[rid].lr)
     (replica,) = exp.replicates[sweep_id]
     (res / "tables").mkdir()
-    pd.DataFrame({"best_lr": [3e-3], "replicate_run_ids": [[replica]]}).to_parquet(
-        res / "tables" / "lr_sweep.parquet"
-    )
+    other = max(exp.runs, key=lambda rid: exp.runs[rid].lr)
+    assert "later" in out  # the best-LR probes wait for the sweep's table
+    pd.DataFrame(
+        {"best_lr": [3e-3], "sweep_run_ids": [[sweep_id]], "replicate_run_ids": [[replica]]}
+    ).to_parquet(res / "tables" / "lr_sweep.parquet")
     assert main(["status", str(cfg), "--results", str(res)]) == 0
     out = capsys.readouterr().out
-    rows = {line.split()[0]: line.split()[1] for line in out.splitlines() if line.split()}
-    assert rows[replica] == "missing" and "3 runs: 1 missing, 2 trained" in out
+    rows = {line.split()[0]: line.split()[1:3] for line in out.splitlines() if line.split()}
+    assert rows[replica] == ["missing", "no"] and "3 runs: 1 missing, 2 trained" in out
+    # the sweep's table, not best_lr.parquet, says which runs the probes take
+    assert rows[sweep_id] == ["trained", "no"] and rows[other] == ["trained", "-"]
     assert "train: 1 run" in out and "LR sweep" not in out

@@ -369,7 +369,10 @@ def test_seeds_at_best_lr_trains_replicates_of_the_best_lr_only_after_the_sweep(
     root = shutil.copytree(
         workflow[0], tmp_path / "replicas", symlinks=True, ignore=shutil.ignore_patterns("work")
     )
-    write_config(root, grid(wiki_jsonl, seeds_at_best_lr=2))
+    config = grid(wiki_jsonl, seeds_at_best_lr=2)
+    config["probes"] = {"runs": "best_lr"}  # chosen by lr_sweep, beside the replicates' training
+    config["nll"] = {**config["nll"], "runs": "best_lr"}
+    write_config(root, config)
     dry = snakemake(root, "-n")
     planned = job_counts(dry.stdout + dry.stderr)
     assert planned.get("lr_sweep") == 1 and planned.get("train", 0) == 0, planned
@@ -386,6 +389,9 @@ def test_seeds_at_best_lr_trains_replicates_of_the_best_lr_only_after_the_sweep(
     best = pd.read_parquet(root / "results/tables/best_lr.parquet")
     assert len(best) == 4 and set(best.n) == {2} and set(best.best_lr) == {3e-3}
     assert (best.ci_low < best.final_val_loss).all() and (best.final_val_loss < best.ci_high).all()
+    at_best = set(runs.loc[runs.lr == 3e-3, "run_id"])
+    for table in ("probes", "nll", "removal"):
+        assert set(pd.read_parquet(root / f"results/tables/{table}.parquet").run_id) == at_best
     sweep = pd.read_parquet(root / "results/tables/lr_sweep.parquet")
     assert set(sweep.n) == {1} and sorted(
         r for ids in sweep.replicate_run_ids for r in ids

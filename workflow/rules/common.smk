@@ -80,7 +80,9 @@ def evaluated_runs(stage):
     """Input function: the run ids whose `stage` (probes | nll) outputs the tables merge. With
     `{stage}.runs: all` every run of the grid; with `best_lr` the runs at their cell's best LR,
     read from the tables checkpoint's best_lr.parquet, so Snakemake schedules those jobs only
-    after every run of the grid has trained."""
+    after every run of the grid has trained. With `seeds_at_best_lr` the lr_sweep checkpoint has
+    made the same choice (on the sweep's seeds) before the replicates train: its table names the
+    runs, so their evaluation starts beside the replicates' training, not after it."""
 
     def run_ids(wildcards):
         if config[stage]["runs"] == "all":
@@ -89,6 +91,10 @@ def evaluated_runs(stage):
 
         from depthbench.analysis.tables import best_lr_run_ids
 
+        if EXP.replicates:
+            sweep = pd.read_parquet(checkpoints.lr_sweep.get().output.sweep)
+            chosen = {r for column in ("sweep_run_ids", "replicate_run_ids") for ids in sweep[column] for r in ids}
+            return [run_id for run_id in ALL_RUNS if run_id in chosen]
         out = checkpoints.tables.get().output
         return best_lr_run_ids(pd.read_parquet(out.runs), pd.read_parquet(out.best_lr), ALL_RUNS)
 
