@@ -219,6 +219,9 @@ def grid_line(config: dict) -> str:
         ]
         lrs = f"{min(every):g}..{max(every):g} per architecture"
     seeds = ",".join(str(s) for s in config.get("seeds", [0]))
+    at_best = int(config.get("seeds_at_best_lr") or 0)
+    if at_best > len(config.get("seeds", [0])):  # the replicates (seeds_at_best_lr)
+        seeds += f" ({at_best} at each best LR)"
     parts = [
         f"budget {budget:.3g} params" if budget else "",
         f"L = {depths}" if depths else "",

@@ -226,6 +226,7 @@ def test_titles_of_a_grid_with_pretrained_models_say_whose_budget_they_state():
         "seeds": [0],
     }
     assert grid_line(settings) == "budget 3.9e+05 params; L = 4; LR 0.004; seeds 0"
+    assert grid_line({**settings, "seeds_at_best_lr": 2}).endswith("seeds 0 (2 at each best LR)")
     line = grid_line({**settings, "pretrained": ["smollm2_135m_instruct"]})
     assert line == (
         "trained: budget 3.9e+05 params; L = 4; LR 0.004; seeds 0; "
