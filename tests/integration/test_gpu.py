@@ -61,9 +61,7 @@ def _require(*modules: tuple[str, str]) -> None:
 
     missing = [package for module, package in modules if importlib.util.find_spec(module) is None]
     if missing:
-        pytest.skip(
-            f"needs {', '.join(missing)} (bash scripts/setup.sh)"
-        )
+        pytest.skip(f"needs {', '.join(missing)} (bash scripts/setup.sh)")
 
 
 def test_training_on_cuda_uses_the_fast_path(request, tmp_path):

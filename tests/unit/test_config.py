@@ -283,7 +283,7 @@ def test_validate_lists_the_ignored_settings(tmp_path, capsys):
     config.write_text(text)
     assert main(["validate", str(config)]) in (0, None)
     out = capsys.readouterr().out
-    assert "24 runs" in out
+    assert "18 runs and 6 replicates" in out
     for field in (
         "learning_rates_by_arch.lns",
         "learning_rates_by_arch.attnres_full",
@@ -336,5 +336,5 @@ def test_an_overlay_narrows_the_default_grid(tmp_path):
     trained = set(re.findall(r"wildcards: run_id=([A-Za-z0-9_.+-]+)", text))
     train_jobs = re.search(r"^train\s+(\d+)$", text, re.M)
     assert train_jobs, text[-3000:]
-    assert int(train_jobs.group(1)) == 24  # 4 learning rates x 3 shapes, each
+    assert int(train_jobs.group(1)) == 18  # 3 learning rates x 3 shapes, each (replicates later)
     assert trained and {r.split("_L")[0] for r in trained} <= {"pre_ln", "hc"}

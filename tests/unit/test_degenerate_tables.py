@@ -115,8 +115,8 @@ def test_every_table_stage_finishes_on_degenerate_grids(wiki_jsonl, tmp_path, ki
         log=log,
         params=SimpleNamespace(
             experiment="tiny",
-            run_ids=list(statuses),
             spec_hashes=hashes,
+            sweep_seeds=[0],
             budget_params=None,
             learned_margin=0.1,
         ),

@@ -11,8 +11,17 @@ from tests.conftest import REPO
 
 def test_ruff_finds_nothing():
     done = subprocess.run(
-        [sys.executable, "-m", "ruff", "check", "--no-cache", "depthbench", "tests", "scripts",
-         "benchmarks"],  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ruff",
+            "check",
+            "--no-cache",
+            "depthbench",
+            "tests",
+            "scripts",
+            "benchmarks",
+        ],  # fmt: skip
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -103,7 +103,7 @@ def test_readme_commands_run_as_written(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert re.search(r"^train\s+63$", proc.stdout, re.M), proc.stdout[-2000:]
+    assert re.search(r"^train\s+54$", proc.stdout, re.M), proc.stdout[-2000:]
     (tmp_path / "config" / "config.yaml").write_text(yaml.safe_dump(_readme_error_config()))
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", "-n", "--cores", "1"],
