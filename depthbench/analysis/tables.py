@@ -226,6 +226,14 @@ def replicate_run_ids(
     return [rid for sweep_id, ids in replicates.items() if sweep_id in at_best for rid in ids]
 
 
+def lr_sweep_run_ids(path: str | Path, columns: Iterable[str]) -> set[str]:
+    """The run ids that the lr_sweep checkpoint's table at `path` lists under `columns`
+    (`sweep_run_ids`: the sweep's runs at each cell's best LR; `replicate_run_ids`: the
+    replicates those call for)."""
+    table = pd.read_parquet(path, columns=list(columns))
+    return {run_id for column in table for ids in table[column] for run_id in ids}
+
+
 def write_parquet(df: pd.DataFrame, path: str | Path) -> None:
     atomic_write(path, lambda tmp: df.to_parquet(tmp, index=False))
 

@@ -30,9 +30,9 @@ def chosen_replicates(exp: Experiment, results: Path) -> dict[str, RunSpec] | No
     table = results / "tables" / "lr_sweep.parquet"
     if not _current(table, [results / "runs" / run_id / "summary.json" for run_id in exp.runs]):
         return None
-    import pandas as pd
+    from depthbench.analysis.tables import lr_sweep_run_ids
 
-    chosen = {run_id for ids in pd.read_parquet(table)["replicate_run_ids"] for run_id in ids}
+    chosen = lr_sweep_run_ids(table, ["replicate_run_ids"])
     return {run_id: spec for run_id, spec in exp.candidate_runs.items() if run_id in chosen}
 
 
@@ -46,10 +46,9 @@ def best_lr_runs(exp: Experiment, results: Path, run_ids: list[str]) -> set[str]
         sweep = [results / "runs" / run_id / "summary.json" for run_id in exp.runs]
         if not _current(table, sweep):
             return None
-        import pandas as pd
+        from depthbench.analysis.tables import lr_sweep_run_ids
 
-        chosen = pd.read_parquet(table)
-        return {r for c in ("sweep_run_ids", "replicate_run_ids") for ids in chosen[c] for r in ids}
+        return lr_sweep_run_ids(table, ["sweep_run_ids", "replicate_run_ids"])
     runs, best = results / "tables" / "runs.parquet", results / "tables" / "best_lr.parquet"
     summaries = [results / "runs" / run_id / "summary.json" for run_id in run_ids]
     if not (runs.exists() and _current(best, summaries)):

@@ -238,23 +238,7 @@ def test_best_lr_runs_are_every_finished_seed_at_each_cells_best_lr():
     ):
         for lr, per_seed in losses.items():
             for seed, loss in enumerate(per_seed):
-                rows.append(
-                    {
-                        "experiment": "t",
-                        "arch": "hc",
-                        "n_layer": n_layer,
-                        "d_model": d_model,
-                        "knobs": "{}",
-                        "ratio": d_model / n_layer,
-                        "params": 1000,
-                        "params_vs_budget": 0.0,
-                        "lr": lr,
-                        "seed": seed,
-                        "status": "ok",
-                        "final_val_loss": loss,
-                        "run_id": f"L{n_layer}_lr{lr}_s{seed}",
-                    }
-                )
+                rows.append(_hc_row(n_layer, d_model, lr, seed, loss, f"L{n_layer}_lr{lr}_s{seed}"))
     rows.append(
         {
             **rows[-1],
@@ -282,27 +266,29 @@ def test_best_lr_runs_are_every_finished_seed_at_each_cells_best_lr():
     assert best_lr_run_ids(runs.iloc[0:0], best_learning_rates(runs.iloc[0:0]), grid_order) == []
 
 
+def _hc_row(n_layer: int, d_model: int, lr: float, seed: int, loss: float, run_id: str) -> dict:
+    """One finished hc run's runs.parquet row."""
+    return {
+        "experiment": "t",
+        "arch": "hc",
+        "n_layer": n_layer,
+        "d_model": d_model,
+        "knobs": "{}",
+        "ratio": d_model / n_layer,
+        "params": 1000,
+        "params_vs_budget": 0.0,
+        "lr": lr,
+        "seed": seed,
+        "status": "ok",
+        "final_val_loss": loss,
+        "run_id": run_id,
+    }
+
+
 def _cell_runs(losses: dict[tuple[float, int], float]) -> pd.DataFrame:
     """One hc cell's runs, {(lr, seed): final loss}."""
     return pd.DataFrame(
-        [
-            {
-                "experiment": "t",
-                "arch": "hc",
-                "n_layer": 2,
-                "d_model": 32,
-                "knobs": "{}",
-                "ratio": 16.0,
-                "params": 1000,
-                "params_vs_budget": 0.0,
-                "lr": lr,
-                "seed": seed,
-                "status": "ok",
-                "final_val_loss": loss,
-                "run_id": f"lr{lr}_s{seed}",
-            }
-            for (lr, seed), loss in losses.items()
-        ]
+        [_hc_row(2, 32, lr, seed, loss, f"lr{lr}_s{seed}") for (lr, seed), loss in losses.items()]
     )
 
 

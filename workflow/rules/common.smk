@@ -10,10 +10,9 @@ def tabled_runs():
     Snakemake schedules them only once the sweep has trained."""
     if not EXP.replicates:
         return list(RUNS)
-    import pandas as pd
+    from depthbench.analysis.tables import lr_sweep_run_ids
 
-    sweep = pd.read_parquet(checkpoints.lr_sweep.get().output.sweep)
-    chosen = {run_id for ids in sweep["replicate_run_ids"] for run_id in ids}
+    chosen = lr_sweep_run_ids(checkpoints.lr_sweep.get().output.sweep, ["replicate_run_ids"])
     return list(RUNS) + [run_id for run_id in ALL_RUNS if run_id in chosen]
 
 
@@ -89,11 +88,11 @@ def evaluated_runs(stage):
             return tabled_runs()
         import pandas as pd
 
-        from depthbench.analysis.tables import best_lr_run_ids
+        from depthbench.analysis.tables import best_lr_run_ids, lr_sweep_run_ids
 
         if EXP.replicates:
-            sweep = pd.read_parquet(checkpoints.lr_sweep.get().output.sweep)
-            chosen = {r for column in ("sweep_run_ids", "replicate_run_ids") for ids in sweep[column] for r in ids}
+            sweep = checkpoints.lr_sweep.get().output.sweep
+            chosen = lr_sweep_run_ids(sweep, ["sweep_run_ids", "replicate_run_ids"])
             return [run_id for run_id in ALL_RUNS if run_id in chosen]
         out = checkpoints.tables.get().output
         return best_lr_run_ids(pd.read_parquet(out.runs), pd.read_parquet(out.best_lr), ALL_RUNS)
