@@ -24,13 +24,19 @@ def _loading(class_name: str) -> str:
             "tokenizer = AutoTokenizer.from_pretrained(path)\n```\n"
         )
     return (
-        "Remote code (`modeling_depthbench.py`) wrapping DepthBench's own `DecoderLM`: "
-        "it needs the `depthbench` package installed beside transformers, and "
-        "`trust_remote_code=True`. Token ids only, right padding only, no KV cache "
-        "(generation reruns the sequence each step).\n\n"
-        "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-        "model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)\n"
-        "tokenizer = AutoTokenizer.from_pretrained(path)\n```\n"
+        "DepthBench's own `DecoderLM` behind transformers' interface "
+        "(`modeling_depthbench.py`): it needs the `depthbench` package installed beside "
+        "transformers. Importing `depthbench.hf.auto` registers its classes, so the model and "
+        "the tokenizer load from this folder with no remote code and no prompt. Token ids "
+        "only, right padding only, no KV cache (generation reruns the sequence each step).\n\n"
+        "```python\nimport depthbench.hf.auto  # registers DepthBench with the Auto classes\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "model = AutoModelForCausalLM.from_pretrained(path)\n"
+        "tokenizer = AutoTokenizer.from_pretrained(path)\n```\n\n"
+        "Without that import: `AutoModelForCausalLM.from_pretrained(path, "
+        "trust_remote_code=True)` runs this folder's copy of the code, and "
+        '`AutoTokenizer.from_pretrained(path + "/tokenizer")` loads the tokenizer alone '
+        "(from `path` itself transformers would first ask whether to run the code).\n"
     )
 
 

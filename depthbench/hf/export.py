@@ -16,9 +16,11 @@ installed beside transformers.
 Tokenizer: transformers' `AutoTokenizer.from_pretrained(folder)` reads the folder's config.json
 before the tokenizer files, and a config.json whose `auto_map` names remote code makes it ask
 whether to run that code (the tokenizer files themselves name only transformers' own classes).
-A remote-code export therefore also holds the tokenizer alone in `tokenizer/`, which
-`AutoTokenizer.from_pretrained(OUT_DIR / "tokenizer")` loads without remote code or a prompt;
-a Llama export loads from OUT_DIR itself.
+`import depthbench.hf.auto` registers DepthBench's classes as local ones, after which the
+tokenizer and the model load from OUT_DIR with no prompt (depthbench.hf.auto). Without that
+import, a remote-code export's tokenizer loads alone from `tokenizer/`
+(`AutoTokenizer.from_pretrained(OUT_DIR / "tokenizer")`, no remote code, no prompt); a Llama
+export loads from OUT_DIR itself.
 
 Special tokens: EOS is the tokenizer's EOS (the document separator of the token shards); BOS
 and PAD are the same token. BOS = EOS because training documents follow an EOS, which is also

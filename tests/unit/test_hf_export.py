@@ -274,6 +274,55 @@ def test_exported_tokenizer_loads_without_remote_code_or_a_prompt(
     assert tok.eos_token_id == top.eos_token_id and tok.pad_token_id == top.pad_token_id
 
 
+def test_registered_depthbench_loads_export_folder_without_remote_code_or_a_prompt(
+    tmp_path, tokenizer_file, monkeypatch
+):
+    """After `import depthbench.hf.auto`, a remote-code export's own folder loads with
+    AutoTokenizer and AutoModelForCausalLM and no trust_remote_code: no prompt (`input` is never
+    called), the model is depthbench's local class (not the export's copy, not a Llama with random
+    weights) and its logits are DepthBench's. Without the registration AutoTokenizer asks first."""
+    import builtins
+    import importlib
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    # The registration is process-wide: restore transformers' tables after this test.
+    monkeypatch.setattr(CONFIG_MAPPING, "_extra_content", dict(CONFIG_MAPPING._extra_content))
+    monkeypatch.setattr(
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        "_extra_content",
+        dict(MODEL_FOR_CAUSAL_LM_MAPPING._extra_content),
+    )
+    asked = []
+    monkeypatch.setattr(builtins, "input", lambda *a, **k: asked.append(a) or "n")
+    model = random_model("hc")
+    out = tmp_path / "export"
+    export_run(fake_run(tmp_path, model, tokenizer_file), out)
+    AutoTokenizer.from_pretrained(out, local_files_only=True)  # unregistered: it asks first
+    assert asked, "AutoTokenizer did not ask: the registration below proves nothing"
+    asked.clear()
+
+    import depthbench.hf.auto as auto
+
+    importlib.reload(auto)  # registers again in this test's tables (a no-op when present)
+    card = (out / "README.md").read_text()
+    snippet = card.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "trust_remote_code" not in snippet and "import depthbench.hf.auto" in snippet
+    names = {"path": str(out)}
+    exec(snippet, names)  # the card's own loading code
+    tok, loaded = names["tokenizer"], names["model"]
+    assert not asked, f"a load prompted: {asked[0][0][:200]}"
+    assert type(loaded) is auto.DepthBenchForCausalLM
+    bare = AutoTokenizer.from_pretrained(out / "tokenizer", local_files_only=True)
+    assert tok.encode(TEXT[0]) == bare.encode(TEXT[0]) and tok.eos_token_id == bare.eos_token_id
+    ids = torch.tensor([tok.encode(TEXT[0])[:32]])
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=0)
+    auto.register()  # idempotent
+    assert CONFIG_MAPPING["depthbench"] is auto.DepthBenchConfig
+
+
 def test_remote_code_model_generates_greedily_like_depthbench(tmp_path, tokenizer_file):
     model = random_model("hc")
     out = tmp_path / "export"
