@@ -6,8 +6,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, Iterator
 
-import torch
-
 from depthbench.util.errors import ConfigError
 from depthbench.models.config import ModelConfig
 
@@ -120,6 +118,8 @@ def _import_architectures() -> None:
 
 def count_parameters(cfg: ModelConfig) -> int:
     """Exact parameter count of the model as built, without allocating memory (meta device)."""
+    import torch  # here, not at the top: the table and figure jobs read RunSpecs without torch
+
     with torch.device("meta"):
         model = build_model(cfg, initialize=False)
     return model.num_parameters()

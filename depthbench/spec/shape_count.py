@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from depthbench.models.config import ModelConfig, swiglu_hidden
-from depthbench.models.registry import count_parameters
 
 
 @dataclass(frozen=True)
@@ -79,6 +78,9 @@ def _params_cached(
     base_json: str, n_layer: int, d_model: int, d_ff: int | None, ff_multiple: int
 ) -> int:
     base = ModelConfig.from_dict(json.loads(base_json))
+    # imported here: counting builds a model (torch), which reading a RunSpec never needs
+    from depthbench.models.registry import count_parameters
+
     return count_parameters(_config_for(base, n_layer, d_model, d_ff, ff_multiple))
 
 
