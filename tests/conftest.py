@@ -18,27 +18,33 @@ REPO = Path(__file__).resolve().parents[1]
 
 # The suite runs on 2 workers (pytest-xdist, `--dist loadscope` in pyproject.toml: a module's
 # tests share one worker, so its module-scoped fixtures are built once). The workers take the
-# modules in collection order, so the longest go first (the end-to-end and SLURM modules take
-# minutes on 2 cores, the next ones 80-100 s); a long module collected last would leave one core
-# idle at the end.
+# modules in collection order, so the longest go first, by their measured time on 2 cores
+# (test_workflow and test_recovery_advice about 6.5 minutes each, test_slurm 5, the rest under
+# 3): a long module collected last leaves one core idle while it runs alone at the end.
 LONGEST_FIRST = [
     "test_workflow.py",
+    "test_recovery_advice.py",
     "test_slurm.py",
-    "test_workflow_plans.py",
     "test_distributed.py",
     "test_parallelize.py",
     "test_at_steps.py",
+    "test_workflow_plans.py",
     "test_pretrained_stages.py",
+    "test_train.py",
     "test_memory.py",
     "test_tokenize_pieces.py",
     "test_launch.py",
-    "test_rehearse.py",
+    "test_config.py",
+    "test_hc_kernel.py",
+    "test_cpu_kernels.py",
+    "test_owner.py",
+    "test_benchmarks.py",
+    "test_readme_commands.py",
     "test_budget.py",
-    "test_train.py",
     "test_requeue.py",
+    "test_rehearse.py",
     "test_ddp_unused_params.py",
     "test_checkpoint_kill.py",
-    "test_benchmarks.py",
 ]
 
 
