@@ -14,9 +14,22 @@ PAPER_RANK = {"mhc": (1.44, 1.65), "hc": (2.53, 2.81)}
 PAPER_DEAD_ZONE = {16: 2, 24: 5, 32: 8}
 
 
+def _by_depth(rows: pd.DataFrame, flat_keys: frozenset) -> pd.DataFrame:
+    """Per n_layer, shallow to deep: the mean value of the rows of cells that learned and, apart
+    from it (`flat` True), of those of cells in `flat_keys` (readers.not_learned_keys)."""
+    flat = R.in_cells(rows, flat_keys).to_numpy()
+    return (
+        rows.assign(flat=flat)
+        .groupby(["n_layer", "flat"], as_index=False)["value"]
+        .mean()
+        .sort_values("n_layer")
+    )
+
+
 def residual_product_rank(tables: dict, ctx: S.Context):
-    """erank of the product of the stream-mixing matrices against depth: trained (solid) and at
-    init (dashed); the papers' ranges as shaded bands."""
+    """erank of the product of the stream-mixing matrices against depth: trained (solid; a cell
+    that did not learn is a cross off the line) and at init (dashed); the papers' ranges as
+    shaded bands."""
     probes = tables.get("probes", pd.DataFrame())
     trained, init = (R.probe(probes, "residual_product_rank", s) for s in ("trained", "init"))
     if trained.empty and init.empty:
@@ -24,12 +37,15 @@ def residual_product_rank(tables: dict, ctx: S.Context):
             ctx, "residual-product rank (hc, mhc)", "no residual_product_rank rows"
         )
     fig, (ax,) = S.panels(1, ctx)
+    flat_keys, crosses = R.not_learned_keys(tables), 0
     for arch in R.archs(pd.concat([trained, init])):
         st = S.arch_style(arch)
-        for data, ls, lab in ((trained, "-", "trained"), (init, "--", "at init")):
-            g = data[data["arch"] == arch].groupby("n_layer")["value"].mean()
-            if not g.empty:  # no legend entry for a stage without rows
-                ax.plot(g.index, g.values, linestyle=ls, label=f"{arch} {lab}", **st)
+        g = _by_depth(trained[trained["arch"] == arch], flat_keys)
+        if not g.empty:  # no legend entry for a stage without rows
+            crosses += S.trend(ax, g["n_layer"], g["value"], g["flat"], st, f"{arch} trained")
+        g = init[init["arch"] == arch].groupby("n_layer")["value"].mean()
+        if not g.empty:  # at init nothing has trained: every cell is a point of the line
+            ax.plot(g.index, g.values, linestyle="--", label=f"{arch} at init", **st)
         if arch in PAPER_RANK:
             lo, hi = PAPER_RANK[arch]
             ax.axhspan(lo, hi, color=st["color"], alpha=0.12, label=f"{arch} paper range {lo}-{hi}")
@@ -43,6 +59,8 @@ def residual_product_rank(tables: dict, ctx: S.Context):
     ax.set_ylabel("effective rank of the stream-mixing product\n(1 = one stream, n = full)")
     ax.grid(alpha=0.3)
     S.legend(ax, loc="best")
+    if crosses:
+        S.fig_note(fig, S.not_learned_text(crosses))
     S.title(fig, ctx, "residual-product rank, mHC vs HC")
     return fig
 
@@ -77,7 +95,9 @@ def depth_mixing(tables: dict, ctx: S.Context):
 
 def dead_zone(tables: dict, ctx: S.Context):
     """Block AttnRes: weight on the current partial sum per layer, one line per depth, the
-    dead-zone threshold dashed and each depth's dead-zone length marked by a shaded span."""
+    dead-zone threshold dashed and each depth's dead-zone length marked by a shaded span; right,
+    the length against depth. A depth whose cell did not learn keeps its curve, dotted, and is
+    a cross off the length's line."""
     probes = tables.get("probes", pd.DataFrame())
     weights = R.probe(probes, "partial_sum_weight")
     lengths = R.probe(probes, "dead_zone_layers")
@@ -89,10 +109,14 @@ def dead_zone(tables: dict, ctx: S.Context):
     fig, (ax, bx) = S.panels(2, ctx, cols=2)
     cmap = S.plt.get_cmap("viridis")
     depths = sorted(weights["n_layer"].unique())
+    flat_keys, marked = R.not_learned_keys(tables), 0
     for n, L in enumerate(depths):
         color = cmap(n / max(1, len(depths) - 1) * 0.85)
         g = weights[weights["n_layer"] == L].sort_values("i")
-        ax.plot(g["i"] / L, g["value"], marker="o", markersize=4, color=color, label=f"L={L}")
+        flat = bool(R.in_cells(g, flat_keys).all())
+        marked += flat
+        st = {"marker": "o", "markersize": 4, "color": color}
+        ax.plot(g["i"] / L, g["value"], **S.curve_style(st, flat, f"L={L}"))
         k = lengths.loc[lengths["n_layer"] == L, "value"]
         if not k.empty and k.iloc[0] > 0:
             # layers 1..k, half a layer either side, clipped to the model (a dead zone of all L
@@ -107,8 +131,10 @@ def dead_zone(tables: dict, ctx: S.Context):
     ax.set_title("shaded: the dead zone of each depth")
     ax.grid(alpha=0.3)
     S.legend(ax)
-    g = lengths.groupby("n_layer")["value"].mean()
-    bx.plot(g.index, g.values, marker="o", color="C9", label="ours")
+    g = _by_depth(lengths, flat_keys)
+    crosses = S.trend(
+        bx, g["n_layer"], g["value"], g["flat"], {"marker": "o", "color": "C9"}, "ours"
+    )
     bx.plot(
         list(PAPER_DEAD_ZONE),
         list(PAPER_DEAD_ZONE.values()),
@@ -124,5 +150,7 @@ def dead_zone(tables: dict, ctx: S.Context):
     S.legend(bx)
     if lengths.empty:
         S.note(bx, "no dead_zone_layers rows")
+    if crosses or marked:
+        S.fig_note(fig, S.not_learned_text(crosses, marked))
     S.title(fig, ctx, "Block AttnRes dead zone")
     return fig

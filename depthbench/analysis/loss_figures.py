@@ -26,13 +26,14 @@ def _budget_deviation(
 
 def _removable_by_shape(depth: pd.DataFrame) -> pd.DataFrame:
     """Per best-LR cell (first seed): the largest fraction of layers a non-random ranking removes
-    within the tolerance (effective_depth.parquet), with the cell's d_model / n_layer."""
+    within the tolerance (effective_depth.parquet), with the cell's shape and d_model /
+    n_layer."""
     if not R.has(depth, "arch", "knobs", "ratio", "ranking", "effective_fraction"):
         return pd.DataFrame()
     removable = R.removable(depth)
     removable = removable[(removable["status"] != "pretrained") & removable["removable"].notna()]
     return removable.rename(columns={"removable": "effective_fraction"})[
-        ["arch", "knobs", "ratio", "effective_fraction"]
+        [*R.SHAPE_KEYS, "ratio", "effective_fraction"]
     ].reset_index(drop=True)
 
 
@@ -52,10 +53,10 @@ def _seed_text(best: pd.DataFrame, seeds: pd.Series) -> str:
 def headline(tables: dict, ctx: S.Context):
     """Top: loss at the best LR (its 95% t interval over seeds as bars, "n=1" beside a cell of
     one seed among cells of several, open markers where the best LR is at the edge of the
-    swept range, a cross on a cell whose best-LR runs did not learn: runs.parquet `learned`)
-    against d_model / n_layer; middle, where the grid has layer
-    removal: the fraction of layers removable within the tolerance (effective depth, the best
-    ranking); bottom: budget deviation."""
+    swept range) against d_model / n_layer; middle, where the grid has layer removal: the
+    fraction of layers removable within the tolerance (effective depth, the best ranking);
+    bottom: budget deviation. In the top and middle panels a cell whose best-LR runs did not
+    learn (readers.not_learned_keys) is a cross off the line, without a bar."""
     best, runs = tables.get("best_lr", pd.DataFrame()), tables.get("runs", pd.DataFrame())
     if not R.has(best, "arch", "ratio", "final_val_loss"):
         why = (
@@ -65,6 +66,8 @@ def headline(tables: dict, ctx: S.Context):
         )
         return S.message_figure(ctx, WHAT_HEADLINE, why)
     removable = _removable_by_shape(tables.get("effective_depth", pd.DataFrame()))
+    # cells whose best-LR runs all ended within analysis.learned_margin of the unigram floor
+    flat_keys, crosses = R.not_learned_keys(tables), 0
     if removable.empty:
         fig, (ax, dev_ax) = S.panels(
             2, ctx, cols=1, scale=1.0, gridspec_kw={"height_ratios": [3, 1]}, sharex=True
@@ -74,18 +77,21 @@ def headline(tables: dict, ctx: S.Context):
             3, ctx, cols=1, scale=1.15, gridspec_kw={"height_ratios": [3, 1.2, 1]}, sharex=True
         )
         rem_curves = {
-            S.label(arch, knobs): (
-                arch,
-                g.sort_values("ratio").set_index("ratio")["effective_fraction"],
-            )
+            S.label(arch, knobs): (arch, g.sort_values("ratio"))
             for (arch, knobs), g in removable.groupby(["arch", "knobs"], sort=False)
         }
-        rem_groups = S.coinciding({name: c for name, (_, c) in rem_curves.items()})
-        for name, (arch, c) in rem_curves.items():  # coinciding curves nest their markers, as below
+        rem_groups = S.coinciding(
+            {n: g.set_index("ratio")["effective_fraction"] for n, (_, g) in rem_curves.items()}
+        )
+        for name, (arch, g) in rem_curves.items():  # coinciding curves nest their markers, as below
             st = S.arch_style(arch)
-            rank = next((g.index(name) for g in rem_groups if name in g), 0)
-            rem_ax.plot(
-                c.index, c.values, **{**st, "markersize": st["markersize"] * (1.9 - 0.55 * rank)}
+            rank = next((c.index(name) for c in rem_groups if name in c), 0)
+            crosses += S.trend(
+                rem_ax,
+                g["ratio"],
+                g["effective_fraction"],
+                R.in_cells(g, flat_keys),
+                {**st, "markersize": st["markersize"] * (1.9 - 0.55 * rank)},
             )
         tolerance = ctx.thresholds.get("removal_tolerance", 0.05)
         rem_ax.set_ylabel(f"layers removable\nwithin {tolerance:.0%} (fraction)")
@@ -94,8 +100,6 @@ def headline(tables: dict, ctx: S.Context):
     deviation = _budget_deviation(best, runs, ctx.budget)
     seeds = best["n"] if "n" in best.columns else best.get("n_seeds", pd.Series(dtype=int))
     mixed_n = "n" in best.columns and (seeds == 1).any() and (seeds >= 2).any()
-    # cells whose best-LR runs all ended within analysis.learned_margin of the unigram floor
-    unlearned = R.not_learned_cells(runs, best)
     curves, dev_curves = {}, {}
     series = list(
         best[["arch", "knobs"]]
@@ -105,11 +109,11 @@ def headline(tables: dict, ctx: S.Context):
     )
     for k, (arch, knobs) in enumerate(series):
         g = best[(best["arch"] == arch) & (best["knobs"] == knobs)].sort_values("ratio")
-        st, name = S.arch_style(arch), S.label(arch, knobs)
-        ax.plot(g["ratio"], g["final_val_loss"], label=name, **st)
+        st, name, flat = S.arch_style(arch), S.label(arch, knobs), R.in_cells(g, flat_keys)
+        crosses += S.trend(ax, g["ratio"], g["final_val_loss"], flat, st, name)
         if R.has(g, "ci_low", "ci_high"):  # side by side at a shared ratio, not on one another
             x = SM.dodge(g["ratio"], k, len(series))
-            SM.error_bars(ax, x, g["ci_low"], g["ci_high"], st["color"])
+            SM.error_bars(ax, x, g["ci_low"], g["ci_high"], st["color"], skip=flat)
         if mixed_n:  # some cells have one seed, others several: say which have no interval
             for one in g[g["n"] == 1].itertuples():
                 ax.annotate(
@@ -130,8 +134,6 @@ def headline(tables: dict, ctx: S.Context):
                 edgecolors=st["color"],
                 linewidths=1.5,
             )
-        flat = g.merge(unlearned[R.SHAPE_KEYS], on=R.SHAPE_KEYS)
-        ax.scatter(flat["ratio"], flat["final_val_loss"], s=90, marker="x", color=st["color"])
         curves[name] = g.set_index("ratio")["final_val_loss"]
         if deviation is not None:
             dev_curves[name] = (
@@ -157,11 +159,7 @@ def headline(tables: dict, ctx: S.Context):
         if "lr_at_edge" in best.columns
         else "LR-at-edge not in best_lr table"
     )
-    flat_text = (
-        "x: did not learn (within the learned margin of the floor; the claims leave it out)"
-        if not unlearned.empty
-        else ""
-    )
+    flat_text = S.not_learned_text(crosses, bars=R.has(best, "ci_low", "ci_high"))
     ax.set_title(
         "; ".join(p for p in (extra, _seed_text(best, seeds)) if p)
         + (f"\n{flat_text}" if flat_text else ""),

@@ -13,7 +13,8 @@ from depthbench.analysis import summaries as SM
 
 
 def nll_vs_ratio(tables: dict, ctx: S.Context):
-    """One panel per domain, one line per architecture (seeds combined), a bar per cell."""
+    """One panel per domain, one line per architecture (seeds combined), a bar per cell; a cell
+    that did not learn is a cross off the line, without a bar."""
     nll = tables.get("nll", pd.DataFrame())
     if not R.has(nll, "level", "domain", "bits_per_byte", "is_best_lr"):
         return S.message_figure(
@@ -31,6 +32,7 @@ def nll_vs_ratio(tables: dict, ctx: S.Context):
     domains = sorted(data["domain"].unique())
     estimates = SM.cells(data, SM.CELL_KEYS + ["domain"], value="bits_per_byte")
     fig, axes = S.panels(len(domains), ctx, cols=3)
+    flat_keys, crosses = R.not_learned_keys(tables), 0
     for ax, domain in zip(axes, domains):
         part = data[data["domain"] == domain]
         cells = estimates[estimates["domain"] == domain]
@@ -39,9 +41,10 @@ def nll_vs_ratio(tables: dict, ctx: S.Context):
         )
         for k, ((arch, knobs), g) in enumerate(series):
             g, st = g.sort_values("ratio"), S.arch_style(arch)
-            ax.plot(g["ratio"], g["value"], label=S.label(arch, knobs), **st)
+            flat = R.in_cells(g, flat_keys)
+            crosses += S.trend(ax, g["ratio"], g["value"], flat, st, S.label(arch, knobs))
             x = SM.dodge(g["ratio"], k, len(series))  # bars side by side at a shared ratio
-            SM.error_bars(ax, x, g["ci_low"], g["ci_high"], st["color"])
+            SM.error_bars(ax, x, g["ci_low"], g["ci_high"], st["color"], skip=flat)
         S.log_ticks(ax, part["ratio"].round(1))
         n_docs = f" ({int(part['n_docs'].iloc[0])} docs)" if "n_docs" in part else ""
         ax.set_title(f"{domain}{n_docs}")
@@ -49,6 +52,7 @@ def nll_vs_ratio(tables: dict, ctx: S.Context):
         ax.set_ylabel("teacher-forced NLL (bits per byte)")
         ax.grid(alpha=0.3)
     S.legend(axes[-1])
-    S.fig_note(fig, "bars: " + SM.interval_text(estimates, "the domain's documents"))
+    bars = "bars: " + SM.interval_text(estimates, "the domain's documents")
+    S.fig_note(fig, "\n".join(p for p in (bars, S.not_learned_text(crosses, bars=True)) if p))
     S.title(fig, ctx, "teacher-forced NLL by domain at the best LR")
     return fig

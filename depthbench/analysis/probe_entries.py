@@ -10,13 +10,20 @@ from depthbench.analysis import arch_figures, layer_figures, probe_figures, remo
 from depthbench.analysis.figure_spec import PROBES, Figure, probes_on, removal_on
 
 
-def _probe_fig(name, draw, caption, probes=frozenset(), arch_figure=None) -> Figure:
+# The tables behind readers.not_learned_keys: figures comparing cells mark those whose best-LR
+# runs did not learn.
+MARKS = ("runs", "best_lr")
+
+
+def _probe_fig(
+    name, draw, caption, probes=frozenset(), arch_figure=None, marks: tuple[str, ...] = ()
+) -> Figure:
     return Figure(
         name,
         draw,
         PROBES,
         "probe_figures",
-        ("probes",),
+        ("probes", *marks),
         caption,
         frozenset(probes),
         arch_figure,
@@ -45,6 +52,7 @@ PROBE_FIGURES: list[Figure] = [
         "Adjacent-layer angular distance d(l, l+1) per architecture, one panel per depth (solid: "
         "last token, dashed: all tokens).",
         {"angular_distance"},
+        marks=MARKS,
     ),
     _probe_fig(
         "logit_lens",
@@ -54,6 +62,7 @@ PROBE_FIGURES: list[Figure] = [
         "is the model's final one, against l / L, one panel per depth. A curve that reaches the "
         "final loss early in depth means the later layers add little to the prediction.",
         {"logit_lens"},
+        marks=MARKS,
     ),
     Figure(
         "removal_curves",
@@ -93,6 +102,7 @@ PROBE_FIGURES: list[Figure] = [
         "score exceeds its threshold, against depth: higher means later layers depend on each "
         "other and on their order.",
         {"causal_score", "permutation_score"},
+        marks=MARKS,
     ),
     _probe_fig(
         "usefulness",
@@ -101,6 +111,7 @@ PROBE_FIGURES: list[Figure] = [
         "per layer and depth; a layer above the red threshold does non-linear work that an affine "
         "map cannot replace.",
         {"usefulness_ratio"},
+        marks=MARKS,
     ),
     _probe_fig(
         "token_similarity",
@@ -109,6 +120,7 @@ PROBE_FIGURES: list[Figure] = [
         "init with the prefix-average part of attention removed, and trained (deepest shape): "
         "growth with depth at init is rank collapse.",
         {"token_similarity"},
+        marks=MARKS,
     ),
     _probe_fig(
         "effective_rank",
@@ -116,6 +128,7 @@ PROBE_FIGURES: list[Figure] = [
         "Effective rank (Roy and Vetterli) of the token matrix at each layer, at init, at init "
         "without the prefix-average part, and trained (deepest shape).",
         {"effective_rank"},
+        marks=MARKS,
     ),
     _probe_fig(
         "residual_product_rank",
@@ -124,6 +137,7 @@ PROBE_FIGURES: list[Figure] = [
         "the streams collapse to one, n = all kept), trained (solid) and at init (dashed); bands: "
         "the papers' ranges (mHC 1.44-1.65, HC 2.53-2.81).",
         arch_figure="residual_product_rank",
+        marks=MARKS,
     ),
     _probe_fig(
         "depth_mixing",
@@ -139,5 +153,6 @@ PROBE_FIGURES: list[Figure] = [
         "dead zone (weight below the threshold) shaded; right: the dead-zone length against depth "
         "with the paper's 2, 5 and 8 layers at L = 16, 24, 32.",
         arch_figure="dead_zone",
+        marks=MARKS,
     ),
 ]

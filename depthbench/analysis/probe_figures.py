@@ -68,7 +68,8 @@ def _adjacent_cells(probes: pd.DataFrame, probe: str) -> pd.DataFrame:
 
 def angular_adjacent(tables: dict, ctx: S.Context):
     """d(l, l+1) against l for each architecture, one panel per depth (last token, with its 95%
-    interval as a band; dashed: all tokens)."""
+    interval as a band; dashed: all tokens; a cell that did not learn: thin with x markers, its
+    solid line dotted)."""
     probes = tables.get("probes", pd.DataFrame())
     last, allt = (
         _adjacent_cells(probes, p) for p in ("angular_distance_last", "angular_distance_all")
@@ -77,12 +78,15 @@ def angular_adjacent(tables: dict, ctx: S.Context):
         return S.message_figure(ctx, "adjacent-layer angular distance", NO_PROBES)
     shapes = R.shapes(last)
     fig, axes = S.panels(len(shapes), ctx, cols=3, sharey=True)
+    flat_keys, marked = R.not_learned_keys(tables), 0
     for ax, (L, d) in zip(axes, shapes):
         for arch in R.archs(last):
             st = S.arch_style(arch)
             for data, ls, lab in ((last, "-", arch), (allt, "--", None)):
                 g = data[(data["arch"] == arch) & (data["n_layer"] == L)].sort_values("i")
-                ax.plot(g["i"], g["value"], linestyle=ls, label=lab, **st)
+                flat = not g.empty and bool(R.in_cells(g, flat_keys).all())
+                marked += flat and ls == "-"
+                ax.plot(g["i"], g["value"], **S.curve_style(st, flat, lab, ls))
                 if ls == "-":
                     SM.band(ax, g["i"], g["ci_low"], g["ci_high"], st["color"], UNIT)
         ax.set_title(f"L={L}, d={d}")
@@ -90,10 +94,9 @@ def angular_adjacent(tables: dict, ctx: S.Context):
         ax.set_xticks(range(0, L, max(1, L // 4)))
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("d(l, l+1)\nsolid: last token, dashed: all tokens")
-    S.legend(axes[-1])
-    S.fig_note(
-        fig, f"bands (last token): {SM.interval_text(last, SEQUENCES)}" + SM.within_text(UNIT)
-    )
+    S.legend_over(fig, axes)
+    bands = f"bands (last token): {SM.interval_text(last, SEQUENCES)}" + SM.within_text(UNIT)
+    S.fig_note(fig, "\n".join(p for p in (bands, S.not_learned_text(curves=marked)) if p))
     S.title(fig, ctx, "adjacent-layer angular distance d(l, l+1)")
     return fig
 
@@ -177,7 +180,7 @@ def permutation_matrix(tables: dict, ctx: S.Context):
 
 def probe_shares(tables: dict, ctx: S.Context):
     """Share of layer pairs in the last 3/4 of depth above threshold, against depth, with each
-    cell's 95% interval as a bar."""
+    cell's 95% interval as a bar; a cell that did not learn is a cross off the line, no bar."""
     probes = tables.get("probes", pd.DataFrame())
     parts = [
         (SM.probe_cells(probes, p, index=()), k, lab)
@@ -189,7 +192,7 @@ def probe_shares(tables: dict, ctx: S.Context):
     if all(p[0].empty for p in parts):
         return S.message_figure(ctx, "causal and permutation shares vs depth", NO_PROBES)
     fig, axes = S.panels(2, ctx, cols=2)
-    notes = []
+    notes, flat_keys, crosses = [], R.not_learned_keys(tables), 0
     for ax, (data, key, lab) in zip(axes, parts):
         curves = {}
         series = [
@@ -198,10 +201,10 @@ def probe_shares(tables: dict, ctx: S.Context):
             for knobs, g in data[data["arch"] == arch].groupby("knobs")
         ]
         for k, (arch, knobs, g) in enumerate(series):
-            st = S.arch_style(arch)
-            ax.plot(g["n_layer"], g["value"], label=S.label(arch, knobs), **st)
+            st, flat = S.arch_style(arch), R.in_cells(g, flat_keys)
+            crosses += S.trend(ax, g["n_layer"], g["value"], flat, st, S.label(arch, knobs))
             x = SM.dodge(g["n_layer"], k, len(series), step=0.08, log=False)  # bars side by side
-            SM.error_bars(ax, x, g["ci_low"], g["ci_high"], st["color"], UNIT)
+            SM.error_bars(ax, x, g["ci_low"], g["ci_high"], st["color"], UNIT, skip=flat)
             curves[S.label(arch, knobs)] = g.set_index("n_layer")["value"]
         if data.empty:
             S.note(ax, f"no {lab} rows")
@@ -209,14 +212,17 @@ def probe_shares(tables: dict, ctx: S.Context):
             ax.set_xticks(sorted(data["n_layer"].unique()))
         ax.set_xlabel("n_layer")
         ax.set_ylabel(f"share of pairs with {lab} > {ctx.thresholds[key]}")
-        ax.set_title(f"{lab} (pairs in the last 3/4 of depth)")
+        ax.set_title(f"{lab}\n(pairs in the last 3/4 of depth)")  # two lines: beside the legend
         ax.grid(alpha=0.3)
         groups = S.coinciding(curves)
         if groups:  # under the panels: inside one, a long note would cover its axis label
             notes.append(f"{lab}: {S.coincide_text(groups)}")
-    S.legend(axes[1])
+    S.legend_over(fig, axes)  # inside a panel, it would lie on a share's line
     bars = SM.interval_text(pd.concat([p[0] for p in parts]), SEQUENCES)
-    S.fig_note(fig, "\n".join([f"bars: {bars}" + SM.within_text(UNIT), *notes]))
+    flat_text = S.not_learned_text(crosses, bars=True)
+    S.fig_note(
+        fig, "\n".join(p for p in [f"bars: {bars}" + SM.within_text(UNIT), *notes, flat_text] if p)
+    )
     S.title(fig, ctx, "causal and permutation shares vs depth")
     return fig
 
@@ -224,8 +230,8 @@ def probe_shares(tables: dict, ctx: S.Context):
 def logit_lens(tables: dict, ctx: S.Context):
     """The logit lens per layer (depthbench.probes.lens): cross-entropy of each layer's prediction
     (top row) and its top-1 agreement with the model's final prediction (bottom row) against l / L,
-    one column per depth, one line per architecture. Every curve ends at l / L = 1 on the model's
-    own loss and at agreement 1."""
+    one column per depth, one line per architecture (dotted: a cell that did not learn). Every
+    curve ends at l / L = 1 on the model's own loss and at agreement 1."""
     probes = tables.get("probes", pd.DataFrame())
     ce, agree = R.probe(probes, "lens_cross_entropy"), R.probe(probes, "lens_top1_agreement")
     what = "logit lens: each layer's prediction through the final norm and LM head"
@@ -243,6 +249,7 @@ def logit_lens(tables: dict, ctx: S.Context):
         sharex=True,
         layout="constrained",
     )
+    flat_keys, marked = R.not_learned_keys(tables), 0
     for c, (L, d) in enumerate(shapes):
         top, bottom = axes[0][c], axes[1][c]
         for arch in R.archs(ce):
@@ -250,7 +257,9 @@ def logit_lens(tables: dict, ctx: S.Context):
             for ax, data in ((top, ce), (bottom, agree)):
                 g = data[(data["arch"] == arch) & (data["n_layer"] == L)].sort_values("i")
                 if not g.empty:
-                    ax.plot(g["i"] / L, g["value"], label=arch, **st)
+                    flat = bool(R.in_cells(g, flat_keys).all())
+                    marked += flat and ax is top
+                    ax.plot(g["i"] / L, g["value"], **S.curve_style(st, flat, arch))
         top.set_title(f"L={L}, d={d}")
         if c:
             top.set_ylabel("nats")
@@ -261,12 +270,8 @@ def logit_lens(tables: dict, ctx: S.Context):
             ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("cross-entropy of the\nlayer's prediction (nats)")
     axes[1][0].set_ylabel("top-1 agreement with\nthe final prediction")
-    legend = {}
-    for ax in axes[0]:  # every architecture once, whichever panels it appears in
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            legend.setdefault(label, handle)
-    fig.legend(
-        list(legend.values()), list(legend), loc="outside right center", fontsize=S.FONT["legend"]
-    )
+    S.legend_over(fig, axes[0])  # every architecture once, whichever panels it appears in
+    if marked:
+        S.fig_note(fig, S.not_learned_text(curves=marked))
     S.title(fig, ctx, what)
     return fig

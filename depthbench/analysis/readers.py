@@ -80,6 +80,28 @@ def not_learned_cells(runs: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
     return cells[cells["_not"]].drop(columns="_not").reset_index(drop=True)
 
 
+def _cell_key(arch, n_layer, d_model, knobs) -> tuple:
+    # shapes as floats: one table may read d_model as an int and another as a float
+    return (str(arch), float(n_layer), float(d_model), str(knobs))
+
+
+def not_learned_keys(tables: dict) -> frozenset[tuple]:
+    """The cells of not_learned_cells from the tables' runs and best_lr, as keys for in_cells:
+    the one rule by which every figure marks a cell that did not learn. Empty where a table, or
+    runs' `learned` column, is missing."""
+    cells = not_learned_cells(tables.get("runs"), tables.get("best_lr"))
+    return frozenset(_cell_key(*row) for row in cells[SHAPE_KEYS].itertuples(index=False))
+
+
+def in_cells(df: pd.DataFrame, keys: frozenset[tuple]) -> pd.Series:
+    """Per row of df: whether its (arch, n_layer, d_model, knobs) is one of `keys`
+    (not_learned_keys); False everywhere for a table without those columns."""
+    if not keys or not has(df, *SHAPE_KEYS):
+        return pd.Series(False, index=df.index if df is not None else None, dtype=bool)
+    rows = df[SHAPE_KEYS].itertuples(index=False)
+    return pd.Series([_cell_key(*row) in keys for row in rows], index=df.index, dtype=bool)
+
+
 INTERVAL = ("ci_low", "ci_high")  # a row's 95% interval, where the stage that wrote it has one
 
 

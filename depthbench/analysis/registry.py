@@ -53,7 +53,8 @@ FIGURES: dict[str, Figure] = {
             "over seeds where a cell has several, n=1 where it has one) against d_model / "
             "n_layer at a fixed parameter budget, one line per architecture; "
             "open circles: the best LR is at the edge of the swept range (the true "
-            "optimum may lie outside); dashed: the unigram floor. Where the grid removes layers, "
+            "optimum may lie outside); crosses: cells that did not learn, left off the lines; "
+            "dashed: the unigram floor. Where the grid removes layers, "
             "the middle panel is the fraction of layers that can be removed with the validation "
             "loss within the tolerance (effective depth, the best ranking). The lower panel is "
             "each shape's parameter count relative to the budget. A curve that rises to the left "
@@ -124,7 +125,7 @@ FIGURES: dict[str, Figure] = {
             nll_figures.nll_vs_ratio,
             NLL,
             "nll_figures",
-            ("nll",),
+            ("nll", "runs", "best_lr"),  # runs, best_lr: the cells that did not learn
             "Teacher-forced NLL in bits per byte on code, STEM and math documents against d_model "
             "/ n_layer, at each architecture's best learning rate.",
             when=nll_on,

@@ -123,11 +123,16 @@ def band(ax, x, low, high, color, within: tuple[float, float] | None = None) -> 
         )
 
 
-def error_bars(ax, x, low, high, color, within: tuple[float, float] | None = None) -> None:
+def error_bars(
+    ax, x, low, high, color, within: tuple[float, float] | None = None, skip=None
+) -> None:
     """The interval as a vertical bar with caps at each point that has one (a bar from low to
-    high: a point estimate need not sit at its percentile interval's centre)."""
+    high: a point estimate need not sit at its percentile interval's centre), except where
+    `skip` is True (a cell that did not learn: its cross stands alone, style.trend)."""
     x = np.asarray(x, dtype=float)
     low, high, ok = _bounds(low, high, within)
+    if skip is not None:
+        ok &= ~np.asarray(skip, dtype=bool)
     if ok.any():
         ax.vlines(x[ok], low[ok], high[ok], colors=[color], linewidth=1)
         for end in (low[ok], high[ok]):
