@@ -113,7 +113,7 @@ def dead_zone(tables: dict, ctx: S.Context):
     for n, L in enumerate(depths):
         color = cmap(n / max(1, len(depths) - 1) * 0.85)
         g = weights[weights["n_layer"] == L].sort_values("i")
-        flat = bool(R.in_cells(g, flat_keys).all())
+        flat = R.all_in_cells(g, flat_keys)
         marked += flat
         st = {"marker": "o", "markersize": 4, "color": color}
         ax.plot(g["i"] / L, g["value"], **S.curve_style(st, flat, f"L={L}"))

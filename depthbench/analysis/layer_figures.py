@@ -33,7 +33,7 @@ def _per_layer(
             (data["arch"] == arch) & (data["n_layer"] == L) & (data["i"] >= first)
         ].sort_values("i")
         if not g.empty:
-            st, flat = S.arch_style(arch), bool(R.in_cells(g, flat_keys).all())
+            st, flat = S.arch_style(arch), R.all_in_cells(g, flat_keys)
             marked += flat
             ax.plot(g["i"], g["value"], **S.curve_style(st, flat, arch))
             SM.band(ax, g["i"], g["ci_low"], g["ci_high"], st["color"], within)

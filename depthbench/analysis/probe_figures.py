@@ -84,7 +84,7 @@ def angular_adjacent(tables: dict, ctx: S.Context):
             st = S.arch_style(arch)
             for data, ls, lab in ((last, "-", arch), (allt, "--", None)):
                 g = data[(data["arch"] == arch) & (data["n_layer"] == L)].sort_values("i")
-                flat = not g.empty and bool(R.in_cells(g, flat_keys).all())
+                flat = R.all_in_cells(g, flat_keys)
                 marked += flat and ls == "-"
                 ax.plot(g["i"], g["value"], **S.curve_style(st, flat, lab, ls))
                 if ls == "-":
@@ -257,7 +257,7 @@ def logit_lens(tables: dict, ctx: S.Context):
             for ax, data in ((top, ce), (bottom, agree)):
                 g = data[(data["arch"] == arch) & (data["n_layer"] == L)].sort_values("i")
                 if not g.empty:
-                    flat = bool(R.in_cells(g, flat_keys).all())
+                    flat = R.all_in_cells(g, flat_keys)
                     marked += flat and ax is top
                     ax.plot(g["i"] / L, g["value"], **S.curve_style(st, flat, arch))
         top.set_title(f"L={L}, d={d}")

@@ -102,6 +102,12 @@ def in_cells(df: pd.DataFrame, keys: frozenset[tuple]) -> pd.Series:
     return pd.Series([_cell_key(*row) in keys for row in rows], index=df.index, dtype=bool)
 
 
+def all_in_cells(df: pd.DataFrame, keys: frozenset[tuple]) -> bool:
+    """Whether df holds rows and every one is of a cell in `keys`: one curve's rows (a cell's
+    layers), marked as a whole."""
+    return df is not None and not df.empty and bool(in_cells(df, keys).all())
+
+
 INTERVAL = ("ci_low", "ci_high")  # a row's 95% interval, where the stage that wrote it has one
 
 
