@@ -64,13 +64,14 @@ class Context:
 
 
 def arch_order() -> list[str]:
-    """Every registered architecture in the registry's order (registration_order): a fixed
+    """Every registered architecture in the registry's order (registration_order, read without
+    importing the architectures: a figure job builds no model and imports no torch): a fixed
     order, so an architecture keeps its colour across figures and grids (a grid's own sorted
     list would recolour pre_ln when hc is added), and a new one, registered last, takes the
     next colour."""
-    from depthbench.models.registry import registration_order
+    from depthbench.models.registry import style_order
 
-    return registration_order()
+    return style_order()
 
 
 def arch_style(arch: str, offset: int = 0) -> dict:

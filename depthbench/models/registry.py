@@ -12,8 +12,26 @@ from depthbench.models.config import ModelConfig
 if TYPE_CHECKING:
     from depthbench.models.base import DecoderLM
 
-# In registration order (dicts keep insertion order): depthbench/models/archs/__init__.py imports
-# the modules in the order that fixes each architecture's colour in figures.
+# The package's architecture modules, each registering the architecture of its own name, in the
+# order depthbench/models/archs/__init__.py imports them: the registration order, which fixes each
+# architecture's colour and marker in figures. A new architecture goes last, so that the others
+# keep theirs. Here, not only in the package, so that figure jobs know the order without importing
+# the modules (and torch with them).
+PACKAGE_ARCHITECTURES = (
+    "pre_ln",
+    "post_ln",
+    "peri_ln",
+    "lns",
+    "deepnorm",
+    "keel",
+    "hc",
+    "mhc",
+    "attnres_full",
+    "attnres_block",
+    "moda",
+)
+
+# In registration order (dicts keep insertion order).
 ARCHITECTURES: dict[str, type["DecoderLM"]] = {}
 ALIASES: dict[str, str] = {}
 
@@ -85,6 +103,13 @@ def registration_order() -> list[str]:
     return list(ARCHITECTURES)
 
 
+def style_order() -> list[str]:
+    """registration_order() without importing the package's architecture modules (nor torch):
+    the package's names, then any architecture registered since in this process. What figures
+    colour by, in jobs that draw from tables and build no model."""
+    return [*PACKAGE_ARCHITECTURES, *(a for a in ARCHITECTURES if a not in PACKAGE_ARCHITECTURES)]
+
+
 def accepted_names() -> list[str]:
     """Every name a config may give an architecture by: the registered names in registration
     order, then the aliases, sorted."""
@@ -112,7 +137,7 @@ def build_model(cfg: ModelConfig, initialize: bool = True) -> "DecoderLM":
 
 
 def _import_architectures() -> None:
-    # Importing the package registers every architecture module.
+    # Importing the package registers every architecture module (PACKAGE_ARCHITECTURES).
     import depthbench.models.archs  # noqa: F401
 
 

@@ -56,3 +56,38 @@ def test_aggregate_job_scripts_do_not_import_torch():
     )
     with_torch = [s for s, loaded in json.loads(proc.stdout).items() if loaded]
     assert not with_torch, f"torch imported by the modules of scripts/{with_torch[0]}.py"
+
+
+def test_every_figure_draws_without_importing_torch(tmp_path):
+    """Drawing, not only importing: a figure of each drawing module, among those a grid of
+    pre_ln, hc, mhc and attnres_block gets (hc's residual-product rank and attnres_block's dead
+    zone included), drawn in a fresh interpreter from tables read as the figure job reads them,
+    imports no torch: the colours come from the registry's order without its modules. (Which
+    figures a grid gets is the Snakefile's question, and the synthetic tables are built, here in
+    the test's process.)"""
+    from depthbench.analysis import registry
+    from tests.analysis_tables import synthetic_tables
+
+    archs = ["pre_ln", "hc", "mhc", "attnres_block"]
+    by_module = {}
+    for name in registry.grid_figures(archs, {"train": {"dynamics_every": 5}}):
+        by_module.setdefault(registry.FIGURES[name].draw.__module__, name)
+    names = list(by_module.values())
+    paths = {}
+    for table, df in synthetic_tables(archs=archs).items():
+        paths[table] = str(tmp_path / f"{table}.parquet")
+        df.to_parquet(paths[table])
+    code = (
+        "import sys\n"
+        "from depthbench.analysis import registry\n"
+        "from depthbench.analysis.readers import read_tables\n"
+        f"tables = read_tables({paths!r})\n"
+        "ctx = registry.context({'name': 'syn', 'figures': {'dpi': 30}})\n"  # speed, not looks
+        f"for name in {names!r}:\n"
+        f"    registry.render(name, tables, ctx, {str(tmp_path)!r} + f'/{{name}}.png',"
+        f" {str(tmp_path)!r} + f'/{{name}}.pdf')\n"
+        "    assert 'torch' not in sys.modules, name\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(names) >= 8 and len(list(tmp_path.glob("*.png"))) == len(names), names

@@ -20,6 +20,7 @@ from depthbench.models.registry import (
     register,
     registered,
     registration_order,
+    style_order,
     unregister,
 )
 from depthbench.spec.schema import load_config, load_schema
@@ -134,6 +135,15 @@ def test_a_name_or_alias_already_taken_is_refused_and_an_unknown_one_not_unregis
 def style_of(arch: str) -> tuple[str, str]:
     style = arch_style(arch)
     return to_hex(style["color"]), style["marker"]
+
+
+def test_the_order_figures_read_without_the_modules_is_the_registration_order():
+    """Figure jobs colour by style_order(), which imports no architecture module: it must be the
+    order the modules register in (each module registering its own name), later ones included."""
+    assert style_order() == registration_order()
+    with registered(Later, "later_ln"):
+        assert style_order() == registration_order() == [*CURRENT_STYLE, "later_ln"]
+    assert style_order() == list(CURRENT_STYLE)
 
 
 def test_the_package_architectures_keep_their_colours_and_markers():

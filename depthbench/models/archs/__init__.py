@@ -1,20 +1,10 @@
-"""One module per architecture; importing this package registers all of them.
+"""One module per architecture; importing this package registers all of them, in the order of
+depthbench.models.registry.PACKAGE_ARCHITECTURES (the registration order, which fixes each
+architecture's colour and marker in every figure: depthbench.analysis.style)."""
 
-The import order is the registration order (depthbench.models.registry.registration_order), which
-fixes each architecture's colour and marker in every figure (depthbench.analysis.style): a new
-architecture goes last, so that the others keep theirs.
-"""
+import importlib
 
-from depthbench.models.archs import (  # noqa: F401
-    pre_ln,
-    post_ln,
-    peri_ln,
-    lns,
-    deepnorm,
-    keel,
-    hc,
-    mhc,
-    attnres_full,
-    attnres_block,
-    moda,
-)
+from depthbench.models.registry import PACKAGE_ARCHITECTURES
+
+for _module in PACKAGE_ARCHITECTURES:
+    importlib.import_module(f"{__name__}.{_module}")
