@@ -142,9 +142,44 @@ def _import_architectures() -> None:
 
 
 def count_parameters(cfg: ModelConfig) -> int:
-    """Exact parameter count of the model as built, without allocating memory (meta device)."""
-    import torch  # here, not at the top: the table and figure jobs read RunSpecs without torch
-
-    with torch.device("meta"):
+    """Exact parameter count of the model as built, without allocating its weights: they are
+    built on the meta device (`parameters_on_meta`)."""
+    with parameters_on_meta():
         model = build_model(cfg, initialize=False)
     return model.num_parameters()
+
+
+def parameters_on_meta():
+    """A context in which modules build their weights on the meta device, uninitialised, and
+    everything else as usual: the storage factories (empty, zeros, ones, full, rand, randn) given
+    no device make meta tensors, and the init functions leave a meta tensor as it is (it holds no
+    values to set). Small constants built otherwise (RoPE's tables from arange, HC's static
+    eye(n)) stay on the CPU.
+
+    Not `torch.device("meta")`: that routes every factory to meta, and arange and eye on meta run
+    Python reference kernels that import torch._dynamo on first use, 2.5 s of every Snakemake
+    start, `depthbench status` and plan, which count parameters to solve the grid's shapes."""
+    import torch  # here, not at the top: the table and figure jobs read RunSpecs without torch
+    from torch.overrides import TorchFunctionMode
+
+    factories = {torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn}
+    init = {
+        *(getattr(torch.nn.init, name) for name in torch.nn.init.__all__ if name.endswith("_")),
+        torch.Tensor.normal_,
+        torch.Tensor.uniform_,
+        torch.Tensor.zero_,
+        torch.Tensor.fill_,
+    }
+
+    class ParametersOnMeta(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in factories and kwargs.get("device") is None:
+                kwargs = {**kwargs, "device": "meta"}
+            elif func in init:
+                tensor = args[0] if args else kwargs["tensor"]
+                if tensor.is_meta:
+                    return tensor
+            return func(*args, **kwargs)
+
+    return ParametersOnMeta()

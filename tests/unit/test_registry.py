@@ -5,6 +5,8 @@ long as it is registered, and takes the next colour without moving the others'."
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +19,10 @@ from depthbench.models.base import ArchOptions
 from depthbench.models.registry import (
     ALIASES,
     ARCHITECTURES,
+    PACKAGE_ARCHITECTURES,
+    build_model,
+    count_parameters,
+    parameters_on_meta,
     register,
     registered,
     registration_order,
@@ -156,3 +162,49 @@ def test_every_registered_architecture_gets_its_own_colour():
         assert len(colours) == len(CURRENT_STYLE) + 1
         assert len(set(colours)) == len(colours)
         assert {arch: style_of(arch) for arch in CURRENT_STYLE} == CURRENT_STYLE
+
+
+COUNTED = [
+    *({"arch": arch} for arch in PACKAGE_ARCHITECTURES),
+    {"arch": "pre_ln", "n_kv_head": 1},
+    {"arch": "pre_ln", "moe": {"n_experts": 4, "top_k": 2}},
+    {"arch": "hc", "arch_options": {"n_streams": 2}},
+    {"arch": "attnres_block", "arch_options": {"n_blocks": 2}},
+    {"arch": "moda", "arch_options": {"variant": "ffn_kv"}},
+]
+
+
+@pytest.mark.parametrize("fields", COUNTED, ids=lambda f: "-".join(map(str, f.values())))
+def test_parameters_are_counted_as_a_built_model_holds_them(fields):
+    """count_parameters builds the weights on the meta device (parameters_on_meta): its count is
+    the number of values a model built for real holds."""
+    from depthbench.models.config import ModelConfig
+
+    cfg = ModelConfig(
+        **{"vocab_size": 97, "d_model": 32, "n_layer": 4, "n_head": 2, "max_seq_len": 16, **fields}
+    )
+    built = build_model(cfg)
+    assert count_parameters(cfg) == sum(p.numel() for p in built.parameters())
+    with parameters_on_meta():
+        meta = build_model(cfg, initialize=False)
+    # the weights hold no memory: only constants smaller than a d_model vector (HC's static
+    # eye(n_streams)) are built on the CPU
+    on_cpu = {name: p.numel() for name, p in meta.named_parameters() if not p.is_meta}
+    assert all(n < cfg.d_model for n in on_cpu.values()), on_cpu
+
+
+def test_counting_parameters_does_not_start_torch_dynamo():
+    """Snakemake, `depthbench status` and plan count parameters to solve the grid's shapes, each
+    in a new interpreter: counting must not import torch._dynamo (2.5 s), as torch.device('meta')
+    would (its arange and eye import it)."""
+    code = (
+        "import sys\n"
+        "from depthbench.models.config import ModelConfig\n"
+        "from depthbench.models.registry import PACKAGE_ARCHITECTURES, count_parameters\n"
+        "for arch in PACKAGE_ARCHITECTURES:\n"
+        "    count_parameters(ModelConfig(arch=arch, vocab_size=97, d_model=32, n_layer=2,"
+        " n_head=2, max_seq_len=16))\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
