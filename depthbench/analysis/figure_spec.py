@@ -4,6 +4,7 @@ section names, and the config switches that decide whether a stage's figures are
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -31,7 +32,10 @@ def nll_on(config: dict) -> bool:
 @dataclass(frozen=True)
 class Figure:
     name: str
-    draw: Callable  # (tables: dict[str, DataFrame], ctx: Context) -> matplotlib Figure
+    # The drawing function as "module.function" of depthbench.analysis, imported when drawn: the
+    # Snakefile reads the registry to plan the figure rules, and importing the figure modules
+    # would import matplotlib (a second of every Snakemake start).
+    function: str
     section: str
     rule: str
     tables: tuple[str, ...]
@@ -39,6 +43,12 @@ class Figure:
     probes: frozenset[str] = frozenset()  # probe families some architecture must support
     arch_figure: str | None = None  # declared by some architecture in `.figures`
     when: Callable[[dict], bool] = field(default=lambda config: True)
+
+    @property
+    def draw(self) -> Callable:
+        """(tables: dict[str, DataFrame], ctx: style.Context) -> matplotlib Figure."""
+        module, _, function = self.function.rpartition(".")
+        return getattr(importlib.import_module(f"depthbench.analysis.{module}"), function)
 
 
 LOSS, PROBES, DYN, NLL, COST = (

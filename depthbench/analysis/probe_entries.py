@@ -6,7 +6,6 @@ when the probes are on and some architecture of the grid supports the families a
 
 from __future__ import annotations
 
-from depthbench.analysis import arch_figures, layer_figures, probe_figures, removal_figures
 from depthbench.analysis.figure_spec import PROBES, Figure, probes_on, removal_on
 
 
@@ -16,11 +15,11 @@ MARKS = ("runs", "best_lr")
 
 
 def _probe_fig(
-    name, draw, caption, probes=frozenset(), arch_figure=None, marks: tuple[str, ...] = ()
+    name, function, caption, probes=frozenset(), arch_figure=None, marks: tuple[str, ...] = ()
 ) -> Figure:
     return Figure(
         name,
-        draw,
+        function,
         PROBES,
         "probe_figures",
         ("probes", *marks),
@@ -34,7 +33,7 @@ def _probe_fig(
 PROBE_FIGURES: list[Figure] = [
     _probe_fig(
         "angular_distance",
-        probe_figures.angular_distance,
+        "probe_figures.angular_distance",
         "Angular distance d(l, l+k) = arccos(cos(h_l, h_l+k)) / pi at the last token of each "
         "sequence, laid out architecture (rows) x shape (columns) on one colour scale; dark cells "
         "near k = 1 late in depth mean consecutive layers barely change the stream.",
@@ -42,13 +41,13 @@ PROBE_FIGURES: list[Figure] = [
     ),
     _probe_fig(
         "angular_distance_all",
-        probe_figures.angular_distance_all,
+        "probe_figures.angular_distance_all",
         "The same angular distance averaged over all tokens instead of the last one.",
         {"angular_distance"},
     ),
     _probe_fig(
         "angular_adjacent",
-        probe_figures.angular_adjacent,
+        "probe_figures.angular_adjacent",
         "Adjacent-layer angular distance d(l, l+1) per architecture, one panel per depth (solid: "
         "last token, dashed: all tokens).",
         {"angular_distance"},
@@ -56,7 +55,7 @@ PROBE_FIGURES: list[Figure] = [
     ),
     _probe_fig(
         "logit_lens",
-        probe_figures.logit_lens,
+        "probe_figures.logit_lens",
         "Logit lens: the final norm and LM head applied to each layer's residual h_l. Top: the "
         "cross-entropy of that prediction on the probe sample; bottom: how often its top-1 token "
         "is the model's final one, against l / L, one panel per depth. A curve that reaches the "
@@ -66,7 +65,7 @@ PROBE_FIGURES: list[Figure] = [
     ),
     Figure(
         "removal_curves",
-        removal_figures.removal_curves,
+        "removal_figures.removal_curves",
         PROBES,
         "probe_figures",
         ("removal",),
@@ -81,7 +80,7 @@ PROBE_FIGURES: list[Figure] = [
     ),
     _probe_fig(
         "causal_matrix",
-        probe_figures.causal_matrix,
+        "probe_figures.causal_matrix",
         "Causal score C(s, l): relative change of layer l's update when layer s is skipped "
         "(everything it contributes removed), per architecture at the deepest shape; the dashed "
         "square is the last 3/4 of depth and dots mark cells above the causal threshold.",
@@ -89,7 +88,7 @@ PROBE_FIGURES: list[Figure] = [
     ),
     _probe_fig(
         "permutation_matrix",
-        probe_figures.permutation_matrix,
+        "probe_figures.permutation_matrix",
         "Permutation score P(a, b): relative loss change after exchanging all parameters of layers "
         "a and b, per architecture at the deepest shape; dashed square: last 3/4 of depth; dots: "
         "above the threshold.",
@@ -97,7 +96,7 @@ PROBE_FIGURES: list[Figure] = [
     ),
     _probe_fig(
         "probe_shares",
-        probe_figures.probe_shares,
+        "probe_figures.probe_shares",
         "Share of layer pairs in the last 3/4 of depth whose causal (left) or permutation (right) "
         "score exceeds its threshold, against depth: higher means later layers depend on each "
         "other and on their order.",
@@ -106,7 +105,7 @@ PROBE_FIGURES: list[Figure] = [
     ),
     _probe_fig(
         "usefulness",
-        layer_figures.usefulness,
+        "layer_figures.usefulness",
         "Usefulness ratio r_l = loss with layer l replaced by its least-squares affine fit / loss, "
         "per layer and depth; a layer above the red threshold does non-linear work that an affine "
         "map cannot replace.",
@@ -115,7 +114,7 @@ PROBE_FIGURES: list[Figure] = [
     ),
     _probe_fig(
         "token_similarity",
-        layer_figures.token_similarity,
+        "layer_figures.token_similarity",
         "Mean pairwise cosine similarity of the tokens of a sequence at each layer, at init, at "
         "init with the prefix-average part of attention removed, and trained (deepest shape): "
         "growth with depth at init is rank collapse.",
@@ -124,7 +123,7 @@ PROBE_FIGURES: list[Figure] = [
     ),
     _probe_fig(
         "effective_rank",
-        layer_figures.effective_rank,
+        "layer_figures.effective_rank",
         "Effective rank (Roy and Vetterli) of the token matrix at each layer, at init, at init "
         "without the prefix-average part, and trained (deepest shape).",
         {"effective_rank"},
@@ -132,7 +131,7 @@ PROBE_FIGURES: list[Figure] = [
     ),
     _probe_fig(
         "residual_product_rank",
-        arch_figures.residual_product_rank,
+        "arch_figures.residual_product_rank",
         "Effective rank of the product of the per-sublayer stream-mixing matrices over depth (1 = "
         "the streams collapse to one, n = all kept), trained (solid) and at init (dashed); bands: "
         "the papers' ranges (mHC 1.44-1.65, HC 2.53-2.81).",
@@ -141,14 +140,14 @@ PROBE_FIGURES: list[Figure] = [
     ),
     _probe_fig(
         "depth_mixing",
-        arch_figures.depth_mixing,
+        "arch_figures.depth_mixing",
         "Mean depth-softmax weight each reading sublayer of Attention Residuals puts on each "
         "source (0 = the embedding), per architecture and shape.",
         arch_figure="depth_mixing",
     ),
     _probe_fig(
         "dead_zone",
-        arch_figures.dead_zone,
+        "arch_figures.dead_zone",
         "Block AttnRes: weight each layer puts on the current partial sum, per depth, with the "
         "dead zone (weight below the threshold) shaded; right: the dead-zone length against depth "
         "with the paper's 2, 5 and 8 layers at L = 16, 24, 32.",

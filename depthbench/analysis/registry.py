@@ -15,14 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from depthbench.analysis import (
-    cost_figures,
-    dynamics_figures,
-    loss_figures,
-    nll_figures,
-    step_figures,
-)
-from depthbench.analysis import style as S
+from typing import TYPE_CHECKING
+
 from depthbench.analysis.figure_spec import (
     COST,
     DYN,
@@ -34,7 +28,9 @@ from depthbench.analysis.figure_spec import (
     nll_on,
 )
 from depthbench.analysis.probe_entries import PROBE_FIGURES
-from depthbench.analysis.readers import grid_line
+
+if TYPE_CHECKING:
+    from depthbench.analysis.style import Context
 
 
 _LOSS = ("runs", "best_lr", "curves")
@@ -45,7 +41,7 @@ FIGURES: dict[str, Figure] = {
     for f in [
         Figure(
             "headline",
-            loss_figures.headline,
+            "loss_figures.headline",
             LOSS,
             "figures",
             _LOSS + ("effective_depth",),
@@ -62,7 +58,7 @@ FIGURES: dict[str, Figure] = {
         ),
         Figure(
             "loss_vs_lr",
-            loss_figures.loss_vs_lr,
+            "loss_figures.loss_vs_lr",
             LOSS,
             "figures",
             _LOSS,
@@ -71,7 +67,7 @@ FIGURES: dict[str, Figure] = {
         ),
         Figure(
             "loss_curves",
-            loss_figures.loss_curves,
+            "loss_figures.loss_curves",
             LOSS,
             "figures",
             _LOSS,
@@ -82,7 +78,7 @@ FIGURES: dict[str, Figure] = {
         *PROBE_FIGURES,
         Figure(
             "dynamics",
-            dynamics_figures.dynamics,
+            "dynamics_figures.dynamics",
             DYN,
             "dynamics_figure",
             ("dynamics", "runs", "best_lr"),
@@ -93,7 +89,7 @@ FIGURES: dict[str, Figure] = {
         ),
         Figure(
             "probes_over_training",
-            step_figures.probes_over_training,
+            "step_figures.probes_over_training",
             DYN,
             "probe_figures",
             ("probes",),
@@ -109,7 +105,7 @@ FIGURES: dict[str, Figure] = {
         ),
         Figure(
             "adjacent_distance_over_training",
-            step_figures.adjacent_distance_over_training,
+            "step_figures.adjacent_distance_over_training",
             DYN,
             "probe_figures",
             ("probes",),
@@ -122,7 +118,7 @@ FIGURES: dict[str, Figure] = {
         ),
         Figure(
             "nll_vs_ratio",
-            nll_figures.nll_vs_ratio,
+            "nll_figures.nll_vs_ratio",
             NLL,
             "nll_figures",
             ("nll", "runs", "best_lr"),  # runs, best_lr: the cells that did not learn
@@ -132,7 +128,7 @@ FIGURES: dict[str, Figure] = {
         ),
         Figure(
             "cost_vs_ratio",
-            cost_figures.cost_vs_ratio,
+            "cost_figures.cost_vs_ratio",
             COST,
             "cost_figures",
             ("cost",),
@@ -142,7 +138,7 @@ FIGURES: dict[str, Figure] = {
         ),
         Figure(
             "loss_vs_cost",
-            cost_figures.loss_vs_cost,
+            "cost_figures.loss_vs_cost",
             COST,
             "cost_figures",
             ("cost",),
@@ -195,7 +191,12 @@ def tables_of(names: list[str]) -> list[str]:
     ]
 
 
-def context(config: dict) -> S.Context:
+def context(config: dict) -> "Context":
+    # style and readers (matplotlib and pandas with them) are imported by the figure jobs, not
+    # by the Snakefile, which reads the registry to plan
+    from depthbench.analysis import style as S
+    from depthbench.analysis.readers import grid_line
+
     fig_cfg, probes = config.get("figures", {}), config.get("probes", {})
     ctx = S.Context(
         width=fig_cfg.get("width_in", 6.0),
@@ -212,6 +213,8 @@ def context(config: dict) -> S.Context:
     return ctx
 
 
-def render(name: str, tables: dict, ctx: S.Context, png: str | Path, pdf: str | Path) -> None:
+def render(name: str, tables: dict, ctx: "Context", png: str | Path, pdf: str | Path) -> None:
     """Draw one registered figure from the tables and write its PNG and PDF atomically."""
+    from depthbench.analysis import style as S
+
     S.save(FIGURES[name].draw(tables, ctx), png, pdf, ctx.dpi)

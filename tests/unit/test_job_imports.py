@@ -91,3 +91,21 @@ def test_every_figure_draws_without_importing_torch(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(names) >= 8 and len(list(tmp_path.glob("*.png"))) == len(names), names
+
+
+def test_the_figure_registry_plans_without_matplotlib():
+    """The Snakefile reads the figure registry on every start (which figures a grid gets, the
+    tables each reads): that read imports no matplotlib (about a second); the drawing functions
+    are imported when drawn, and each entry names one that exists."""
+    code = (
+        "import sys\n"
+        "from depthbench.analysis import registry\n"
+        "registry.of_rule(list(registry.FIGURES), 'figures')\n"
+        "registry.tables_of(list(registry.FIGURES))\n"
+        "assert 'matplotlib' not in sys.modules\n"
+        "assert all(callable(f.draw) for f in registry.FIGURES.values())\n"
+        "print(len(registry.FIGURES))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout) >= 20
