@@ -202,7 +202,7 @@ def test_the_workflow_tokenizes_then_refuses_a_seq_len_the_split_cannot_fill_bef
 
     config = tiny_config(wiki_jsonl)
     config["train"]["seq_len"] = 100000  # longer than the tiny corpus's training split
-    config["probes"], config["nll"] = {"enabled": False}, {"enabled": False}
+    config["probes"], config["nll"] = {"enabled": False}, {**config["nll"], "enabled": False}
     (run_id,) = expand_grid(load_config(copy.deepcopy(config))).runs
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
     (tmp_path / "config").symlink_to(REPO / "config")  # the claims file

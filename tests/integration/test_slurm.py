@@ -352,7 +352,7 @@ def slurm_grid(wiki_jsonl, architectures=("pre_ln", "post_ln"), **slurm) -> dict
     profile sets launcher.backend: slurm)."""
     config = tiny_config(wiki_jsonl, architectures=list(architectures))
     config["probes"] = {"enabled": False}
-    config["nll"] = {"enabled": False}
+    config["nll"] = {**config.get("nll", {}), "enabled": False}
     config["launcher"] = {"backend": "inline", "slurm": {**SLURM, **slurm}}
     return config
 

@@ -420,7 +420,7 @@ def test_workflow_keeps_probes_and_draws_the_snapshots(tmp_path, wiki_jsonl):
     config = tiny_config(
         wiki_jsonl,
         probes={"at_steps": {"log_spaced": 3}, "n_sequences": 4, "seq_len": 16},
-        nll={"enabled": False},
+        nll={"enabled": False, "max_docs_per_set": 8},
     )
     write_config(root, config)
     # up to the probe figures (the stages this feature touches; the rest of the workflow is

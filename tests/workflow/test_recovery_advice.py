@@ -92,7 +92,7 @@ def workflow(tmp_path_factory, wiki_jsonl):
         src = REPO / name
         (shutil.copytree if src.is_dir() else shutil.copy)(src, root / name)
     config = tiny_config(wiki_jsonl, learning_rates=[3e-3, 1e-2])
-    config["nll"] = {"enabled": False}
+    config["nll"] = {**config.get("nll", {}), "enabled": False}
     (root / "config" / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     _snakemake(root)
     ids = sorted(p.name for p in (root / "results" / "runs").iterdir())

@@ -1,5 +1,9 @@
 """End to end, as a user runs it: Snakemake on a tiny real grid in a copy of the repository, run
-once for the module; each test reads its results or plans an edit of its config."""
+once for the module; each test reads its results or plans an edit of its config.
+
+The grid replicates each cell's best learning rate with a second seed (`seeds_at_best_lr: 2`), so
+the one run goes through the lr_sweep checkpoint too: 8 runs of the sweep (2 architectures x 2
+depths x 2 learning rates, one of which diverges) and 4 replicates."""
 
 from __future__ import annotations
 
@@ -24,18 +28,28 @@ from tests.workflow_runs import (
 pytestmark = pytest.mark.slow
 
 
+def replicated(wiki_jsonl, **overrides) -> dict:
+    """The module's grid: the shared tiny grid with a second seed at each cell's best LR."""
+    return grid(wiki_jsonl, **{"seeds_at_best_lr": 2, **overrides})
+
+
+SWEEP, REPLICATES = 8, 4  # the runs of the LR sweep, and the replicates at the cells' best LR
+
+
 @pytest.fixture(scope="module")
 def workflow(tmp_path_factory, wiki_jsonl):
+    """(root, the first run, the dry run before it)."""
     root = copy_workflow(tmp_path_factory.mktemp("wf"))
-    write_config(root, grid(wiki_jsonl))
+    write_config(root, replicated(wiki_jsonl))
+    dry = snakemake(root, "-n")
     first = snakemake(root)
-    return root, first
+    return root, first, dry
 
 
 def test_default_workflow_writes_tables_and_figures(workflow):
-    root, _ = workflow
+    root = workflow[0]
     runs = pd.read_parquet(root / "results/tables/runs.parquet")
-    assert len(runs) == 8
+    assert len(runs) == SWEEP + REPLICATES
     assert set(runs.loc[runs.lr == 50.0, "status"]) == {"diverged"}
     ok = runs[runs.lr == 3e-3]
     assert set(ok.status) == {"ok"}
@@ -63,12 +77,12 @@ def test_default_workflow_writes_tables_and_figures(workflow):
     # every rule has a log and a benchmark record
     assert (
         list((root / "results/logs/train").glob("*.log"))
-        and len(list((root / "results/benchmarks/train").glob("*.tsv"))) == 8
+        and len(list((root / "results/benchmarks/train").glob("*.tsv"))) == SWEEP + REPLICATES
     )
 
 
 def test_probes_stage_writes_a_tidy_table_with_config_columns_and_figures(workflow):
-    root, _ = workflow
+    root = workflow[0]
     probes = pd.read_parquet(root / "results/tables/probes.parquet")
     runs = pd.read_parquet(root / "results/tables/runs.parquet")
     assert set(probes.run_id) == set(runs.run_id)
@@ -139,7 +153,7 @@ FIGURES = [
 
 
 def test_removal_tables_hold_every_ranking_domain_and_effective_depth(workflow):
-    root, _ = workflow
+    root = workflow[0]
     runs = pd.read_parquet(root / "results/tables/runs.parquet")
     removal = pd.read_parquet(root / "results/tables/removal.parquet")
     ok = set(runs.run_id[runs.status == "ok"])
@@ -156,12 +170,12 @@ def test_removal_tables_hold_every_ranking_domain_and_effective_depth(workflow):
 
 
 def test_nll_and_cost_tables(workflow):
-    root, _ = workflow
+    root = workflow[0]
     runs = pd.read_parquet(root / "results/tables/runs.parquet")
     nll = pd.read_parquet(root / "results/tables/nll.parquet")
     assert set(nll.run_id) == set(runs.run_id)
     sets = nll[nll.level == "set"]
-    assert len(sets) == 8 * 3 and set(sets.set) == {"humaneval", "sciq", "gsm8k"}
+    assert len(sets) == (SWEEP + REPLICATES) * 3 and set(sets.set) == {"humaneval", "sciq", "gsm8k"}
     assert set(sets.n_docs) == {6} and set(sets.groupby("set").n_docs_source.first()) == {
         164,
         1000,
@@ -175,7 +189,7 @@ def test_nll_and_cost_tables(workflow):
     assert {"arch", "n_layer", "lr", "is_best_lr", "ratio"} <= set(nll.columns)
     cost = pd.read_parquet(root / "results/tables/cost.parquet")
     assert (
-        len(cost) == 8
+        len(cost) == SWEEP + REPLICATES
         and (cost.params_total == cost.params_embedding + cost.params_non_embedding).all()
     )
     assert (cost.prefill_flops_4096 > 0).all() and (cost.kv_cache_bytes_per_token > 0).all()
@@ -186,7 +200,7 @@ def test_nll_and_cost_tables(workflow):
 
 
 def test_report_and_claims_hold_every_figure_with_its_caption(workflow):
-    root, _ = workflow
+    root = workflow[0]
     html = (root / "results/report.html").read_text()
     for (
         name
@@ -231,7 +245,7 @@ def test_regenerate_rebuilds_figures_without_training(workflow, tmp_path):
     work folders, no Snakemake metadata), `depthbench regenerate` rebuilds every table, figure and
     the report, and no training, probing or scoring job runs. (A copy with only the figures
     deleted is the easier case of the same: the tables are then up to date and kept.)"""
-    root, _ = workflow
+    root = workflow[0]
     (tmp_path / "laptop").mkdir()
     laptop = copy_workflow(tmp_path / "laptop")
     shutil.copytree(
@@ -253,39 +267,39 @@ def test_regenerate_rebuilds_figures_without_training(workflow, tmp_path):
     for name in FIGURES:
         assert (laptop / f"results/figures/{name}.png").exists(), name
     assert (laptop / "results/report.html").stat().st_size > 100_000
-    assert len(pd.read_parquet(laptop / "results/tables/runs.parquet")) == 8
+    assert len(pd.read_parquet(laptop / "results/tables/runs.parquet")) == SWEEP + REPLICATES
 
 
 def test_probe_setting_reruns_probes_only(workflow, wiki_jsonl):
-    root, _ = workflow
-    with edited_config(root, grid(wiki_jsonl, probes={"n_sequences": 4})):
+    root = workflow[0]
+    with edited_config(root, replicated(wiki_jsonl, probes={"n_sequences": 4})):
         plan = snakemake(root, "-n")
     assert job_counts(plan.stdout + plan.stderr) == {
         "all": 1,
-        "probe": 8,
+        "probe": SWEEP + REPLICATES,
         "probes_table": 1,
         "probe_figures": 1,
         "claims": 1,
         "report": 1,
-        "removal": 8,
+        "removal": SWEEP + REPLICATES,
         "removal_table": 1,
         "figures": 1,
-        "total": 23,
+        "total": 7 + 2 * (SWEEP + REPLICATES),
     }  # the headline's removal panel
 
 
 def test_second_run_plans_nothing_and_says_so(workflow):
     """After a complete run, Snakemake plans no job (a dry run: what it plans is what it would
     run)."""
-    root, _ = workflow
+    root = workflow[0]
     proc = snakemake(root, "-n")
     assert "Nothing to be done" in proc.stdout + proc.stderr
 
 
 def test_figure_setting_reruns_only_figures(workflow, wiki_jsonl):
-    root, _ = workflow
+    root = workflow[0]
     with edited_config(
-        root, grid(wiki_jsonl, figures={"dpi": 80})
+        root, replicated(wiki_jsonl, figures={"dpi": 80})
     ):  # (test_regenerate... draws them for real)
         plan = snakemake(root, "-n")
     assert job_counts(plan.stdout + plan.stderr) == {
@@ -302,8 +316,8 @@ def test_figure_setting_reruns_only_figures(workflow, wiki_jsonl):
 
 
 def test_operational_settings_do_not_retrain(workflow, wiki_jsonl):
-    root, _ = workflow
-    config = grid(wiki_jsonl)
+    root = workflow[0]
+    config = replicated(wiki_jsonl)
     config["train"].update(checkpoint_every=1000, log_every=5, threads=2, loggers=["tensorboard"])
     config["launcher"] = {"backend": "local"}
     with edited_config(root, config):
@@ -312,86 +326,96 @@ def test_operational_settings_do_not_retrain(workflow, wiki_jsonl):
 
 
 def test_adding_a_learning_rate_trains_only_the_new_runs(workflow, wiki_jsonl):
-    root, _ = workflow
-    with edited_config(root, grid(wiki_jsonl, learning_rates=[3e-3, 50.0, 1e-2])):
+    """The sweep alone (seeds_at_best_lr: 1): the new LR's 4 runs train and are evaluated, the
+    aggregates redo. Replicated: the same 4 train and the lr_sweep checkpoint reruns; which
+    replicates and evaluations follow is decided by the checkpoint, after the plan."""
+    root = workflow[0]
+    lrs = [3e-3, 50.0, 1e-2]
+    with edited_config(root, replicated(wiki_jsonl, learning_rates=lrs, seeds_at_best_lr=1)):
         plan = snakemake(root, "-n")
-    assert job_counts(plan.stdout + plan.stderr) == {
+    aggregates = {
         "all": 1,
         "figures": 1,
         "tables": 1,
-        "train": 4,
-        "probe": 4,
         "probes_table": 1,
         "probe_figures": 1,
         "dynamics_figure": 1,
-        "nll": 4,
         "nll_table": 1,
         "cost_table": 1,
         "cost_figures": 1,
         "nll_figures": 1,
         "claims": 1,
         "report": 1,
-        "removal": 4,
         "removal_table": 1,
+    }
+    assert job_counts(plan.stdout + plan.stderr) == {
+        **aggregates,
+        "train": 4,
+        "probe": 4,
+        "nll": 4,
+        "removal": 4,
         "total": 29,
+    }
+    with edited_config(root, replicated(wiki_jsonl, learning_rates=lrs)):
+        plan = snakemake(root, "-n")
+    assert job_counts(plan.stdout + plan.stderr) == {
+        **aggregates,
+        "train": 4,
+        "lr_sweep": 1,
+        "total": 18,
     }
 
 
-def test_best_lr_evaluation_probes_and_scores_only_the_best_runs(workflow, wiki_jsonl, tmp_path):
+@pytest.mark.parametrize("seeds_at_best_lr", [1, 2], ids=["sweep_only", "replicated"])
+def test_best_lr_evaluation_probes_and_scores_only_the_best_runs(
+    workflow, wiki_jsonl, tmp_path, seeds_at_best_lr
+):
     """probes.runs / nll.runs: best_lr: nothing retrains, and the tables then hold the runs that a
-    hand selection from runs.parquet (lowest final loss per cell among finished runs) picks."""
+    hand selection from runs.parquet picks: every finished run at the LR of lowest mean final loss
+    per cell. On the sweep alone (no replicates: the choice is read from the tables checkpoint)
+    one run per cell; replicated (read from the lr_sweep checkpoint) both seeds of that LR."""
     # in a copy (results and Snakemake's metadata, mtimes kept): the shared workflow stays as it is
     root = shutil.copytree(
         workflow[0], tmp_path / "best_lr", symlinks=True, ignore=shutil.ignore_patterns("work")
     )
-    config = grid(wiki_jsonl)
+    config = replicated(wiki_jsonl, seeds_at_best_lr=seeds_at_best_lr)
     config["probes"] = {"runs": "best_lr"}
     config["nll"] = {**config["nll"], "runs": "best_lr"}
     write_config(root, config)
-    proc = snakemake(root, "--until", "probes_table", "nll_table")
+    proc = snakemake(root, "--until", "probes_table", "nll_table", "removal_table")
     assert job_counts(proc.stdout + proc.stderr).get("train", 0) == 0
     runs = pd.read_parquet(root / "results/tables/runs.parquet")
+    assert len(runs) == (SWEEP if seeds_at_best_lr == 1 else SWEEP + REPLICATES)
     ok = runs[runs.status == "ok"]
-    best = ok.loc[ok.groupby(["arch", "n_layer"])["final_val_loss"].idxmin(), "run_id"]
-    assert len(best) == 4 and len(runs) == 8
-    for table in ("probes", "nll"):
+    means = ok.groupby(["arch", "n_layer", "lr"], as_index=False)["final_val_loss"].mean()
+    best_lr = means.loc[means.groupby(["arch", "n_layer"])["final_val_loss"].idxmin()]
+    best = ok.merge(best_lr[["arch", "n_layer", "lr"]], on=["arch", "n_layer", "lr"]).run_id
+    assert len(best) == 4 * seeds_at_best_lr
+    for table in ("probes", "nll", "removal"):
         assert set(pd.read_parquet(root / f"results/tables/{table}.parquet").run_id) == set(best), (
             table
         )
 
 
-def test_seeds_at_best_lr_trains_replicates_of_the_best_lr_only_after_the_sweep(
-    workflow, wiki_jsonl, tmp_path
-):
-    """seeds_at_best_lr: 2 on the trained sweep (seed 0): the plan holds no training until the
-    lr_sweep checkpoint has read the sweep; then exactly one replicate (seed 1) per cell trains,
-    at the LR that did not diverge, and best_lr.parquet has n = 2 with an interval per cell."""
-    root = shutil.copytree(
-        workflow[0], tmp_path / "replicas", symlinks=True, ignore=shutil.ignore_patterns("work")
-    )
-    config = grid(wiki_jsonl, seeds_at_best_lr=2)
-    config["probes"] = {"runs": "best_lr"}  # chosen by lr_sweep, beside the replicates' training
-    config["nll"] = {**config["nll"], "runs": "best_lr"}
-    write_config(root, config)
-    dry = snakemake(root, "-n")
+def test_seeds_at_best_lr_trains_replicates_of_the_best_lr_only_after_the_sweep(workflow):
+    """seeds_at_best_lr: 2: the plan before any training holds the sweep's runs only and the
+    lr_sweep checkpoint; once the checkpoint has read the sweep, exactly one replicate (seed 1)
+    per cell trains, at the LR that did not diverge, and best_lr.parquet has n = 2 with an
+    interval per cell."""
+    root, first, dry = workflow
     planned = job_counts(dry.stdout + dry.stderr)
-    assert planned.get("lr_sweep") == 1 and planned.get("train", 0) == 0, planned
-    proc = snakemake(root)
-    log = proc.stdout + proc.stderr  # its Job stats are the plan before the checkpoint: count jobs
-    assert len(re.findall(r"^(?:local)?rule train:", log, re.M)) == 4
-    assert len(re.findall(r"^(?:local)?checkpoint lr_sweep:", log, re.M)) == 1
-    again = snakemake(root, "-n")
-    assert "Nothing to be done" in again.stdout + again.stderr
+    assert planned.get("lr_sweep") == 1 and planned.get("train") == SWEEP, planned
+    log = first.stdout + first.stderr  # its Job stats are the plan before the checkpoint
+    trains = [m.start() for m in re.finditer(r"^(?:local)?rule train:", log, re.M)]
+    (sweep_read,) = [m.start() for m in re.finditer(r"^(?:local)?checkpoint lr_sweep:", log, re.M)]
+    assert len(trains) == SWEEP + REPLICATES
+    assert sum(t > sweep_read for t in trains) == REPLICATES  # started after the checkpoint
     runs = pd.read_parquet(root / "results/tables/runs.parquet")
-    assert len(runs) == 12
     replicas = runs[runs.seed == 1]
-    assert set(replicas.lr) == {3e-3} and len(replicas) == 4
+    assert set(replicas.lr) == {3e-3} and len(replicas) == REPLICATES
     best = pd.read_parquet(root / "results/tables/best_lr.parquet")
     assert len(best) == 4 and set(best.n) == {2} and set(best.best_lr) == {3e-3}
     assert (best.ci_low < best.final_val_loss).all() and (best.final_val_loss < best.ci_high).all()
-    at_best = set(runs.loc[runs.lr == 3e-3, "run_id"])
-    for table in ("probes", "nll", "removal"):
-        assert set(pd.read_parquet(root / f"results/tables/{table}.parquet").run_id) == at_best
     sweep = pd.read_parquet(root / "results/tables/lr_sweep.parquet")
     assert set(sweep.n) == {1} and sorted(
         r for ids in sweep.replicate_run_ids for r in ids
@@ -399,8 +423,8 @@ def test_seeds_at_best_lr_trains_replicates_of_the_best_lr_only_after_the_sweep(
 
 
 def test_invalid_config_fails_before_any_job(workflow, wiki_jsonl, tmp_path):
-    root, _ = workflow
-    bad = grid(wiki_jsonl, shapes=[{"n_layer": 2, "d_model": 50}])
+    root = workflow[0]
+    bad = replicated(wiki_jsonl, shapes=[{"n_layer": 2, "d_model": 50}])
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(bad))
     before = sorted(p for p in (root / "results").rglob("*"))
