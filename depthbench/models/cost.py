@@ -39,18 +39,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
 from torch import nn
 
 from depthbench.models.config import ModelConfig
-from depthbench.models.registry import build_model
+from depthbench.models.registry import build_model, parameters_on_meta
 
 PREFILL_TOKENS = 4096
 BF16_BYTES = 2
 
 
 def meta_model(cfg: ModelConfig) -> nn.Module:
-    with torch.device("meta"):
+    """The model with its weights on the meta device: their shapes, no memory."""
+    with parameters_on_meta():
         return build_model(cfg, initialize=False)
 
 
