@@ -24,15 +24,9 @@ from __future__ import annotations
 
 import torch
 
+from depthbench.kernels.precision import autocast_dtype, autocast_off
+
 IGNORE_INDEX = -100
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(
-        x.device.type
-    ):  # not on meta
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
 
 
 class _ChunkedLMHeadCE(torch.autograd.Function):
@@ -96,8 +90,6 @@ def chunked_cross_entropy(
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1 tokens, got {chunk}")
     flat = x.reshape(-1, x.shape[-1])
-    dtype = _compute_dtype(flat)
-    with torch.autocast(
-        flat.device.type, enabled=False
-    ):  # casts made explicitly (see module docstring)
+    dtype = autocast_dtype(flat)  # the products' dtype, as x @ W^T would run (meta: the replay's)
+    with autocast_off(flat.device.type):  # casts made explicitly (see module docstring)
         return _ChunkedLMHeadCE.apply(flat, weight, targets.reshape(-1), chunk, dtype)

@@ -131,3 +131,17 @@ def test_the_knob_default_is_the_schema_default():
         > 0
     )
     assert "loss_chunk_tokens" in TrainConfig.NOT_HASHED
+
+
+def test_chunked_loss_traces_on_the_meta_device():
+    """The memory estimate traces the model on meta (depthbench.train.activation_trace), where
+    torch.autocast refuses the device: the chunked loss turns autocast off through
+    kernels.precision, which on meta pauses the replayed casts instead."""
+    from depthbench.kernels import precision
+
+    x = torch.empty(2, 8, 16, device="meta", requires_grad=True)
+    w = torch.empty(32, 16, device="meta", requires_grad=True)
+    y = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    with precision.replaying(precision.Replay(device="cpu", enabled=True)):
+        loss = chunked_cross_entropy(x, w, y, 5)
+    assert loss.is_meta and loss.shape == ()

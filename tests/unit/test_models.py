@@ -374,3 +374,18 @@ def test_schema_takes_the_architecture_init_options(option, good, bad):
     assert config["model"]["arch_options"][option] == good
     with pytest.raises(ConfigError, match=rf"model\.arch_options\.{option}.*{good}"):
         load_config(default_config, {"model": {"arch_options": {option: bad}}})
+
+
+def test_inverse_rms_reduces_in_fp32_under_bf16_autocast():
+    """inverse_rms promises at least fp32: under CPU bf16 autocast its vecdot would otherwise be
+    cast to bf16 (a relative error of about 3e-3 on the RMS that HC's and mHC's coefficients,
+    normed_linear, divide by)."""
+    from depthbench.models.layers import inverse_rms
+
+    torch.manual_seed(0)
+    x = (3 * torch.randn(16, 64)).to(torch.bfloat16)
+    exact = torch.rsqrt((x.double() ** 2).mean(-1, keepdim=True) + 1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = inverse_rms(x, 1e-6)
+    assert got.dtype == torch.float32
+    assert ((got.double() - exact).abs() / exact).max() < 1e-6
