@@ -11,20 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from depthbench.models.registry import PACKAGE_ARCHITECTURES
 
 ROOT = Path(__file__).resolve().parents[2]
-OTHERS = {
-    "post_ln",
-    "peri_ln",
-    "lns",
-    "deepnorm",
-    "keel",
-    "hc",
-    "mhc",
-    "attnres_full",
-    "attnres_block",
-    "moda",
-}
+OTHERS = set(PACKAGE_ARCHITECTURES) - {"pre_ln"}
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from depthbench.launch.executors import slurm_parameters
 from depthbench.launch.local import dispatch
 from depthbench.train.recipe import RunPaths
 from depthbench.train.loop import train
+from depthbench.models.registry import PACKAGE_ARCHITECTURES
 
 pytestmark = pytest.mark.slow
 
@@ -177,19 +178,7 @@ def test_slurm_jobs_ask_one_task_per_gpu():
     assert p["nodes"] == 2 and p["gpus_per_node"] == 8 and p["ntasks_per_node"] == 8
 
 
-ALL_ARCHS = [
-    "pre_ln",
-    "post_ln",
-    "peri_ln",
-    "lns",
-    "deepnorm",
-    "keel",
-    "hc",
-    "mhc",
-    "attnres_full",
-    "attnres_block",
-    "moda",
-]
+ALL_ARCHS = list(PACKAGE_ARCHITECTURES)  # every architecture of the package
 
 
 def test_every_architecture_shards_with_fsdp2(tmp_path):

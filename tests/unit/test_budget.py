@@ -22,21 +22,10 @@ from depthbench.spec.shapes import FF_BAND, solve_width
 from depthbench.analysis.tables import GROUP_COLUMNS, best_learning_rates, best_lr_run_ids, run_rows
 from depthbench.analysis.tables import replicate_run_ids
 from tests.conftest import tiny_config
+from depthbench.models.registry import PACKAGE_ARCHITECTURES
 
 REPO = Path(__file__).resolve().parents[2]
-ALL_ARCHS = [
-    "pre_ln",
-    "post_ln",
-    "peri_ln",
-    "lns",
-    "deepnorm",
-    "keel",
-    "hc",
-    "mhc",
-    "attnres_full",
-    "attnres_block",
-    "moda",
-]
+ALL_ARCHS = list(PACKAGE_ARCHITECTURES)  # every architecture of the package
 BUDGETED = [
     "config/config.yaml",
     "config/presets/cpu_all.yaml",

@@ -22,20 +22,9 @@ from depthbench.hf.export import export_run
 from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model
 from depthbench.spec.training import TrainConfig
+from depthbench.models.registry import PACKAGE_ARCHITECTURES
 
-ARCHS = [
-    "pre_ln",
-    "post_ln",
-    "peri_ln",
-    "lns",
-    "deepnorm",
-    "keel",
-    "hc",
-    "mhc",
-    "attnres_full",
-    "attnres_block",
-    "moda",
-]
+ARCHS = list(PACKAGE_ARCHITECTURES)  # every architecture of the package
 OPTIONS = {"attnres_block": {"n_blocks": 2}, "hc": {"n_streams": 2}, "mhc": {"n_streams": 2}}
 TEXT = [
     "Depth in a transformer is a stack of residual layers; some of them do little.",

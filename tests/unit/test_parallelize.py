@@ -28,20 +28,9 @@ from depthbench.models.registry import build_model
 from depthbench.train.activation_trace import trace_activations
 from depthbench.train.memory import recompute_mask
 from depthbench.train.parallelize import compile_mode, mixed_precision_policy, wrap_units
+from depthbench.models.registry import PACKAGE_ARCHITECTURES
 
-ARCHS = [
-    "pre_ln",
-    "post_ln",
-    "peri_ln",
-    "lns",
-    "deepnorm",
-    "keel",
-    "hc",
-    "mhc",
-    "attnres_full",
-    "attnres_block",
-    "moda",
-]
+ARCHS = list(PACKAGE_ARCHITECTURES)  # every architecture of the package
 VOCAB = 64
 
 

@@ -19,6 +19,7 @@ from depthbench.probes.core import (
     token_similarity,
 )
 from depthbench.probes.interventions import causal_scores, permutation_scores, usefulness_ratios
+from depthbench.models.registry import PACKAGE_ARCHITECTURES
 
 
 def model(arch="pre_ln", n_layer=4, **kw):
@@ -226,19 +227,7 @@ def test_attnres_block_dead_zone_uses_every_layers_partial_sum_weight():
     assert weights == pytest.approx([0.5, 0.04]) and length == 0
 
 
-ALL_ARCHS = [
-    "pre_ln",
-    "post_ln",
-    "peri_ln",
-    "lns",
-    "deepnorm",
-    "keel",
-    "hc",
-    "mhc",
-    "attnres_full",
-    "attnres_block",
-    "moda",
-]
+ALL_ARCHS = list(PACKAGE_ARCHITECTURES)  # every architecture of the package
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from depthbench.train.recipe import RunPaths, lr_at, param_groups
 from depthbench.train.loop import train
 from depthbench.train.trainer import Trainer
 from tests.conftest import REPO
+from depthbench.models.registry import PACKAGE_ARCHITECTURES
 
 
 def only_run(exp) -> RunSpec:
@@ -293,19 +294,7 @@ def test_checkpoint_of_another_run_is_refused(tiny_data, tmp_path):
         train(other, shards, paths, progress=False)
 
 
-ALL_ARCHS = [
-    "pre_ln",
-    "post_ln",
-    "peri_ln",
-    "lns",
-    "deepnorm",
-    "keel",
-    "hc",
-    "mhc",
-    "attnres_full",
-    "attnres_block",
-    "moda",
-]
+ALL_ARCHS = list(PACKAGE_ARCHITECTURES)  # every architecture of the package
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)
