@@ -20,10 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# the level and resample count of the stages' bootstrap intervals, so a table's interval and
-# one computed here agree
-from depthbench.util.resample import LEVEL
+# the stages' resampling and resample count, so that a table's interval and one computed here agree
 from depthbench.util.resample import SAMPLES as BOOTSTRAP_SAMPLES
+from depthbench.util.resample import percentile_interval, resample_counts, resampled_sums
 
 # t(0.975, df) for df = 1..30; above 30 the normal quantile is within 2% of it.
 _T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
@@ -67,9 +66,10 @@ def bootstrap_mean(values, seed: int, samples: int = BOOTSTRAP_SAMPLES) -> Estim
         return Estimate(math.nan)
     if x.size == 1:
         return Estimate(float(x[0]))
-    rng = np.random.default_rng(seed)
-    means = x[rng.integers(0, x.size, size=(samples, x.size))].mean(axis=1)
-    low, high = np.quantile(means, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
+    # the stages' resampling (util.resample), so that this interval is the one a table holds
+    low, high = percentile_interval(
+        resampled_sums(x, resample_counts(x.size, seed, samples)) / x.size
+    )
     return Estimate(float(x.mean()), float(low), float(high))
 
 

@@ -6,9 +6,9 @@ above a threshold) is recomputed on each of B resamples of the units, drawn with
 its interval is the 2.5% and 97.5% quantiles of the B values (the percentile interval). A
 resample is given by its counts, counts[b, i] = how often unit i was drawn in resample b, so a
 resampled sum is counts @ x and a number that is a function of per-unit sums needs no second
-pass over the data. The draws are numpy's default_rng(seed).integers(0, n, (B, n)), the draws
-of depthbench.analysis.intervals.bootstrap_mean, so that a mean's interval here is the one that
-function gives for the same values and seed.
+pass over the data. The draws are numpy's default_rng(seed).integers(0, n, (B, n)).
+depthbench.analysis.intervals.bootstrap_mean resamples through these functions too, so a mean's
+interval there is the one a stage's table holds for the same values and seed.
 """
 
 from __future__ import annotations

@@ -77,3 +77,15 @@ def test_separated_needs_both_intervals_apart():
     assert separated(hi, lo) == 1 and separated(lo, hi) == -1
     assert separated(hi, Estimate(2.05, 2.0, 2.2, 3)) == 0
     assert separated(hi, Estimate(1.0)) == 0
+
+
+def test_bootstrap_mean_is_the_percentile_interval_of_seeded_resampled_means():
+    """Written apart from the code: B resamples of the values drawn with
+    default_rng(seed).integers(0, n, (B, n)), their means, the 2.5% and 97.5% quantiles. The
+    stages' tables draw the same way (util.resample), so their intervals and this one agree."""
+    x = np.random.default_rng(7).normal(2.0, 0.5, 40)
+    draws = np.random.default_rng(11).integers(0, x.size, size=(300, x.size))
+    low, high = np.quantile(x[draws].mean(axis=1), [0.025, 0.975])
+    got = bootstrap_mean(x, seed=11, samples=300)
+    assert got.value == pytest.approx(x.mean(), abs=1e-15)
+    assert (got.low, got.high) == pytest.approx((low, high), abs=1e-12)
