@@ -34,8 +34,9 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from depthbench.analysis.intervals import Estimate, cell_interval, separated
+from depthbench.analysis.intervals import Estimate, separated
 from depthbench.analysis.readers import INTERVAL
+from depthbench.analysis.summaries import cells
 
 HOLDS = "holds"
 CONTRADICTED = "contradicted"
@@ -180,18 +181,20 @@ def _mean_or_nan(s: pd.Series) -> float:
 
 def cell_estimates(df: pd.DataFrame, keys: list[str], value: str = "value") -> dict:
     """{key: Estimate} per group of `keys` (a tuple key for several, the value for one): one
-    number per run (the mean of its rows, and of their ci_low / ci_high where present), then
-    intervals.cell_interval over the runs."""
+    number per run (the mean of its rows, and of their ci_low / ci_high where present), then the
+    cell over the runs as the figures combine it (summaries.cells: intervals.cell_interval)."""
     if df.empty:
         return {}
     bounds = [c for c in INTERVAL if c in df.columns]
     agg = {value: (value, "mean"), **{c: (c, _mean_or_nan) for c in bounds}}
     per_run = df.groupby([*keys, "run_id"], as_index=False, dropna=False).agg(**agg)
-    out = {}
-    for key, g in per_run.groupby(keys[0] if len(keys) == 1 else keys, sort=True):
-        lows, highs = (g[c] if c in g else None for c in INTERVAL)
-        out[key] = cell_interval(g[value], lows, highs)
-    return out
+    table = cells(per_run, keys, value, bounds=INTERVAL, carry=())  # the figures' cells too
+    return {
+        (row[keys[0]] if len(keys) == 1 else tuple(row[k] for k in keys)): Estimate(
+            row["value"], row["ci_low"], row["ci_high"], int(row["n"])
+        )
+        for row in table.to_dict("records")
+    }
 
 
 def by_depth(df: pd.DataFrame, arch: str, value: str = "value") -> dict[int, Estimate]:
