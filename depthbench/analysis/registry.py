@@ -14,7 +14,6 @@ depthbench.analysis.probe_entries.
 from __future__ import annotations
 
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from depthbench.analysis.figure_spec import (
