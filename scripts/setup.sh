@@ -41,8 +41,4 @@ pip install --no-deps -c constraints.txt $nodeps
 # Byte-compile DepthBench now: with PYTHONDONTWRITEBYTECODE set, every workflow job would
 # otherwise compile the package from source again (about 0.2 s a job).
 .venv/bin/python -m compileall -q depthbench >/dev/null
-# Compile the CPU kernels now (about a minute on 2 cores; cached, so a later setup only loads
-# them): the first hc or mhc job would otherwise compile them while every other job that needs
-# them waits on the build's lock. Where no compiler is found this warns, and the PyTorch code runs.
-.venv/bin/python -c "from depthbench.kernels import cpu_kernels; cpu_kernels()"
 .venv/bin/python -c "import torch, snakemake, depthbench; print(f'depthbench ready: torch {torch.__version__}, python {__import__(\"sys\").version.split()[0]}')"
