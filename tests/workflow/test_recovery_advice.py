@@ -91,8 +91,11 @@ def workflow(tmp_path_factory, wiki_jsonl):
     for name in ("Snakefile", "workflow", "scripts", "config", "slurm", "envs"):
         src = REPO / name
         (shutil.copytree if src.is_dir() else shutil.copy)(src, root / name)
-    config = tiny_config(wiki_jsonl, learning_rates=[3e-3, 1e-2])
+    # three runs, one for each situation that needs --forcerun; NLL and removal off: no
+    # situation here involves them, and each retrain would redo them
+    config = tiny_config(wiki_jsonl, learning_rates=[3e-3, 1e-2, 2e-2])
     config["nll"] = {**config.get("nll", {}), "enabled": False}
+    config["removal"] = {"enabled": False}
     (root / "config" / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     _snakemake(root)
     ids = sorted(p.name for p in (root / "results" / "runs").iterdir())
@@ -109,67 +112,62 @@ def test_touch_and_content_change_agree_with_snakemake(workflow):
     meta.touch()
     _clean(root, ids)
     meta.write_bytes(original + b"\n")
-    rows, _ = _status(root)
-    assert [rows[rid][0] for rid in ids] == ["stale", "stale"] and _plan(root)["train"] == 2
-    meta.write_bytes(original)  # newer again, with the bytes Snakemake recorded
+    try:
+        rows, _ = _status(root)
+        assert [rows[rid][0] for rid in ids] == ["stale"] * len(ids)
+        assert _plan(root)["train"] == len(ids)
+    finally:
+        meta.write_bytes(original)  # newer again, with the bytes Snakemake recorded
     _clean(root, ids)
 
 
-def test_corrupt_weights_advice_retrains_the_run(workflow):
-    root, ids = workflow
-    weights = root / "results" / "runs" / ids[0] / "model.safetensors"
+def test_each_forcerun_advice_retrains_its_run(workflow):
+    """Three runs broken three ways that Snakemake alone does not redo, each reported with the
+    `snakemake --forcerun` that trains it again; the three commands' targets, run as one
+    Snakemake call as a user with three broken runs would, leave status and Snakemake clean.
+
+    - corrupt weights (a flipped byte): the row says `corrupt`;
+    - another run's summary copied in, with its run id edited to the folder's and its spec hash
+      made self-consistent: only the grid tells, and the row says `invalid` with the grid's spec;
+    - weights deleted once the tables hold the run: Snakemake reruns no job whose consumers are
+      done, so status promises no train job and says the run is not redone without --forcerun.
+    """
     from safetensors.torch import load_file
 
+    root, ids = workflow
+    corrupt, invalid, deleted = ids
+    runs = root / "results" / "runs"
+
+    weights = runs / corrupt / "model.safetensors"
     good = load_file(weights)
     data = bytearray(weights.read_bytes())
     data[-5] ^= 1
     weights.write_bytes(bytes(data))
+
+    summary = runs / invalid / "summary.json"
+    copied = json.loads((runs / corrupt / "summary.json").read_text())
+    copied["run_id"] = copied["spec"]["run_id"] = invalid
+    copied["spec_hash"] = RunSpec.from_dict(copied["spec"]).spec_hash()
+    summary.write_text(json.dumps(copied))
+
+    (runs / deleted / "model.safetensors").unlink()
+
     rows, out = _status(root)
-    assert rows[ids[0]][0] == "corrupt" and rows[ids[1]][0] in TRAINED
-    command = _advice(out, ids[0])
-    assert command[:2] == ["snakemake", "--forcerun"]
-    _snakemake(root, *command[1:])
-    assert load_file(weights).keys() == good.keys()
-    _clean(
-        root, ids, runs_only=True
-    )  # the new weights verify against the digest recorded with them
-
-
-def test_summary_of_another_run_advice_retrains_it(workflow):
-    """Another run's summary copied in with its run id edited to the folder's: Snakemake alone
-    redoes nothing (status says so), the printed command retrains it."""
-    root, ids = workflow
-    a, b = (root / "results" / "runs" / rid / "summary.json" for rid in ids)
-    s = json.loads(a.read_text())
-    s["run_id"] = s["spec"]["run_id"] = ids[1]
-    s["spec_hash"] = RunSpec.from_dict(
-        s["spec"]
-    ).spec_hash()  # self-consistent: only the grid tells
-    b.write_text(json.dumps(s))
-    rows, out = _status(root)
-    assert rows[ids[1]][0] == "invalid" and rows[ids[1]][3] == "none:" and "grid's spec" in out
-    assert "train" not in _plan(root)
-    _snakemake(root, *_advice(out, ids[1])[1:])
-    assert (
-        json.loads(b.read_text())["run_id"] == ids[1]
-        and json.loads(b.read_text())["spec_hash"] != s["spec_hash"]
-    )
-    _clean(root, ids, runs_only=True)
-
-
-def test_weights_deleted_after_the_tables_advice_retrains_the_run(workflow):
-    """A trained run's weights deleted once the tables hold it: Snakemake alone redoes nothing (a
-    missing intermediate file reruns no job whose consumers are done), so status does not
-    promise a train job but prints the --forcerun that retrains it."""
-    root, ids = workflow
-    weights = root / "results" / "runs" / ids[0] / "model.safetensors"
-    weights.unlink()
-    rows, out = _status(root)
-    assert rows[ids[0]][0] == "stale" and rows[ids[0]][3] == "none:", out
+    assert rows[corrupt][0] == "corrupt", out
+    assert rows[invalid][0] == "invalid" and rows[invalid][3] == "none:" and "grid's spec" in out
+    assert rows[deleted][0] == "stale" and rows[deleted][3] == "none:", out
     assert "train: " not in out and "not redone without --forcerun: 1 run" in out
-    assert _plan(root) == {}
-    _snakemake(root, *_advice(out, ids[0])[1:])
-    assert weights.exists()
+    assert "train" not in _plan(root)
+
+    commands = [_advice(out, rid) for rid in (corrupt, invalid, deleted)]
+    assert all(command[:2] == ["snakemake", "--forcerun"] for command in commands), commands
+    _snakemake(root, "--forcerun", *(target for command in commands for target in command[2:]))
+
+    assert load_file(weights).keys() == good.keys()
+    rewritten = json.loads(summary.read_text())
+    assert rewritten["run_id"] == invalid and rewritten["spec_hash"] != copied["spec_hash"]
+    assert (runs / deleted / "model.safetensors").exists()
+    # the new weights verify against the digests recorded with them
     _clean(root, ids, runs_only=True)
 
 
