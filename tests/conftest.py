@@ -19,34 +19,34 @@ REPO = Path(__file__).resolve().parents[1]
 # The suite runs on 2 workers (pytest-xdist, `--dist loadscope` in pyproject.toml: a module's
 # tests share one worker, so its module-scoped fixtures are built once). The workers take the
 # modules in collection order, so the longest go first, by their measured time on 2 cores
-# (test_workflow and test_recovery_advice about 5.3 minutes each, test_slurm 4.3, the rest under
-# 1.3): a long module collected last leaves one core idle while it runs alone at the end.
+# (test_workflow about 4.9 minutes, test_slurm 4.3, test_recovery_advice 3.4, the rest under 1.3):
+# a long module collected last leaves one core idle while it runs alone at the end.
 LONGEST_FIRST = [
     "test_workflow.py",
-    "test_recovery_advice.py",
     "test_slurm.py",
-    "test_parallelize.py",
+    "test_recovery_advice.py",
     "test_distributed.py",
-    "test_workflow_plans.py",
     "test_pretrained_stages.py",
+    "test_train.py",
+    "test_parallelize.py",
     "test_at_steps.py",
+    "test_workflow_plans.py",
     "test_memory.py",
     "test_tokenize_pieces.py",
-    "test_train.py",
     "test_launch.py",
     "test_owner.py",
     "test_analysis.py",
-    "test_budget.py",
-    "test_rehearse.py",
     "test_job_imports.py",
-    "test_requeue.py",
     "test_hc_kernel.py",
+    "test_rehearse.py",
+    "test_budget.py",
     "test_benchmarks.py",
-    "test_readme_commands.py",
+    "test_requeue.py",
     "test_config.py",
+    "test_claims.py",
+    "test_readme_commands.py",
     "test_cpu_kernels.py",
     "test_ddp_unused_params.py",
-    "test_checkpoint_kill.py",
 ]
 
 
