@@ -253,8 +253,11 @@ def test_piece_job_memory_does_not_grow_with_the_corpus(wiki_jsonl, tmp_path, mo
     """Each kind at two corpus sizes, 2x apart: the larger piece's peak stays within a small
     fraction of the extra bytes it reads (a reader or writer that kept documents, lines or
     offsets would grow by at least that much). Batches of 16 documents and a 4 kB read buffer,
-    so that both sizes span many of each; `datasets` reads each ~50 kB file in one chunk (10 MB
-    at most). The RSS at 4-48 MB corpora is measured in docs/benchmarks.md."""
+    so that both sizes span many of each; `datasets` reads each ~90 kB file in one chunk (10 MB
+    at most). The larger corpus has more files, not larger ones, so the reading libraries keep
+    a little per file (paths, cache entries: up to 8 kB a file in a worker that ran other tests
+    first); the files are large enough that this stays well under the threshold. The RSS at
+    4-48 MB corpora is measured in docs/benchmarks.md."""
     import functools
 
     import pyarrow as pa
@@ -279,8 +282,8 @@ def test_piece_job_memory_does_not_grow_with_the_corpus(wiki_jsonl, tmp_path, mo
         paths = []
         for k in range(n_files):
             part = (
-                docs[(k * 50) % 400 : (k * 50) % 400 + 50] * 2
-            )  # 100 documents, about 30 kB a file
+                docs[(k * 50) % 400 : (k * 50) % 400 + 50] * 6
+            )  # 300 documents, about 90 kB a file
             paths.append(root / f"f{k}.jsonl")
             paths[-1].write_text("".join(json.dumps({"text": d}) + "\n" for d in part))
             pq.write_table(
