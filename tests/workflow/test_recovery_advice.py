@@ -138,6 +138,10 @@ def test_each_forcerun_advice_retrains_its_run(workflow):
     corrupt, invalid, deleted = ids
     runs = root / "results" / "runs"
 
+    # a missing intermediate file reruns no job whose consumers are done: nothing is planned
+    (runs / deleted / "model.safetensors").unlink()
+    assert _plan(root) == {}
+
     weights = runs / corrupt / "model.safetensors"
     good = load_file(weights)
     data = bytearray(weights.read_bytes())
@@ -149,8 +153,6 @@ def test_each_forcerun_advice_retrains_its_run(workflow):
     copied["run_id"] = copied["spec"]["run_id"] = invalid
     copied["spec_hash"] = RunSpec.from_dict(copied["spec"]).spec_hash()
     summary.write_text(json.dumps(copied))
-
-    (runs / deleted / "model.safetensors").unlink()
 
     rows, out = _status(root)
     assert rows[corrupt][0] == "corrupt", out
