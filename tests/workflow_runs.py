@@ -73,6 +73,9 @@ def grid(wiki_jsonl, **overrides) -> dict:
     # test_workflow holds it to (0.3 under the unigram floor)
     config["train"]["tokens_per_param"] = 0.4
     config["train"]["dynamics_every"] = 20
+    # three checkpoints a run instead of 38 (about 50 ms each): these runs are never resumed, and
+    # the tests that resume use their own grids
+    config["train"]["checkpoint_every"] = 50
     config["nll"] = {"sets": ["humaneval", "sciq", "gsm8k"], "max_docs_per_set": 6}
     config.update(overrides)
     return config
