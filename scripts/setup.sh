@@ -30,8 +30,16 @@ EOF
 )
 extras=kernels,pytest
 for mode in "$@"; do extras+=",$mode"; done
+# torch, ninja and numpy first: the CPU kernels (depthbench/kernels; about 80 s of compiling the
+# first time, cached afterwards) then build against them on one core while pip installs the rest,
+# rather than in the first workflow job or test that needs them.
+pip install -c constraints.txt torch ninja numpy
+kernels_log=.venv/depthbench-kernels.log
+MAX_JOBS=1 .venv/bin/python -m depthbench.kernels >"$kernels_log" 2>&1 &
+kernels_pid=$!
+trap 'kill "$kernels_pid" 2>/dev/null || true' EXIT  # a failed pip install stops the build too
 # Build DepthBench with the venv's own setuptools when it meets pyproject.toml's build requirement
-# (no temporary build environment; torch brings setuptools>=77 after the first run), else isolated.
+# (no temporary build environment; torch has brought setuptools>=77), else isolated.
 isolation=--no-build-isolation
 .venv/bin/python -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 68)' \
   2>/dev/null || isolation=
@@ -41,4 +49,7 @@ pip install --no-deps -c constraints.txt $nodeps
 # Byte-compile DepthBench now: with PYTHONDONTWRITEBYTECODE set, every workflow job would
 # otherwise compile the package from source again (about 0.2 s a job).
 .venv/bin/python -m compileall -q depthbench >/dev/null
+# The kernels are optional: without them (no compiler, a failed build) the models run their
+# PyTorch code.
+wait "$kernels_pid" || echo "setup.sh: $(tail -n 1 "$kernels_log") ($kernels_log)" >&2
 .venv/bin/python -c "import torch, snakemake, depthbench; print(f'depthbench ready: torch {torch.__version__}, python {__import__(\"sys\").version.split()[0]}')"

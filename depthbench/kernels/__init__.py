@@ -1,4 +1,5 @@
-"""Optional C++ kernels for the CPU, compiled on first use.
+"""Optional C++ kernels for the CPU, compiled by scripts/setup.sh (`python -m depthbench.kernels`)
+or else on first use.
 
 `cpu_kernels()` builds the extension from the `.cpp` files beside this module with
 `torch.utils.cpp_extension.load` (needs a C++ compiler and the `ninja` package, installed by

@@ -51,6 +51,26 @@ def test_kernel_is_independent_of_thread_count():
     )
 
 
+def test_the_build_command_builds_and_says_where(capsys):
+    """`python -m depthbench.kernels`, which scripts/setup.sh runs, leaves the loadable build in
+    the cache directory it names."""
+    from depthbench.kernels.__main__ import main
+
+    assert main() == 0
+    out = capsys.readouterr().out
+    assert out.startswith("CPU kernels ready") and str(kernels.build_directory()) in out
+    assert any(kernels.build_directory().glob("depthbench_cpu_kernels*.so"))
+
+
+def test_the_build_command_fails_with_the_reason_when_disabled(monkeypatch, capsys):
+    from depthbench.kernels.__main__ import main
+
+    monkeypatch.setenv("DEPTHBENCH_CPU_KERNELS", "0")
+    monkeypatch.setattr(kernels, "_state", {})  # the process's cached build forgotten
+    assert main() == 1
+    assert capsys.readouterr().out.strip() == "CPU kernels unavailable: DEPTHBENCH_CPU_KERNELS=0"
+
+
 def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("DEPTHBENCH_CPU_KERNELS", "0")
     assert not kernels.enabled() and kernels.unavailable_reason() == "DEPTHBENCH_CPU_KERNELS=0"
