@@ -20,11 +20,13 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from depthbench.util.errors import ConfigError
 from depthbench.util.io import atomic_folder
+
+if TYPE_CHECKING:  # torch only where a model is loaded: the grid's checks read the specs
+    import torch
 
 FORMATS = ("hf", "gguf")
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -130,6 +132,7 @@ def pretrained_specs(config: dict) -> dict[str, PretrainedSpec]:
 
 def load_model(source: str, **kwargs) -> torch.nn.Module:
     """A transformers causal LM in float32, in eval mode."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **kwargs).eval()
@@ -146,6 +149,7 @@ def plain(model: torch.nn.Module) -> torch.nn.Module:
     but keeps its quantizer on the model, and save_pretrained refuses to save such a model."""
     if getattr(model, "hf_quantizer", None) is None:
         return model
+    import torch
     from transformers import AutoModelForCausalLM
 
     config = copy.deepcopy(model.config)

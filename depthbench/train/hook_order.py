@@ -23,7 +23,7 @@ from depthbench.train.hooks import (
 )
 from depthbench.train.requeue import RequeueHook
 from depthbench.train.snapshots import SnapshotHook
-from depthbench.train.trainer import Hook
+from depthbench.train.hook_base import Hook
 
 
 def default_hooks(

@@ -14,11 +14,11 @@ import torch
 
 from depthbench.train.dynamics import measure as measure_dynamics
 from depthbench.train.flops import mfu
+from depthbench.train.hook_base import Hook
 from depthbench.train.recipe import evaluate, truncate_metrics
 from depthbench.train.trainer import (
     STATUS_DIVERGED,
     STATUS_OK,
-    Hook,
     StepStats,
     accumulator_dtype,
     is_bad,

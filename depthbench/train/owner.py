@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from depthbench.util.errors import DepthBenchError
-from depthbench.train.trainer import Hook
+from depthbench.train.hook_base import Hook
 
 LOCK_NAME = "train.lock"
 

@@ -33,7 +33,7 @@ import threading
 
 import torch
 
-from depthbench.train.trainer import Hook
+from depthbench.train.hook_base import Hook
 
 REQUEUE_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 

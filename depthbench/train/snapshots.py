@@ -36,7 +36,7 @@ from pathlib import Path
 
 from depthbench.util.errors import ConfigError
 from depthbench.util.io import atomic_folder, atomic_write
-from depthbench.train.trainer import Hook
+from depthbench.train.hook_base import Hook
 
 FOLDER = "snapshots"
 META_KEY = "depthbench_snapshot"  # JSON {"run_id", "step"}

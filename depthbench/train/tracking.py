@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from depthbench.util.errors import ConfigError
-from depthbench.train.trainer import Hook
+from depthbench.train.hook_base import Hook
 
 SCALAR_NAMES = {
     "train_loss": "train/loss",

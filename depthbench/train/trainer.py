@@ -32,6 +32,7 @@ import torch
 from depthbench.spec.run import RunSpec
 from depthbench.train import distributed, resume
 from depthbench.train.checkpoint import Checkpointer
+from depthbench.train.hook_base import Hook
 from depthbench.train.parallelize import parallelize
 from depthbench.train.recipe import RunPaths, build_optimizer, lr_at, resolve_dtype
 
@@ -48,19 +49,6 @@ class StepStats:
     train_loss: torch.Tensor | float
     grad_norm: torch.Tensor | float
     lr: float
-
-
-class Hook:
-    """Something done around the update. Every method is a no-op here; override what you need."""
-
-    def on_fit_start(self, trainer: "Trainer") -> None: ...
-    def on_step_start(self, trainer: "Trainer", step: int, record: dict[str, Any]) -> None: ...
-    def on_gradients(self, trainer: "Trainer", step: int, stats: StepStats) -> None: ...
-    def on_step_end(self, trainer: "Trainer", step: int, record: dict[str, Any]) -> None: ...
-    def on_log(self, trainer: "Trainer", record: dict[str, Any]) -> None: ...
-    def on_step_logged(self, trainer: "Trainer", step: int) -> None: ...
-    def on_fit_end(self, trainer: "Trainer") -> None: ...
-    def close(self, trainer: "Trainer") -> None: ...
 
 
 class Trainer:

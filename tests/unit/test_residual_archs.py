@@ -23,7 +23,8 @@ from depthbench.models.registry import registered_architectures
 from depthbench.train import distributed
 from depthbench.spec.training import TrainConfig
 from depthbench.train.recipe import RunPaths, param_groups, resolve_dtype
-from depthbench.train.trainer import Hook, Trainer
+from depthbench.train.hook_base import Hook
+from depthbench.train.trainer import Trainer
 
 from tests.bf16_checks import assert_bf16_matches_fp32, train_briefly
 

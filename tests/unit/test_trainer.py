@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from depthbench.train import flops, hooks, tracking
-from depthbench.train.trainer import STATUS_DIVERGED, STATUS_OK, Hook, StepStats
+from depthbench.train.hook_base import Hook
+from depthbench.train.trainer import STATUS_DIVERGED, STATUS_OK, StepStats
 
 
 class FakeTrainer:
