@@ -19,17 +19,16 @@ if not workflow.config_settings.configfiles:
     configfile: "config/config.yaml"
 
 
-from depthbench.grid.config import expand_grid
+from depthbench.grid.plan_cache import planned_grid
 from depthbench.spec.run import short_hash
-from depthbench.spec.schema import validate_schema
 from depthbench.util.errors import DepthBenchError
-from depthbench.spec.schema import coerce_command_line
 
 try:
-    # --config's nested values arrive as strings ('1'): read them by the schema's types
-    coerce_command_line(config, workflow.config_settings.config)
-    validate_schema(config)  # fills defaults in place; names the field on error
-    EXP = expand_grid(config)
+    # validates the config in place (defaults filled, --config's nested strings such as '1' read
+    # by the schema's types; the field named on error) and expands the grid; a config planned
+    # before with this code comes from results/.cache/plans without importing torch
+    PLAN = planned_grid(config, workflow.config_settings.config, "results/.cache/plans")
+    EXP = PLAN.experiment
 except DepthBenchError as exc:
     raise WorkflowError(f"DepthBench config error: {exc}") from None
 

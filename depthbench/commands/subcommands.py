@@ -11,10 +11,23 @@ import sys
 from depthbench.grid.config import expand_grid
 from depthbench.grid.expand import shape_table
 from depthbench.spec.schema import load_config, read_yaml_config
+from depthbench.util.errors import ConfigError
 
 
 def _experiment(path: str):
     return expand_grid(load_config(path))
+
+
+def _planned_experiment(path: str, results: str):
+    """The experiment of config file `path`, through the plan cache of the `results` folder
+    (depthbench.grid.plan_cache): `status` on a grid planned before does not import torch."""
+    from depthbench.grid.plan_cache import planned_grid
+
+    if not os.path.exists(path):
+        raise ConfigError("<configfile>", f"{path} does not exist")
+    return planned_grid(
+        read_yaml_config(path), {}, os.path.join(results, ".cache", "plans")
+    ).experiment
 
 
 def cmd_shapes(args) -> None:
@@ -160,7 +173,7 @@ def cmd_status(args) -> None:
     run's jobs, from the files under results/ (nothing is run; see depthbench.commands.status)."""
     from depthbench.commands.status import format_status
 
-    print(format_status(_experiment(args.config), args.results))
+    print(format_status(_planned_experiment(args.config, args.results), args.results))
 
 
 def cmd_checksum(args) -> None:

@@ -8,26 +8,61 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
 from tests.conftest import wait_until_gone
-from tests.workflow_runs import SNAKEMAKE, copy_workflow, grid, job_counts, snakemake, write_config
+from tests.workflow_runs import SNAKEMAKE, copy_workflow, grid, job_counts, write_config
 
 pytestmark = pytest.mark.slow
+
+
+# Snakemake in an interpreter that says at exit whether torch was imported
+SNAKEMAKE_SAYING_TORCH = [
+    sys.executable,
+    "-c",
+    "import atexit, sys\n"
+    "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules, file=sys.stderr))\n"
+    "from snakemake.cli import main\n"
+    "sys.argv = ['snakemake', *sys.argv[1:]]\n"
+    "main()\n",
+]
 
 
 @pytest.mark.parametrize(
     "preset, trains", [("postnorm_collapse", 2 * 3 * 2), ("cpu_all", 11 * 3 * 2)]
 )
-def test_presets_plan(preset, trains, tmp_path):
+def test_presets_plan_and_plan_again_from_the_plan_cache_without_torch(preset, trains, tmp_path):
     """The CPU presets plan in a clean tree (the GPU presets plan through the SLURM profile
-    below)."""
+    below). Planned again, the grid comes from results/.cache/plans (depthbench.grid.plan_cache):
+    the same jobs, and torch, which the schema's registry and the shape solver import, is not
+    imported at all."""
     root = copy_workflow(tmp_path)  # a clean tree: nothing computed yet
-    proc = snakemake(root, "-n", "--configfile", f"config/presets/{preset}.yaml")
-    counts = job_counts(proc.stdout + proc.stderr)
+    outputs = []
+    for _ in range(2):
+        proc = subprocess.run(
+            [
+                *SNAKEMAKE_SAYING_TORCH,
+                "--cores",
+                "2",
+                "-n",
+                "--configfile",
+                f"config/presets/{preset}.yaml",
+            ],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outputs.append(proc.stdout + proc.stderr)
+    first, again = outputs
+    counts = job_counts(first)
     assert counts["train"] == trains and counts["tokenize"] == 1
+    assert job_counts(again) == counts
+    assert "torch imported: True" in first and "torch imported: False" in again
 
 
 @pytest.mark.parametrize(

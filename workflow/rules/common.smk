@@ -36,10 +36,10 @@ def slurm_request(key):
     return launcher["slurm"][key] if launcher["backend"] == "slurm" else 0
 
 
-from depthbench.analysis.registry import grid_figures, of_rule, tables_of
+from depthbench.analysis.registry import of_rule, tables_of
 
 # The figures this grid gets, from its architectures' declared probes and figures (registry).
-GRID_FIGURES = grid_figures([spec.arch for spec in RUNS.values()], config)
+GRID_FIGURES = PLAN.figures
 
 
 def figure_outputs(rule):

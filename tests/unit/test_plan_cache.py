@@ -1,0 +1,212 @@
+"""The plan cache (depthbench.grid.plan_cache): a config planned before comes back equal to a fresh
+expansion, in an interpreter that never imports torch; anything the plan depends on (the config,
+the `--config` values, the package's code, the files it names) plans afresh; a bad config is
+never cached; a damaged entry is a miss."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from depthbench.grid import plan_cache
+from depthbench.grid.plan_cache import plan_fresh, planned_grid
+from depthbench.util.errors import ConfigError
+from tests.conftest import REPO, tiny_config
+
+
+def grid_config(wiki_jsonl, **overrides) -> dict:
+    return tiny_config(
+        wiki_jsonl, architectures=["pre_ln", "hc"], learning_rates=[3e-3, 1e-2], **overrides
+    )
+
+
+def counting(calls: list):
+    """plan_fresh, recording each call: a miss."""
+
+    def fresh(config, command_line):
+        calls.append(1)
+        return plan_fresh(config, command_line)
+
+    return fresh
+
+
+def plan_summary(plan) -> dict:
+    exp = plan.experiment
+    return {
+        "config": exp.config,
+        "runs": {rid: spec.to_dict() for rid, spec in exp.candidate_runs.items()},
+        "ids": [exp.vocab_size, exp.tokenizer_id, exp.data_id],
+        "figures": plan.figures,
+    }
+
+
+def test_a_cached_plan_equals_a_fresh_one_and_imports_no_torch(wiki_jsonl, tmp_path):
+    """Two fresh interpreters plan the same config file: the first expands it (and imports torch
+    for the registry and the parameter counts), the second reads the cache, imports no torch, and
+    gets the same validated config, run specs, ids and figures as an expansion in this process,
+    down to their reprs (what Snakemake compares a job's params by)."""
+    cfg, cache = tmp_path / "config.yaml", tmp_path / "cache"
+    cfg.write_text(yaml.safe_dump(grid_config(wiki_jsonl, seeds_at_best_lr=2)))
+    code = (
+        "import json, sys, yaml\n"
+        "from depthbench.grid.plan_cache import planned_grid\n"
+        f"plan = planned_grid(yaml.safe_load(open({str(cfg)!r})), {{}}, {str(cache)!r})\n"
+        "exp = plan.experiment\n"
+        "print(json.dumps({'torch': 'torch' in sys.modules, 'repr': repr(plan),\n"
+        "    'config': exp.config,\n"
+        "    'runs': {r: s.to_dict() for r, s in exp.candidate_runs.items()},\n"
+        "    'ids': [exp.vocab_size, exp.tokenizer_id, exp.data_id], 'figures': plan.figures}))\n"
+    )
+
+    def plan_in_new_interpreter() -> dict:
+        proc = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+        )
+        return json.loads(proc.stdout)
+
+    first, second = plan_in_new_interpreter(), plan_in_new_interpreter()
+    assert first.pop("torch") and not second.pop("torch")
+    fresh = plan_fresh(yaml.safe_load(cfg.read_text()), {})
+    expected = json.loads(json.dumps({"repr": repr(fresh), **plan_summary(fresh)}))
+    assert first == second == expected
+    assert len(expected["runs"]) == 8  # 2 archs x 2 LRs x (the sweep's seed and a replicate)
+
+
+def test_the_caller_config_is_validated_in_place_on_a_hit_as_on_a_miss(wiki_jsonl, tmp_path):
+    calls: list = []
+    given = grid_config(wiki_jsonl)
+    miss_config, hit_config = copy.deepcopy(given), copy.deepcopy(given)
+    miss = planned_grid(miss_config, {}, tmp_path, fresh=counting(calls))
+    hit = planned_grid(hit_config, {}, tmp_path, fresh=counting(calls))
+    assert len(calls) == 1
+    assert hit_config == miss_config != given  # defaults filled in, in place
+    assert hit.experiment.config is hit_config  # what the Snakefile's rules read is the plan's
+    assert plan_summary(hit) == plan_summary(miss)
+
+
+def test_what_the_plan_depends_on_plans_afresh(wiki_jsonl, tmp_path, monkeypatch):
+    calls: list = []
+
+    def plan(config, command_line=None):
+        return planned_grid(copy.deepcopy(config), command_line, tmp_path, fresh=counting(calls))
+
+    config = grid_config(wiki_jsonl)
+    plan(config)
+    plan(config)
+    assert len(calls) == 1
+    # another config, other --config values
+    plan({**config, "learning_rates": [3e-3]})
+    assert len(calls) == 2
+    plan(config, {"seeds": "[0, 1]"})
+    assert len(calls) == 3
+    # another version of the package's code
+    monkeypatch.setattr(plan_cache, "package_digest", lambda: "another version of the code")
+    plan(config)
+    assert len(calls) == 4
+    plan(config)
+    assert len(calls) == 4
+
+
+def test_a_named_file_that_changed_plans_afresh_and_one_gone_is_an_error(wiki_jsonl, tmp_path):
+    """A `file` tokenizer's digest is in the tokenizer and data ids: a cached plan of the old file
+    would name shards and runs of another tokenizer. A corpus file deleted since is the same
+    ConfigError on a hit as on a miss."""
+    from depthbench.data.prepare import build_tokenizer
+    from depthbench.spec.schema import load_config
+
+    calls: list = []
+    tok = tmp_path / "tokenizer.json"
+    build_tokenizer(load_config(tiny_config(wiki_jsonl)), str(tok))
+    config = tiny_config(wiki_jsonl, tokenizer={"kind": "file", "path": str(tok)})
+    first = planned_grid(copy.deepcopy(config), {}, tmp_path / "cache", fresh=counting(calls))
+    text = json.loads(tok.read_text())
+    text["added_tokens"] = text.get("added_tokens", []) + [
+        {
+            "id": 512,
+            "content": "<|extra|>",
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+    ]
+    tok.write_text(json.dumps(text))
+    second = planned_grid(copy.deepcopy(config), {}, tmp_path / "cache", fresh=counting(calls))
+    assert len(calls) == 2
+    assert second.experiment.tokenizer_id != first.experiment.tokenizer_id
+    assert set(second.experiment.runs).isdisjoint(first.experiment.runs)
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(wiki_jsonl.read_bytes())
+    moved = tiny_config(corpus)
+    planned_grid(copy.deepcopy(moved), {}, tmp_path / "cache")
+    corpus.unlink()
+    with pytest.raises(ConfigError) as err:
+        planned_grid(copy.deepcopy(moved), {}, tmp_path / "cache")
+    assert err.value.field == "corpus.path"
+
+
+def test_a_bad_config_is_never_cached(wiki_jsonl, tmp_path):
+    bad = tiny_config(wiki_jsonl, shapes=[{"n_layer": 2, "d_model": 50}])
+    for _ in range(2):
+        with pytest.raises(ConfigError) as err:
+            planned_grid(copy.deepcopy(bad), {}, tmp_path)
+        assert "shapes[0].d_model" in str(err.value)
+    assert not list(tmp_path.glob("*"))
+
+
+def test_a_damaged_entry_is_a_miss_and_is_rewritten(wiki_jsonl, tmp_path):
+    calls: list = []
+    config = grid_config(wiki_jsonl)
+    expected = plan_summary(planned_grid(copy.deepcopy(config), {}, tmp_path))
+    (entry,) = tmp_path.glob("*.json")
+    whole = json.loads(entry.read_text())
+    damaged = [
+        entry.read_bytes()[:100],
+        b"",
+        json.dumps({"not": "a plan"}).encode(),
+        json.dumps({**whole, "format": 0}).encode(),
+        json.dumps({**whole, "runs": {"x": {"arch": "pre_ln"}}}).encode(),
+    ]
+    for damage in damaged:
+        entry.write_bytes(damage)
+        plan = planned_grid(copy.deepcopy(config), {}, tmp_path, fresh=counting(calls))
+        assert plan_summary(plan) == expected
+        assert json.loads(entry.read_text()) == whole
+    assert len(calls) == len(damaged)
+
+
+def test_only_the_newest_entries_are_kept(wiki_jsonl, tmp_path, monkeypatch):
+    monkeypatch.setattr(plan_cache, "KEEP", 2)
+    config = grid_config(wiki_jsonl)
+    for lr in (1e-3, 2e-3, 3e-3):
+        planned_grid({**copy.deepcopy(config), "learning_rates": [lr]}, {}, tmp_path)
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_the_package_digest_changes_with_any_file_of_the_package(tmp_path):
+    """An edited, added or renamed module is another digest (the architectures, their options
+    and the schema's defaults all live in the package); compiled caches are not code."""
+    import shutil
+
+    copy_ = shutil.copytree(
+        plan_cache.PACKAGE, tmp_path / "depthbench", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    base = plan_cache.package_digest(copy_)
+    assert base == plan_cache.package_digest(plan_cache.PACKAGE)
+    (copy_ / "__pycache__").mkdir(exist_ok=True)
+    (copy_ / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"compiled")
+    assert plan_cache.package_digest(copy_) == base
+    module = copy_ / "models" / "archs" / "hc.py"
+    module.write_text(module.read_text() + "\n# an edit\n")
+    edited = plan_cache.package_digest(copy_)
+    (copy_ / "models" / "archs" / "new_arch.py").write_text("")
+    added = plan_cache.package_digest(copy_)
+    (copy_ / "models" / "archs" / "new_arch.py").rename(copy_ / "models" / "archs" / "renamed.py")
+    assert len({base, edited, added, plan_cache.package_digest(copy_)}) == 4
