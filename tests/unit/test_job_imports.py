@@ -109,3 +109,45 @@ def test_the_figure_registry_plans_without_matplotlib():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int(proc.stdout) >= 20
+
+
+def test_the_tokenizer_and_tokenize_jobs_run_without_importing_torch(tmp_path, wiki_jsonl):
+    """Running, not only importing: scripts/tokenizer.py and scripts/tokenize_corpus.py, run as
+    their Snakemake jobs run them (a fresh interpreter, the `snakemake` object injected), train
+    the tokenizer and write the shards of a local JSONL corpus, which the datasets library
+    streams, and import no torch."""
+    from depthbench.grid.config import expand_grid
+    from depthbench.spec.schema import load_config
+    from tests.conftest import tiny_config
+
+    config = load_config(tiny_config(wiki_jsonl))
+    exp = expand_grid(config)
+    job = {
+        "config": {"corpus": config["corpus"], "tokenizer": config["tokenizer"]},
+        "tokenizer": str(tmp_path / "tokenizer.json"),
+        "shards": str(tmp_path / "shards"),
+        "log": str(tmp_path / "job.log"),
+        "data_id": exp.data_id,
+        "tokenizer_id": exp.tokenizer_id,
+    }
+    code = (
+        "import json, runpy, sys\n"
+        "from types import SimpleNamespace as NS\n"
+        "job = json.loads(sys.argv[1])\n"
+        "tokenizer = NS(params=NS(config=job['config']), output=[job['tokenizer']],"
+        " log=[job['log']])\n"
+        "runpy.run_path('scripts/tokenizer.py', init_globals={'snakemake': tokenizer})\n"
+        "tokenize = NS(rule='tokenize', input=NS(tokenizer=job['tokenizer'], keys=lambda: []),"
+        " params=NS(config=job['config'], out_dir=job['shards'], data_id=job['data_id'],"
+        " tokenizer_id=job['tokenizer_id']), output=[job['shards'] + '/meta.json'],"
+        " log=[job['log']])\n"
+        "runpy.run_path('scripts/tokenize_corpus.py', init_globals={'snakemake': tokenize})\n"
+        "print('torch' in sys.modules)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(job)], cwd=REPO, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads((tmp_path / "shards" / "meta.json").read_text())
+    assert meta["train"]["n_tokens"] > 0 and meta["val"]["n_documents"] > 0
+    assert proc.stdout.split() == ["False"], "torch imported by a tokenize job"
