@@ -12,7 +12,7 @@
 # Environment: DEPTHBENCH_SLURM_CPUS (the node's CPUs, default 2), DEPTHBENCH_SLURM_ACCOUNTING
 # (`none`, the default, or `slurmdbd`: slurmdbd + MariaDB, so that `sacct` works).
 # Partitions: `debug` (default) and `long`, both the whole node. A requeued job may start again
-# after 10 s (AuthInfo cred_expire; SLURM's default is 120 s).
+# after 5 s (AuthInfo cred_expire; SLURM's default is 120 s).
 set -euo pipefail
 
 CONF_DIR=/etc/slurm
@@ -59,7 +59,7 @@ SlurmUser=root
 AuthType=auth/munge
 CredType=cred/munge
 # a requeued job waits cred_expire + 1 s before it may start again (default 120 s)
-AuthInfo=cred_expire=10
+AuthInfo=cred_expire=5
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none

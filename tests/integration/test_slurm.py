@@ -226,7 +226,7 @@ def test_time_limit_signals_requeues_and_resumes_to_the_same_weights(
             120,
             "SIGUSR2 before the time limit and the requeue",
         )
-        # pending for cred_expire (10 s) before it may start: give it back its 10 minutes
+        # pending for cred_expire (5 s) before it may start: give it back its 10 minutes
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=10"], check=True)
         finish_dispatch(proc)
     finally:
