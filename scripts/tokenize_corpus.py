@@ -6,10 +6,6 @@ import json
 import os
 import sys
 
-# This job builds no model. The datasets library, which streams the corpus, imports torch when it
-# can (to share an epoch counter with DataLoader workers) unless USE_TORCH says no: 1.5 s a job.
-os.environ.setdefault("USE_TORCH", "0")
-
 from depthbench.data.prepare import build_index, build_piece, build_shards, merge_shards
 from depthbench.launch.process import exit_without_teardown
 

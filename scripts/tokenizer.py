@@ -1,11 +1,6 @@
 """Snakemake entry: train or copy the tokenizer of the experiment."""
 
-import os
 import sys
-
-# This job builds no model. The datasets library, which streams the corpus, imports torch when it
-# can (to share an epoch counter with DataLoader workers) unless USE_TORCH says no: 1.5 s a job.
-os.environ.setdefault("USE_TORCH", "0")
 
 from depthbench.data.prepare import build_tokenizer
 from depthbench.launch.process import exit_without_teardown
