@@ -233,9 +233,10 @@ def _rewrite_checkpoints(work: Path, new: str) -> None:
 
 def _rewrite_snapshots(folder: Path, new: str) -> None:
     from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from depthbench.train.snapshots import META_KEY
+    from depthbench.util.safetensors_file import save_safetensors
 
     if not folder.is_dir():
         return
@@ -248,5 +249,5 @@ def _rewrite_snapshots(folder: Path, new: str) -> None:
         metadata[META_KEY] = json.dumps({**meta, "run_id": new}, sort_keys=True)
         tensors = load_file(str(path))
         _keeping_mtime(
-            path, lambda: atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+            path, lambda: atomic_write(path, lambda tmp: save_safetensors(tensors, tmp, metadata))
         )

@@ -30,6 +30,7 @@ import torch
 
 from depthbench.util.errors import CheckpointError
 from depthbench.util.io import atomic_write
+from depthbench.util.safetensors_file import save_safetensors
 from depthbench.train.checkpoint_folder import (
     FORMAT,
     MANIFEST,
@@ -91,7 +92,6 @@ class Checkpointer:
         every rank) through DCP, `rank_tensors` (this rank's own) as safetensors, `meta`
         (JSON-able, rank 0's is kept). Returns the final path (complete once `wait` returns)."""
         import torch.distributed.checkpoint as dcp
-        from safetensors.torch import save_file
 
         from depthbench.train import dcp_io
 
@@ -109,7 +109,7 @@ class Checkpointer:
         tmp.mkdir(parents=True, exist_ok=True)
         rank_file = f"rank_{self.rank}.safetensors"
         own = {k: v.detach().to("cpu").contiguous() for k, v in (rank_tensors or {}).items()}
-        atomic_write(tmp / rank_file, lambda t: save_file(own, t))
+        atomic_write(tmp / rank_file, lambda t: save_safetensors(own, t))
         manifest = {
             "format": FORMAT,
             "run_id": run_id,

@@ -25,6 +25,7 @@ import torch
 from depthbench.data.loader import TokenWindows, TrainBatches
 from depthbench.data.shards import read_meta, split_files
 from depthbench.util.io import atomic_write, atomic_write_json
+from depthbench.util.safetensors_file import save_safetensors
 from depthbench.models.registry import build_model
 from depthbench.spec.run import RunSpec
 from depthbench.train.runcheck import WEIGHTS_DIGEST
@@ -157,8 +158,6 @@ def finish(
 ) -> dict[str, Any]:
     """Write final weights, the metrics log and the summary (last: its presence means done).
     Under torch.distributed every rank gathers the full weights; rank 0 writes."""
-    from safetensors.torch import save_file
-
     ctx = ctx or distributed.DistContext()
     tc = spec.train
     full = distributed.full_model_state(model, ctx)
@@ -170,7 +169,7 @@ def finish(
     def write_weights(
         tmp: str,
     ) -> None:  # hashed before the rename, so the digest is of the published file
-        save_file(tensors, tmp, metadata={"run_id": spec.run_id, "step": str(step)})
+        save_safetensors(tensors, tmp, {"run_id": spec.run_id, "step": str(step)})
         digest.append(file_sha256(tmp))
 
     atomic_write(paths.weights, write_weights)

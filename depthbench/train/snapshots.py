@@ -35,6 +35,7 @@ import sys
 from pathlib import Path
 
 from depthbench.util.errors import ConfigError
+from depthbench.util.safetensors_file import save_safetensors
 from depthbench.util.io import atomic_folder, atomic_write
 from depthbench.train.hook_base import Hook
 
@@ -131,8 +132,6 @@ def write_snapshot(trainer, step: int) -> Path:
     path = snapshot_path(work_folder(trainer.paths), step)
     if trainer.ctx.is_main:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in full.items()}
-        # one metadata key: safetensors keeps metadata in a hash map, so two keys are written in
-        # either order and two runs' identical snapshots would differ in their bytes
         meta = {META_KEY: json.dumps({"run_id": trainer.spec.run_id, "step": step}, sort_keys=True)}
         atomic_write(path, lambda tmp: _save(tensors, tmp, meta))
     distributed.barrier(trainer.ctx)
@@ -140,9 +139,7 @@ def write_snapshot(trainer, step: int) -> Path:
 
 
 def _save(tensors: dict, tmp: str, meta: dict) -> None:
-    from safetensors.torch import save_file
-
-    save_file(tensors, tmp, metadata=meta)  # atomic_write sets the file's mode after this writer
+    save_safetensors(tensors, tmp, meta)  # atomic_write sets the file's mode after this writer
 
 
 def publish(paths, run_id: str) -> int:

@@ -1,6 +1,7 @@
 """Training: schedule, decay groups, exact resume after interruption or SIGKILL, divergence."""
 
 import copy
+import hashlib
 import json
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from depthbench.models.registry import registered_architectures
 from depthbench.train.checkpoint_folder import list_checkpoints
 from depthbench.train.recipe import RunPaths, lr_at, param_groups
 from depthbench.train.loop import train
+from depthbench.train.runcheck import WEIGHTS_DIGEST
 from depthbench.train.trainer import Trainer
 from tests.conftest import REPO
 from depthbench.models.registry import PACKAGE_ARCHITECTURES
@@ -75,6 +77,13 @@ def test_training_lowers_the_loss_and_writes_outputs(tiny_data, tmp_path):
 
 def _weights(path) -> dict[str, torch.Tensor]:
     return load_file(path)
+
+
+def _digest(paths: RunPaths) -> str:
+    """The weights digest the run's summary records, after checking it is the file's."""
+    digest = json.loads(paths.summary.read_text())[WEIGHTS_DIGEST]
+    assert digest == hashlib.sha256(paths.weights.read_bytes()).hexdigest()
+    return digest
 
 
 def test_interrupted_run_resumes_to_identical_weights(tiny_data, tmp_path):
@@ -193,6 +202,9 @@ def test_resumed_run_is_bit_identical_for_every_architecture_and_setting(
             assert torch.equal(value, optim_resumed["state"][index][key]), (index, key)
     a, b = _weights(full.weights), _weights(part.weights)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # and so are the published files, byte for byte, and the digests their summaries record
+    assert full.weights.read_bytes() == part.weights.read_bytes()
+    assert _digest(full) == _digest(part)
     curve_full, curve_resumed = (
         _timeless(full.curves.read_text()),
         _timeless(part.curves.read_text()),
@@ -256,6 +268,10 @@ def test_sigkilled_run_resumes_to_identical_weights(tiny_data, tmp_path):
     )
     for name in a:
         assert torch.equal(a[name], b[name]), name
+    # two processes publish the same bytes: the digest compares runs across processes
+    ref_paths = RunPaths(tmp_path / "ref", tmp_path / "ref_work")
+    killed_paths = RunPaths(tmp_path / "killed", tmp_path / "killed_work")
+    assert _digest(ref_paths) == _digest(killed_paths)
     ref_curve = (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()
     got_curve = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
 
