@@ -13,7 +13,8 @@ The key hashes everything the expansion computes from:
   which `coerce_command_line` reads by the schema's types;
 - the bytes of every file of the `depthbench` package and of the schema (a code change, an added
   architecture or option, a new default: another key);
-- the Python and torch versions (the modules that parameter counts come from).
+- the Python, torch and jsonschema versions (the modules that parameter counts and validation
+  come from).
 
 What the expansion reads from outside them is read again on every call, cached or not: the
 corpus files and the head of their contents, the tokenizer file and its digest, the NLL sets,
@@ -22,7 +23,8 @@ A cached plan whose vocabulary size, tokenizer id or data id then differs is exp
 a config that fails validation is never cached, so its error is raised on every call.
 
 Entries are JSON (reading one runs no code), written atomically (a crashed writer leaves no
-partial entry; an unreadable entry is a miss), and only the newest `KEEP` are kept.
+partial entry, and its temporary file is removed once an hour old; an unreadable entry is a
+miss), and only the newest `KEEP` are kept. A plan that JSON cannot hold exactly is not cached.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -41,6 +44,7 @@ from depthbench.grid.expand import Experiment
 PACKAGE = Path(__file__).resolve().parents[1]
 FORMAT = 1  # bump when the entry's layout changes
 KEEP = 32  # entries kept: one per config a user (or a test suite) plans
+STRAY_AGE_S = 3600  # a temporary file this old is a killed writer's, removed with the old entries
 
 
 def package_digest(package: Path = PACKAGE) -> str:
@@ -68,17 +72,30 @@ def _version(name: str) -> str:
         return ""
 
 
+def _canonical(value):
+    """`value` with every mapping as its items sorted by (key type, key repr): a form whose repr
+    tells apart everything the planner could (1 and "1" as keys, a date and its string) and that
+    sorts keys of mixed types, which YAML allows and the schema then refuses by name."""
+    if isinstance(value, dict):
+        items = [((type(k).__name__, repr(k)), _canonical(v)) for k, v in value.items()]
+        return ("dict", tuple(sorted(items, key=lambda item: item[0])))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_canonical(v) for v in value))
+    return value
+
+
 def plan_key(config: dict, command_line: dict) -> str:
     """The cache key of a config as given (before defaults) and its `--config` values."""
     ident = {
         "format": FORMAT,
-        "config": config,
-        "command_line": command_line,
+        "config": _canonical(config),
+        "command_line": _canonical(command_line),
         "package": package_digest(),
         "python": sys.version,
         "torch": _version("torch"),
+        "jsonschema": _version("jsonschema"),
     }
-    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=repr).encode()).hexdigest()
+    return hashlib.sha256(repr(sorted(ident.items())).encode()).hexdigest()
 
 
 @dataclass
@@ -197,8 +214,8 @@ def _write(entry: Path, plan: PlannedGrid) -> None:
     those of the jobs that ran; any other plan is planned afresh on every start."""
     from depthbench.util.io import atomic_write
 
-    text = json.dumps(encode(plan), allow_nan=True)
-    try:
+    try:  # a value JSON has no form for (a YAML date in launcher.slurm.extra) is not cached
+        text = json.dumps(encode(plan), allow_nan=True)
         if repr(decode(json.loads(text))) != repr(plan):
             return
     except (ValueError, KeyError, TypeError):
@@ -206,7 +223,12 @@ def _write(entry: Path, plan: PlannedGrid) -> None:
     try:
         atomic_write(entry, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
         entries = sorted(entry.parent.glob("*.json"), key=lambda p: p.stat().st_mtime)
-        for old in entries[:-KEEP]:
+        # a writer killed before its rename leaves its temporary file; one an hour old is no
+        # write in progress (a write takes milliseconds)
+        strays = [
+            p for p in entry.parent.glob(".*.tmp") if p.stat().st_mtime < time.time() - STRAY_AGE_S
+        ]
+        for old in entries[:-KEEP] + strays:
             old.unlink(missing_ok=True)
     except OSError:
         pass

@@ -6,9 +6,12 @@ never cached; a damaged entry is a miss."""
 from __future__ import annotations
 
 import copy
+import datetime
+import os
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -210,3 +213,48 @@ def test_the_package_digest_changes_with_any_file_of_the_package(tmp_path):
     added = plan_cache.package_digest(copy_)
     (copy_ / "models" / "archs" / "new_arch.py").rename(copy_ / "models" / "archs" / "renamed.py")
     assert len({base, edited, added, plan_cache.package_digest(copy_)}) == 4
+
+
+def test_keys_that_json_would_merge_are_other_configs(wiki_jsonl, tmp_path):
+    """YAML keeps key types (`1:` and `"1":`) and dates: the key tells them apart, so a plan
+    cached for one is never served to the other; keys of mixed types reach the schema's error
+    naming the field."""
+    extra = lambda value: grid_config(wiki_jsonl, launcher={"slurm": {"extra": value}})  # noqa: E731
+    assert plan_cache.plan_key(extra({1: "x"}), {}) != plan_cache.plan_key(extra({"1": "x"}), {})
+    day = datetime.date(2024, 6, 1)
+    assert plan_cache.plan_key(extra({"begin": day}), {}) != plan_cache.plan_key(
+        extra({"begin": str(day)}), {}
+    )
+    planned_grid(copy.deepcopy(extra({"1": "x"})), {}, tmp_path)
+    plan = planned_grid(copy.deepcopy(extra({1: "x"})), {}, tmp_path)
+    assert plan.experiment.config["launcher"]["slurm"]["extra"] == {1: "x"}
+
+    mixed = tiny_config(wiki_jsonl, learning_rates_by_arch={"pre_ln": [1e-3], 2: [1e-3]})
+    with pytest.raises(ConfigError) as err:
+        planned_grid(mixed, {}, tmp_path)
+    assert "learning_rates_by_arch" in str(err.value)
+
+
+def test_a_plan_json_cannot_hold_is_planned_on_every_call(wiki_jsonl, tmp_path):
+    """A YAML date in a free-form field (an sbatch `begin:`) validates; JSON has no date, so the
+    plan is not cached, and each call plans it, the date intact."""
+    config = grid_config(
+        wiki_jsonl, launcher={"slurm": {"extra": {"begin": datetime.date(2024, 6, 1)}}}
+    )
+    calls: list = []
+    for _ in range(2):
+        plan = planned_grid(copy.deepcopy(config), {}, tmp_path, fresh=counting(calls))
+        assert plan.experiment.config["launcher"]["slurm"]["extra"]["begin"] == datetime.date(
+            2024, 6, 1
+        )
+    assert len(calls) == 2 and not list(tmp_path.glob("*"))
+
+
+def test_a_killed_writers_temporary_file_goes_once_an_hour_old(wiki_jsonl, tmp_path):
+    old, recent = tmp_path / ".a.json.x1.tmp", tmp_path / ".b.json.x2.tmp"
+    for stray in (old, recent):
+        stray.write_text("{")
+    hour_ago = time.time() - plan_cache.STRAY_AGE_S - 1
+    os.utime(old, (hour_ago, hour_ago))
+    planned_grid(copy.deepcopy(grid_config(wiki_jsonl)), {}, tmp_path)
+    assert not old.exists() and recent.exists()
