@@ -14,7 +14,7 @@ writer lays out the same format with everything in a fixed order:
 
 (the format: https://github.com/huggingface/safetensors#format). Tensors are ordered as the
 library orders them, by dtype (`DTYPE_ORDER`: wider elements first, so every tensor's data is
-aligned to its element size) and then by name; with at most one metadata key the bytes equal the
+aligned to its element size) and then by name; with one metadata key or none the bytes equal the
 library's own, and files load with its `load_file` and `safe_open` like its own.
 """
 
@@ -69,7 +69,7 @@ def save_safetensors(
     if sys.byteorder != "little":  # the format's data is little-endian; torch writes native order
         raise ValueError("safetensors files are little-endian; this machine is big-endian")
     header: dict = {}
-    if metadata:
+    if metadata is not None:
         for key, value in metadata.items():
             if not isinstance(key, str) or not isinstance(value, str):
                 raise ValueError(

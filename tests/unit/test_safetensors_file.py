@@ -48,7 +48,7 @@ def test_round_trip_through_the_library(tmp_path):
         assert f.metadata() == {"run_id": "r1", "step": "7", "a": "é"}
 
 
-@pytest.mark.parametrize("metadata", [None, {"run_id": "r1"}])
+@pytest.mark.parametrize("metadata", [None, {}, {"run_id": "r1"}])
 def test_bytes_equal_the_librarys_where_its_are_deterministic(tmp_path, metadata):
     """With at most one metadata key the library's own bytes are fixed: ours must equal them
     (the same header, order, padding and data), every dtype included."""
