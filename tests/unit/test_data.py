@@ -11,6 +11,7 @@ from depthbench.grid.config import expand_grid
 from depthbench.grid.ids import data_id
 from depthbench.spec.schema import load_config
 from depthbench.data.corpus import is_validation, iter_documents, split_documents
+from depthbench.util.errors import ConfigError
 from depthbench.data.loader import ShuffledSampler, TokenWindows, TrainBatches
 from depthbench.data.prepare import build_shards, build_tokenizer
 from depthbench.data.shards import read_meta, shard_dtype, unigram_loss
@@ -89,7 +90,7 @@ def test_local_formats_read_the_same_documents(tmp_path, wiki_jsonl, fmt):
 
 
 def test_wrong_text_field_is_named(wiki_jsonl):
-    with pytest.raises(Exception, match="corpus.text_field"):
+    with pytest.raises(ConfigError, match="corpus.text_field"):
         next(iter_documents({"source": "local", "path": str(wiki_jsonl), "text_field": "content"}))
 
 
@@ -185,7 +186,6 @@ def test_hub_source_reads_through_the_same_interface_on_a_local_dataset_folder(
 
 def test_a_seq_len_is_refused_naming_train_seq_len_exactly_when_a_split_has_no_window(tiny_data):
     from depthbench.data.shards import check_seq_len, split_files
-    from depthbench.util.errors import ConfigError
 
     _, _, shards = tiny_data
     meta = read_meta(shards)

@@ -265,7 +265,7 @@ def test_default_init_std_and_rules():
     )
     assert model.blocks[0].ffn.w13.weight.std().item() == pytest.approx(1 / 16, rel=0.03)
     assert evaluate_init_std("0.02/sqrt(2*n_layer)", 64, 8) == pytest.approx(0.005)
-    with pytest.raises(Exception, match="model.init_std"):
+    with pytest.raises(ConfigError, match="model.init_std"):
         evaluate_init_std("__import__('os')", 64, 8)
 
 
@@ -326,9 +326,9 @@ def test_loss_is_cross_entropy_of_logits():
 
 
 def test_invalid_heads_name_the_field():
-    with pytest.raises(Exception, match="model.n_head"):
+    with pytest.raises(ConfigError, match="model.n_head"):
         ModelConfig(d_model=100, n_head=16)
-    with pytest.raises(Exception, match="model.n_kv_head"):
+    with pytest.raises(ConfigError, match="model.n_kv_head"):
         ModelConfig(d_model=64, n_head=4, n_kv_head=3)
 
 

@@ -343,5 +343,5 @@ def test_a_run_with_checkpointing_trains_the_same_weights(tiny_data, tmp_path):
     assert losses["full"] == losses["none"] and len(losses["none"]) > 0
     config = tiny_config(tmp_path / "corpus.jsonl")
     config["train"]["activation_checkpointing"] = "every_other"
-    with pytest.raises(Exception, match="activation_checkpointing"):
+    with pytest.raises(ConfigError, match="activation_checkpointing"):
         load_config(config)

@@ -557,7 +557,7 @@ def test_moda_ffn_kv_variant_charges_its_parameters():
         cfg("moda", n_layer=4, n_kv_head=2, arch_options={"variant": "ffn_kv"})
     ) - count_parameters(cfg("moda", n_layer=4, n_kv_head=2))
     assert extra_gqa == 4 * 2 * 32 * 32 // 2
-    with pytest.raises(Exception, match="model.arch_options.variant"):
+    with pytest.raises(ConfigError, match="model.arch_options.variant"):
         build_model(cfg("moda", arch_options={"variant": "nope"}))
 
 

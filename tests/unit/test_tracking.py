@@ -198,5 +198,5 @@ def test_loggers_are_in_the_schema_and_not_in_the_run_id(wiki_jsonl):
         )
     )
     assert plain.run_id == tracked.run_id and plain.train.loggers == []
-    with pytest.raises(Exception, match="loggers"):
+    with pytest.raises(ConfigError, match="loggers"):
         load_config({**base, "train": {**base["train"], "loggers": ["mlflow"]}})

@@ -22,6 +22,7 @@ from depthbench.train.checkpoint_folder import list_checkpoints
 from depthbench.train.recipe import RunPaths, lr_at, param_groups
 from depthbench.train.loop import train
 from depthbench.train.runcheck import WEIGHTS_DIGEST
+from depthbench.util.errors import CheckpointError
 from depthbench.train.trainer import Trainer
 from tests.conftest import REPO
 from depthbench.models.registry import PACKAGE_ARCHITECTURES
@@ -306,7 +307,7 @@ def test_checkpoint_of_another_run_is_refused(tiny_data, tmp_path):
     train(spec, shards, paths, progress=False, stop_after=3)
     other = copy.deepcopy(spec)
     other.run_id = "someone_else"
-    with pytest.raises(Exception, match="belongs to run"):
+    with pytest.raises(CheckpointError, match="belongs to run"):
         train(other, shards, paths, progress=False)
 
 

@@ -106,10 +106,11 @@ def test_config_section_is_checked(hf_folder, wiki_jsonl, tmp_path):
         with pytest.raises(ConfigError) as err:
             pretrained_specs({"pretrained": entries})
         assert err.value.field == field, (entries, err.value)
-    with pytest.raises(ConfigError, match="pretrained"):
+    with pytest.raises(ConfigError, match="'formats' was unexpected.*valid keys.*'format'") as err:
         load_config(
             tiny_config(wiki_jsonl, pretrained=[{"name": "a", "path": "x", "formats": "hf"}])
         )
+    assert err.value.field == "pretrained[0]"
 
 
 def test_validation_sample_uses_the_models_tokenizer(hf_folder, tmp_path):
