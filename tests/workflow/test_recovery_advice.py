@@ -121,7 +121,7 @@ def test_touch_and_content_change_agree_with_snakemake(workflow):
     _clean(root, ids)
 
 
-def test_each_forcerun_advice_retrains_its_run(workflow):
+def test_each_forcerun_advice_retrains_its_run(workflow, tmp_path):
     """Three runs broken three ways that Snakemake alone does not redo, each reported with the
     `snakemake --forcerun` that trains it again; the three commands' targets, run as one
     Snakemake call as a user with three broken runs would, leave status and Snakemake clean.
@@ -137,40 +137,53 @@ def test_each_forcerun_advice_retrains_its_run(workflow):
     root, ids = workflow
     corrupt, invalid, deleted = ids
     runs = root / "results" / "runs"
+    # the module's later tests share these runs: a failure here puts them back as they were
+    saved = tmp_path / "runs"
+    for rid in ids:
+        shutil.copytree(runs / rid, saved / rid)
+    done = False
+    try:
+        # a missing intermediate file reruns no job whose consumers are done: nothing is planned
+        (runs / deleted / "model.safetensors").unlink()
+        assert _plan(root) == {}
 
-    # a missing intermediate file reruns no job whose consumers are done: nothing is planned
-    (runs / deleted / "model.safetensors").unlink()
-    assert _plan(root) == {}
+        weights = runs / corrupt / "model.safetensors"
+        good = load_file(weights)
+        data = bytearray(weights.read_bytes())
+        data[-5] ^= 1
+        weights.write_bytes(bytes(data))
 
-    weights = runs / corrupt / "model.safetensors"
-    good = load_file(weights)
-    data = bytearray(weights.read_bytes())
-    data[-5] ^= 1
-    weights.write_bytes(bytes(data))
+        summary = runs / invalid / "summary.json"
+        copied = json.loads((runs / corrupt / "summary.json").read_text())
+        copied["run_id"] = copied["spec"]["run_id"] = invalid
+        copied["spec_hash"] = RunSpec.from_dict(copied["spec"]).spec_hash()
+        summary.write_text(json.dumps(copied))
 
-    summary = runs / invalid / "summary.json"
-    copied = json.loads((runs / corrupt / "summary.json").read_text())
-    copied["run_id"] = copied["spec"]["run_id"] = invalid
-    copied["spec_hash"] = RunSpec.from_dict(copied["spec"]).spec_hash()
-    summary.write_text(json.dumps(copied))
+        rows, out = _status(root)
+        assert rows[corrupt][0] == "corrupt", out
+        assert (
+            rows[invalid][0] == "invalid" and rows[invalid][3] == "none:" and "grid's spec" in out
+        )
+        assert rows[deleted][0] == "stale" and rows[deleted][3] == "none:", out
+        assert "train: " not in out and "not redone without --forcerun: 1 run" in out
+        assert "train" not in _plan(root)
 
-    rows, out = _status(root)
-    assert rows[corrupt][0] == "corrupt", out
-    assert rows[invalid][0] == "invalid" and rows[invalid][3] == "none:" and "grid's spec" in out
-    assert rows[deleted][0] == "stale" and rows[deleted][3] == "none:", out
-    assert "train: " not in out and "not redone without --forcerun: 1 run" in out
-    assert "train" not in _plan(root)
+        commands = [_advice(out, rid) for rid in (corrupt, invalid, deleted)]
+        assert all(command[:2] == ["snakemake", "--forcerun"] for command in commands), commands
+        _snakemake(root, "--forcerun", *(target for command in commands for target in command[2:]))
 
-    commands = [_advice(out, rid) for rid in (corrupt, invalid, deleted)]
-    assert all(command[:2] == ["snakemake", "--forcerun"] for command in commands), commands
-    _snakemake(root, "--forcerun", *(target for command in commands for target in command[2:]))
-
-    assert load_file(weights).keys() == good.keys()
-    rewritten = json.loads(summary.read_text())
-    assert rewritten["run_id"] == invalid and rewritten["spec_hash"] != copied["spec_hash"]
-    assert (runs / deleted / "model.safetensors").exists()
-    # the new weights verify against the digests recorded with them
-    _clean(root, ids, runs_only=True)
+        assert load_file(weights).keys() == good.keys()
+        rewritten = json.loads(summary.read_text())
+        assert rewritten["run_id"] == invalid and rewritten["spec_hash"] != copied["spec_hash"]
+        assert (runs / deleted / "model.safetensors").exists()
+        # the new weights verify against the digests recorded with them
+        _clean(root, ids, runs_only=True)
+        done = True
+    finally:
+        if not done:
+            for rid in ids:
+                shutil.rmtree(runs / rid, ignore_errors=True)
+                shutil.copytree(saved / rid, runs / rid)
 
 
 def test_incomplete_marker_is_reported_as_snakemake_sees_it(workflow):
