@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -77,6 +78,35 @@ def pytest_configure(config):
         except ImportError:
             return
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+@pytest.fixture(autouse=True)
+def subprocesses_only_in_slow_tests(request, monkeypatch):
+    """`-m "not slow"` is the quick loop: a test that starts a Python interpreter or Snakemake (a
+    fresh process importing torch, a workflow) must be marked slow, or it fails here naming the
+    command. Short system commands that the code under test runs itself (ninja checking the CPU
+    kernels' build, `sinfo` for the SLURM partitions, ctypes' `ldconfig -p`) are allowed.
+    Module- and session-scoped fixtures are set up before this one and are not checked."""
+    if request.node.get_closest_marker("slow") is not None:
+        yield
+        return
+    import subprocess
+
+    start = subprocess.Popen.__init__
+
+    def guarded(self, args, *rest, **kwargs):
+        program = os.path.basename(str(args.split()[0] if isinstance(args, str) else args[0]))
+        if program.startswith(("python", "snakemake")) or program == os.path.basename(
+            sys.executable
+        ):
+            raise AssertionError(
+                f"{request.node.nodeid} starts {program} ({args!r:.200}) but is not marked "
+                "@pytest.mark.slow"
+            )
+        start(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)  # monkeypatch puts it back
+    yield
 
 
 @pytest.fixture(scope="session")

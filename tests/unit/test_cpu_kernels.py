@@ -154,6 +154,7 @@ def test_mhc_coefficient_custom_op_registration():
     torch.library.opcheck(mhc_ops.fused_coefficients, (u, 4, 20))
 
 
+@pytest.mark.slow  # torch.compile starts its compile workers (Python processes)
 def test_compiled_mhc_keeps_the_kernel_and_matches_eager(monkeypatch):
     """Under torch.compile each sublayer's read stays one custom-op call: same loss and
     gradients."""

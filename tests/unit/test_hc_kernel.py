@@ -161,6 +161,7 @@ def test_training_step_is_the_same_with_and_without_the_kernels(monkeypatch, arc
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # torch.compile starts its compile workers (Python processes)
 def test_compiled_hc_keeps_the_kernel_and_matches_eager(monkeypatch):
     """Under torch.compile each sublayer's read stays one custom-op call: same loss and
     gradients."""

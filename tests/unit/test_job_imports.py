@@ -9,6 +9,8 @@ import ast
 import json
 import subprocess
 import sys
+
+import pytest
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,6 +41,7 @@ def script_modules(script: str) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_aggregate_job_scripts_do_not_import_torch():
     modules = {s: script_modules(s) for s in TORCH_FREE}
     assert all(modules.values()), modules  # each script imports depthbench: the check bites
@@ -58,6 +61,7 @@ def test_aggregate_job_scripts_do_not_import_torch():
     assert not with_torch, f"torch imported by the modules of scripts/{with_torch[0]}.py"
 
 
+@pytest.mark.slow
 def test_every_figure_draws_without_importing_torch(tmp_path):
     """Drawing, not only importing: a figure of each drawing module, among those a grid of
     pre_ln, hc, mhc and attnres_block gets (hc's residual-product rank and attnres_block's dead
@@ -93,6 +97,7 @@ def test_every_figure_draws_without_importing_torch(tmp_path):
     assert len(names) >= 8 and len(list(tmp_path.glob("*.png"))) == len(names), names
 
 
+@pytest.mark.slow
 def test_the_figure_registry_plans_without_matplotlib():
     """The Snakefile reads the figure registry on every start (which figures a grid gets, the
     tables each reads): that read imports no matplotlib (about a second); the drawing functions

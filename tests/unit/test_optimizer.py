@@ -65,6 +65,7 @@ def test_the_step_runs_without_recording_autograd():
     assert all(p.grad_fn is None and p.is_leaf for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_training_every_architecture_imports_no_dynamo(tiny_data, tmp_path):
     """In a fresh interpreter, as a Snakemake job runs it: a few steps of every registered
     architecture (no checkpoint inside them) leave torch._dynamo unimported."""

@@ -48,6 +48,7 @@ def plan_summary(plan) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_a_cached_plan_equals_a_fresh_one_and_imports_no_torch(wiki_jsonl, tmp_path):
     """Two fresh interpreters plan the same config file: the first expands it (and imports torch
     for the registry and the parameter counts), the second reads the cache, imports no torch, and

@@ -193,6 +193,7 @@ def test_parameters_are_counted_as_a_built_model_holds_them(fields):
     assert all(n < cfg.d_model for n in on_cpu.values()), on_cpu
 
 
+@pytest.mark.slow
 def test_counting_parameters_does_not_start_torch_dynamo():
     """Snakemake, `depthbench status` and plan count parameters to solve the grid's shapes, each
     in a new interpreter: counting must not import torch._dynamo (2.5 s), as torch.device('meta')

@@ -67,6 +67,7 @@ save_safetensors({"w": torch.randn(4, 4, generator=g), "b": torch.randn(4, gener
 """
 
 
+@pytest.mark.slow
 def test_every_process_writes_the_same_bytes(tmp_path):
     """The library keeps metadata in a hash map seeded per process: with these four keys, this
     process and three others all writing the same order happens with probability about

@@ -65,6 +65,7 @@ def test_run_names_the_file_line_and_column_of_a_yaml_error_before_snakemake(tmp
     assert f"{bad}: line 4, column 5: YAML syntax error" in err and str(good) not in err
 
 
+@pytest.mark.slow
 def test_run_passes_its_arguments_to_snakemake(capfd):
     assert main(["run", "--version"]) == 0
     import snakemake
