@@ -97,6 +97,35 @@ def test_hc_read_kernel_is_independent_of_thread_count():
     )
 
 
+def test_stream_write_kernel_is_independent_of_thread_count():
+    g = torch.Generator().manual_seed(0)
+    grad, weights, out = (
+        torch.randn(*shape, generator=g) for shape in [(1000, 4, 64), (1000, 4), (1000, 64)]
+    )
+    k = kernels.cpu_kernels()
+    assert_independent_of_thread_count(lambda: k.stream_write_backward(grad, weights, out))
+
+
+def test_every_kernel_entry_point_has_a_thread_count_test():
+    """Every function the extension exports is called by one of the thread-count tests (their
+    names in this file's and test_cpu_kernels.py's source)."""
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    source = "".join(
+        (here / name).read_text() for name in ("test_hc_kernel.py", "test_cpu_kernels.py")
+    )
+    tests = [
+        part
+        for part in source.split("\ndef ")
+        if part.split("(")[0].endswith("independent_of_thread_count")
+    ]
+    exported = [name for name in dir(kernels.cpu_kernels()) if not name.startswith("_")]
+    assert len(exported) == 7, exported
+    untested = [name for name in exported if not any(f"k.{name}(" in test for test in tests)]
+    assert not untested, f"no thread-count test calls {untested}"
+
+
 def test_hc_read_custom_op_registration_and_gradcheck():
     inputs = [t.requires_grad_() for t in _case(3, 12, 9, torch.float64)]
     torch.library.opcheck(hc_ops.fused_read, (*inputs, 1e-6))
