@@ -188,9 +188,6 @@ class _RecordUpdate(Hook):
         self.groups = [
             {k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups
         ]
-        self.group_of = {
-            id(p): i for i, g in enumerate(trainer.optimizer.param_groups) for p in g["params"]
-        }
 
 
 class _OneBatch:
@@ -207,10 +204,13 @@ def test_bf16_autocast_training_step_updates_the_fp32_master_weights(trained_cas
     """One step of the real Trainer under CPU bf16 autocast (train.dtype bfloat16) on trained
     weights: parameters and gradients stay fp32, and every parameter after the step equals an
     independent float64 AdamW step from the parameters and gradients the trainer had, to 1% of
-    the learning rate. Catches master weights kept in bf16 (the parameters' and gradients'
-    dtype), an optimizer step that does not reach the model's parameters (a copy, or skipped
-    under autocast), and an update from bf16 gradients or with a wrong learning rate or weight
-    decay."""
+    the learning rate. The reference takes its hyperparameters from the TrainConfig and decays
+    what the recipe says (nn.Linear weights and MoE expert matrices, the 3-D parameters), with a
+    weight decay of 10, whose lr * wd * |w| (1e-2 |w|) is far above the tolerance. Catches
+    master weights kept in bf16 (the parameters' and gradients' dtype), an optimizer step that
+    does not reach the model's parameters (a copy, or skipped under autocast), and an update
+    from bf16 gradients or with a wrong learning rate, betas, epsilon or weight decay (its value,
+    or the wrong parameters decayed)."""
     trained, x, y = trained_case
     model = build_model(trained.cfg)  # a copy (deepcopy refuses an MoE's stored aux loss)
     model.load_state_dict(trained.state_dict())
@@ -224,6 +224,7 @@ def test_bf16_autocast_training_step_updates_the_fp32_master_weights(trained_cas
         seq_len=x.shape[1],
         dtype="bfloat16",
         device="cpu",
+        weight_decay=10.0,
     )
     spec = types.SimpleNamespace(train=tc, run_id="bf16_master_weights", model=model.cfg)
     device = torch.device("cpu")
@@ -242,14 +243,19 @@ def test_bf16_autocast_training_step_updates_the_fp32_master_weights(trained_cas
     assert record.grads and all(g.dtype == torch.float32 for g in record.grads.values())
     params = dict(model.named_parameters())
     reference = {n: record.before[n].double().requires_grad_() for n in record.grads}
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    decayed = {n for n, p in params.items() if id(p) in linear or p.ndim == 3}
     groups = [
-        {
-            **record.groups[i],
-            "params": [reference[n] for n in reference if record.group_of[id(params[n])] == i],
-        }
-        for i in range(len(record.groups))
+        {"params": [p for n, p in reference.items() if n in decayed], "weight_decay": 10.0},
+        {"params": [p for n, p in reference.items() if n not in decayed], "weight_decay": 0.0},
     ]
-    ref_opt = torch.optim.AdamW([g for g in groups if g["params"]], foreach=False)
+    ref_opt = torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=lr,
+        betas=(tc.beta1, tc.beta2),
+        eps=tc.adam_eps,
+        foreach=False,
+    )
     for n, p in reference.items():
         p.grad = record.grads[n].double()
     ref_opt.step()
