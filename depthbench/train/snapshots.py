@@ -133,13 +133,9 @@ def write_snapshot(trainer, step: int) -> Path:
     if trainer.ctx.is_main:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in full.items()}
         meta = {META_KEY: json.dumps({"run_id": trainer.spec.run_id, "step": step}, sort_keys=True)}
-        atomic_write(path, lambda tmp: _save(tensors, tmp, meta))
+        atomic_write(path, lambda tmp: save_safetensors(tensors, tmp, meta))
     distributed.barrier(trainer.ctx)
     return path
-
-
-def _save(tensors: dict, tmp: str, meta: dict) -> None:
-    save_safetensors(tensors, tmp, meta)  # atomic_write sets the file's mode after this writer
 
 
 def publish(paths, run_id: str) -> int:
