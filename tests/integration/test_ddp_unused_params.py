@@ -58,6 +58,8 @@ def _ddp_worker(rank, store, out_dir):
     model.blocks[-1].ffn_kv.weight.requires_grad_(True)
     results["control"] = _ddp_steps(model, rank)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    del model
+    dist.barrier()  # both ranks done before either tears gloo down (as training's teardown does)
     dist.destroy_process_group()
 
 

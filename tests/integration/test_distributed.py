@@ -391,6 +391,12 @@ def _fsdp_stream_worker(rank, world, store, out):
     kernels.apply_to = apply_to
     if rank == 0:
         torch.save(results, out)
+    # both ranks past their last collective before either tears gloo down (as
+    # depthbench.train.distributed.teardown does): a rank that destroys its group and exits while
+    # the other still holds the FSDP2 units' groups can abort in gloo's destructor (SIGABRT,
+    # "terminate called without an active exception")
+    del model
+    dist.barrier()
     dist.destroy_process_group()
 
 
