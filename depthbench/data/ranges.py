@@ -24,7 +24,7 @@ import os
 import re
 from typing import Iterator
 
-from depthbench.util.errors import DataError
+from depthbench.util.errors import ConfigError, DataError
 
 BYTE_RANGE_FORMATS = ("jsonl", "text")
 CHUNK = 1 << 20
@@ -132,6 +132,14 @@ def _jsonl_documents(path: str, start: int, end: int, text_field: str) -> Iterat
                 raise DataError(
                     f"corpus.path: {path}: the line at byte {where} is not valid UTF-8 JSON ({exc})"
                 ) from None
+            if isinstance(record, dict) and text_field not in record:
+                # `datasets` names a field that no record has; corpus_checks refuses a record
+                # without it before any job reads the corpus
+                raise ConfigError(
+                    "corpus.text_field",
+                    f"{text_field!r} is not a key of {path} at byte {where}; "
+                    f"keys: {sorted(record)[:20]}",
+                )
             text = record.get(text_field) if isinstance(record, dict) else None
             if text is not None and not isinstance(text, str):
                 raise DataError(

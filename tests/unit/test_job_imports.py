@@ -114,3 +114,40 @@ def test_the_figure_registry_plans_without_matplotlib():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int(proc.stdout) >= 20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["jsonl", "text"])
+def test_tokenizer_and_tokenize_jobs_on_a_local_corpus_import_neither_datasets_nor_torch(
+    tmp_path, wiki_jsonl, fmt
+):
+    """A local JSON-lines or text corpus is read without `datasets` (which imports torch and
+    pandas, about 3 s of each of the two jobs): the tokenizer and the token shards are built in
+    a fresh interpreter, as the jobs build them, from the documents `datasets` reads (their
+    equality is tested in test_tokenize_ranges.py)."""
+    from depthbench.data.corpus import iter_documents
+    from depthbench.spec.schema import load_config
+    from tests.conftest import tiny_config
+
+    path = wiki_jsonl
+    if fmt == "text":
+        docs = [json.loads(line)["text"].replace("\n\n", " ") for line in wiki_jsonl.open()]
+        path = tmp_path / "wiki.txt"
+        path.write_text("\n\n".join(docs) + "\n")
+    config = load_config(tiny_config(path))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code = (
+        "import json, sys\n"
+        "from depthbench.data.prepare import build_shards, build_tokenizer\n"
+        f"config = json.load(open({str(tmp_path / 'config.json')!r}))\n"
+        f"build_tokenizer(config, {str(tmp_path / 'tok.json')!r})\n"
+        f"meta = build_shards(config, {str(tmp_path / 'tok.json')!r}, "
+        f"{str(tmp_path / 'shards')!r}, 'd', 't')\n"
+        "print(json.dumps({'docs': meta['train']['n_documents'] + meta['val']['n_documents'],"
+        " 'imported': sorted({'datasets', 'torch', 'pandas'} & set(sys.modules))}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["imported"] == [], out
+    assert out["docs"] == len(list(iter_documents(config["corpus"]))) > 300
