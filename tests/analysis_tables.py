@@ -196,7 +196,7 @@ def synthetic_tables(
         "status",
     ]
     tables["removal"] = with_run_columns(pd.DataFrame(removal, columns=columns), runs, best)
-    from depthbench.probes.removal_run import effective_depth
+    from depthbench.probes.effective_depth import effective_depth
 
     tables["effective_depth"] = with_run_columns(
         effective_depth(pd.DataFrame(removal, columns=columns), 0.05), runs, best

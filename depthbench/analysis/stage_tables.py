@@ -81,7 +81,7 @@ def removal_tables(
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """All runs' removal rows (depthbench.probes.removal_run) and their effective depths per
     ranking, each with the runs' config columns and `is_best_lr`."""
-    from depthbench.probes.removal_run import COLUMNS, effective_depth
+    from depthbench.probes.effective_depth import COLUMNS, effective_depth
 
     frames = [pd.read_parquet(p) for p in removal_paths]
     removal = (

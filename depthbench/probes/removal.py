@@ -20,14 +20,11 @@ measured on:
 - `random`: a seeded uniform draw of k of the L layers, `RANDOM_DRAWS` draws per k (the
   baseline every ranking must beat).
 
-Effective depth (`effective_fraction`): the largest fraction k / L such that removing k layers,
-and every smaller k of the same ranking, raises the validation loss by at most `tolerance`
-(relative).
+Effective depth, from these curves: depthbench.probes.effective_depth.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -189,17 +186,3 @@ def removal_losses(
             row[domain] = loss_without(adapter, states, scored, row["removed"])
         del states
     return full, rows
-
-
-def effective_fraction(
-    curve: dict[int, float], full: float, n_layer: int, tolerance: float
-) -> float:
-    """The largest k / L such that the loss with k layers removed, and with every smaller k of
-    the curve, is at most (1 + tolerance) times the full model's; 0 when even the smallest k
-    exceeds it. `curve`: k -> loss (for `random`, the mean over draws)."""
-    best = 0
-    for k in sorted(curve):
-        if not math.isfinite(curve[k]) or curve[k] > (1 + tolerance) * full:
-            break
-        best = k
-    return best / n_layer

@@ -27,9 +27,9 @@ from depthbench.probes.removal import (
     removal_losses,
     removal_sets,
 )
+from depthbench.probes.effective_depth import COLUMNS
 from depthbench.spec.schema import schema_defaults
 
-COLUMNS = ["ranking", "draw", "k", "fraction", "removed", "domain", "loss", "full_loss", "change"]
 
 
 def removal_settings(settings: dict) -> dict:
@@ -197,37 +197,3 @@ def run_removal(
     df = removal_rows(model, pd.read_parquet(probes_path), data, settings)
     _write(df, spec.run_id, summary["status"], out_path)
     return {"run_id": spec.run_id, "rows": len(df), "seconds": round(time.time() - start, 2)}
-
-
-def effective_depth(removal: pd.DataFrame, tolerance: float) -> pd.DataFrame:
-    """Per run and ranking: the largest fraction of layers removable with the validation loss at
-    most (1 + tolerance) times the full model's (depthbench.probes.removal.effective_fraction;
-    `random`: the mean loss over its draws), and the layers that must stay."""
-    from depthbench.probes.removal import effective_fraction
-
-    val = removal[removal["domain"] == "val"]
-    rows = []
-    for (run_id, ranking), g in val.groupby(["run_id", "ranking"], sort=True):
-        curve = g.groupby("k")["loss"].mean()
-        if "n_layer" in g.columns:  # merged with the runs' columns
-            n_layer = int(g["n_layer"].iloc[0])
-        elif g["fraction"].max() > 0:
-            n_layer = int(round(g["k"].max() / g["fraction"].max()))
-        else:
-            continue
-        full = float(g["full_loss"].iloc[0])
-        fraction = effective_fraction(
-            {int(k): float(v) for k, v in curve.items() if k > 0}, full, n_layer, tolerance
-        )
-        rows.append(
-            {
-                "run_id": run_id,
-                "ranking": ranking,
-                "tolerance": tolerance,
-                "effective_fraction": fraction,
-                "layers_needed": n_layer - round(fraction * n_layer),
-            }
-        )
-    return pd.DataFrame(
-        rows, columns=["run_id", "ranking", "tolerance", "effective_fraction", "layers_needed"]
-    )

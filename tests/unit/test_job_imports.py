@@ -151,3 +151,35 @@ def test_tokenizer_and_tokenize_jobs_on_a_local_corpus_import_neither_datasets_n
     out = json.loads(proc.stdout)
     assert out["imported"] == [], out
     assert out["docs"] == len(list(iter_documents(config["corpus"]))) > 300
+
+
+@pytest.mark.slow
+def test_the_removal_table_job_merges_rows_and_effective_depths_without_torch(tmp_path):
+    """The removal_table job computes effective depth from the runs' removal rows (pandas only):
+    it runs in a fresh interpreter without torch, on the rows of two runs."""
+    from tests.analysis_tables import synthetic_tables
+
+    tables = synthetic_tables(archs=("pre_ln", "hc"), depths=(4, 8))
+    paths = {}
+    for name in ("runs", "best_lr"):
+        paths[name] = str(tmp_path / f"{name}.parquet")
+        tables[name].to_parquet(paths[name])
+    rows = tables["removal"]
+    per_run = []
+    for run_id, g in rows.groupby("run_id"):
+        per_run.append(str(tmp_path / f"{run_id}.parquet"))
+        g[["run_id", "ranking", "draw", "k", "fraction", "removed", "domain", "loss",
+           "full_loss", "change", "status"]].to_parquet(per_run[-1])
+    code = (
+        "import json, sys\n"
+        "import pandas as pd\n"
+        "from depthbench.analysis.stage_tables import removal_tables\n"
+        f"runs, best = pd.read_parquet({paths['runs']!r}), pd.read_parquet({paths['best_lr']!r})\n"
+        f"removal, depth = removal_tables({per_run!r}, runs, best, 0.05)\n"
+        "print(json.dumps([len(removal), len(depth), 'torch' in sys.modules]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    n_removal, n_depth, torch_loaded = json.loads(proc.stdout)
+    assert n_removal == len(rows) and n_depth == len(tables["effective_depth"]) > 0
+    assert not torch_loaded

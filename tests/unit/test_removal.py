@@ -13,6 +13,7 @@ import torch
 from depthbench.models.registry import registered_architectures
 from depthbench.models.adapter import next_token_loss, trunk_states
 from depthbench.probes import core, interventions, removal
+from depthbench.probes.effective_depth import effective_fraction
 from tests.unit.test_logit_lens import perturbed, sample
 
 
@@ -118,10 +119,10 @@ def test_document_scoring_equals_the_nll_stage():
 def test_effective_fraction_stops_at_the_first_k_over_the_tolerance():
     curve = {1: 2.02, 2: 2.12, 3: 2.04, 4: 3.0}
     assert (
-        removal.effective_fraction(curve, 2.0, 8, 0.05) == 1 / 8
+        effective_fraction(curve, 2.0, 8, 0.05) == 1 / 8
     )  # k = 2 breaks it; k = 3 does not count
-    assert removal.effective_fraction(curve, 2.0, 8, 0.10) == 3 / 8  # 2.2: all of k <= 3 within
-    assert removal.effective_fraction({1: 2.5}, 2.0, 8, 0.05) == 0.0
+    assert effective_fraction(curve, 2.0, 8, 0.10) == 3 / 8  # 2.2: all of k <= 3 within
+    assert effective_fraction({1: 2.5}, 2.0, 8, 0.05) == 0.0
     assert removal.layer_counts(8, None) == list(range(1, 8))
     assert removal.layer_counts(30, [0.1, 0.25, 0.5, 0.99]) == [3, 8, 15, 29]
 
@@ -162,7 +163,7 @@ def test_removal_of_pretrained_layers_equals_transformers_without_them(family):
 
 def test_layer_profile_takes_each_models_numbers_from_the_tables():
     from depthbench.analysis.profile import layer_profile, layer_profile_html
-    from depthbench.probes.removal_run import effective_depth
+    from depthbench.probes.effective_depth import effective_depth
     from depthbench.analysis.stage_tables import with_run_columns
     from tests.analysis_tables import synthetic_tables
 
