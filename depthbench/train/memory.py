@@ -25,7 +25,7 @@ import dataclasses
 import torch
 
 from depthbench.models.config import ModelConfig
-from depthbench.models.registry import build_model
+from depthbench.models.registry import build_model, parameters_on_meta
 from depthbench.train.activation_trace import trace_activations
 
 HEADROOM = 0.10
@@ -102,8 +102,12 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Per-rank memory of a training step on `device` ("cuda" or "cpu": its autocast and MoE
     paths; see the module docstring for each term)."""
-    with torch.device("meta"):
+    # weights on meta, uninitialised (parameters_on_meta), then the CPU constants (RoPE's tables,
+    # HC's eye) moved to meta too; under torch.device("meta") every nn.Linear and nn.Embedding
+    # init ran on meta through Python reference kernels: a third of an estimate's time
+    with parameters_on_meta():
         model = build_model(cfg, initialize=False)
+    model.to("meta")
     trace = trace_activations(
         model, torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta"), bf16, device
     )
