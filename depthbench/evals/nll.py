@@ -29,8 +29,6 @@ from typing import Iterable, Sequence
 
 import numpy as np
 import pandas as pd
-import torch
-import torch.nn.functional as F
 
 from depthbench.evals.eval_docs import EvalDoc
 from depthbench.util.resample import percentile_interval, resample_counts, resampled_sums
@@ -74,38 +72,43 @@ def rolling_windows(
     return out
 
 
-@torch.no_grad()
 def score_windows(model, windows: list[Window], tokens_per_batch: int, device) -> np.ndarray:
     """Summed NLL (nats) of every window's targets, float64, in the windows' order.
 
     Windows are batched by length (right-padded: causal attention keeps padding out of every
     scored position) with at most `tokens_per_batch` input tokens per batch.
     """
-    order = sorted(range(len(windows)), key=lambda i: len(windows[i].inputs))
-    result = np.zeros(len(windows), dtype=np.float64)
-    i = 0
-    while i < len(order):
-        longest = len(windows[order[i]].inputs)
-        batch = [order[i]]
-        while i + len(batch) < len(order):
-            nxt = order[i + len(batch)]
-            longest_next = max(longest, len(windows[nxt].inputs))
-            if longest_next * (len(batch) + 1) > tokens_per_batch:
-                break
-            batch.append(nxt)
-            longest = longest_next
-        idx = torch.zeros(len(batch), longest, dtype=torch.long)
-        for row, w in enumerate(batch):
-            idx[row, : len(windows[w].inputs)] = torch.tensor(windows[w].inputs)
-        logits = model(idx.to(device)).logits
-        for row, w in enumerate(batch):
-            win = windows[w]
-            n_in, n_t = len(win.inputs), len(win.targets)
-            rows = logits[row, n_in - n_t : n_in].float()
-            target = torch.tensor(win.targets, device=rows.device)
-            result[w] = float(F.cross_entropy(rows, target, reduction="sum").double())
-        i += len(batch)
-    return result
+    # torch here, not at the top: the nll_sets job tokenizes with this module, and the NLL job
+    # of a diverged run writes its rows without a model (torch's import is most of either job)
+    import torch
+    import torch.nn.functional as F
+
+    with torch.no_grad():
+        order = sorted(range(len(windows)), key=lambda i: len(windows[i].inputs))
+        result = np.zeros(len(windows), dtype=np.float64)
+        i = 0
+        while i < len(order):
+            longest = len(windows[order[i]].inputs)
+            batch = [order[i]]
+            while i + len(batch) < len(order):
+                nxt = order[i + len(batch)]
+                longest_next = max(longest, len(windows[nxt].inputs))
+                if longest_next * (len(batch) + 1) > tokens_per_batch:
+                    break
+                batch.append(nxt)
+                longest = longest_next
+            idx = torch.zeros(len(batch), longest, dtype=torch.long)
+            for row, w in enumerate(batch):
+                idx[row, : len(windows[w].inputs)] = torch.tensor(windows[w].inputs)
+            logits = model(idx.to(device)).logits
+            for row, w in enumerate(batch):
+                win = windows[w]
+                n_in, n_t = len(win.inputs), len(win.targets)
+                rows = logits[row, n_in - n_t : n_in].float()
+                target = torch.tensor(win.targets, device=rows.device)
+                result[w] = float(F.cross_entropy(rows, target, reduction="sum").double())
+            i += len(batch)
+        return result
 
 
 def tokenize_docs(docs: Iterable[EvalDoc], tokenizer, eos_id: int) -> pd.DataFrame:

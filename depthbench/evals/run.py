@@ -15,7 +15,6 @@ import time
 
 import numpy as np
 import pandas as pd
-import torch
 
 from depthbench.spec.schema import schema_defaults
 from depthbench.evals.nll import aggregate, score_documents, tokenize_docs
@@ -84,16 +83,20 @@ def run_nll(spec_dict: dict, run_dir: str, sets_path: str, out_path: str, settin
     """Score one run's final weights on every set and write its Parquet rows."""
     from depthbench.train.runcheck import check_run
     from depthbench.spec.run import RunSpec
-    from depthbench.train.checkpoint import load_final_model
-    from depthbench.train.recipe import resolve_device
 
     settings = nll_settings(settings)
-    torch.set_num_threads(int(settings["threads"]))
     spec = RunSpec.from_dict(spec_dict)
     summary = check_run(run_dir, spec)  # identity and weights, before any work
     docs = pd.read_parquet(sets_path)
     start = time.time()
     if summary["status"] == "ok":
+        # torch only for a model to score: a diverged run's rows need none (see below)
+        import torch
+
+        from depthbench.train.checkpoint import load_final_model
+        from depthbench.train.recipe import resolve_device
+
+        torch.set_num_threads(int(settings["threads"]))
         device = resolve_device(spec.train.device)
         model = load_final_model(spec.model, run_dir).to(device).eval()
         window = min(settings["seq_len"] or spec.train.seq_len, spec.model.max_seq_len)

@@ -168,8 +168,21 @@ def test_the_removal_table_job_merges_rows_and_effective_depths_without_torch(tm
     per_run = []
     for run_id, g in rows.groupby("run_id"):
         per_run.append(str(tmp_path / f"{run_id}.parquet"))
-        g[["run_id", "ranking", "draw", "k", "fraction", "removed", "domain", "loss",
-           "full_loss", "change", "status"]].to_parquet(per_run[-1])
+        g[
+            [
+                "run_id",
+                "ranking",
+                "draw",
+                "k",
+                "fraction",
+                "removed",
+                "domain",
+                "loss",
+                "full_loss",
+                "change",
+                "status",
+            ]
+        ].to_parquet(per_run[-1])
     code = (
         "import json, sys\n"
         "import pandas as pd\n"
@@ -183,3 +196,45 @@ def test_the_removal_table_job_merges_rows_and_effective_depths_without_torch(tm
     n_removal, n_depth, torch_loaded = json.loads(proc.stdout)
     assert n_removal == len(rows) and n_depth == len(tables["effective_depth"]) > 0
     assert not torch_loaded
+
+
+@pytest.mark.slow
+def test_nll_sets_and_the_nll_of_a_diverged_run_import_no_torch(tiny_data, tmp_path):
+    """The nll_sets job tokenizes the evaluation sets, and the NLL job of a diverged run writes
+    its rows without numbers: neither builds a model, and in a fresh interpreter neither imports
+    torch (about 2 s of each job)."""
+    import copy
+
+    from depthbench.train.loop import train
+    from depthbench.train.recipe import RunPaths
+
+    _, exp, shards = tiny_data
+    spec = copy.deepcopy(next(iter(exp.runs.values())))
+    spec.lr = spec.train.lr = 50.0  # diverges at once
+    run_dir = tmp_path / "runs" / spec.run_id  # the stage checks that the folder is the run's
+    assert (
+        train(spec, shards, RunPaths(run_dir, tmp_path / "work"), progress=False)["status"]
+        == "diverged"
+    )
+    (tmp_path / "spec.json").write_text(json.dumps(spec.to_dict()))
+    settings = {"sets": ["humaneval", "gsm8k"], "max_docs_per_set": 3}
+    code = (
+        "import json, sys\n"
+        "import pandas as pd\n"
+        "from depthbench.evals.run import build_sets, run_nll\n"
+        f"settings = {settings!r}\n"
+        f"build_sets(settings, {str(shards.parent / 'tokenizer.json')!r}, None, 'sets.parquet')\n"
+        "loaded = 'torch' in sys.modules\n"
+        f"run_nll(json.load(open({str(tmp_path / 'spec.json')!r})), {str(run_dir)!r}, "
+        "'sets.parquet', 'nll.parquet', settings)\n"
+        "t = pd.read_parquet('nll.parquet')\n"
+        "print(json.dumps([loaded, 'torch' in sys.modules, sorted(set(t.status)),"
+        " int(t.nats_per_token.notna().sum()), sorted(set(t.loc[t.level == 'set', 'set']))]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after_sets, after_nll, status, numbers, sets = json.loads(proc.stdout)
+    assert (after_sets, after_nll) == (False, False)
+    assert status == ["diverged"] and numbers == 0 and sets == ["gsm8k", "humaneval"]
