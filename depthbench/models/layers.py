@@ -98,6 +98,14 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0):
         super().__init__()
+        if torch.empty(0).is_meta:
+            # a model built for its shapes (parameters_on_meta, torch.device("meta")): tables of
+            # the right shape, no values. Computing them is most of a count's build at
+            # max_seq_len 4096, and solving a preset's shapes builds hundreds of models
+            shape = (max_seq_len, head_dim // 2)
+            for name in ("cos", "sin"):
+                self.register_buffer(name, torch.empty(shape), persistent=False)
+            return
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
         angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
         self.register_buffer("cos", angles.cos().float(), persistent=False)

@@ -153,7 +153,8 @@ def parameters_on_meta():
     """A context in which modules build their weights on the meta device, uninitialised, and
     everything else as usual: the storage factories (empty, zeros, ones, full, rand, randn) given
     no device make meta tensors, and the init functions leave a meta tensor as it is (it holds no
-    values to set). Small constants built otherwise (RoPE's tables from arange, HC's static
+    values to set). RoPE's tables are meta tensors of their shape (the module sees a meta
+    `torch.empty` and computes nothing); other small constants built otherwise (HC's static
     eye(n)) stay on the CPU.
 
     Not `torch.device("meta")`: that routes every factory to meta, and arange and eye on meta run

@@ -102,8 +102,8 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Per-rank memory of a training step on `device` ("cuda" or "cpu": its autocast and MoE
     paths; see the module docstring for each term)."""
-    # weights on meta, uninitialised (parameters_on_meta), then the CPU constants (RoPE's tables,
-    # HC's eye) moved to meta too; under torch.device("meta") every nn.Linear and nn.Embedding
+    # weights on meta, uninitialised (parameters_on_meta), then the constants built on the CPU
+    # (HC's eye) moved to meta too; under torch.device("meta") every nn.Linear and nn.Embedding
     # init ran on meta through Python reference kernels: a third of an estimate's time
     with parameters_on_meta():
         model = build_model(cfg, initialize=False)

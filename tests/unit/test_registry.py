@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from matplotlib.colors import to_hex
 
 from depthbench.analysis.style import arch_style
@@ -209,3 +210,24 @@ def test_counting_parameters_does_not_start_torch_dynamo():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_model_built_for_its_shapes_computes_no_rope_table():
+    """Solving a preset's shapes builds hundreds of models on meta (count_parameters): RoPE's
+    tables are meta tensors of their shape there, and computing no value is what keeps a build
+    cheap at max_seq_len 4096; a real build holds the tables, cos and sin of position x inverse
+    frequency (GPT-NeoX half-split pairing)."""
+    from depthbench.models.config import ModelConfig
+    from depthbench.models.registry import build_model, parameters_on_meta
+
+    cfg = ModelConfig(arch="pre_ln", vocab_size=97, d_model=32, n_layer=2, n_head=2, max_seq_len=64)
+    for meta_build in (parameters_on_meta, lambda: torch.device("meta")):
+        with meta_build():
+            rope = build_model(cfg, initialize=False).rope
+        assert rope.cos.is_meta and rope.sin.is_meta
+        assert rope.cos.shape == rope.sin.shape == (64, cfg.head_dim // 2)
+    rope = build_model(cfg).rope
+    inv_freq = [1.0 / 10000.0 ** (2 * i / cfg.head_dim) for i in range(cfg.head_dim // 2)]
+    angles = torch.tensor([[t * f for f in inv_freq] for t in range(64)], dtype=torch.float64)
+    for table, expected in ((rope.cos, angles.cos()), (rope.sin, angles.sin())):
+        assert table.dtype == torch.float32 and torch.allclose(table.double(), expected, atol=1e-7)
