@@ -182,22 +182,10 @@ def synthetic_tables(
                             "status": "ok",
                         }
                     )
-    columns = [
-        "run_id",
-        "ranking",
-        "draw",
-        "k",
-        "fraction",
-        "removed",
-        "domain",
-        "loss",
-        "full_loss",
-        "change",
-        "status",
-    ]
-    tables["removal"] = with_run_columns(pd.DataFrame(removal, columns=columns), runs, best)
-    from depthbench.probes.effective_depth import effective_depth
+    from depthbench.probes.effective_depth import COLUMNS, effective_depth
 
+    columns = ["run_id", *COLUMNS, "status"]
+    tables["removal"] = with_run_columns(pd.DataFrame(removal, columns=columns), runs, best)
     tables["effective_depth"] = with_run_columns(
         effective_depth(pd.DataFrame(removal, columns=columns), 0.05), runs, best
     )

@@ -157,6 +157,7 @@ def test_tokenizer_and_tokenize_jobs_on_a_local_corpus_import_neither_datasets_n
 def test_the_removal_table_job_merges_rows_and_effective_depths_without_torch(tmp_path):
     """The removal_table job computes effective depth from the runs' removal rows (pandas only):
     it runs in a fresh interpreter without torch, on the rows of two runs."""
+    from depthbench.probes.effective_depth import COLUMNS
     from tests.analysis_tables import synthetic_tables
 
     tables = synthetic_tables(archs=("pre_ln", "hc"), depths=(4, 8))
@@ -168,21 +169,7 @@ def test_the_removal_table_job_merges_rows_and_effective_depths_without_torch(tm
     per_run = []
     for run_id, g in rows.groupby("run_id"):
         per_run.append(str(tmp_path / f"{run_id}.parquet"))
-        g[
-            [
-                "run_id",
-                "ranking",
-                "draw",
-                "k",
-                "fraction",
-                "removed",
-                "domain",
-                "loss",
-                "full_loss",
-                "change",
-                "status",
-            ]
-        ].to_parquet(per_run[-1])
+        g[["run_id", *COLUMNS, "status"]].to_parquet(per_run[-1])
     code = (
         "import json, sys\n"
         "import pandas as pd\n"
