@@ -131,11 +131,9 @@ def _reads_by_bytes(files: list[str], fmt: str) -> bool:
     return fmt in BYTE_RANGE_FORMATS and not any(f.endswith(".gz") for f in files)
 
 
-def _whole_files(corpus: dict) -> Iterator[str]:
+def _whole_files(files: list[str], fmt: str, text_field: str) -> Iterator[str]:
     from depthbench.data.ranges import range_documents
 
-    files, fmt = local_files(corpus)
-    text_field = corpus.get("text_field", "text")
     for f in files:
         yield from range_documents(f, fmt, 0, os.path.getsize(f), text_field)
 
@@ -146,22 +144,23 @@ def iter_documents(corpus: dict) -> Iterator[str]:
     limit = corpus.get("max_documents")
     if source == "wiki_offline":
         docs = iter_wiki_offline(corpus)
-    elif source == "local" and _reads_by_bytes(*local_files(corpus)):
-        docs = _whole_files(corpus)
     elif source == "local":
         files, fmt = local_files(corpus)
-        # Local files never need the network: stop datasets from trying the hub.
-        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-        extra = {"sample_by": "paragraph"} if fmt == "text" else {}
-        docs = iter_datasets(
-            _FORMAT_BUILDERS[fmt],
-            corpus.get("text_field", "text"),
-            "corpus.path",
-            data_files=files,
-            split="train",
-            streaming=True,
-            **extra,
-        )
+        if _reads_by_bytes(files, fmt):
+            docs = _whole_files(files, fmt, corpus.get("text_field", "text"))
+        else:
+            # Local files never need the network: stop datasets from trying the hub.
+            os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+            extra = {"sample_by": "paragraph"} if fmt == "text" else {}
+            docs = iter_datasets(
+                _FORMAT_BUILDERS[fmt],
+                corpus.get("text_field", "text"),
+                "corpus.path",
+                data_files=files,
+                split="train",
+                streaming=True,
+                **extra,
+            )
     elif source == "hub":
         docs = iter_datasets(
             corpus["dataset"],

@@ -31,7 +31,6 @@ from depthbench.probes.effective_depth import COLUMNS
 from depthbench.spec.schema import schema_defaults
 
 
-
 def removal_settings(settings: dict) -> dict:
     """The schema's removal defaults, the operational thread count (1 unless the dispatcher passes
     the cores of the job), then `settings`."""
