@@ -1,7 +1,9 @@
-"""The table, claims, figure and report jobs start without importing torch: each Snakemake job
-is a new interpreter, and torch's import (about 2 s on a laptop core) paid by every aggregate job
-of every workflow run is start-up time, not work. The check imports what each entry script
-imports, in a fresh interpreter, as Snakemake's job does."""
+"""Jobs that build no model import no torch: each Snakemake job is a new interpreter, and
+torch's import (about 2 s on a laptop core) paid by every such job of every workflow run is
+start-up time, not work. The table, claims, figure and report jobs start without it (the check
+imports what each entry script imports); the figures, the tokenizer and tokenize jobs on a local
+corpus, the nll_sets job, a diverged run's NLL job and the removal table also run without it,
+each in a fresh interpreter, as Snakemake's job does."""
 
 from __future__ import annotations
 
