@@ -160,12 +160,17 @@ def tiny_config(corpus_path: Path, **overrides) -> dict:
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory, wiki_jsonl):
     """(config, experiment, data_dir) with tokenizer and shards built once for the session."""
+    return tiny_data_in(tmp_path_factory.mktemp("data"), tiny_config(wiki_jsonl))
+
+
+def tiny_data_in(root: Path, config: dict):
+    """(config, experiment, data_dir) of `config` (a tiny_config), its tokenizer and shards built
+    under `root`."""
     from depthbench.grid.config import expand_grid
     from depthbench.spec.schema import load_config
     from depthbench.data.prepare import build_shards, build_tokenizer
 
-    root = tmp_path_factory.mktemp("data")
-    config = load_config(tiny_config(wiki_jsonl))
+    config = load_config(config)
     exp = expand_grid(config)
     tok = root / "tokenizer.json"
     build_tokenizer(config, str(tok))
