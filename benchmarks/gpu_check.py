@@ -20,6 +20,10 @@ Made to start and stop on time on a bare GPU machine:
   (depthbench.train.memory, without activation checkpointing, 10 % headroom) fits on the device;
   an out-of-memory error is caught and recorded, and the next model goes on.
 
+Before the throughput, the memory section (`--skip-memory` leaves it out): the CUDA allocator's
+bytes of a training step against the memory estimate, every architecture (and MoE) in fp32 and
+bf16 with the plain and the chunked loss (depthbench.train.memory.allocator_step_memory).
+
 Targets: pre_ln at >= 45% MFU at the widest shape on an H100/H200-class GPU; the deepest
 shape within 1.3x of the widest shape's time per token; hc, mhc, attnres_full and moda within 1.3x
 of pre_ln. Every measurement is bf16 autocast, fused AdamW, SDPA, the chunked loss of training
@@ -49,10 +53,22 @@ from depthbench.models.registry import build_model, registered_architectures  # 
 from depthbench.spec.shapes import solve_width  # noqa: E402
 from depthbench.spec.training import TrainConfig  # noqa: E402
 from depthbench.train.flops import device_peak_flops, mfu, train_flops_per_token  # noqa: E402
-from depthbench.train.memory import HEADROOM, estimate_memory  # noqa: E402
+from depthbench.train.memory import (  # noqa: E402
+    HEADROOM,
+    allocator_step_memory,
+    estimate_memory,
+)
 
 ARCHS = ["pre_ln"] + [a for a in registered_architectures() if a != "pre_ln"]  # the reference first
 GIB = 2**30
+# The memory section: every architecture, and pre_ln and hc with MoE experts, at one moderate
+# shape (a small vocabulary, so that the layers' activations and not the loss's dominate)
+MEMORY_CASES = [(arch, {}) for arch in ARCHS] + [
+    (arch, {"n_experts": 4, "top_k": 2}) for arch in ("pre_ln", "hc")
+]
+MEMORY_SHAPE = dict(vocab_size=8192, d_model=512, n_layer=8, n_head=8, max_seq_len=1024)
+MEMORY_BATCH = 4
+MEMORY_LOSS_CHUNK = 1024  # the chunked loss of training: 4 chunks of the micro-batch
 
 
 def shape_config(arch: str, n_layer: int, args) -> ModelConfig:
@@ -87,7 +103,11 @@ def fit_batch(cfg: ModelConfig, args, memory: int, bf16: bool) -> tuple[int, dic
     `memory` bytes (0 when not even one sequence does), and the estimate behind it. The estimate
     is affine in the batch (per-sequence activations, plus weights, gradients, AdamW and the bf16
     weight copies autocast keeps): two estimates, at 1 and 2 sequences, give both terms."""
-    one, two = (estimate_memory(cfg, b, args.seq, bf16=bf16).total(False) for b in (1, 2))
+    chunk = TrainConfig().loss_chunk_tokens  # measure()'s loss
+    one, two = (
+        estimate_memory(cfg, b, args.seq, bf16=bf16, loss_chunk_tokens=chunk).total(False)
+        for b in (1, 2)
+    )
     per_sequence, fixed = two - one, 2 * one - two
     fits = (
         int((memory / (1 + HEADROOM) - fixed) // per_sequence) if per_sequence > 0 else args.batch
@@ -212,6 +232,56 @@ def run_model(report: Report, arch: str, n_layer: int, args, device: torch.devic
     return report.timed(lambda: guarded(work, device))
 
 
+def memory_against_estimate(report: Report, device: torch.device) -> dict:
+    """The CUDA allocator's bytes of a training step (depthbench.train.memory.allocator_step_memory)
+    against depthbench.train.memory.estimate_memory, per case of MEMORY_CASES in fp32 and under
+    bf16 autocast, with the plain loss and the chunked one (MEMORY_LOSS_CHUNK tokens): each term
+    measured, estimated and their ratio (estimate / measured). tests/integration/test_gpu.py
+    holds the same comparison to its tolerances."""
+    if device.type != "cuda":
+        return {"skipped": "the CUDA allocator is measured: no CUDA device"}
+    rows: dict = {}
+    seq = MEMORY_SHAPE["max_seq_len"]
+    # one step first, unrecorded: CUDA's one-time allocations (cuBLAS workspaces, about 70 MiB on
+    # an H200) would otherwise count in the first case's step
+    allocator_step_memory(ModelConfig(arch=ARCHS[0], **MEMORY_SHAPE), 1, seq, False, device)
+    for arch, moe in MEMORY_CASES:
+        cfg = ModelConfig(arch=arch, moe=moe, **MEMORY_SHAPE)
+        for bf16 in (False, True):
+            for chunk in (0, MEMORY_LOSS_CHUNK):
+                key = "-".join(
+                    [arch]
+                    + (["moe"] if moe else [])
+                    + ["bf16" if bf16 else "fp32", "chunked" if chunk else "plain"]
+                )
+
+                def work(cfg=cfg, bf16=bf16, chunk=chunk) -> dict:
+                    got = allocator_step_memory(
+                        cfg, MEMORY_BATCH, seq, bf16, device, loss_chunk_tokens=chunk
+                    )
+                    est = estimate_memory(
+                        cfg, MEMORY_BATCH, seq, bf16=bf16, device="cuda", loss_chunk_tokens=chunk
+                    )
+                    return {
+                        term: {
+                            "measured": measured,
+                            "estimate": estimated,
+                            "ratio": estimated / measured if measured else None,
+                        }
+                        for term, measured, estimated in (
+                            ("static", got.static, est.weights + est.optimizer),
+                            ("saved", got.saved, est.activations),
+                            ("peak", got.peak, est.total("none")),
+                        )
+                    }
+
+                rows[key] = report.timed(lambda work=work: guarded(work, device))
+                ratios = {t: r.get("ratio") for t, r in rows[key].items() if isinstance(r, dict)}
+                print(key, ratios, flush=True)
+                report.put("memory_vs_estimate", rows)
+    return rows
+
+
 def gpu_tests(report: Report, args) -> dict:
     """tests/integration/test_gpu.py in a subprocess with what is left of the budget (at most
     --tests-timeout)."""
@@ -282,6 +352,13 @@ def parse_args(argv=None):
     )
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument(
+        "--archs",
+        nargs="+",
+        choices=ARCHS[1:],
+        help="the architectures timed against pre_ln (default: every one)",
+    )
+    p.add_argument("--skip-memory", action="store_true", help="no memory-vs-estimate section")
+    p.add_argument(
         "--smoke",
         action="store_true",
         help="tiny sizes on the CPU: exercises the whole script in seconds",
@@ -316,7 +393,9 @@ def main(argv=None) -> None:
         depthbench=str(Path(depthbench.__file__).resolve().parent),
         config=vars(args),
     )
-    report.put("pre_ln_widest", run_model(report, "pre_ln", args.widest, args, device))  # MFU first
+    if not args.skip_memory:
+        report.put("memory_vs_estimate", memory_against_estimate(report, device))
+    report.put("pre_ln_widest", run_model(report, "pre_ln", args.widest, args, device))
     if not args.skip_tests:
         report.put("gpu_tests", gpu_tests(report, args))
     deepest = run_model(report, "pre_ln", args.deepest, args, device)
@@ -328,7 +407,7 @@ def main(argv=None) -> None:
             deepest["seconds_per_token"] / widest["seconds_per_token"],
         )
     ratios: dict = {}
-    for arch in ARCHS[1:]:  # at the deepest shape, where the residual path matters most
+    for arch in args.archs or ARCHS[1:]:  # at the deepest shape, where the residual path matters
         r = run_model(report, arch, args.deepest, args, device)
         if "step_seconds" in r and "step_seconds" in deepest:
             r = {"step_time_vs_pre_ln": r["step_seconds"] / deepest["step_seconds"], **r}

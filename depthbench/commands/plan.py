@@ -120,7 +120,9 @@ def plan_experiment(
         tc = spec.train
         tokens = tc.total_steps * tc.tokens_per_step
         key = json.dumps(
-            [spec.model.to_dict(), tc.micro_batch_size, tc.seq_len], sort_keys=True, default=str
+            [spec.model.to_dict(), tc.micro_batch_size, tc.seq_len, tc.loss_chunk_tokens],
+            sort_keys=True,
+            default=str,
         )
         if key not in cache:
             cost = analytic_cost(spec.model, tc.seq_len)
@@ -131,6 +133,7 @@ def plan_experiment(
                 bf16=True,
                 world=world,
                 fsdp=tc.parallel == "fsdp",
+                loss_chunk_tokens=tc.loss_chunk_tokens,
             )
             cache[key] = (cost, est)
         cost, est = cache[key]

@@ -79,6 +79,7 @@ class ActivationTrace:
     saved: dict  # storage key -> (bytes, set of saving units; -1 outside every unit)
     unit_saved: list[int]  # bytes saved inside each unit
     unit_inputs: list[dict]  # per unit: storage key -> bytes of the floating tensors entering it
+    held: dict = dataclasses.field(default_factory=dict)  # storage key -> bytes, held on a ctx
 
     @property
     def total(self) -> int:
@@ -145,12 +146,15 @@ def trace_activations(
                 unit_saved[current[0]] += _nbytes(t)
         return t
 
+    held_bytes: dict = {}
+
     def held(t):  # kept until backward whatever is checkpointed (see the module docstring)
         key = _key(t)
         if key not in saved:
             saved[key] = (_nbytes(t), set())
             keep.append(t)
         saved[key][1].add(-1)
+        held_bytes[key] = _nbytes(t)
 
     hooks, depth = [], [0]
     for i, unit in enumerate(units):
@@ -186,4 +190,4 @@ def trace_activations(
         HELD_LISTENERS.remove(held)
         for h in hooks:
             h.remove()
-    return ActivationTrace(saved, unit_saved, inputs)
+    return ActivationTrace(saved, unit_saved, inputs, held_bytes)

@@ -3,19 +3,30 @@
 Saved activations are traced, not modelled: the model of the run is built on the meta device (no
 memory, no arithmetic) and one forward pass at the run's micro-batch and sequence length is
 traced (depthbench.train.activation_trace, which says what it counts and how checkpointing
-changes it), with the autocast policy and MoE path of the target device (`device`, "cuda" unless
-told; depthbench.train.meta_autocast). A CUDA trace saves a few fp32 tensors where the CPU saves
-bf16 ones: on the models of tests/unit/test_memory.py the "cuda" count is above the "cpu" count
-by 0.14-0.22 % for hc and 0.02-0.03 % for mhc (the fp32 rsqrt of the bf16 vecdot, one value per
-token and stream) and equal to it for every other architecture, and the "cpu" count equals the
-bytes measured on the CPU (eager path). On CPU the training loop runs in fp32 and nothing is
-cast; `device="cpu"` is the CPU's autocast policy on the eager path, which the tests measure.
+changes it), with the autocast policy, MoE path and kernels of the target device (`device`,
+"cuda" unless told; depthbench.train.meta_autocast). The "cpu" trace equals the bytes measured
+on the CPU (eager path; tests/unit/test_memory.py); the "cuda" trace equals the storages autograd
+keeps on an H200 to 1.3e-7 (tests/integration/test_gpu.py, and tests/unit/test_memory.py
+against that GPU's record). On CPU the training loop runs in fp32 and nothing is cast.
 
-Peak per GPU = weights + gradients + AdamW (two fp32 moments) + saved activations + one block's
-activations again (the gradient buffers of the block being differentiated) ; under FSDP2 the
-first three are divided by the world size and two blocks' parameters are gathered at a time
-(the current unit and the prefetched one). Allocator fragmentation and workspace are not
-modelled: `HEADROOM` (10 %) is added before the fit test against the GPU's memory.
+The loss is traced as the run computes it: `loss_chunk_tokens` > 0 is the chunked LM head and
+loss of training (depthbench.models.loss: it saves d x and d W, never the logits), 0 the plain
+cross-entropy (it saves the (N T, V) fp32 log-probabilities).
+
+Peak per GPU = weights + gradients + AdamW (two fp32 moments) + saved activations + the largest
+of three working sets: one block's activations again (the gradient buffers of the block being
+differentiated); the loss's (`loss_working_bytes`: with the plain loss two fp32 (N T, V)
+gradients at the start of backward, with the chunked one a chunk's logits and gradients in the
+forward); and twice the buffers held on a ctx (AttnRes's sources, MoDA's depth keys: each
+reader's backward returns a buffer-sized gradient of the slots it read, while the gradients of
+every source still waiting for its producer's backward, up to a buffer's worth, are alive).
+Under FSDP2 the first three are divided by the world size and two blocks' parameters are
+gathered at a time (the current unit and the prefetched one). The gradients are counted whole
+throughout (gradient accumulation keeps them across micro-batches), so the peak is an upper
+bound: on an H200, 1.02-1.14 times the CUDA allocator's high-water mark of a step of one
+micro-batch, every architecture and MoE, fp32 and bf16, plain and chunked loss
+(docs/design/memory.md). Allocator fragmentation and workspace are not modelled: `HEADROOM`
+(10 %) is added before the fit test against the GPU's memory.
 """
 
 from __future__ import annotations
@@ -56,6 +67,8 @@ class MemoryEstimate:
     backward_working: float  # one unit's activations again, while it is differentiated
     outside: float  # saved outside the units: embedding, final norm, head and loss
     activations_selective: float = 0.0  # selective checkpointing (every other unit)
+    loss_working: float = 0.0  # the loss's transient tensors (loss_working_bytes)
+    held_working: float = 0.0  # the gradients of the buffers held on a ctx: twice their bytes
 
     def activations_for(self, mode) -> float:
         """Saved activations at the backward's peak under a checkpointing mode (True = full)."""
@@ -74,7 +87,7 @@ class MemoryEstimate:
             + self.optimizer
             + self.gathered
             + act
-            + self.backward_working
+            + max(self.backward_working, self.loss_working, self.held_working)
         )
 
     def needs_checkpointing(self, gpu_bytes: float) -> bool:
@@ -99,15 +112,18 @@ def estimate_memory(
     world: int = 1,
     fsdp: bool = False,
     device: str = "cuda",
+    loss_chunk_tokens: int = 0,
 ) -> MemoryEstimate:
     """Per-rank memory of a training step on `device` ("cuda" or "cpu": its autocast and MoE
-    paths; see the module docstring for each term)."""
+    paths) with the loss computed `loss_chunk_tokens` tokens at a time (0: the plain loss; see
+    the module docstring for each term)."""
     # weights on meta, uninitialised (parameters_on_meta), then the constants built on the CPU
     # (HC's eye) moved to meta too; under torch.device("meta") every nn.Linear and nn.Embedding
     # init ran on meta through Python reference kernels: a third of an estimate's time
     with parameters_on_meta():
         model = build_model(cfg, initialize=False)
     model.to("meta")
+    model.loss_chunk_tokens = loss_chunk_tokens
     trace = trace_activations(
         model, torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta"), bf16, device
     )
@@ -125,4 +141,86 @@ def estimate_memory(
         backward_working=max(trace.per_block),
         outside=trace.outside,
         activations_selective=trace.saved_with(recompute_mask("selective", n_units)),
+        loss_working=loss_working_bytes(
+            micro_batch * seq_len, cfg.vocab_size, cfg.d_model, loss_chunk_tokens, bf16
+        ),
+        held_working=2.0 * sum(trace.held.values()),
     )
+
+
+def loss_working_bytes(tokens: int, vocab: int, d_model: int, chunk: int, bf16: bool) -> float:
+    """The loss's tensors that live beside the saved activations, at their largest.
+
+    Plain loss (`chunk` 0, or at least `tokens`, as DecoderLM falls back to it): at the start of
+    backward the fp32 gradient of the log-probabilities and that of the logits, (tokens, V) each,
+    exist together (the forward's bf16 and fp32 logits, 6 bytes a value, are fewer).
+    Chunked loss (depthbench.models.loss): in the forward, one chunk's fp32 logits (softmaxed in
+    place), their scaled gradient in fp32 and, under bf16, its bf16 copy: 8 or 10 bytes a value;
+    beside them the head's weight in bf16, its gradient product and that product in fp32 (4
+    bytes a weight in fp32, 8 under bf16). Its backward scales d x and d W into new tensors
+    (tokens x d and V x d, fp32), fewer at every shape of the presets but counted too."""
+    if chunk <= 0 or chunk >= tokens:
+        return 2.0 * tokens * vocab * FP32
+    per_logit, per_weight = (10, 8) if bf16 else (8, 4)
+    forward = chunk * vocab * per_logit + vocab * d_model * per_weight
+    backward = (tokens + vocab) * d_model * FP32
+    return float(max(forward, backward))
+
+
+@dataclasses.dataclass
+class AllocatorMeasurement:
+    """One training step as the CUDA caching allocator counts it, in bytes above what the device
+    held before the model was built (allocations are rounded up to the allocator's blocks)."""
+
+    static: int  # weights and AdamW's moments between steps (gradients set to None)
+    saved: int  # growth over one forward with its graph alive: what the backward will read
+    peak: int  # the high-water mark of that step's forward, backward and AdamW update
+
+
+def allocator_step_memory(
+    cfg: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    bf16: bool,
+    device="cuda",
+    loss_chunk_tokens: int = 0,
+    seed: int = 0,
+) -> AllocatorMeasurement:
+    """The model of `cfg` trained for two steps on `device` (a CUDA device) with fused AdamW on
+    one micro-batch of random token ids, measured in the second: the first makes AdamW's moments
+    and cuBLAS's workspace, as every step of a run but the first finds them. What
+    `estimate_memory` predicts for it: `weights + optimizer` for `static`, `activations` for
+    `saved`, `total("none")` for `peak`, each with the same `loss_chunk_tokens`."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"allocator_step_memory: the CUDA allocator is measured, not {device}")
+    torch.cuda.synchronize(device)
+    empty = torch.cuda.memory_allocated(device)
+    torch.manual_seed(seed)
+    model = build_model(cfg).to(device)
+    model.loss_chunk_tokens = loss_chunk_tokens
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), device=device)
+
+    def objective() -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            out = model(ids, ids)
+        # the logits leave with `out`, as in a run's step
+        return out.loss if out.aux_loss is None else out.loss + out.aux_loss
+
+    def update(loss: torch.Tensor) -> None:
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    update(objective())
+    torch.cuda.synchronize(device)
+    static = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    loss = objective()
+    torch.cuda.synchronize(device)
+    saved = torch.cuda.memory_allocated(device) - static
+    update(loss)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    return AllocatorMeasurement(static=static - empty, saved=saved, peak=peak - empty)

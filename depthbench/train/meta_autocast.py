@@ -6,15 +6,23 @@ products, `linalg.vecdot` (the RMS of HC's and mHC's coefficient projections) an
 to bf16 (autocast's lower-precision list; each argument is cast on its own, so vecdot(x, x)
 keeps two bf16 copies of x); the losses take fp32 inputs. On CUDA the other ops of ATen's fp32
 lists (exp, log, rsqrt, pow, sum, logsumexp, softmax, log-softmax; ATen/autocast_mode.h) also
-take fp32 inputs, where CPU autocast runs them in bf16. The mode's `state` is the replay that
-depthbench.kernels.precision answers from while the trace installs it: regions the models run
-with autocast off (`precision.autocast_off`) pause the casts, and MoE experts read the dtype
-and the target device from it (depthbench.models.moe).
+take fp32 inputs, where CPU autocast runs them in bf16; the promote ops (cat, stack, and on CUDA
+addcmul, addcdiv and a few more) take every floating input in the widest dtype among them. The
+mode's `state` is the replay that depthbench.kernels.precision answers from while the trace
+installs it: regions the models run with autocast off (`precision.autocast_off`) pause the casts,
+and MoE experts read the dtype and the target device from it (depthbench.models.moe).
 
-The mode also stands in for two kernels whose meta versions save other tensors than the real
-ones: fused SDPA (saves q, k, v, the output and the log-sum-exp, never the T x T probabilities)
-and `torch._grouped_mm` (its meta kernel takes bf16 only; the stand-in saves both operands and
-the offsets, as its backward does).
+The mode also stands in for kernels whose meta versions save other tensors than the real ones:
+fused SDPA (saves q, k, v, the output and the log-sum-exp, never the T x T probabilities; for
+fp32 on CUDA, the memory-efficient kernel, whose output the output projection reads without a
+copy; for bf16, a kernel whose output it copies, as cuDNN attention's on Hopper: flash
+attention's output is read without a copy, so where it runs the estimate is one (B, T, d) bf16
+tensor per attention layer above the measurement),
+`torch._grouped_mm` (its meta kernel takes bf16 only; the stand-in saves both operands and the
+offsets, as its backward does) and, for CUDA, `F.rms_norm`: CUDA runs it as the fused kernel
+`_fused_rms_norm`, whose backward keeps the input and the fp32 reciprocal RMS (one value per row)
+and nothing else, where the CPU and meta run the composite (x^2, its mean, rsqrt, x * rsqrt and
+the product with the gain), which keeps a second full-size tensor per norm.
 """
 
 from __future__ import annotations
@@ -90,6 +98,32 @@ _FP32_UNLESS_DTYPE = {
         torch.linalg.vector_norm,
     },
 }
+# autocast's promote ops, per device: every floating input cast to the widest floating dtype among
+# them (ATen's promote lists). On CUDA `addcmul` is one: HC's write, H + b * F(x), keeps an fp32
+# copy of the bf16 sublayer output for backward, where the CPU keeps the bf16 output itself
+_PROMOTE = {
+    "cpu": {torch.cat, torch.stack, torch.index_copy, torch.Tensor.index_copy},
+    "cuda": {
+        torch.cat,
+        torch.stack,
+        torch.addcmul,
+        torch.Tensor.addcmul,
+        torch.addcdiv,
+        torch.Tensor.addcdiv,
+        torch.atan2,
+        torch.Tensor.atan2,
+        torch.dot,
+        torch.Tensor.dot,
+        torch.vdot,
+        torch.tensordot,
+        torch.cross,
+        torch.linalg.cross,
+        torch.scatter_add,
+        torch.Tensor.scatter_add,
+        torch.Tensor.index_put,
+        F.bilinear,
+    },
+}
 DEVICES = tuple(_FP32)
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)  # F.grouped_mm's op, where torch has it
 
@@ -102,6 +136,25 @@ def _cast(obj, dtype):
     return obj
 
 
+def _widest_float(args, kwargs) -> torch.dtype | None:
+    """The widest floating dtype among the tensors of a call (lists included), None if none."""
+    found: list[torch.dtype] = []
+
+    def visit(obj):
+        if isinstance(obj, torch.Tensor) and obj.is_floating_point():
+            found.append(obj.dtype)
+        elif isinstance(obj, (list, tuple)):
+            for o in obj:
+                visit(o)
+
+    visit(args)
+    visit(list(kwargs.values()))
+    widest = None
+    for dtype in found:
+        widest = dtype if widest is None else torch.promote_types(widest, dtype)
+    return widest
+
+
 def _flash_sdpa(
     q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
@@ -112,6 +165,36 @@ def _flash_sdpa(
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, dropout_p, is_causal, scale=scale
     )[0]
+
+
+def _efficient_sdpa(
+    q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    """fp32 SDPA as CUDA runs it: the memory-efficient kernel (flash and cuDNN attention take
+    half precision only), which writes its output in (B, T, H, D) layout and returns the
+    (B, H, T, D) view of it, so that the model's transpose and reshape into the output projection
+    is a view and the projection keeps the kernel's own output rather than a copy."""
+    if enable_gqa and k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return _MetaEfficientSDPA.apply(q, k, v)
+
+
+class _MetaEfficientSDPA(torch.autograd.Function):
+    """On meta: saves q, k, v, the output (a view of its (B, T, H, D) buffer) and the fp32
+    log-sum-exp (its positions padded to a multiple of 32), as the efficient kernel's backward
+    does."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        B, H, T, _ = q.shape
+        out = q.new_empty(B, T, H, v.shape[-1]).transpose(1, 2)
+        lse = q.new_empty(B, H, -(-T // 32) * 32, dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("traced on meta only")
 
 
 class MetaAutocast(TorchFunctionMode):
@@ -140,12 +223,20 @@ class MetaAutocast(TorchFunctionMode):
                 _cast(args, torch.float32),
                 {k: _cast(v, torch.float32) for k, v in kwargs.items()},
             )
+        elif casting and func in _PROMOTE[device]:
+            widest = _widest_float(args, kwargs)
+            if widest is not None:
+                args, kwargs = _cast(args, widest), {k: _cast(v, widest) for k, v in kwargs.items()}
         if (
             func is F.scaled_dot_product_attention
             and kwargs.get("attn_mask") is None
             and len(args) < 4
         ):
+            if device == "cuda" and args[0].dtype == torch.float32:
+                return _efficient_sdpa(*args, **kwargs)
             return _flash_sdpa(*args, **kwargs)
+        if func is F.rms_norm and device == "cuda":
+            return _MetaFusedRMSNorm.apply(*_rms_norm_arguments(*args, **kwargs))
         if func is _GROUPED_MM and kwargs.get("bias") is None:
             return _MetaGroupedMM.apply(
                 args[0], args[1], kwargs["offs"] if "offs" in kwargs else args[2]
@@ -161,6 +252,27 @@ class _MetaGroupedMM(torch.autograd.Function):
     def forward(ctx, a, b, offs):
         ctx.save_for_backward(a, b, offs)
         return a.new_empty(a.shape[0], b.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("traced on meta only")
+
+
+def _rms_norm_arguments(input, normalized_shape, weight=None, eps=None):
+    return input, tuple(normalized_shape), weight, eps
+
+
+class _MetaFusedRMSNorm(torch.autograd.Function):
+    """`F.rms_norm` as CUDA runs it (`_fused_rms_norm`), on meta: saves the input, the reciprocal
+    RMS (the input's shape with the normalised dimensions 1; fp32 for bf16 and fp16 inputs, as
+    the kernel accumulates) and the gain, as the kernel's backward does."""
+
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, eps):
+        stat = x.shape[: x.dim() - len(normalized_shape)] + (1,) * len(normalized_shape)
+        rstd = x.new_empty(stat, dtype=torch.promote_types(x.dtype, torch.float32))
+        ctx.save_for_backward(x, rstd, weight)
+        return x.new_empty(x.shape)
 
     @staticmethod
     def backward(ctx, grad):

@@ -93,6 +93,7 @@ def resolve_checkpointing(
         bf16=bf16,
         world=world,
         fsdp=tc.parallel == "fsdp",
+        loss_chunk_tokens=tc.loss_chunk_tokens,
     )
     return est.checkpointing_for(torch.cuda.get_device_properties(device).total_memory)
 

@@ -169,6 +169,7 @@ def test_checkpointing_frees_memory_as_the_estimator_predicts(arch):
             build_model(cfg, initialize=False),
             torch.zeros(N, T, dtype=torch.long, device="meta"),
             False,
+            "cpu",  # the CPU's kernels, which the measurement below runs
         )
     idx = torch.randint(0, VOCAB, (N, T))
     held = {}

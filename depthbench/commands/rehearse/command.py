@@ -122,7 +122,14 @@ def _rehearse_one(
     launcher = exp.config.get("launcher", {})
     if mode == "meta":
         return {"mode": "meta", **rehearse_meta(target, launcher, gpu_memory)}
-    est = estimate_memory(target.spec.model, 1, tokens, bf16=False)
+    est = estimate_memory(
+        target.spec.model,
+        1,
+        tokens,
+        bf16=False,
+        device="cpu",
+        loss_chunk_tokens=target.spec.train.loss_chunk_tokens,
+    )
     need, avail = cpu_footprint(est, target.spec.shape.n_params), available_memory()
     guard = {"cpu_need_gib": need / GIB, "available_gib": avail / GIB}
     if need > avail:

@@ -193,7 +193,14 @@ def rehearse_real(
         (1, tokens + 1),
         generator=torch.Generator().manual_seed(spec.train.seed),
     )
-    est = est or estimate_memory(spec.model, 1, tokens, bf16=False)
+    est = est or estimate_memory(
+        spec.model,
+        1,
+        tokens,
+        bf16=False,
+        device="cpu",
+        loss_chunk_tokens=spec.train.loss_chunk_tokens,
+    )
     all_mem, step_mem = PeakRSS().begin(), PeakRSS().begin()  # begun together: one high-water reset
     t0 = time.time()
     try:
@@ -265,6 +272,7 @@ def rehearse_meta(target: Target, launcher: dict, gpu_memory: float) -> dict:
             bf16=True,
             world=world,
             fsdp=tc.parallel == "fsdp",
+            loss_chunk_tokens=tc.loss_chunk_tokens,
         )
     all_meta = all(p.is_meta for p in params) and all(b.is_meta for b in model.buffers())
     units_are_blocks = [id(u) for u in units] == [id(b) for b in model.blocks]
