@@ -22,7 +22,8 @@ Made to start and stop on time on a bare GPU machine:
 
 Before the throughput, the memory section (`--skip-memory` leaves it out): the CUDA allocator's
 bytes of a training step against the memory estimate, every architecture (and MoE) in fp32 and
-bf16 with the plain and the chunked loss (depthbench.train.memory.allocator_step_memory).
+bf16 with the plain and the chunked loss, and with two micro-batches accumulated
+(depthbench.train.memory.allocator_step_memory).
 
 Targets: pre_ln at >= 45% MFU at the widest shape on an H100/H200-class GPU; the deepest
 shape within 1.3x of the widest shape's time per token; hc, mhc, attnres_full and moda within 1.3x
@@ -248,16 +249,25 @@ def memory_against_estimate(report: Report, device: torch.device) -> dict:
     for arch, moe in MEMORY_CASES:
         cfg = ModelConfig(arch=arch, moe=moe, **MEMORY_SHAPE)
         for bf16 in (False, True):
-            for chunk in (0, MEMORY_LOSS_CHUNK):
+            # the plain and the chunked loss; with the chunked one also a step accumulating two
+            # micro-batches (key ...-accumulated), as every GPU preset's runs do
+            for chunk, micro_batches in ((0, 1), (MEMORY_LOSS_CHUNK, 1), (MEMORY_LOSS_CHUNK, 2)):
                 key = "-".join(
                     [arch]
                     + (["moe"] if moe else [])
                     + ["bf16" if bf16 else "fp32", "chunked" if chunk else "plain"]
+                    + (["accumulated"] if micro_batches > 1 else [])
                 )
 
-                def work(cfg=cfg, bf16=bf16, chunk=chunk) -> dict:
+                def work(cfg=cfg, bf16=bf16, chunk=chunk, micro_batches=micro_batches) -> dict:
                     got = allocator_step_memory(
-                        cfg, MEMORY_BATCH, seq, bf16, device, loss_chunk_tokens=chunk
+                        cfg,
+                        MEMORY_BATCH,
+                        seq,
+                        bf16,
+                        device,
+                        loss_chunk_tokens=chunk,
+                        micro_batches=micro_batches,
                     )
                     est = estimate_memory(
                         cfg, MEMORY_BATCH, seq, bf16=bf16, device="cuda", loss_chunk_tokens=chunk

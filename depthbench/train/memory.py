@@ -184,16 +184,21 @@ def allocator_step_memory(
     bf16: bool,
     device="cuda",
     loss_chunk_tokens: int = 0,
+    micro_batches: int = 1,
     seed: int = 0,
 ) -> AllocatorMeasurement:
-    """The model of `cfg` trained for two steps on `device` (a CUDA device) with fused AdamW on
-    one micro-batch of random token ids, measured in the second: the first makes AdamW's moments
-    and cuBLAS's workspace, as every step of a run but the first finds them. What
-    `estimate_memory` predicts for it: `weights + optimizer` for `static`, `activations` for
-    `saved`, `total("none")` for `peak`, each with the same `loss_chunk_tokens`."""
+    """The model of `cfg` trained for two steps on `device` (a CUDA device) with fused AdamW,
+    each step over `micro_batches` micro-batches of random token ids (gradients accumulated),
+    measured in the second: the first makes AdamW's moments and cuBLAS's workspace, as every step
+    of a run but the first finds them. `saved` is the growth over the step's last forward, when
+    the earlier micro-batches' gradients already exist. What `estimate_memory` predicts for it:
+    `weights + optimizer` for `static`, `activations` for `saved`, `total("none")` for `peak`,
+    each with the same `loss_chunk_tokens`."""
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"allocator_step_memory: the CUDA allocator is measured, not {device}")
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
     torch.cuda.synchronize(device)
     empty = torch.cuda.memory_allocated(device)
     torch.manual_seed(seed)
@@ -213,13 +218,21 @@ def allocator_step_memory(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    def first_micro_batches() -> None:
+        for _ in range(micro_batches - 1):
+            objective().backward()
+
+    first_micro_batches()
     update(objective())
     torch.cuda.synchronize(device)
     static = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
+    first_micro_batches()
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
     loss = objective()
     torch.cuda.synchronize(device)
-    saved = torch.cuda.memory_allocated(device) - static
+    saved = torch.cuda.memory_allocated(device) - before
     update(loss)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
