@@ -99,26 +99,43 @@ def device_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def step_estimate(cfg: ModelConfig, batch: int, args, bf16: bool) -> float:
+    """Estimated peak bytes of measure()'s step: one micro-batch of `batch` sequences, the
+    chunked loss of training, no headroom."""
+    return estimate_memory(
+        cfg,
+        batch,
+        args.seq,
+        bf16=bf16,
+        loss_chunk_tokens=TrainConfig().loss_chunk_tokens,
+        accumulating=False,
+    ).total(False)
+
+
 def fit_batch(cfg: ModelConfig, args, memory: int, bf16: bool) -> tuple[int, dict]:
     """The largest micro-batch <= args.batch whose estimated peak, with 10 % headroom, fits in
     `memory` bytes (0 when not even one sequence does), and the estimate behind it. The estimate
-    is affine in the batch (per-sequence activations, plus weights, gradients, AdamW and the bf16
-    weight copies autocast keeps): two estimates, at 1 and 2 sequences, give both terms."""
-    chunk = TrainConfig().loss_chunk_tokens  # measure()'s loss
-    one, two = (
-        estimate_memory(cfg, b, args.seq, bf16=bf16, loss_chunk_tokens=chunk).total(False)
-        for b in (1, 2)
-    )
+    grows with the batch about affinely (per-sequence activations and working sets, plus
+    weights, gradients and AdamW): two estimates, at 1 and 2 sequences, give the first guess,
+    and the guess is estimated itself and lowered until it fits (its largest term may change
+    with the batch)."""
+    one, two = (step_estimate(cfg, b, args, bf16) for b in (1, 2))
     per_sequence, fixed = two - one, 2 * one - two
     fits = (
         int((memory / (1 + HEADROOM) - fixed) // per_sequence) if per_sequence > 0 else args.batch
     )
     batch = max(0, min(args.batch, fits))
+    estimate = {1: one, 2: two}
+    while batch > 0:
+        estimate.setdefault(batch, step_estimate(cfg, batch, args, bf16))
+        if estimate[batch] * (1 + HEADROOM) <= memory:
+            break
+        batch -= 1
     return batch, {
         "batch_requested": args.batch,
         "batch": batch,
         "device_gib": memory / GIB,
-        "estimate_gib": (fixed + max(batch, 1) * per_sequence) / GIB,
+        "estimate_gib": estimate.get(max(batch, 1), one) / GIB,
     }
 
 
@@ -270,7 +287,13 @@ def memory_against_estimate(report: Report, device: torch.device) -> dict:
                         micro_batches=micro_batches,
                     )
                     est = estimate_memory(
-                        cfg, MEMORY_BATCH, seq, bf16=bf16, device="cuda", loss_chunk_tokens=chunk
+                        cfg,
+                        MEMORY_BATCH,
+                        seq,
+                        bf16=bf16,
+                        device="cuda",
+                        loss_chunk_tokens=chunk,
+                        accumulating=micro_batches > 1,
                     )
                     return {
                         term: {

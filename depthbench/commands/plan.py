@@ -120,7 +120,13 @@ def plan_experiment(
         tc = spec.train
         tokens = tc.total_steps * tc.tokens_per_step
         key = json.dumps(
-            [spec.model.to_dict(), tc.micro_batch_size, tc.seq_len, tc.loss_chunk_tokens],
+            [
+                spec.model.to_dict(),
+                tc.micro_batch_size,
+                tc.seq_len,
+                tc.loss_chunk_tokens,
+                tc.global_batch_size,
+            ],
             sort_keys=True,
             default=str,
         )
@@ -134,6 +140,8 @@ def plan_experiment(
                 world=world,
                 fsdp=tc.parallel == "fsdp",
                 loss_chunk_tokens=tc.loss_chunk_tokens,
+                # micro-batches per rank per step: gradients persist between them when several
+                accumulating=tc.global_batch_size > tc.micro_batch_size * world,
             )
             cache[key] = (cost, est)
         cost, est = cache[key]

@@ -22,11 +22,12 @@ reader's backward returns a buffer-sized gradient of the slots it read, while th
 every source still waiting for its producer's backward, up to a buffer's worth, are alive).
 Under FSDP2 the first three are divided by the world size and two blocks' parameters are
 gathered at a time (the current unit and the prefetched one). The gradients are counted whole
-throughout (gradient accumulation keeps them across micro-batches), so the peak is an upper
-bound: on an H200, 1.02-1.14 times the CUDA allocator's high-water mark of a step of one
-micro-batch, every architecture and MoE, fp32 and bf16, plain and chunked loss
-(docs/design/memory.md). Allocator fragmentation and workspace are not modelled: `HEADROOM`
-(10 %) is added before the fit test against the GPU's memory.
+throughout (gradient accumulation keeps them across micro-batches); a run of one micro-batch per
+step without checkpointing (`accumulating=False`) takes the tighter `single_micro_batch_peak`,
+which on an H200 is 1.002-1.082 times the CUDA allocator's high-water mark of such a step, every
+architecture and MoE, fp32 and bf16, plain and chunked loss (docs/design/memory.md). Allocator
+fragmentation and workspace are not modelled: `HEADROOM` (10 %) is added before the fit test
+against the GPU's memory.
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ class MemoryEstimate:
     activations_selective: float = 0.0  # selective checkpointing (every other unit)
     loss_working: float = 0.0  # the loss's transient tensors (loss_working_bytes)
     held_working: float = 0.0  # the gradients of the buffers held on a ctx: twice their bytes
+    # a step of one micro-batch without checkpointing: gradients, saved activations and working
+    # sets at the backward's worst moment (single_micro_batch_peak); None: not computed
+    single_micro_batch: float | None = None
+    accumulating: bool = True  # the run accumulates micro-batches: its gradients persist
 
     def activations_for(self, mode) -> float:
         """Saved activations at the backward's peak under a checkpointing mode (True = full)."""
@@ -80,7 +85,13 @@ class MemoryEstimate:
         }[mode]
 
     def total(self, checkpointing="none") -> float:
+        """Peak bytes of a training step under a checkpointing mode (see the module docstring);
+        a run of one micro-batch per step without checkpointing takes the tighter
+        `single_micro_batch` bound."""
         act = self.activations_for(checkpointing)
+        mode = {True: "full", False: "none"}.get(checkpointing, checkpointing)
+        if not self.accumulating and mode == "none" and self.single_micro_batch is not None:
+            return self.weights + self.optimizer + self.gathered + self.single_micro_batch
         return (
             self.weights
             + self.gradients
@@ -113,9 +124,11 @@ def estimate_memory(
     fsdp: bool = False,
     device: str = "cuda",
     loss_chunk_tokens: int = 0,
+    accumulating: bool = True,
 ) -> MemoryEstimate:
     """Per-rank memory of a training step on `device` ("cuda" or "cpu": its autocast and MoE
-    paths) with the loss computed `loss_chunk_tokens` tokens at a time (0: the plain loss; see
+    paths) with the loss computed `loss_chunk_tokens` tokens at a time (0: the plain loss), in a
+    run that accumulates several micro-batches per optimizer step or not (`accumulating`; see
     the module docstring for each term)."""
     # weights on meta, uninitialised (parameters_on_meta), then the constants built on the CPU
     # (HC's eye) moved to meta too; under torch.device("meta") every nn.Linear and nn.Embedding
@@ -131,9 +144,14 @@ def estimate_memory(
     shard = world if fsdp else 1
     unit = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
     n_units = len(trace.unit_saved)
+    loss_working = loss_working_bytes(
+        micro_batch * seq_len, cfg.vocab_size, cfg.d_model, loss_chunk_tokens, bf16
+    )
+    held_working = 2.0 * sum(trace.held.values())
+    gradients = n_params * FP32 / shard
     return MemoryEstimate(
         weights=n_params * FP32 / shard,
-        gradients=n_params * FP32 / shard,
+        gradients=gradients,
         optimizer=2 * n_params * FP32 / shard,
         gathered=2 * unit * (2 if bf16 else FP32) if fsdp and world > 1 else 0.0,
         activations=trace.total,
@@ -141,11 +159,51 @@ def estimate_memory(
         backward_working=max(trace.per_block),
         outside=trace.outside,
         activations_selective=trace.saved_with(recompute_mask("selective", n_units)),
-        loss_working=loss_working_bytes(
-            micro_batch * seq_len, cfg.vocab_size, cfg.d_model, loss_chunk_tokens, bf16
+        loss_working=loss_working,
+        held_working=held_working,
+        single_micro_batch=single_micro_batch_peak(
+            trace.total,
+            trace.unit_saved,
+            [FP32 / shard * n for n in _unit_parameter_counts(list(model.checkpoint_units()))],
+            gradients,
+            max(loss_working, held_working),
         ),
-        held_working=2.0 * sum(trace.held.values()),
+        accumulating=accumulating,
     )
+
+
+def _unit_parameter_counts(units) -> list[int]:
+    """Each unit's parameters, each parameter counted in the first unit that holds it."""
+    seen: set[int] = set()
+    counts = []
+    for unit in units:
+        params = [p for p in unit.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        counts.append(sum(p.numel() for p in params))
+    return counts
+
+
+def single_micro_batch_peak(
+    saved: float, unit_saved: list, unit_gradients: list, gradients: float, outside_working: float
+) -> float:
+    """Bytes above weights and AdamW's moments at the worst moment of a step of one micro-batch
+    without checkpointing, whose gradients do not exist before its backward (set to None after
+    the previous step). Backward runs from the loss through the units, last first: with the
+    units after u done, their saved activations are freed and their gradients made, so while
+    unit u is differentiated saved - sum_{v > u} saved_v + G_outside + sum_{v >= u} G_v + saved_u
+    are alive (G_outside: the parameters outside the units, the head's among them, whose
+    gradients come first or last; counted from the start). Before the first unit: every saved
+    tensor, G_outside and the larger of the loss's and the held buffers' working sets; after the
+    last, every gradient. On an H200 the step's measured high-water mark is 0.92-1.00 of
+    weights + AdamW + this (tests/data/h200_training_step_memory.json)."""
+    outside = gradients - sum(unit_gradients)
+    moments = [saved + outside + outside_working, gradients]
+    freed, made = 0.0, outside
+    for saved_u, gradients_u in zip(reversed(unit_saved), reversed(unit_gradients)):
+        made += gradients_u
+        moments.append(saved - freed + made + saved_u)
+        freed += saved_u
+    return max(moments)
 
 
 def loss_working_bytes(tokens: int, vocab: int, d_model: int, chunk: int, bf16: bool) -> float:

@@ -49,7 +49,7 @@ def test_the_batch_is_the_largest_the_estimate_fits(gpu_check):
     args = gpu_check.parse_args(["--smoke"])
     args.batch = 8  # (--smoke sets 2)
     cfg = gpu_check.shape_config("pre_ln", 2, args)
-    total = {b: estimate_memory(cfg, b, args.seq, bf16=True).total(False) for b in (3, 4)}
+    total = {b: gpu_check.step_estimate(cfg, b, args, True) for b in (3, 4)}
     between = (total[3] + total[4]) / 2 * (1 + HEADROOM)  # room for 3 sequences, not for 4
     assert gpu_check.fit_batch(cfg, args, between, bf16=True)[0] == 3
     assert (

@@ -199,7 +199,14 @@ def test_memory_estimate_against_the_cuda_allocator(arch, moe, bf16):
     # (loss_chunk_tokens, micro-batches per step): a run's step accumulates (every GPU preset
     # does), so its gradients exist from the first micro-batch on; the estimate counts them whole
     for chunk, micro_batches in ((0, 1), (LOSS_CHUNK, 1), (LOSS_CHUNK, 2)):
-        est = estimate_memory(cfg, MEMORY_BATCH, T, bf16=bf16, loss_chunk_tokens=chunk)
+        est = estimate_memory(
+            cfg,
+            MEMORY_BATCH,
+            T,
+            bf16=bf16,
+            loss_chunk_tokens=chunk,
+            accumulating=micro_batches > 1,
+        )
         got = allocator_step_memory(
             cfg, MEMORY_BATCH, T, bf16, "cuda", loss_chunk_tokens=chunk, micro_batches=micro_batches
         )

@@ -176,8 +176,28 @@ def test_estimate_against_a_training_step_measured_on_an_h200(key):
         bf16=dtype == "bf16",
         device="cuda",
         loss_chunk_tokens=record["loss_chunk_tokens"] if loss == "chunked" else 0,
+        accumulating=False,  # the record's steps are of one micro-batch
     )
     assert_within_cuda_bounds(est, record["cases"][key])
+
+
+@pytest.mark.parametrize("arch, moe", CASES, ids=CASE_IDS)
+def test_a_single_micro_batch_step_is_bounded_by_the_accumulating_one(arch, moe):
+    """A step of one micro-batch makes its gradients during backward: its bound lies between
+    weights + AdamW + every gradient (its last moment) and the accumulating step's, which holds
+    every gradient, every saved tensor and the largest working set at once; checkpointing modes
+    keep the accumulating formula."""
+    for cfg in case_configs(arch, moe):
+        for chunk in (0, 8):
+            one, many = (
+                estimate_memory(cfg, N, T, loss_chunk_tokens=chunk, accumulating=accumulating)
+                for accumulating in (False, True)
+            )
+            static = one.weights + one.optimizer
+            assert static + one.gradients <= one.total("none") <= many.total("none")
+            assert one.total("none") >= static + one.activations  # the first moment's tensors
+            for mode in ("selective", "full"):
+                assert one.total(mode) == many.total(mode)
 
 
 def test_cuda_autocast_replay_runs_rsqrt_in_fp32():

@@ -200,6 +200,7 @@ def rehearse_real(
         bf16=False,
         device="cpu",
         loss_chunk_tokens=spec.train.loss_chunk_tokens,
+        accumulating=False,  # its steps are of one micro-batch
     )
     all_mem, step_mem = PeakRSS().begin(), PeakRSS().begin()  # begun together: one high-water reset
     t0 = time.time()
@@ -273,6 +274,7 @@ def rehearse_meta(target: Target, launcher: dict, gpu_memory: float) -> dict:
             world=world,
             fsdp=tc.parallel == "fsdp",
             loss_chunk_tokens=tc.loss_chunk_tokens,
+            accumulating=tc.global_batch_size > tc.micro_batch_size * world,
         )
     all_meta = all(p.is_meta for p in params) and all(b.is_meta for b in model.buffers())
     units_are_blocks = [id(u) for u in units] == [id(b) for b in model.blocks]
