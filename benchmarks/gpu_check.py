@@ -117,20 +117,26 @@ def fit_batch(cfg: ModelConfig, args, memory: int, bf16: bool) -> tuple[int, dic
     `memory` bytes (0 when not even one sequence does), and the estimate behind it. The estimate
     grows with the batch about affinely (per-sequence activations and working sets, plus
     weights, gradients and AdamW): two estimates, at 1 and 2 sequences, give the first guess,
-    and the guess is estimated itself and lowered until it fits (its largest term may change
-    with the batch)."""
+    which is then moved a sequence at a time, estimated each time, to the largest that fits
+    (the largest term may change with the batch: the loss is plain while a micro-batch has
+    fewer tokens than a loss chunk)."""
     one, two = (step_estimate(cfg, b, args, bf16) for b in (1, 2))
     per_sequence, fixed = two - one, 2 * one - two
     fits = (
         int((memory / (1 + HEADROOM) - fixed) // per_sequence) if per_sequence > 0 else args.batch
     )
-    batch = max(0, min(args.batch, fits))
     estimate = {1: one, 2: two}
-    while batch > 0:
-        estimate.setdefault(batch, step_estimate(cfg, batch, args, bf16))
-        if estimate[batch] * (1 + HEADROOM) <= memory:
-            break
+
+    def fits_in(b: int) -> bool:
+        if b not in estimate:
+            estimate[b] = step_estimate(cfg, b, args, bf16)
+        return estimate[b] * (1 + HEADROOM) <= memory
+
+    batch = max(0, min(args.batch, fits))
+    while batch > 0 and not fits_in(batch):
         batch -= 1
+    while batch < args.batch and fits_in(batch + 1):
+        batch += 1
     return batch, {
         "batch_requested": args.batch,
         "batch": batch,

@@ -126,6 +126,7 @@ def plan_experiment(
                 tc.seq_len,
                 tc.loss_chunk_tokens,
                 tc.global_batch_size,
+                tc.parallel,
             ],
             sort_keys=True,
             default=str,

@@ -18,14 +18,16 @@ from depthbench.models.config import ModelConfig
 HELD_LISTENERS: list = []
 
 
-def held_for_backward(t: torch.Tensor) -> torch.Tensor:
+def held_for_backward(t: torch.Tensor, gradient_copies: float = 1.0) -> torch.Tensor:
     """Mark `t` as kept until backward outside autograd's saved tensors: a buffer that later
     layers write into in place, which an autograd.Function holds on its ctx because saving it
     would fail the version check (MoDA's depth K/V, AttnRes's sources). Memory tracing sees
-    saved tensors through autograd's hooks only; this is how it sees these. Returns `t`."""
+    saved tensors through autograd's hooks only; this is how it sees these. `gradient_copies`:
+    how many buffer-sized gradients the backward of the buffer's reads can hold at once, beside
+    what the blocks' own backward holds (the memory estimate's held working set). Returns `t`."""
     if HELD_LISTENERS and torch.is_grad_enabled():
         for listener in HELD_LISTENERS:
-            listener(t)
+            listener(t, gradient_copies)
     return t
 
 

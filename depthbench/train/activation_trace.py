@@ -79,7 +79,11 @@ class ActivationTrace:
     saved: dict  # storage key -> (bytes, set of saving units; -1 outside every unit)
     unit_saved: list[int]  # bytes saved inside each unit
     unit_inputs: list[dict]  # per unit: storage key -> bytes of the floating tensors entering it
-    held: dict = dataclasses.field(default_factory=dict)  # storage key -> bytes, held on a ctx
+    # storage key -> (bytes, gradient copies: layers.held_for_backward), held on a ctx
+    held: dict = dataclasses.field(default_factory=dict)
+    # per unit: the parameters of the modules it runs (a parameter run by several units counts
+    # in the last: backward reaches it first), elements
+    unit_params: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -148,21 +152,32 @@ def trace_activations(
 
     held_bytes: dict = {}
 
-    def held(t):  # kept until backward whatever is checkpointed (see the module docstring)
+    def held(t, gradient_copies):  # kept until backward whatever is checkpointed (module docstring)
         key = _key(t)
         if key not in saved:
             saved[key] = (_nbytes(t), set())
             keep.append(t)
         saved[key][1].add(-1)
-        held_bytes[key] = _nbytes(t)
+        held_bytes[key] = (_nbytes(t), gradient_copies)
+
+    param_unit: dict[int, tuple[int, int]] = {}  # id(parameter) -> (unit, elements)
+
+    def claim(module: torch.nn.Module) -> None:
+        for p in module.parameters():
+            param_unit[id(p)] = (current[0], p.numel())
+
+    def run_in_unit(module, _args):  # every module called inside a unit (units may not own them)
+        if current[0] >= 0:
+            claim(module)
 
     hooks, depth = [], [0]
     for i, unit in enumerate(units):
         # Every submodule of unit i counts towards unit i. The tensors entering the unit are its
         # inputs (all of them: a unit may be called more than once).
-        def pre(_m, args, i=i):
+        def pre(module, args, i=i):
             if depth[0] == 0:
                 current[0] = i
+                claim(module)
                 for t in _tensors(args, []):
                     if t.is_floating_point() and id(t) not in param_ids:
                         inputs[i].setdefault(_key(t), _nbytes(t))
@@ -176,6 +191,7 @@ def trace_activations(
 
         for module in unit.modules():
             hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(run_in_unit))
     HELD_LISTENERS.append(held)
     try:
         with ExitStack() as regions:
@@ -190,4 +206,7 @@ def trace_activations(
         HELD_LISTENERS.remove(held)
         for h in hooks:
             h.remove()
-    return ActivationTrace(saved, unit_saved, inputs, held_bytes)
+    unit_params = [0] * len(units)
+    for owner, elements in param_unit.values():
+        unit_params[owner] += elements
+    return ActivationTrace(saved, unit_saved, inputs, held_bytes, unit_params)

@@ -13,17 +13,20 @@ The loss is traced as the run computes it: `loss_chunk_tokens` > 0 is the chunke
 loss of training (depthbench.models.loss: it saves d x and d W, never the logits), 0 the plain
 cross-entropy (it saves the (N T, V) fp32 log-probabilities).
 
-Peak per GPU = weights + gradients + AdamW (two fp32 moments) + saved activations + the largest
-of three working sets: one block's activations again (the gradient buffers of the block being
-differentiated); the loss's (`loss_working_bytes`: with the plain loss two fp32 (N T, V)
+Peak per GPU = weights + gradients + AdamW (two fp32 moments) + saved activations + the larger
+of two working sets: the loss's (`loss_working_bytes`: with the plain loss two fp32 (N T, V)
 gradients at the start of backward, with the chunked one a chunk's logits and gradients in the
-forward); and twice the buffers held on a ctx (AttnRes's sources, MoDA's depth keys: each
-reader's backward returns a buffer-sized gradient of the slots it read, while the gradients of
-every source still waiting for its producer's backward, up to a buffer's worth, are alive).
-Under FSDP2 the first three are divided by the world size and two blocks' parameters are
-gathered at a time (the current unit and the prefetched one). The gradients are counted whole
-throughout (gradient accumulation keeps them across micro-batches); a run of one micro-batch per
-step without checkpointing (`accumulating=False`) takes the tighter `single_micro_batch_peak`,
+forward), and one block's activations again (the gradient buffers of the block being
+differentiated) beside the gradients of the buffers held on a ctx (AttnRes's sources, MoDA's
+depth keys), which their readers' backward makes and which wait for their producers' backward:
+as many buffer-sized gradients as the architecture announces (layers.held_for_backward).
+Under FSDP2 the first three are divided by the world size; the root unit's parameters
+(embedding, head, final norm) are gathered from its forward to the end of backward and two
+units' at a time (the current one and the prefetched one); and the unsharded gradients count
+too: every one while micro-batches accumulate without sync, else the root's and one unit's. The
+gradients are counted whole throughout (gradient accumulation keeps them across micro-batches,
+as DDP's buckets do on several ranks); a run of one micro-batch per step on one rank without
+checkpointing (`accumulating=False`) takes the tighter `single_micro_batch_peak`,
 which on an H200 is 1.002-1.082 times the CUDA allocator's high-water mark of such a step, every
 architecture and MoE, fp32 and bf16, plain and chunked loss (docs/design/memory.md). Allocator
 fragmentation and workspace are not modelled: `HEADROOM` (10 %) is added before the fit test
@@ -62,18 +65,19 @@ class MemoryEstimate:
     weights: float
     gradients: float
     optimizer: float
-    gathered: float  # FSDP2: two units' parameters all-gathered at once
+    gathered: float  # FSDP2: the root unit's and two units' parameters all-gathered at once
     activations: float
     activations_checkpointed: float  # full checkpointing
     backward_working: float  # one unit's activations again, while it is differentiated
     outside: float  # saved outside the units: embedding, final norm, head and loss
     activations_selective: float = 0.0  # selective checkpointing (every other unit)
     loss_working: float = 0.0  # the loss's transient tensors (loss_working_bytes)
-    held_working: float = 0.0  # the gradients of the buffers held on a ctx: twice their bytes
+    held_working: float = 0.0  # the gradients of the buffers held on a ctx (their copies x bytes)
     # a step of one micro-batch without checkpointing: gradients, saved activations and working
     # sets at the backward's worst moment (single_micro_batch_peak); None: not computed
     single_micro_batch: float | None = None
     accumulating: bool = True  # the run accumulates micro-batches: its gradients persist
+    unsharded_gradients: float = 0.0  # FSDP2: gradients before their reduce-scatter
 
     def activations_for(self, mode) -> float:
         """Saved activations at the backward's peak under a checkpointing mode (True = full)."""
@@ -97,8 +101,9 @@ class MemoryEstimate:
             + self.gradients
             + self.optimizer
             + self.gathered
+            + self.unsharded_gradients
             + act
-            + max(self.backward_working, self.loss_working, self.held_working)
+            + max(self.backward_working + self.held_working, self.loss_working)
         )
 
     def needs_checkpointing(self, gpu_bytes: float) -> bool:
@@ -142,18 +147,31 @@ def estimate_memory(
     )
     n_params = sum(p.numel() for p in model.parameters())
     shard = world if fsdp else 1
-    unit = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
+    sharded = fsdp and world > 1
+    units = [sum(p.numel() for p in u.parameters()) for u in model.fsdp_units()]
+    unit, root = max(units), n_params - sum(units)
     n_units = len(trace.unit_saved)
     loss_working = loss_working_bytes(
         micro_batch * seq_len, cfg.vocab_size, cfg.d_model, loss_chunk_tokens, bf16
     )
-    held_working = 2.0 * sum(trace.held.values())
+    held_working = sum(nbytes * copies for nbytes, copies in trace.held.values())
     gradients = n_params * FP32 / shard
+    frees = [0.0] * n_units  # bytes freed once unit u's backward is done (see below)
+    for nbytes, owners in trace.saved.values():
+        if owners and -1 not in owners:
+            frees[min(owners)] += nbytes
     return MemoryEstimate(
         weights=n_params * FP32 / shard,
         gradients=gradients,
         optimizer=2 * n_params * FP32 / shard,
-        gathered=2 * unit * (2 if bf16 else FP32) if fsdp and world > 1 else 0.0,
+        # FSDP2: the root unit (embedding, head, final norm) stays gathered from its forward to
+        # the end of backward, and two units are gathered at a time (the current one and the
+        # prefetched one)
+        gathered=(root + 2 * unit) * (2 if bf16 else FP32) if sharded else 0.0,
+        # FSDP2's unsharded gradients: accumulating without sync (train.loop's gradient_sync)
+        # keeps every one until the step's last micro-batch reduce-scatters them; else the
+        # root's, until the end of backward, and one unit's, until its reduce-scatter
+        unsharded_gradients=(n_params if accumulating else root + unit) * FP32 if sharded else 0.0,
         activations=trace.total,
         activations_checkpointed=trace.checkpointed,
         backward_working=max(trace.per_block),
@@ -161,48 +179,54 @@ def estimate_memory(
         activations_selective=trace.saved_with(recompute_mask("selective", n_units)),
         loss_working=loss_working,
         held_working=held_working,
+        # one rank only: DDP's buckets and FSDP2's unsharded gradients outlive a backward
         single_micro_batch=single_micro_batch_peak(
             trace.total,
             trace.unit_saved,
-            [FP32 / shard * n for n in _unit_parameter_counts(list(model.checkpoint_units()))],
+            frees,
+            [FP32 * n for n in trace.unit_params],
             gradients,
-            max(loss_working, held_working),
-        ),
+            loss_working,
+            held_working,
+        )
+        if world == 1
+        else None,
         accumulating=accumulating,
     )
 
 
-def _unit_parameter_counts(units) -> list[int]:
-    """Each unit's parameters, each parameter counted in the first unit that holds it."""
-    seen: set[int] = set()
-    counts = []
-    for unit in units:
-        params = [p for p in unit.parameters() if id(p) not in seen]
-        seen.update(id(p) for p in params)
-        counts.append(sum(p.numel() for p in params))
-    return counts
-
-
 def single_micro_batch_peak(
-    saved: float, unit_saved: list, unit_gradients: list, gradients: float, outside_working: float
+    saved: float,
+    unit_saved: list,
+    unit_frees: list,
+    unit_gradients: list,
+    gradients: float,
+    loss_working: float,
+    held_working: float,
 ) -> float:
     """Bytes above weights and AdamW's moments at the worst moment of a step of one micro-batch
-    without checkpointing, whose gradients do not exist before its backward (set to None after
-    the previous step). Backward runs from the loss through the units, last first: with the
-    units after u done, their saved activations are freed and their gradients made, so while
-    unit u is differentiated saved - sum_{v > u} saved_v + G_outside + sum_{v >= u} G_v + saved_u
-    are alive (G_outside: the parameters outside the units, the head's among them, whose
-    gradients come first or last; counted from the start). Before the first unit: every saved
-    tensor, G_outside and the larger of the loss's and the held buffers' working sets; after the
-    last, every gradient. On an H200 the step's measured high-water mark is 0.92-1.00 of
-    weights + AdamW + this (tests/data/h200_training_step_memory.json)."""
+    on one rank without checkpointing, whose gradients do not exist before its backward (set to
+    None after the previous step). Backward runs from the loss through the units, last first.
+
+    - Before the first unit: every saved tensor, the gradients of the parameters outside the
+      units (the head's and the final norm's come first; the embedding's last, all counted here)
+      and the larger of the loss's and the held buffers' working sets.
+    - While unit u is differentiated: the saved tensors not yet freed (a storage is freed once
+      every unit saving it is done, never while a part outside the units saves it too:
+      `unit_frees[u]`, the bytes freed after unit u), the gradients made so far (outside and
+      units v >= u: `unit_gradients`), unit u's working set (its saved bytes again) and the held
+      buffers' (their readers' gradients wait for their producers' backward).
+    - After the last unit: every gradient.
+
+    On an H200 the step's measured high-water mark is 0.92-1.00 of weights + AdamW + this
+    (tests/data/h200_training_step_memory.json)."""
     outside = gradients - sum(unit_gradients)
-    moments = [saved + outside + outside_working, gradients]
+    moments = [saved + outside + max(loss_working, held_working), gradients]
     freed, made = 0.0, outside
-    for saved_u, gradients_u in zip(reversed(unit_saved), reversed(unit_gradients)):
-        made += gradients_u
-        moments.append(saved - freed + made + saved_u)
-        freed += saved_u
+    for u in reversed(range(len(unit_saved))):
+        made += unit_gradients[u]
+        moments.append(saved - freed + made + unit_saved[u] + held_working)
+        freed += unit_frees[u]
     return max(moments)
 
 

@@ -156,27 +156,29 @@ def _widest_float(args, kwargs) -> torch.dtype | None:
 
 
 def _flash_sdpa(
-    q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
     """SDPA as the fused kernels run it: saves q, k, v, the output and the log-sum-exp, never the
-    T x T probabilities (on meta, SDPA would fall back to the math path, which keeps them)."""
-    if enable_gqa and k.shape[1] != q.shape[1]:
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    T x T probabilities (on meta, SDPA would fall back to the math path, which keeps them).
+    Grouped K/V heads are repeated to the query's, as the CPU's kernel takes them (CUDA's flash
+    kernel reads them in place: there the estimate is the repeated copies above it)."""
+    if enable_gqa and key.shape[1] != query.shape[1]:
+        groups = query.shape[1] // key.shape[1]
+        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, dropout_p, is_causal, scale=scale
+        query, key, value, dropout_p, is_causal, scale=scale
     )[0]
 
 
 def _efficient_sdpa(
-    q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
-    """fp32 SDPA as CUDA runs it: the memory-efficient kernel (flash and cuDNN attention take
-    half precision only), which writes its output in (B, T, H, D) layout and returns the
-    (B, H, T, D) view of it, so that the model's transpose and reshape into the output projection
-    is a view and the projection keeps the kernel's own output rather than a copy."""
-    if enable_gqa and k.shape[1] != q.shape[1]:
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    return _MetaEfficientSDPA.apply(q, k, v)
+    """fp32 SDPA with as many K/V heads as query heads, as CUDA runs it: the memory-efficient
+    kernel (flash and cuDNN attention take half precision only), which writes its output in
+    (B, T, H, D) layout and returns the (B, H, T, D) view of it, so that the model's transpose
+    and reshape into the output projection is a view and the projection keeps the kernel's own
+    output rather than a copy."""
+    return _MetaEfficientSDPA.apply(query, key, value)
 
 
 class _MetaEfficientSDPA(torch.autograd.Function):
@@ -232,11 +234,19 @@ class MetaAutocast(TorchFunctionMode):
             and kwargs.get("attn_mask") is None
             and len(args) < 4
         ):
-            if device == "cuda" and args[0].dtype == torch.float32:
+            q, k = _sdpa_arguments(*args, **kwargs)[:2]
+            if device == "cuda" and q.dtype == torch.float32:
+                if q.shape[1] != k.shape[1]:
+                    # grouped K/V heads: the efficient kernel takes none, so CUDA runs the math
+                    # path, which keeps the T x T probabilities; meta's own SDPA is that path
+                    return func(*args, **kwargs)
                 return _efficient_sdpa(*args, **kwargs)
             return _flash_sdpa(*args, **kwargs)
         if func is F.rms_norm and device == "cuda":
-            return _MetaFusedRMSNorm.apply(*_rms_norm_arguments(*args, **kwargs))
+            x, shape, weight, eps = _rms_norm_arguments(*args, **kwargs)
+            # CUDA fuses only a gain of the input's dtype (or none); else the composite runs
+            if weight is None or weight.dtype == x.dtype:
+                return _MetaFusedRMSNorm.apply(x, shape, weight, eps)
         if func is _GROUPED_MM and kwargs.get("bias") is None:
             return _MetaGroupedMM.apply(
                 args[0], args[1], kwargs["offs"] if "offs" in kwargs else args[2]
@@ -260,6 +270,10 @@ class _MetaGroupedMM(torch.autograd.Function):
 
 def _rms_norm_arguments(input, normalized_shape, weight=None, eps=None):
     return input, tuple(normalized_shape), weight, eps
+
+
+def _sdpa_arguments(query, key, value, *rest, **kwargs):
+    return query, key, value
 
 
 class _MetaFusedRMSNorm(torch.autograd.Function):

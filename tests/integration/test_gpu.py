@@ -181,7 +181,7 @@ LOSS_CHUNK = 1024  # the chunked loss of training: 4 chunks of the micro-batch's
 def test_memory_estimate_against_the_cuda_allocator(arch, moe, bf16):
     """The memory estimate (traced on meta with CUDA's kernels and autocast) against a training
     step on this GPU, with the plain loss and the chunked one, and with two micro-batches
-    accumulated (the accumulated step's bounds are not yet measured on a GPU), within the bounds of
+    accumulated (for that step the bounds are an unmeasured expectation), within the bounds of
     tests/memory_reference.py: the saved activations equal to the storages autograd keeps (and
     within 2.5 % of the allocator's growth over the forward), weights and AdamW's moments at most
     the allocator's bytes between steps, the peak bounded from above. The ratios are printed

@@ -1,14 +1,14 @@
-"""The memory estimator (meta-device trace) against saved-for-backward bytes measured on CPU.
+"""The memory estimator (meta-device trace) against what training keeps, measured.
 
-The reference runs the real model on real CPU tensors (eager path, as on CUDA) and sums the
-bytes of every distinct storage autograd keeps, counted here independently of
-depthbench.train.memory. The estimate traced with the CPU's autocast policy and MoE path
-(`device="cpu"`) is held to it within 2 % in fp32 and under bf16 autocast, for every registered
-architecture and for MoE experts (it is exact on these models); the CUDA trace, which the
-planner uses, is held above it and within 1 % of it where the two devices run the same path
-(depthbench.train.memory says where they differ). Fused SDPA on CPU saves q, k, v, output and
-log-sum-exp, as the estimator assumes. The trace leaves nothing of its own behind: the kernels'
-switch, the autocast replay and torch.autocast are as they were, during the trace and after.
+On the CPU: the reference (tests/memory_reference.py) runs the real model on real CPU tensors
+(eager path) and sums the bytes of every distinct storage autograd keeps, counted independently
+of depthbench.train.memory; the estimate traced with the CPU's autocast policy, MoE path and
+kernels (`device="cpu"`) is held to it within 2 % in fp32 and under bf16 autocast, for every
+registered architecture and for MoE experts (it is exact on these models). On CUDA: the kernels
+the CUDA trace stands in for are held to the byte on toy modules, and the whole estimate to a
+training step measured on an H200 (tests/data/). The trace leaves nothing of its own behind: the
+kernels' switch, the autocast replay and torch.autocast are as they were, during the trace and
+after.
 """
 
 import json
@@ -154,21 +154,32 @@ H200_RECORD = Path(__file__).resolve().parents[1] / "data" / "h200_training_step
 H200 = json.loads(H200_RECORD.read_text())
 
 
+def _h200_key(key: str) -> tuple[str, bool, str, str]:
+    """architecture[-moe]-dtype-loss -> (architecture, moe, dtype, loss); anything else (a step
+    of several micro-batches, which gpu_check names ...-accumulated) is refused."""
+    arch, *rest = key.split("-")
+    moe = rest[:1] == ["moe"]
+    rest = rest[1:] if moe else rest
+    if len(rest) != 2 or rest[0] not in ("fp32", "bf16") or rest[1] not in ("plain", "chunked"):
+        raise ValueError(f"{key}: not architecture[-moe]-(fp32|bf16)-(plain|chunked)")
+    return arch, moe, rest[0], rest[1]
+
+
 @pytest.mark.parametrize("key", list(H200["cases"]))
 def test_estimate_against_a_training_step_measured_on_an_h200(key):
     """The CUDA estimate against the bytes of a training step measured on an H200
     (tests/data/h200_training_step_memory.json, by tests/integration/test_gpu.py's method), within
     the bounds of tests/memory_reference.py: every architecture, and MoE, in fp32 and bf16, with
-    the plain and the chunked loss. The estimate is a meta trace, the same on every machine and
-    torch version that runs these models' code (the record's estimates were computed there with
-    torch 2.11): a change to the estimator or to a model's saved tensors that leaves it wrong on
-    CUDA fails here, on a CPU."""
+    the plain and the chunked loss. The estimate is a meta trace, the same on every machine: the
+    record's estimates, computed there with torch 2.11, equal this machine's. What the GPU runs
+    (fused RMSNorm, which attention kernel) can change with the torch version: the record is of
+    torch 2.11 on an H200. A change to the estimator or to a model's saved tensors that leaves
+    it wrong there fails here, on a CPU."""
     from tests.memory_reference import assert_within_cuda_bounds
 
     record = H200
-    arch, *rest = key.split("-")
-    dtype, loss = rest[-2:]
-    cfg = ModelConfig(arch=arch, moe=record["moe"] if "moe" in rest else {}, **record["model"])
+    arch, moe, dtype, loss = _h200_key(key)
+    cfg = ModelConfig(arch=arch, moe=record["moe"] if moe else {}, **record["model"])
     est = estimate_memory(
         cfg,
         record["micro_batch"],
@@ -179,6 +190,47 @@ def test_estimate_against_a_training_step_measured_on_an_h200(key):
         accumulating=False,  # the record's steps are of one micro-batch
     )
     assert_within_cuda_bounds(est, record["cases"][key])
+
+
+def test_the_single_micro_batch_peak_follows_the_backward():
+    """Units 0 and 1 (saved 30 and 40 bytes, gradients 5 and 7; unit 0's backward frees 20 bytes,
+    unit 1's 40), 100 bytes saved in all, 20 bytes of gradients (8 outside the units), a loss
+    working set of 10 and held buffers' gradients of 3. Backward takes unit 1 first: 100 saved
+    + 15 gradients (8 + 7) + its 40 + 3 = 158; then unit 0: 100 - 40 + 20 + 30 + 3 = 113; before
+    the units 100 + 8 + 10 = 118; after them the 20 gradients. Taken in forward order it would
+    read 146."""
+    from depthbench.train.memory import single_micro_batch_peak
+
+    assert single_micro_batch_peak(100, [30, 40], [20, 40], [5, 7], 20, 10, 3) == 158
+    # nothing saved: the gradients, all made by the end, are the peak
+    assert single_micro_batch_peak(0, [0, 0], [0, 0], [5, 7], 20, 0, 0) == 20
+
+
+@pytest.mark.parametrize("arch, moe", CASES, ids=CASE_IDS)
+def test_each_unit_counts_the_parameters_it_runs(arch, moe):
+    """The single-micro-batch bound makes a unit's gradients when the unit is differentiated: its
+    parameters are those of the modules it runs, whether or not it owns them (AttnRes's units hold
+    their norm and sublayer unregistered). Where the units are the blocks, each unit's count is its
+    block's; else a block's units run all of the block's parameters but those run outside the
+    units (AttnRes's depth attention)."""
+    from depthbench.models.registry import parameters_on_meta
+    from depthbench.train.activation_trace import trace_activations
+
+    for cfg in case_configs(arch, moe):
+        with parameters_on_meta():
+            model = build_model(cfg, initialize=False)
+        model.to("meta")
+        idx = torch.zeros(N, T, dtype=torch.long, device="meta")
+        counts = trace_activations(model, idx, False, "cuda").unit_params
+        blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+        units = list(model.checkpoint_units())
+        assert all(c > 0 for c in counts) and len(counts) == len(units)
+        if [id(u) for u in units] == [id(b) for b in model.blocks]:
+            assert counts == blocks
+        else:
+            per_block = len(units) // len(blocks)
+            grouped = [sum(counts[i : i + per_block]) for i in range(0, len(counts), per_block)]
+            assert all(0 < g < b for g, b in zip(grouped, blocks)), (grouped, blocks)
 
 
 @pytest.mark.parametrize("arch, moe", CASES, ids=CASE_IDS)
@@ -382,9 +434,9 @@ def test_plan_prints_totals(tmp_path):
 
 
 # Runs that do not fit 80 GB even with full checkpointing, by the estimate: Full AttnRes at L = 70
-# and micro-batch 16 x 2048 in the 400m preset (73.7 GB before the 10 % headroom): its source
+# and micro-batch 16 x 2048 in the 400m preset (76.2 GiB with the 10 % headroom): its source
 # buffer (141 sources, 11.8 GB) is held whatever is checkpointed, and the backward of its depth
-# mixes needs twice that again (depthbench.train.memory). Kept as a table so that any run that
+# mixes holds two buffers' worth of gradients beside a block's (depthbench.train.memory). Kept as a table so that any run that
 # starts or stops fitting fails this test by name.
 NOT_FITTING = {"400m": {("attnres_full", 70)}, "1p6b": set()}
 

@@ -129,7 +129,6 @@ def _rehearse_one(
         bf16=False,
         device="cpu",
         loss_chunk_tokens=target.spec.train.loss_chunk_tokens,
-        accumulating=False,  # the rehearsal's steps are of one micro-batch
     )
     need, avail = cpu_footprint(est, target.spec.shape.n_params), available_memory()
     guard = {"cpu_need_gib": need / GIB, "available_gib": avail / GIB}

@@ -6,7 +6,8 @@ the shape solver resolves them for the workflow (depthbench.grid.config.expand_g
 
 1. **Memory guard.** The analytic estimate (depthbench.train.memory, fp32 on CPU, micro-batch
    1 x `tokens`) gives the rehearsal's footprint: the larger of the training step (weights,
-   gradients, AdamW's two moments, saved activations, one block's backward working set) and the
+   gradients, AdamW's two moments, saved activations and the larger working set, the loss's or a
+   block's backward with the held buffers' gradients) and the
    resume (weights and AdamW state, with the loaded checkpoint's 12 bytes per parameter next to
    them), plus depthbench.train.memory.HEADROOM. When that exceeds the machine's available memory,
    `mode="real"` refuses the shape (a row with status "refused" saying how much it needs);
@@ -156,7 +157,8 @@ def cpu_footprint(est, n_params: int) -> float:
 
 
 def _estimate_columns(est) -> dict:
-    acts = est.activations + est.backward_working
+    # what the step adds to weights, gradients and AdamW: saved activations and the working set
+    acts = est.total(False) - est.weights - est.gradients - est.optimizer
     return {
         "est_weights_gib": est.weights / GIB,
         "est_grads_gib": est.gradients / GIB,
@@ -200,7 +202,6 @@ def rehearse_real(
         bf16=False,
         device="cpu",
         loss_chunk_tokens=spec.train.loss_chunk_tokens,
-        accumulating=False,  # its steps are of one micro-batch
     )
     all_mem, step_mem = PeakRSS().begin(), PeakRSS().begin()  # begun together: one high-water reset
     t0 = time.time()

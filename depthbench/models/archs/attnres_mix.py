@@ -28,6 +28,16 @@ import torch
 from depthbench.models.layers import held_for_backward
 
 
+# Buffer-sized gradients the backward of the mixes holds at once (the memory estimate's held
+# working set): each reader's dV = w dh is one (N, S, d) tensor, returned to the sources as views
+# of it, so it lives until every source it reaches has received another reader's gradient or run
+# its own backward, while the sources' accumulated gradients wait for their producers. With 2 the
+# estimate is 1.007-1.074 times the peaks of Full and Block AttnRes measured on an H200
+# (tests/data/h200_training_step_memory.json); with 1 it is 1 % below Full AttnRes's (bf16,
+# chunked loss).
+GRADIENT_COPIES = 2.0
+
+
 class SourceBuffer:
     """The sources (B, T, d) of one forward in slots of a (B, T, capacity, d) buffer of the first
     source's dtype (v_0, the embedding output: fp32 under autocast, where later sources may be
@@ -36,7 +46,7 @@ class SourceBuffer:
 
     def __init__(self, like: torch.Tensor, capacity: int):
         B, T, d = like.shape
-        self.values = held_for_backward(like.new_empty(B, T, max(capacity, 1), d))
+        self.values = held_for_backward(like.new_empty(B, T, max(capacity, 1), d), GRADIENT_COPIES)
         self.sources: list[torch.Tensor] = []
 
     def fits(self, t: torch.Tensor) -> bool:
@@ -51,7 +61,7 @@ class SourceBuffer:
         n = len(self.sources)
         if n == self.values.shape[2]:
             self.values = held_for_backward(
-                torch.cat([self.values, torch.empty_like(self.values)], dim=2)
+                torch.cat([self.values, torch.empty_like(self.values)], dim=2), GRADIENT_COPIES
             )
         with torch.no_grad():
             self.values[:, :, n].copy_(t)
