@@ -181,7 +181,16 @@ def _efficient_sdpa(
     return _MetaEfficientSDPA.apply(query, key, value)
 
 
-class _MetaEfficientSDPA(torch.autograd.Function):
+class _MetaOnly(torch.autograd.Function):
+    """A stand-in that exists only in the memory trace: its forward makes the outputs and saves
+    what the real kernel saves; nothing differentiates a meta trace."""
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError("traced on meta only")
+
+
+class _MetaEfficientSDPA(_MetaOnly):
     """On meta: saves q, k, v, the output (a view of its (B, T, H, D) buffer) and the fp32
     log-sum-exp (its positions padded to a multiple of 32), as the efficient kernel's backward
     does."""
@@ -193,10 +202,6 @@ class _MetaEfficientSDPA(torch.autograd.Function):
         lse = q.new_empty(B, H, -(-T // 32) * 32, dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise NotImplementedError("traced on meta only")
 
 
 class MetaAutocast(TorchFunctionMode):
@@ -254,7 +259,7 @@ class MetaAutocast(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _MetaGroupedMM(torch.autograd.Function):
+class _MetaGroupedMM(_MetaOnly):
     """`torch._grouped_mm` on meta, any dtype (its meta kernel takes bf16 only): saves the two
     operands and the offsets, as its backward does."""
 
@@ -262,10 +267,6 @@ class _MetaGroupedMM(torch.autograd.Function):
     def forward(ctx, a, b, offs):
         ctx.save_for_backward(a, b, offs)
         return a.new_empty(a.shape[0], b.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise NotImplementedError("traced on meta only")
 
 
 def _rms_norm_arguments(input, normalized_shape, weight=None, eps=None):
@@ -276,7 +277,7 @@ def _sdpa_arguments(query, key, value, *rest, **kwargs):
     return query, key, value
 
 
-class _MetaFusedRMSNorm(torch.autograd.Function):
+class _MetaFusedRMSNorm(_MetaOnly):
     """`F.rms_norm` as CUDA runs it (`_fused_rms_norm`), on meta: saves the input, the reciprocal
     RMS (the input's shape with the normalised dimensions 1; fp32 for bf16 and fp16 inputs, as
     the kernel accumulates) and the gain, as the kernel's backward does."""
@@ -287,7 +288,3 @@ class _MetaFusedRMSNorm(torch.autograd.Function):
         rstd = x.new_empty(stat, dtype=torch.promote_types(x.dtype, torch.float32))
         ctx.save_for_backward(x, rstd, weight)
         return x.new_empty(x.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise NotImplementedError("traced on meta only")
