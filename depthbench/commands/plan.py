@@ -141,8 +141,7 @@ def plan_experiment(
                 world=world,
                 fsdp=tc.parallel == "fsdp",
                 loss_chunk_tokens=tc.loss_chunk_tokens,
-                # micro-batches per rank per step: gradients persist between them when several
-                accumulating=tc.global_batch_size > tc.micro_batch_size * world,
+                accumulating=tc.micro_batches_per_rank(world) > 1,
             )
             cache[key] = (cost, est)
         cost, est = cache[key]

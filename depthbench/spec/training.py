@@ -78,6 +78,11 @@ class TrainConfig:
     def grad_accum_steps(self) -> int:
         return self.global_batch_size // self.micro_batch_size
 
+    def micro_batches_per_rank(self, world: int) -> int:
+        """Micro-batches each of `world` ranks runs per optimizer step (its gradients persist
+        between them when more than one)."""
+        return self.global_batch_size // (self.micro_batch_size * world)
+
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.seq_len

@@ -94,7 +94,7 @@ def resolve_checkpointing(
         world=world,
         fsdp=tc.parallel == "fsdp",
         loss_chunk_tokens=tc.loss_chunk_tokens,
-        accumulating=tc.global_batch_size > tc.micro_batch_size * world,
+        accumulating=tc.micro_batches_per_rank(world) > 1,
     )
     return est.checkpointing_for(torch.cuda.get_device_properties(device).total_memory)
 

@@ -275,7 +275,7 @@ def rehearse_meta(target: Target, launcher: dict, gpu_memory: float) -> dict:
             world=world,
             fsdp=tc.parallel == "fsdp",
             loss_chunk_tokens=tc.loss_chunk_tokens,
-            accumulating=tc.global_batch_size > tc.micro_batch_size * world,
+            accumulating=tc.micro_batches_per_rank(world) > 1,
         )
     all_meta = all(p.is_meta for p in params) and all(b.is_meta for b in model.buffers())
     units_are_blocks = [id(u) for u in units] == [id(b) for b in model.blocks]
