@@ -300,18 +300,29 @@ def test_workflow_plans_pretrained_jobs(hf_folder, wiki_jsonl, tmp_path):
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_smollm2_gguf_converts_and_goes_through_the_adapter(tmp_path):
-    """The real GGUF (about 15 s to dequantize on 2 free cores): the converted hf folder gives
-    the GGUF-loaded model's logits exactly, and the adapter's fold gives them within 1e-4."""
+def test_smollm2_gguf_converts_and_goes_through_the_adapter(tmp_path, monkeypatch):
+    """The real GGUF (about 15 s to dequantize on 2 free cores, so it is dequantized once): the
+    converted hf folder gives the logits of the model that transformers loaded from the GGUF
+    (the one `convert` saved, kept by a spy on its loader) exactly, and the adapter's fold gives
+    them within 1e-4."""
     from depthbench.models.adapter import trunk_states
+    from depthbench.pretrained import loading
     from depthbench.pretrained.adapter import PretrainedAdapter
-    from depthbench.pretrained.loading import convert
     from tests.conftest import REPO
 
     pytest.importorskip("gguf")
     spec = pretrained_specs(load_config(REPO / SMOLLM2))["pretrained_smollm2_135m_instruct"]
-    folder = convert(spec, str(tmp_path / "model"))
-    model, gguf_model = load_model(folder), load_model(spec.source(), gguf_file=spec.gguf_file)
+    loaded = []
+
+    def spy(source, **kwargs):
+        loaded.append((source, kwargs, load_model(source, **kwargs)))
+        return loaded[-1][2]
+
+    monkeypatch.setattr(loading, "load_model", spy)
+    folder = loading.convert(spec, str(tmp_path / "model"))
+    ((source, kwargs, gguf_model),) = loaded
+    assert (source, kwargs) == (spec.source(), {"gguf_file": spec.gguf_file})
+    model = load_model(folder)
     tok = load_tokenizer(folder)
     idx = torch.tensor(
         [
