@@ -20,34 +20,41 @@ REPO = Path(__file__).resolve().parents[1]
 # The suite runs on 2 workers (pytest-xdist, `--dist loadscope` in pyproject.toml: a module's
 # tests share one worker, so its module-scoped fixtures are built once). The workers take the
 # modules in collection order, so the longest go first, by their measured time on 2 cores
-# (test_workflow about 4.9 minutes, test_slurm 4.3, test_recovery_advice 3.4, the rest under 1.3):
-# a long module collected last leaves one core idle while it runs alone at the end.
+# (test_workflow about 2.3 minutes, test_slurm 2.5, most of it waiting for the SLURM queue,
+# test_recovery_advice 1.4, the rest under 1.2): a long module collected last leaves one core
+# idle while it runs alone at the end.
 LONGEST_FIRST = [
     "test_workflow.py",
     "test_slurm.py",
     "test_recovery_advice.py",
     "test_distributed.py",
-    "test_pretrained_stages.py",
-    "test_train.py",
-    "test_parallelize.py",
+    "test_memory.py",
     "test_at_steps.py",
     "test_workflow_plans.py",
-    "test_memory.py",
-    "test_tokenize_pieces.py",
-    "test_launch.py",
+    "test_pretrained_stages.py",
+    "test_parallelize.py",
+    "test_kernel_processes.py",
+    "test_checkpoint_kill.py",
+    "test_parallelize_ranks.py",
     "test_owner.py",
+    "test_train.py",
+    "test_launch.py",
     "test_analysis.py",
     "test_job_imports.py",
-    "test_hc_kernel.py",
     "test_rehearse.py",
-    "test_budget.py",
-    "test_benchmarks.py",
-    "test_requeue.py",
-    "test_config.py",
-    "test_claims.py",
+    "test_tokenize_jobs.py",
     "test_readme_commands.py",
-    "test_cpu_kernels.py",
+    "test_requeue.py",
+    "test_benchmarks.py",
+    "test_tokenize_ranges.py",
     "test_ddp_unused_params.py",
+    "test_budget.py",
+    "test_claims.py",
+    "test_safetensors_processes.py",
+    "test_config_overlay.py",
+    "test_config.py",
+    "test_cpu_kernels.py",
+    "test_hc_kernel.py",
 ]
 
 
@@ -82,17 +89,26 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def subprocesses_only_in_slow_tests(request, monkeypatch):
-    """`-m "not slow"` is the quick loop: a test that starts a Python interpreter or Snakemake (a
-    fresh process importing torch, a workflow) must be marked slow, or it fails here naming the
-    command. Short system commands that the code under test runs itself (ninja checking the CPU
-    kernels' build, `sinfo` for the SLURM partitions, ctypes' `ldconfig -p`) are allowed.
-    Module- and session-scoped fixtures are set up before this one and are not checked."""
-    if request.node.get_closest_marker("slow") is not None:
+    """`-m "not slow"` is the quick loop and `-m unit` the in-process tests: a test that starts a
+    Python interpreter or Snakemake (a fresh process importing torch, a workflow, a rank spawned
+    by multiprocessing) must be marked slow and live outside tests/unit, or it fails here naming
+    the command. Short system commands that the code under test runs itself (ninja checking the
+    CPU kernels' build, `sinfo` for the SLURM partitions, ctypes' `ldconfig -p`, ruff) are
+    allowed. Module- and session-scoped fixtures are set up before this one and are not
+    checked."""
+    in_unit = request.node.path.parent.name == "unit"
+    if request.node.get_closest_marker("slow") is not None and not in_unit:
         yield
         return
     import subprocess
 
     start = subprocess.Popen.__init__
+    rule = (
+        "is in tests/unit, whose tests run in-process (move it to tests/integration or "
+        "tests/workflow)"
+        if in_unit
+        else "is not marked @pytest.mark.slow"
+    )
 
     def guarded(self, args, *rest, **kwargs):
         program = os.path.basename(str(args.split()[0] if isinstance(args, str) else args[0]))
@@ -100,12 +116,17 @@ def subprocesses_only_in_slow_tests(request, monkeypatch):
             sys.executable
         ):
             raise AssertionError(
-                f"{request.node.nodeid} starts {program} ({args!r:.200}) but is not marked "
-                "@pytest.mark.slow"
+                f"{request.node.nodeid} starts {program} ({args!r:.200}) but {rule}"
             )
         start(self, args, *rest, **kwargs)
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)  # monkeypatch puts it back
+    def spawned(path, args, passfds):  # multiprocessing's spawn: ranks, workers
+        raise AssertionError(f"{request.node.nodeid} spawns {path} ({args!r:.200}) but {rule}")
+
+    import multiprocessing.util
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)  # monkeypatch puts them back
+    monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", spawned)
     yield
 
 

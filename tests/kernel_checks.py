@@ -1,4 +1,5 @@
-"""Checks shared by the tests of the C++ CPU kernels (test_cpu_kernels.py, test_hc_kernel.py)."""
+"""Checks and models shared by the tests of the C++ CPU kernels (tests/unit/test_cpu_kernels.py,
+tests/unit/test_hc_kernel.py, tests/integration/test_kernel_processes.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from collections.abc import Callable
 import torch
 
 from depthbench import kernels
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import build_model
 
 
 def results_per_thread_count(compute: Callable[[], tuple], counts=(1, 2, 3, 4)) -> list[tuple]:
@@ -56,3 +59,24 @@ def assert_compiled_calls_kernels_and_matches_eager(
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
     for a, b in zip(results[1][1], results[0][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def perturbed_hc(n_layer=2, d_model=32, arch="hc", **options):
+    """A small model of `arch` (HC unless named) with arch_options `options`, every parameter
+    moved off its initialisation (HC's and mHC's dynamic weights start at zero)."""
+    torch.manual_seed(0)
+    model = build_model(
+        ModelConfig(
+            arch=arch,
+            vocab_size=64,
+            n_layer=n_layer,
+            d_model=d_model,
+            n_head=2,
+            max_seq_len=16,
+            arch_options=options,
+        )
+    )
+    with torch.no_grad():  # move the zero-initialised dynamic weights off their init
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model

@@ -1,8 +1,12 @@
 """Checkpoints and run outputs written as training writes them, for the tests that damage, read or
-report on them: checkpoint faults, file modes, summary checks, table stages, `depthbench status`."""
+report on them: checkpoint faults, file modes, summary checks, table stages, `depthbench status`;
+and the tiny grid's run with fewer steps and the weights digest its summary records, for the
+tests that train it."""
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -12,6 +16,8 @@ import torch
 from depthbench.spec.run import RunSpec
 from depthbench.spec.schema import load_config
 from depthbench.train.checkpoint import load_latest, save_checkpoint
+from depthbench.train.recipe import RunPaths
+from depthbench.train.runcheck import WEIGHTS_DIGEST
 from tests.conftest import tiny_config
 
 
@@ -72,3 +78,26 @@ def fake_summary(results: Path, spec: RunSpec, status: str = "ok", **extra) -> P
 def grid_config(wiki_jsonl: Path, **kw) -> dict:
     """The validated tiny config on the corpus `wiki_jsonl`, with `kw` overriding its sections."""
     return load_config(tiny_config(wiki_jsonl, **kw))
+
+
+def only_run(exp) -> RunSpec:
+    """The one run of an expanded grid that has one."""
+    (spec,) = exp.runs.values()
+    return spec
+
+
+def with_steps(spec: RunSpec, steps: int, **train_kw) -> RunSpec:
+    """A copy of `spec` that trains `steps` steps, with `train_kw` set on its train section."""
+    spec = copy.deepcopy(spec)
+    spec.train.total_steps = steps
+    for k, v in train_kw.items():
+        setattr(spec.train, k, v)
+    return spec
+
+
+def weights_digest(paths: RunPaths) -> str:
+    """The weights digest the run's summary records, after checking it is the file's."""
+    digest = json.loads(paths.summary.read_text())[WEIGHTS_DIGEST]
+    actual = hashlib.sha256(paths.weights.read_bytes()).hexdigest()
+    assert digest == actual, f"the summary records {digest}, {paths.weights} hashes to {actual}"
+    return digest

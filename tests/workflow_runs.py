@@ -1,5 +1,6 @@
 """Running the workflow as a user does, in a copy of the repository: shared by the end-to-end
-tests."""
+tests, with the corpus split into local files that the tokenization-in-pieces tests read, in the
+workflow and in process."""
 
 from __future__ import annotations
 
@@ -59,6 +60,19 @@ def copy_workflow(dest: Path) -> Path:
 
 def write_config(root: Path, config: dict) -> None:
     (root / "config" / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def split_corpus(wiki_jsonl: Path, root: Path, n_files: int) -> list[str]:
+    """The documents of `wiki_jsonl` in `n_files` local JSONL files under `root`, in order; their
+    paths."""
+    lines = wiki_jsonl.read_text().splitlines(keepends=True)
+    step = -(-len(lines) // n_files)
+    paths = []
+    for k in range(n_files):
+        path = root / f"part{k:02d}.jsonl"
+        path.write_text("".join(lines[k * step : (k + 1) * step]))
+        paths.append(str(path))
+    return paths
 
 
 def grid(wiki_jsonl, **overrides) -> dict:

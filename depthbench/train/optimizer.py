@@ -9,9 +9,10 @@ DepthBench training loop never compiles the optimizer (`train.compile` compiles 
 blocks), so `AdamW` below calls the undecorated functions (`__wrapped__`, which
 `functools.wraps` sets), with the gradient mode that `step`'s wrapper sets: the same class, state,
 hyperparameters, kernels (fused on CPU and CUDA) and update, bit for bit
-(tests/unit/test_optimizer.py compares it with `torch.optim.AdamW` over several steps and checks
-that training imports no torch._dynamo). `state_dict` and `load_state_dict` keep their decorators:
-checkpoints go through torch.distributed.checkpoint, which imports torch._dynamo itself.
+(tests/unit/test_optimizer.py compares it with `torch.optim.AdamW` over several steps;
+tests/integration/test_start_up_imports.py checks that training imports no torch._dynamo).
+`state_dict` and `load_state_dict` keep their decorators: checkpoints go through
+torch.distributed.checkpoint, which imports torch._dynamo itself.
 """
 
 from __future__ import annotations

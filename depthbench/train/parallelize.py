@@ -9,7 +9,8 @@ FSDP2 shards `DecoderLM.fsdp_units` (the blocks, or attnres's attention and FFN 
 attnres the FSDP2 unit therefore sits inside the checkpointed and compiled one: the
 recomputation all-gathers the sublayer's parameters again (as FSDP2 expects of checkpointing),
 and under `compile: block` dynamo breaks the graph at FSDP2's hooks, so the pre-norm and the
-sublayer compile as separate graphs (tested equal to one rank in tests/unit/test_parallelize.py).
+sublayer compile as separate graphs (tested equal to one rank in
+tests/integration/test_parallelize_ranks.py).
 A unit is wrapped by setting its instance `forward` to `run_unit`, so parameter names, state
 dicts and checkpoints do not change.
 

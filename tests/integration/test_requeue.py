@@ -18,7 +18,7 @@ from depthbench.train.checkpoint_folder import list_checkpoints
 from depthbench.train.recipe import RunPaths
 from depthbench.train.loop import train
 from tests.conftest import REPO
-from tests.unit.test_train import only_run, with_steps
+from tests.run_outputs import only_run, with_steps
 
 STEPS = 40
 TIMING = ("tokens_per_s", "mfu", "mfu_measured")

@@ -6,14 +6,9 @@ import pytest
 import torch
 
 from depthbench import kernels
-from depthbench.models.config import ModelConfig
-from depthbench.models.registry import build_model
 from depthbench.kernels import hc_ops, stream_ops
 
-from tests.kernel_checks import (
-    assert_compiled_calls_kernels_and_matches_eager,
-    assert_independent_of_thread_count,
-)
+from tests.kernel_checks import assert_independent_of_thread_count, perturbed_hc
 
 reason = kernels.unavailable_reason()
 pytestmark = pytest.mark.skipif(
@@ -145,30 +140,11 @@ def test_hc_read_kernel_rejects_bad_shapes():
         )
 
 
-def _perturbed_hc(n_layer=2, d_model=32, arch="hc", **options):
-    torch.manual_seed(0)
-    model = build_model(
-        ModelConfig(
-            arch=arch,
-            vocab_size=64,
-            n_layer=n_layer,
-            d_model=d_model,
-            n_head=2,
-            max_seq_len=16,
-            arch_options=options,
-        )
-    )
-    with torch.no_grad():  # move the zero-initialised dynamic weights off their init
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
-
-
 @pytest.mark.parametrize("arch,n_streams", [("hc", 4), ("hc", 3), ("mhc", 4), ("mhc", 3)])
 def test_training_step_is_the_same_with_and_without_the_kernels(monkeypatch, arch, n_streams):
     """HC and mHC: loss, every parameter gradient and the recorded stream-mixing matrices agree
     between the C++ kernels and the PyTorch code."""
-    model = _perturbed_hc(arch=arch, n_streams=n_streams)
+    model = perturbed_hc(arch=arch, n_streams=n_streams)
     idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
     results = {}
     for name, module in [("kernel", kernels.cpu_kernels()), ("pytorch", None)]:
@@ -188,17 +164,6 @@ def test_training_step_is_the_same_with_and_without_the_kernels(monkeypatch, arc
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     for a, b in zip(results["kernel"][2], results["pytorch"][2]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.slow  # torch.compile starts its compile workers (Python processes)
-def test_compiled_hc_keeps_the_kernel_and_matches_eager(monkeypatch):
-    """Under torch.compile each sublayer's read stays one custom-op call: same loss and
-    gradients."""
-    model = _perturbed_hc(n_layer=1, d_model=16)
-    idx, targets = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
-    assert_compiled_calls_kernels_and_matches_eager(
-        monkeypatch, model, idx, targets, {"hc_read_forward": 2, "hc_read_backward": 2}
-    )
 
 
 @pytest.mark.parametrize("n,d,tokens", [(4, 64, 70), (3, 13, 5), (5, 8, 1)])

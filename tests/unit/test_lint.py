@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
@@ -13,11 +12,10 @@ from tests.conftest import REPO
 
 @pytest.mark.slow
 def test_ruff_finds_nothing():
+    ruff = pytest.importorskip("ruff.__main__").find_ruff_bin()  # the binary: no interpreter
     done = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "ruff",
+            ruff,
             "check",
             "--no-cache",
             "depthbench",

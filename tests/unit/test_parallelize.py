@@ -7,8 +7,9 @@
   ones are summed once the forward is done (what the graph keeps for backward, checkpoint
   inputs included). The estimator's prediction (depthbench.train.activation_trace, traced on
   the meta device) is within its stated fp32 tolerance of 10 % in every mode.
-- Per-block compile (aot_eager on every architecture; inductor in one slow test) gives the eager
-  loss and gradients, and LNS and DeepNorm compile one graph that serves every layer.
+- Per-block compile (aot_eager on every architecture; inductor in
+  tests/integration/test_parallelize_ranks.py) gives the eager loss and gradients, and LNS and
+  DeepNorm compile one graph that serves every layer.
 """
 
 import copy
@@ -29,51 +30,9 @@ from depthbench.train.activation_trace import trace_activations
 from depthbench.train.memory import recompute_mask
 from depthbench.train.parallelize import compile_mode, mixed_precision_policy, wrap_units
 from depthbench.models.registry import PACKAGE_ARCHITECTURES
+from tests.parallel_models import FEW_ITERATIONS, VOCAB, assert_same, tiny
 
 ARCHS = list(PACKAGE_ARCHITECTURES)  # every architecture of the package
-VOCAB = 64
-
-
-# mHC's 20 Sinkhorn iterations are 20x the ops of a plain block (slow to trace and compile);
-# the wrappers under test do not depend on the count
-FEW_ITERATIONS = {"sinkhorn_iterations": 3}
-
-
-def tiny(arch: str, n_layer: int = 3, **extra) -> torch.nn.Module:
-    torch.manual_seed(0)
-    extra.setdefault("arch_options", FEW_ITERATIONS)
-    model = build_model(
-        ModelConfig(
-            arch=arch,
-            vocab_size=VOCAB,
-            d_model=32,
-            n_layer=n_layer,
-            n_head=2,
-            max_seq_len=16,
-            **extra,
-        )
-    )
-    for p in model.parameters():  # away from zero-initialised queries and dynamic weights
-        p.data.add_(0.05 * torch.randn_like(p))
-    return model
-
-
-def loss_and_grads(model, idx):
-    out = model(idx[:, :-1], idx[:, 1:])
-    objective = out.loss if out.aux_loss is None else out.loss + out.aux_loss
-    objective.backward()
-    return out.loss.detach(), {
-        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
-    }
-
-
-def assert_same(model, reference, idx, atol=0.0):
-    loss, grads = loss_and_grads(model, idx)
-    ref_loss, ref_grads = loss_and_grads(reference, idx)
-    assert grads.keys() == ref_grads.keys()
-    assert abs(float(loss - ref_loss)) <= atol  # bitwise unless a tolerance is given
-    for name in grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=atol, msg=name)
 
 
 @pytest.fixture(autouse=True)
@@ -214,17 +173,6 @@ def test_position_bound_constants_compile_one_graph_for_every_layer():
     assert _graphs("lns", 4, float_constant="scale") == 4
 
 
-@pytest.mark.slow
-def test_inductor_block_compile_with_checkpointing_matches_eager():
-    """The GPU presets' path on CPU: full checkpointing inside per-block inductor graphs."""
-    model = tiny("lns", n_layer=2)
-    reference = copy.deepcopy(model)
-    counters.clear()
-    wrap_units(model, "full", "block", backend="inductor")
-    assert_same(model, reference, torch.randint(0, VOCAB, (2, 9)), atol=1e-5)
-    assert counters["stats"]["unique_graphs"] == 1
-
-
 def test_settings_are_checked_and_the_policy_follows_the_device():
     assert (
         compile_mode(True) == "model"
@@ -238,78 +186,6 @@ def test_settings_are_checked_and_the_policy_follows_the_device():
     gpu = mixed_precision_policy(torch.device("cuda"), torch.bfloat16)
     assert gpu.param_dtype == torch.bfloat16 and gpu.reduce_dtype == torch.float32
     assert mixed_precision_policy(torch.device("cpu"), torch.bfloat16).param_dtype is None
-
-
-STEPS, BATCH = 3, 4
-
-
-def _train(step_fn, model, idx, steps=STEPS):
-    """A few SGD steps on `idx`; the losses (this rank's). SGD, not AdamW: AdamW's first steps
-    move every weight by about lr whatever its gradient's size, so a gradient near zero whose
-    rounding differs between 1 and 2 ranks would move a weight the other way."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses = []
-    for _ in range(steps):
-        loss = step_fn(idx[:, :-1], idx[:, 1:]).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    return torch.stack(losses)
-
-
-def _fsdp_worker(rank, world, store, archs, out):
-    """One gloo rank: checkpointing, block compile, then FSDP2 with the CPU policy (parallelize's
-    order), on this rank's rows of the batch; rank 0 saves the mean losses and full weights."""
-    import torch.distributed as dist
-
-    from depthbench.spec.training import TrainConfig
-    from depthbench.train.distributed import DistContext, full_model_state
-    from depthbench.train.parallelize import parallelize
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    results = {}
-    for arch in archs:
-        model = tiny(arch, n_layer=2)
-        tc = TrainConfig(parallel="fsdp", activation_checkpointing="full", compile="block")
-        ctx = DistContext(rank, world, rank, "fsdp")
-        _, step_fn, mode = parallelize(
-            model, tc, ctx, torch.device("cpu"), torch.float32, backend="aot_eager"
-        )
-        assert mode == "full"
-        idx = torch.randint(0, VOCAB, (BATCH, 9), generator=torch.Generator().manual_seed(1))
-        losses = _train(step_fn, model, idx[rank::world])
-        dist.all_reduce(losses)
-        state = full_model_state(model, ctx)
-        results[arch] = (losses / world, {k: v.clone() for k, v in state.items()})
-    if rank == 0:
-        torch.save(results, out)
-    dist.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_fsdp2_with_the_policy_checkpointing_and_block_compile_equals_one_rank(tmp_path):
-    """2 gloo ranks, each half the batch: the same losses and weights as one plain rank."""
-    import torch.multiprocessing as mp
-
-    # attnres_full: its checkpoint (and compile) units, PreNormed, contain its FSDP2 units
-    archs = ["pre_ln", "moda", "attnres_full"]
-    mp.spawn(
-        _fsdp_worker,
-        args=(2, str(tmp_path / "store"), archs, str(tmp_path / "out.pt")),
-        nprocs=2,
-        join=True,
-    )
-    results = torch.load(tmp_path / "out.pt", weights_only=True)
-    for arch in archs:
-        model = tiny(arch, n_layer=2)
-        idx = torch.randint(0, VOCAB, (BATCH, 9), generator=torch.Generator().manual_seed(1))
-        ref_losses = _train(model, model, idx)
-        losses, state = results[arch]
-        torch.testing.assert_close(losses, ref_losses, rtol=0, atol=1e-5, msg=arch)
-        for name, p in model.state_dict().items():
-            torch.testing.assert_close(state[name], p, rtol=0, atol=1e-5, msg=f"{arch} {name}")
 
 
 def test_a_run_with_checkpointing_trains_the_same_weights(tiny_data, tmp_path):

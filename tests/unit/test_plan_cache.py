@@ -1,7 +1,7 @@
 """The plan cache (depthbench.grid.plan_cache): a config planned before comes back equal to a fresh
-expansion, in an interpreter that never imports torch; anything the plan depends on (the config,
-the `--config` values, the package's code, the files it names) plans afresh; a bad config is
-never cached; a damaged entry is a miss."""
+expansion, validated in place as on a miss; anything the plan depends on (the config, the
+`--config` values, the package's code, the files it names) plans afresh; a bad config is never
+cached; a damaged entry is a miss."""
 
 from __future__ import annotations
 
@@ -9,23 +9,15 @@ import copy
 import datetime
 import os
 import json
-import subprocess
-import sys
 import time
 
 import pytest
-import yaml
 
 from depthbench.grid import plan_cache
 from depthbench.grid.plan_cache import plan_fresh, planned_grid
 from depthbench.util.errors import ConfigError
-from tests.conftest import REPO, tiny_config
-
-
-def grid_config(wiki_jsonl, **overrides) -> dict:
-    return tiny_config(
-        wiki_jsonl, architectures=["pre_ln", "hc"], learning_rates=[3e-3, 1e-2], **overrides
-    )
+from tests.conftest import tiny_config
+from tests.plan_grids import grid_config, plan_summary
 
 
 def counting(calls: list):
@@ -36,49 +28,6 @@ def counting(calls: list):
         return plan_fresh(config, command_line)
 
     return fresh
-
-
-def plan_summary(plan) -> dict:
-    exp = plan.experiment
-    return {
-        "config": exp.config,
-        "runs": {rid: spec.to_dict() for rid, spec in exp.candidate_runs.items()},
-        "ids": [exp.vocab_size, exp.tokenizer_id, exp.data_id],
-        "figures": plan.figures,
-    }
-
-
-@pytest.mark.slow
-def test_a_cached_plan_equals_a_fresh_one_and_imports_no_torch(wiki_jsonl, tmp_path):
-    """Two fresh interpreters plan the same config file: the first expands it (and imports torch
-    for the registry and the parameter counts), the second reads the cache, imports no torch, and
-    gets the same validated config, run specs, ids and figures as an expansion in this process,
-    down to their reprs (what Snakemake compares a job's params by)."""
-    cfg, cache = tmp_path / "config.yaml", tmp_path / "cache"
-    cfg.write_text(yaml.safe_dump(grid_config(wiki_jsonl, seeds_at_best_lr=2)))
-    code = (
-        "import json, sys, yaml\n"
-        "from depthbench.grid.plan_cache import planned_grid\n"
-        f"plan = planned_grid(yaml.safe_load(open({str(cfg)!r})), {{}}, {str(cache)!r})\n"
-        "exp = plan.experiment\n"
-        "print(json.dumps({'torch': 'torch' in sys.modules, 'repr': repr(plan),\n"
-        "    'config': exp.config,\n"
-        "    'runs': {r: s.to_dict() for r, s in exp.candidate_runs.items()},\n"
-        "    'ids': [exp.vocab_size, exp.tokenizer_id, exp.data_id], 'figures': plan.figures}))\n"
-    )
-
-    def plan_in_new_interpreter() -> dict:
-        proc = subprocess.run(
-            [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
-        )
-        return json.loads(proc.stdout)
-
-    first, second = plan_in_new_interpreter(), plan_in_new_interpreter()
-    assert first.pop("torch") and not second.pop("torch")
-    fresh = plan_fresh(yaml.safe_load(cfg.read_text()), {})
-    expected = json.loads(json.dumps({"repr": repr(fresh), **plan_summary(fresh)}))
-    assert first == second == expected
-    assert len(expected["runs"]) == 8  # 2 archs x 2 LRs x (the sweep's seed and a replicate)
 
 
 def test_the_caller_config_is_validated_in_place_on_a_hit_as_on_a_miss(wiki_jsonl, tmp_path):

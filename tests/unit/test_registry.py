@@ -5,8 +5,6 @@ long as it is registered, and takes the next colour without moving the others'."
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,24 +190,6 @@ def test_parameters_are_counted_as_a_built_model_holds_them(fields):
     # eye(n_streams)) are built on the CPU
     on_cpu = {name: p.numel() for name, p in meta.named_parameters() if not p.is_meta}
     assert all(n < cfg.d_model for n in on_cpu.values()), on_cpu
-
-
-@pytest.mark.slow
-def test_counting_parameters_does_not_start_torch_dynamo():
-    """Snakemake, `depthbench status` and plan count parameters to solve the grid's shapes, each
-    in a new interpreter: counting must not import torch._dynamo (2.5 s), as torch.device('meta')
-    would (its arange and eye import it)."""
-    code = (
-        "import sys\n"
-        "from depthbench.models.config import ModelConfig\n"
-        "from depthbench.models.registry import PACKAGE_ARCHITECTURES, count_parameters\n"
-        "for arch in PACKAGE_ARCHITECTURES:\n"
-        "    count_parameters(ModelConfig(arch=arch, vocab_size=97, d_model=32, n_layer=2,"
-        " n_head=2, max_seq_len=16))\n"
-        "print('torch._dynamo' in sys.modules)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
 
 
 def test_a_model_built_for_its_shapes_computes_no_rope_table():

@@ -1,10 +1,7 @@
 """corpus.pieces: tokenization in N jobs whose union equals the single-job output token for
 token."""
 
-import json
-
 import numpy as np
-import pytest
 
 from depthbench.grid.config import expand_grid
 from depthbench.grid.ids import data_id
@@ -19,18 +16,7 @@ from depthbench.data.prepare import (
 )
 from depthbench.data.shards import read_meta, split_files
 from tests.conftest import tiny_config
-from tests.workflow_runs import copy_workflow, job_counts, snakemake, write_config
-
-
-def _split_corpus(wiki_jsonl, root, n_files):
-    lines = wiki_jsonl.read_text().splitlines(keepends=True)
-    step = -(-len(lines) // n_files)
-    paths = []
-    for k in range(n_files):
-        path = root / f"part{k:02d}.jsonl"
-        path.write_text("".join(lines[k * step : (k + 1) * step]))
-        paths.append(str(path))
-    return paths
+from tests.workflow_runs import split_corpus
 
 
 def _tokens(data_dir, split):
@@ -50,7 +36,7 @@ def _pieces(config, tok, out, pieces):
 
 
 def test_pieces_equal_single_job_local_files_and_wiki(wiki_jsonl, tmp_path):
-    files = _split_corpus(wiki_jsonl, tmp_path, 5)
+    files = split_corpus(wiki_jsonl, tmp_path, 5)
     for corpus in (
         {"name": "t", "source": "local", "path": files, "val_fraction": 0.1},
         {"name": "t", "source": "wiki_offline", "max_documents": 300, "val_fraction": 0.1},
@@ -86,35 +72,3 @@ def test_pieces_default_keeps_the_data_id(wiki_jsonl):
     assert data_id(
         load_config(tiny_config(wiki_jsonl, corpus={**base["corpus"], "pieces": 2}))
     ) != data_id(base)
-
-
-@pytest.mark.slow
-def test_workflow_tokenizes_in_pieces_and_reruns_only_a_lost_one(wiki_jsonl, tmp_path):
-    (tmp_path / "wf").mkdir()
-    root = copy_workflow(tmp_path / "wf")
-    files = _split_corpus(wiki_jsonl, tmp_path, 4)
-    config = tiny_config(
-        wiki_jsonl,
-        corpus={"name": "t", "source": "local", "path": files, "val_fraction": 0.1, "pieces": 4},
-    )
-    write_config(root, config)
-    exp = expand_grid(load_config(config))
-    meta = f"results/data/{exp.data_id}/meta.json"
-    first = snakemake(root, meta)
-    assert job_counts(first.stdout + first.stderr).get("tokenize_piece") == 4
-    pieces = root / "results" / "data" / exp.data_id / "pieces"
-    # a job killed before its last write leaves no piece.json, and meta.json is never written
-    # while a piece is missing
-    (pieces / "00002" / "piece.json").unlink()
-    (root / meta).unlink()
-    before = {p: (pieces / f"{p:05d}" / "piece.json").stat().st_mtime_ns for p in (0, 1, 3)}
-    plan = snakemake(root, meta, "-n")
-    counts = job_counts(plan.stdout + plan.stderr)
-    assert (
-        counts.get("tokenize_piece") == 1
-        and counts.get("tokenize") == 1
-        and "tokenizer" not in counts
-    )
-    snakemake(root, meta)
-    assert before == {p: (pieces / f"{p:05d}" / "piece.json").stat().st_mtime_ns for p in (0, 1, 3)}
-    assert json.loads((root / meta).read_text())["pieces"] == 4

@@ -16,7 +16,7 @@ from depthbench.train.checkpoint_folder import list_checkpoints
 from depthbench.train.recipe import RunPaths
 from depthbench.train.loop import train
 from tests.conftest import tiny_config
-from tests.unit.test_train import only_run, with_steps
+from tests.run_outputs import only_run, with_steps
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("wandb")

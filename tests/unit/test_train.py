@@ -1,18 +1,12 @@
-"""Training: schedule, decay groups, exact resume after interruption or SIGKILL, divergence."""
+"""Training: schedule, decay groups, exact resume after interruption, divergence."""
 
 import copy
-import hashlib
 import json
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from depthbench.spec.run import RunSpec
 from depthbench.grid.config import expand_grid
 from depthbench.spec.schema import load_config
 from depthbench.models.registry import build_model
@@ -21,24 +15,10 @@ from depthbench.models.registry import registered_architectures
 from depthbench.train.checkpoint_folder import list_checkpoints
 from depthbench.train.recipe import RunPaths, lr_at, param_groups
 from depthbench.train.loop import train
-from depthbench.train.runcheck import WEIGHTS_DIGEST
 from depthbench.util.errors import CheckpointError
 from depthbench.train.trainer import Trainer
-from tests.conftest import REPO
 from depthbench.models.registry import PACKAGE_ARCHITECTURES
-
-
-def only_run(exp) -> RunSpec:
-    (spec,) = exp.runs.values()
-    return spec
-
-
-def with_steps(spec: RunSpec, steps: int, **train_kw) -> RunSpec:
-    spec = copy.deepcopy(spec)
-    spec.train.total_steps = steps
-    for k, v in train_kw.items():
-        setattr(spec.train, k, v)
-    return spec
+from tests.run_outputs import only_run, weights_digest, with_steps
 
 
 def test_lr_schedule_warmup_then_cosine_to_the_floor():
@@ -78,13 +58,6 @@ def test_training_lowers_the_loss_and_writes_outputs(tiny_data, tmp_path):
 
 def _weights(path) -> dict[str, torch.Tensor]:
     return load_file(path)
-
-
-def _digest(paths: RunPaths) -> str:
-    """The weights digest the run's summary records, after checking it is the file's."""
-    digest = json.loads(paths.summary.read_text())[WEIGHTS_DIGEST]
-    assert digest == hashlib.sha256(paths.weights.read_bytes()).hexdigest()
-    return digest
 
 
 def test_interrupted_run_resumes_to_identical_weights(tiny_data, tmp_path):
@@ -205,7 +178,7 @@ def test_resumed_run_is_bit_identical_for_every_architecture_and_setting(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # and so are the published files, byte for byte, and the digests their summaries record
     assert full.weights.read_bytes() == part.weights.read_bytes()
-    assert _digest(full) == _digest(part)
+    assert weights_digest(full) == weights_digest(part)
     curve_full, curve_resumed = (
         _timeless(full.curves.read_text()),
         _timeless(part.curves.read_text()),
@@ -215,78 +188,6 @@ def test_resumed_run_is_bit_identical_for_every_architecture_and_setting(
     if variant == "dynamics":  # measured before updates 0, 2, 4 (the resumed process's first) and 6
         assert [r["step"] for r in curve_full if "dynamics" in r] == [1, 3, 5, 7]
     assert curve_full == curve_resumed
-
-
-@pytest.mark.slow
-def test_sigkilled_run_resumes_to_identical_weights(tiny_data, tmp_path):
-    """A training process killed with SIGKILL and started again ends bit-identical."""
-    _, exp, shards = tiny_data
-    spec = with_steps(only_run(exp), 40, checkpoint_every=5)
-    spec_file = tmp_path / "spec.json"
-    spec_file.write_text(json.dumps(spec.to_dict()))
-    script = (
-        "import json, sys\n"
-        "from depthbench.spec.run import RunSpec\n"
-        "from depthbench.train.loop import RunPaths, train\n"
-        "spec = RunSpec.from_dict(json.load(open(sys.argv[1])))\n"
-        "train(spec, sys.argv[2], RunPaths(sys.argv[3], sys.argv[4]), progress=False)\n"
-    )
-
-    def run(run_dir, work_dir):
-        return subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                script,
-                str(spec_file),
-                str(shards),
-                str(run_dir),
-                str(work_dir),
-            ],
-            cwd=REPO,
-        )
-
-    ref = run(tmp_path / "ref", tmp_path / "ref_work")
-    assert ref.wait(timeout=300) == 0
-    victim = run(tmp_path / "killed", tmp_path / "killed_work")
-    checkpoints = tmp_path / "killed_work" / "checkpoints"
-    deadline = time.time() + 240
-    while time.time() < deadline and not any(
-        step >= 10 for step, _ in list_checkpoints(checkpoints)
-    ):
-        time.sleep(0.05)
-    victim.send_signal(signal.SIGKILL)
-    victim.wait()
-    assert victim.returncode == -signal.SIGKILL
-    assert not (tmp_path / "killed" / "summary.json").exists()
-    resumed_from = list_checkpoints(checkpoints)[-1][0]
-    assert 10 <= resumed_from < 40
-    again = run(tmp_path / "killed", tmp_path / "killed_work")
-    assert again.wait(timeout=300) == 0
-    a, b = (
-        _weights(tmp_path / "ref" / "model.safetensors"),
-        _weights(tmp_path / "killed" / "model.safetensors"),
-    )
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-    # two processes publish the same bytes: the digest compares runs across processes
-    ref_paths = RunPaths(tmp_path / "ref", tmp_path / "ref_work")
-    killed_paths = RunPaths(tmp_path / "killed", tmp_path / "killed_work")
-    assert _digest(ref_paths) == _digest(killed_paths)
-    ref_curve = (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()
-    got_curve = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
-
-    def strip(lines):
-        return [
-            {
-                k: v
-                for k, v in json.loads(l).items()
-                if k not in ("tokens_per_s", "mfu", "mfu_measured")
-            }
-            for l in lines
-        ]
-
-    assert strip(ref_curve) == strip(got_curve)
 
 
 def test_absurd_learning_rate_is_recorded_as_diverged(tiny_data, tmp_path):
