@@ -30,6 +30,19 @@ def snakemake(cwd: Path, *args: str, check: bool = True) -> subprocess.Completed
     return proc
 
 
+def dry_run_in(directory: Path, *args: str) -> subprocess.CompletedProcess:
+    """`snakemake -n` of the repository's Snakefile with `directory` as the working directory
+    (its config/ and results/, not the checkout's); not checked, the caller reads the result."""
+    return subprocess.run(
+        [*SNAKEMAKE, "-n", "--cores", "1", "--snakefile", str(REPO / "Snakefile")]
+        + ["--directory", str(directory), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
 def job_counts(output: str) -> dict[str, int]:
     """The 'Job stats' table of a Snakemake (dry) run."""
     counts: dict[str, int] = {}

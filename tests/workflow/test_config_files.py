@@ -5,14 +5,12 @@ before the Snakefile, and names neither line nor column)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 
 from depthbench.commands.cli import main
 from depthbench.commands.subcommands import configfiles
-from tests.conftest import REPO
+from tests.workflow_runs import dry_run_in
 
 # the flow sequence is not closed: line 4, column 5
 BROKEN = "name: x\ntrain:\n  seq_len: [32\n  lr: 3\n"
@@ -24,24 +22,7 @@ def test_snakemake_dry_run_names_the_file_line_and_column_of_a_yaml_error_in_the
 ):
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "config.yaml").write_text(BROKEN)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "-n",
-            "--cores",
-            "1",
-            "--snakefile",
-            str(REPO / "Snakefile"),
-            "--directory",
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = dry_run_in(tmp_path)
     assert done.returncode != 0
     out = done.stdout + done.stderr
     assert "DepthBench config error" in out

@@ -4,7 +4,12 @@ architectures only, whatever other architectures the default's per-architecture 
 
 from __future__ import annotations
 
+import re
+
 import pytest
+
+from tests.conftest import REPO
+from tests.workflow_runs import dry_run_in
 
 
 @pytest.mark.slow
@@ -12,40 +17,12 @@ def test_an_overlay_narrows_the_default_grid(tmp_path):
     """`snakemake -n --configfile config/config.yaml subset.yaml` with architectures [pre_ln, hc]:
     Snakemake merges mappings, so the default's learning_rates_by_arch keys for the other
     architectures stay in the merged config; it plans pre_ln's and hc's runs only."""
-    import re
-    import subprocess
-    import sys
-
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[2]
     subset = tmp_path / "subset.yaml"
     subset.write_text("architectures: [pre_ln, hc]\n")
-    work = (
-        tmp_path / "work"
-    )  # an empty results/ whatever the checkout's holds; config/ for the claims file
+    work = tmp_path / "work"  # an empty results/ whatever the checkout's holds
     work.mkdir()
-    (work / "config").symlink_to(repo / "config")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "-n",
-            "--cores",
-            "1",
-            "--snakefile",
-            str(repo / "Snakefile"),
-            "--directory",
-            str(work),
-            "--configfile",
-            str(repo / "config/config.yaml"),
-            str(subset),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    (work / "config").symlink_to(REPO / "config")  # config/ for the claims file
+    done = dry_run_in(work, "--configfile", str(REPO / "config/config.yaml"), str(subset))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = done.stdout + done.stderr
     trained = set(re.findall(r"wildcards: run_id=([A-Za-z0-9_.+-]+)", text))
