@@ -14,21 +14,21 @@ ranking has a k = 0 row, the full model, where its curve starts.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
-import torch
 
 from depthbench.util.io import atomic_write
-from depthbench.probes.removal import (
-    RANKINGS,
-    ScoredTokens,
-    layer_counts,
-    removal_losses,
-    removal_sets,
-)
 from depthbench.probes.effective_depth import COLUMNS
 from depthbench.spec.schema import schema_defaults
+
+# torch (and depthbench.probes.removal, which needs it) only where a model is scored: the job of
+# a diverged run writes its empty rows without them, as its NLL job does (about 1.5 s of a job)
+if TYPE_CHECKING:
+    import torch
+
+    from depthbench.probes.removal import ScoredTokens
 
 
 def removal_settings(settings: dict) -> dict:
@@ -58,6 +58,8 @@ def held_apart_windows(
     picks = sorted(
         np.random.default_rng(seed).choice(rest, size=min(n, len(rest)), replace=False).tolist()
     )
+    import torch
+
     return torch.from_numpy(
         np.stack([tokens[i * seq_len : i * seq_len + seq_len + 1].astype(np.int64) for i in picks])
     )
@@ -82,6 +84,8 @@ def ranking_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(BI_l for l = 1 .. L, the last-token angular distance matrix, the causal score matrix) from
     a run's trained probe rows."""
+    import torch
+
     trained = probes[probes["stage"] == "trained"]
 
     def matrix(name: str) -> torch.Tensor:
@@ -110,11 +114,14 @@ def ranking_inputs(
     )
 
 
-@torch.no_grad()
 def removal_rows(
     adapter, probes: pd.DataFrame, data: dict[str, ScoredTokens], settings: dict
 ) -> pd.DataFrame:
     """Every ranking's removal curve of the model on each domain of `data` (module docstring)."""
+    import torch
+
+    from depthbench.probes.removal import RANKINGS, layer_counts, removal_losses, removal_sets
+
     L = adapter.n_layer
     if L >= 2:
         influence, distance, causal = ranking_inputs(probes, L)
@@ -125,7 +132,8 @@ def removal_rows(
         # one layer: nothing can be removed with a layer kept; each ranking's curve is its
         # k = 0 point
         sets = []
-    full, measured = removal_losses(adapter, sets, data)
+    with torch.no_grad():
+        full, measured = removal_losses(adapter, sets, data)
     rankings = sorted(RANKINGS)
     rows = [{"ranking": r, "draw": 0, "k": 0, "removed": []} | full for r in rankings] + measured
     out = []
@@ -164,19 +172,23 @@ def run_removal(
     probe_settings: dict,
 ) -> dict:
     """The removal rows of one trained run (its final weights), written to `out_path`."""
-    from depthbench.probes.run import validation_tokens
     from depthbench.train.runcheck import check_run
     from depthbench.spec.run import RunSpec
-    from depthbench.train.checkpoint import load_final_model
 
     settings = removal_settings(settings)
-    torch.set_num_threads(int(settings["threads"]))
     spec = RunSpec.from_dict(spec_dict)
     summary = check_run(run_dir, spec)
     start = time.time()
-    if summary["status"] != "ok":  # diverged: no meaningful weights, no rows
+    if summary["status"] != "ok":  # diverged: no meaningful weights, no rows (and no torch)
         _write(pd.DataFrame(columns=COLUMNS), spec.run_id, summary["status"], out_path)
         return {"run_id": spec.run_id, "rows": 0, "seconds": 0.0}
+    import torch
+
+    from depthbench.probes.removal import ScoredTokens
+    from depthbench.probes.run import validation_tokens
+    from depthbench.train.checkpoint import load_final_model
+
+    torch.set_num_threads(int(settings["threads"]))
     seq_len = min(probe_settings.get("seq_len") or spec.train.seq_len, spec.model.max_seq_len)
     val = held_apart_windows(
         validation_tokens(data_dir),

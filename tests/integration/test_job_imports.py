@@ -188,10 +188,10 @@ def test_the_removal_table_job_merges_rows_and_effective_depths_without_torch(tm
 
 
 @pytest.mark.slow
-def test_nll_sets_and_the_nll_of_a_diverged_run_import_no_torch(tiny_data, tmp_path):
-    """The nll_sets job tokenizes the evaluation sets, and the NLL job of a diverged run writes
-    its rows without numbers: neither builds a model, and in a fresh interpreter neither imports
-    torch (about 2 s of each job)."""
+def test_nll_sets_and_the_nll_and_removal_of_a_diverged_run_import_no_torch(tiny_data, tmp_path):
+    """The nll_sets job tokenizes the evaluation sets, and the NLL and removal jobs of a diverged
+    run write their rows without numbers (the removal job none at all): none builds a model, and
+    in a fresh interpreter none imports torch (about 1.5-2 s of each job)."""
     import copy
 
     from depthbench.train.loop import train
@@ -207,23 +207,33 @@ def test_nll_sets_and_the_nll_of_a_diverged_run_import_no_torch(tiny_data, tmp_p
     )
     (tmp_path / "spec.json").write_text(json.dumps(spec.to_dict()))
     settings = {"sets": ["humaneval", "gsm8k"], "max_docs_per_set": 3}
+    probe_settings = {"n_sequences": 4, "seed": 0, "seq_len": None}
     code = (
         "import json, sys\n"
         "import pandas as pd\n"
         "from depthbench.evals.run import build_sets, run_nll\n"
+        "from depthbench.probes.removal_run import run_removal\n"
         f"settings = {settings!r}\n"
+        f"spec = json.load(open({str(tmp_path / 'spec.json')!r}))\n"
         f"build_sets(settings, {str(shards.parent / 'tokenizer.json')!r}, None, 'sets.parquet')\n"
         "loaded = 'torch' in sys.modules\n"
-        f"run_nll(json.load(open({str(tmp_path / 'spec.json')!r})), {str(run_dir)!r}, "
-        "'sets.parquet', 'nll.parquet', settings)\n"
-        "t = pd.read_parquet('nll.parquet')\n"
-        "print(json.dumps([loaded, 'torch' in sys.modules, sorted(set(t.status)),"
-        " int(t.nats_per_token.notna().sum()), sorted(set(t.loc[t.level == 'set', 'set']))]))\n"
+        f"run_nll(spec, {str(run_dir)!r}, 'sets.parquet', 'nll.parquet', settings)\n"
+        "after_nll = 'torch' in sys.modules\n"
+        # the probe rows are not read for a diverged run: the path names no file
+        f"run_removal(spec, {str(shards)!r}, {str(run_dir)!r}, 'no-probes.parquet', "
+        f"'sets.parquet', 'removal.parquet', {{}}, {probe_settings!r})\n"
+        "t, r = pd.read_parquet('nll.parquet'), pd.read_parquet('removal.parquet')\n"
+        "print(json.dumps([loaded, after_nll, 'torch' in sys.modules, sorted(set(t.status)),"
+        " int(t.nats_per_token.notna().sum()), sorted(set(t.loc[t.level == 'set', 'set'])),"
+        " len(r), list(r.columns)]))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    after_sets, after_nll, status, numbers, sets = json.loads(proc.stdout)
-    assert (after_sets, after_nll) == (False, False)
+    after_sets, after_nll, after_removal, status, numbers, sets, removal_rows, columns = json.loads(
+        proc.stdout
+    )
+    assert (after_sets, after_nll, after_removal) == (False, False, False)
     assert status == ["diverged"] and numbers == 0 and sets == ["gsm8k", "humaneval"]
+    assert removal_rows == 0 and columns[0] == "run_id" and columns[-1] == "status"
