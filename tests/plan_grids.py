@@ -7,7 +7,7 @@ from __future__ import annotations
 from tests.conftest import tiny_config
 
 
-def grid_config(wiki_jsonl, **overrides) -> dict:
+def two_architecture_grid(wiki_jsonl, **overrides) -> dict:
     """The tiny config on `wiki_jsonl` with architectures pre_ln and hc and two learning rates,
     `overrides` replacing its sections."""
     return tiny_config(

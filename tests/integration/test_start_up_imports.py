@@ -14,7 +14,7 @@ import yaml
 
 from depthbench.grid.plan_cache import plan_fresh
 from tests.conftest import REPO
-from tests.plan_grids import grid_config, plan_summary
+from tests.plan_grids import two_architecture_grid, plan_summary
 
 
 @pytest.mark.slow
@@ -70,7 +70,7 @@ def test_a_cached_plan_equals_a_fresh_one_and_imports_no_torch(wiki_jsonl, tmp_p
     gets the same validated config, run specs, ids and figures as an expansion in this process,
     down to their reprs (what Snakemake compares a job's params by)."""
     cfg, cache = tmp_path / "config.yaml", tmp_path / "cache"
-    cfg.write_text(yaml.safe_dump(grid_config(wiki_jsonl, seeds_at_best_lr=2)))
+    cfg.write_text(yaml.safe_dump(two_architecture_grid(wiki_jsonl, seeds_at_best_lr=2)))
     code = (
         "import json, sys, yaml\n"
         "from depthbench.grid.plan_cache import planned_grid\n"

@@ -17,7 +17,7 @@ from depthbench.grid import plan_cache
 from depthbench.grid.plan_cache import plan_fresh, planned_grid
 from depthbench.util.errors import ConfigError
 from tests.conftest import tiny_config
-from tests.plan_grids import grid_config, plan_summary
+from tests.plan_grids import two_architecture_grid, plan_summary
 
 
 def counting(calls: list):
@@ -32,7 +32,7 @@ def counting(calls: list):
 
 def test_the_caller_config_is_validated_in_place_on_a_hit_as_on_a_miss(wiki_jsonl, tmp_path):
     calls: list = []
-    given = grid_config(wiki_jsonl)
+    given = two_architecture_grid(wiki_jsonl)
     miss_config, hit_config = copy.deepcopy(given), copy.deepcopy(given)
     miss = planned_grid(miss_config, {}, tmp_path, fresh=counting(calls))
     hit = planned_grid(hit_config, {}, tmp_path, fresh=counting(calls))
@@ -48,7 +48,7 @@ def test_what_the_plan_depends_on_plans_afresh(wiki_jsonl, tmp_path, monkeypatch
     def plan(config, command_line=None):
         return planned_grid(copy.deepcopy(config), command_line, tmp_path, fresh=counting(calls))
 
-    config = grid_config(wiki_jsonl)
+    config = two_architecture_grid(wiki_jsonl)
     plan(config)
     plan(config)
     assert len(calls) == 1
@@ -116,7 +116,7 @@ def test_a_bad_config_is_never_cached(wiki_jsonl, tmp_path):
 
 def test_a_damaged_entry_is_a_miss_and_is_rewritten(wiki_jsonl, tmp_path):
     calls: list = []
-    config = grid_config(wiki_jsonl)
+    config = two_architecture_grid(wiki_jsonl)
     expected = plan_summary(planned_grid(copy.deepcopy(config), {}, tmp_path))
     (entry,) = tmp_path.glob("*.json")
     whole = json.loads(entry.read_text())
@@ -137,7 +137,7 @@ def test_a_damaged_entry_is_a_miss_and_is_rewritten(wiki_jsonl, tmp_path):
 
 def test_only_the_newest_entries_are_kept(wiki_jsonl, tmp_path, monkeypatch):
     monkeypatch.setattr(plan_cache, "KEEP", 2)
-    config = grid_config(wiki_jsonl)
+    config = two_architecture_grid(wiki_jsonl)
     for lr in (1e-3, 2e-3, 3e-3):
         planned_grid({**copy.deepcopy(config), "learning_rates": [lr]}, {}, tmp_path)
     assert len(list(tmp_path.glob("*.json"))) == 2
@@ -169,7 +169,7 @@ def test_keys_that_json_would_merge_are_other_configs(wiki_jsonl, tmp_path):
     """YAML keeps key types (`1:` and `"1":`) and dates: the key tells them apart, so a plan
     cached for one is never served to the other; keys of mixed types reach the schema's error
     naming the field."""
-    extra = lambda value: grid_config(wiki_jsonl, launcher={"slurm": {"extra": value}})  # noqa: E731
+    extra = lambda value: two_architecture_grid(wiki_jsonl, launcher={"slurm": {"extra": value}})  # noqa: E731
     assert plan_cache.plan_key(extra({1: "x"}), {}) != plan_cache.plan_key(extra({"1": "x"}), {})
     day = datetime.date(2024, 6, 1)
     assert plan_cache.plan_key(extra({"begin": day}), {}) != plan_cache.plan_key(
@@ -188,7 +188,7 @@ def test_keys_that_json_would_merge_are_other_configs(wiki_jsonl, tmp_path):
 def test_a_plan_json_cannot_hold_is_planned_on_every_call(wiki_jsonl, tmp_path):
     """A YAML date in a free-form field (an sbatch `begin:`) validates; JSON has no date, so the
     plan is not cached, and each call plans it, the date intact."""
-    config = grid_config(
+    config = two_architecture_grid(
         wiki_jsonl, launcher={"slurm": {"extra": {"begin": datetime.date(2024, 6, 1)}}}
     )
     calls: list = []
@@ -206,5 +206,5 @@ def test_a_killed_writers_temporary_file_goes_once_an_hour_old(wiki_jsonl, tmp_p
         stray.write_text("{")
     hour_ago = time.time() - plan_cache.STRAY_AGE_S - 1
     os.utime(old, (hour_ago, hour_ago))
-    planned_grid(copy.deepcopy(grid_config(wiki_jsonl)), {}, tmp_path)
+    planned_grid(copy.deepcopy(two_architecture_grid(wiki_jsonl)), {}, tmp_path)
     assert not old.exists() and recent.exists()
