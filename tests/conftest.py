@@ -96,7 +96,7 @@ def subprocesses_only_in_slow_tests(request, monkeypatch):
     CPU kernels' build, `sinfo` for the SLURM partitions, ctypes' `ldconfig -p`, ruff) are
     allowed. Module- and session-scoped fixtures are set up before this one and are not
     checked."""
-    in_unit = request.node.path.parent.name == "unit"
+    in_unit = request.node.get_closest_marker("unit") is not None  # its folder (KINDS)
     if request.node.get_closest_marker("slow") is not None and not in_unit:
         yield
         return
