@@ -23,7 +23,7 @@ Made to start and stop on time on a bare GPU machine:
 Before the throughput, the memory section (`--skip-memory` leaves it out): the CUDA allocator's
 bytes of a training step against the memory estimate, every architecture (and MoE) in fp32 and
 bf16 with the plain and the chunked loss, and with two micro-batches accumulated
-(depthbench.train.memory.allocator_step_memory).
+(depthbench.train.measured_memory.allocator_step_memory).
 
 Targets: pre_ln at >= 45% MFU at the widest shape on an H100/H200-class GPU; the deepest
 shape within 1.3x of the widest shape's time per token; hc, mhc, attnres_full and moda within 1.3x
@@ -54,11 +54,8 @@ from depthbench.models.registry import build_model, registered_architectures  # 
 from depthbench.spec.shapes import solve_width  # noqa: E402
 from depthbench.spec.training import TrainConfig  # noqa: E402
 from depthbench.train.flops import device_peak_flops, mfu, train_flops_per_token  # noqa: E402
-from depthbench.train.memory import (  # noqa: E402
-    HEADROOM,
-    allocator_step_memory,
-    estimate_memory,
-)
+from depthbench.train.measured_memory import allocator_step_memory  # noqa: E402
+from depthbench.train.memory import HEADROOM, estimate_memory  # noqa: E402
 
 ARCHS = ["pre_ln"] + [a for a in registered_architectures() if a != "pre_ln"]  # the reference first
 GIB = 2**30
@@ -257,8 +254,9 @@ def run_model(report: Report, arch: str, n_layer: int, args, device: torch.devic
 
 
 def memory_against_estimate(report: Report, device: torch.device) -> dict:
-    """The CUDA allocator's bytes of a training step (depthbench.train.memory.allocator_step_memory)
-    against depthbench.train.memory.estimate_memory, per case of MEMORY_CASES in fp32 and under
+    """The CUDA allocator's bytes of a training step
+    (depthbench.train.measured_memory.allocator_step_memory) against
+    depthbench.train.memory.estimate_memory, per case of MEMORY_CASES in fp32 and under
     bf16 autocast, with the plain loss and the chunked one (MEMORY_LOSS_CHUNK tokens): each term
     measured, estimated and their ratio (estimate / measured). tests/integration/test_gpu.py
     holds the same comparison to its tolerances."""

@@ -98,7 +98,7 @@ PEAK_CEILING = 1.10
 
 def assert_within_cuda_bounds(est: MemoryEstimate, measured: dict) -> dict:
     """`measured`: the CUDA bytes of a training step ("static", "saved", "peak"; "graph_saved"
-    for the plain loss), as depthbench.train.memory.allocator_step_memory and
+    for the plain loss), as depthbench.train.measured_memory.allocator_step_memory and
     `measured_saved_bytes` read them. Returns the ratios estimate / measured."""
     ratios = {
         "static": (est.weights + est.optimizer) / measured["static"],

@@ -187,22 +187,28 @@ def mixed_precision_policy(device: torch.device, dtype: torch.dtype):
     return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
 
 
+def data_parallel(model: nn.Module, ctx, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The module a step calls across ranks: FSDP2 with `mixed_precision_policy`, DDP, or the
+    model itself on one rank."""
+    from depthbench.train import distributed
+
+    if ctx.enabled and ctx.strategy == "fsdp":
+        return distributed.shard(model, mixed_precision_policy(device, dtype))
+    return distributed.wrap(model, ctx, device)
+
+
 def parallelize(
     model: nn.Module, tc, ctx, device: torch.device, dtype: torch.dtype, backend: str = "inductor"
 ):
     """(net, step_fn): the module the step's gradient sync acts on and the callable it runs.
     Order: checkpointing, per-block compile, then DDP / FSDP2 / nothing, then whole-model
     compile."""
-    from depthbench.train import distributed
 
     mode = resolve_checkpointing(
         tc.activation_checkpointing, model.cfg, tc, device, ctx.world_size, dtype == torch.bfloat16
     )
     compile = compile_mode(tc.compile)
     wrap_units(model, mode, compile, backend)
-    if ctx.enabled and ctx.strategy == "fsdp":
-        net = distributed.shard(model, mixed_precision_policy(device, dtype))
-    else:
-        net = distributed.wrap(model, ctx, device)
+    net = data_parallel(model, ctx, device, dtype)
     step_fn = torch.compile(net, backend=backend) if compile == "model" else net
     return net, step_fn, mode

@@ -189,7 +189,8 @@ def test_memory_estimate_against_the_cuda_allocator(arch, moe, bf16):
     tests/unit/test_memory.py holds the estimate to on every machine."""
     import dataclasses
 
-    from depthbench.train.memory import allocator_step_memory, estimate_memory
+    from depthbench.train.measured_memory import allocator_step_memory
+    from depthbench.train.memory import estimate_memory
 
     from tests.memory_reference import assert_within_cuda_bounds, measured_saved_bytes
 

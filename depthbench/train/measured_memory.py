@@ -1,0 +1,210 @@
+"""What a training step allocates, measured, for holding `depthbench.train.memory`'s estimate to.
+
+`allocator_step_memory` trains the model of a config for two steps as a run does (AdamW, fused
+where the device has it; micro-batches accumulated, the gradient sync skipped on all but the
+last (depthbench.train.distributed.gradient_sync); gradients set to None after each step) and
+measures the second, which finds AdamW's moments and the workspaces made by the first:
+
+- on CUDA, the caching allocator's counters (`torch.cuda.memory_allocated` and its high-water
+  mark; allocations are rounded up to the allocator's blocks);
+- on the CPU, the same two numbers from a counting allocator (DepthBench's C++ extension,
+  depthbench/kernels/counting_allocator.cpp) installed over torch's CPU allocator for the
+  measurement: it counts every block as it is handed out and as it is freed, on any thread (gloo's
+  included, which torch's profiler does not follow). The CPU runs the eager path (no CPU kernel:
+  depthbench.kernels.disabled), the one CUDA runs.
+
+Under torch.distributed (`ctx`: gloo ranks on the CPU, NCCL on GPUs) the model is wrapped as
+training wraps it (depthbench.train.parallelize.data_parallel: DDP, or FSDP2 with bf16
+parameters on CUDA under bf16) and each rank measures its
+own bytes: this is how DDP's gradient buckets and FSDP2's sharding, all-gathers and unsharded
+gradients are measured without a GPU (tests/integration/test_distributed_memory.py). What the
+CPU cannot show is CUDA's stream-ordered freeing of the communication buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from contextlib import contextmanager
+
+import torch
+
+from depthbench import kernels
+from depthbench.models.config import ModelConfig
+from depthbench.models.registry import build_model
+from depthbench.train.distributed import DistContext, gradient_sync
+from depthbench.train.parallelize import data_parallel
+
+
+@dataclasses.dataclass
+class AllocatorMeasurement:
+    """One training step as the device's allocator counts it, in bytes above what was allocated
+    before the model was built."""
+
+    static: int  # weights and AdamW's moments between steps (gradients set to None), DDP's buckets
+    saved: int  # growth over the step's last forward with its graph alive: what backward reads
+    peak: int  # the high-water mark of that step's forward, backward and AdamW update
+
+
+def allocator_step_memory(
+    cfg: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    bf16: bool,
+    device="cuda",
+    loss_chunk_tokens: int = 0,
+    micro_batches: int = 1,
+    seed: int = 0,
+    ctx: DistContext | None = None,
+) -> AllocatorMeasurement:
+    """The model of `cfg` trained for two steps on `device` (CUDA or the CPU) under bf16
+    autocast or not, each step over `micro_batches` micro-batches of random token ids, on this
+    rank of `ctx` (None: one process), measured in the second step (module docstring). `saved`
+    is the growth over the step's last forward, when the earlier micro-batches' gradients
+    already exist. What `estimate_memory` predicts for it (with the same `loss_chunk_tokens`,
+    world size and strategy): `weights + optimizer + buckets` for `static`, `activations` for
+    `saved`, `total("none")` for `peak`."""
+    device = torch.device(device)
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"allocator_step_memory: measures CUDA or the CPU, not {device}")
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
+    step = _TrainingStep(
+        cfg,
+        micro_batch,
+        seq_len,
+        bf16,
+        device,
+        loss_chunk_tokens,
+        micro_batches,
+        seed,
+        ctx or DistContext(),
+    )
+    if device.type == "cuda":
+        return _measure(step, _CudaCounter(device))
+    # the CPU runs the eager path: the kernels are CPU-only, the estimate is CUDA's and the
+    # eager path's
+    with counted_cpu_allocations() as counter, kernels.disabled():
+        return _measure(step, counter)
+
+
+class _TrainingStep:
+    """A model, its wrapper and AdamW, and the parts of a step the measurements time."""
+
+    def __init__(
+        self, cfg, micro_batch, seq_len, bf16, device, loss_chunk_tokens, micro_batches, seed, ctx
+    ):
+        self.args = (cfg, micro_batch, seq_len, bf16, device, loss_chunk_tokens, seed)
+        self.micro_batches, self.ctx = micro_batches, ctx
+
+    def build(self) -> None:
+        cfg, micro_batch, seq_len, bf16, device, loss_chunk_tokens, seed = self.args
+        torch.manual_seed(seed)
+        self.model = build_model(cfg).to(device)
+        self.model.loss_chunk_tokens = loss_chunk_tokens
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        self.net = data_parallel(self.model, self.ctx, device, dtype)
+        # after wrapping: FSDP2 replaces the parameters by their shards
+        self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=1e-4, fused=True)
+        self.ids = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), device=device)
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+
+    def forward(self) -> torch.Tensor:
+        with self.autocast:
+            out = self.net(self.ids, self.ids)
+        # the logits leave with `out`, as in a run's step
+        return out.loss if out.aux_loss is None else out.loss + out.aux_loss
+
+    def first_micro_batches(self) -> None:
+        for _ in range(self.micro_batches - 1):
+            with gradient_sync(self.net, self.ctx, False):
+                self.forward().backward()
+
+    def last_forward(self) -> torch.Tensor:
+        with gradient_sync(self.net, self.ctx, True):
+            return self.forward()
+
+    def update(self, loss: torch.Tensor) -> None:
+        with gradient_sync(self.net, self.ctx, True):
+            loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def run(self) -> None:
+        self.first_micro_batches()
+        self.update(self.last_forward())
+
+
+def _measure(step: _TrainingStep, counter) -> AllocatorMeasurement:
+    """The two steps, counted by `counter` (bytes alive, their high-water mark, its reset). The
+    garbage of earlier work and of the first step (reference cycles of models, hooks and graphs)
+    is collected first, so that it is neither freed during the measured step nor counted in it."""
+    gc.collect()
+    empty = counter.alive()
+    step.build()
+    step.run()
+    gc.collect()
+    static = counter.alive()
+    counter.reset_peak()
+    step.first_micro_batches()
+    before = counter.alive()
+    loss = step.last_forward()
+    saved = counter.alive() - before
+    step.update(loss)
+    return AllocatorMeasurement(static=static - empty, saved=saved, peak=counter.peak() - empty)
+
+
+class _CudaCounter:
+    """The CUDA caching allocator's counters, read once the device has run what was queued."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def alive(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+
+class _CpuCounter:
+    """The counting CPU allocator of DepthBench's C++ extension (depthbench.kernels,
+    counting_allocator.cpp), installed while the measurement lasts."""
+
+    def __init__(self, extension):
+        self.extension = extension
+
+    def alive(self) -> int:
+        return self.extension.counting_allocator_counts()[0]
+
+    def peak(self) -> int:
+        return self.extension.counting_allocator_counts()[1]
+
+    def reset_peak(self) -> None:
+        self.extension.counting_allocator_reset_peak()
+
+
+@contextmanager
+def counted_cpu_allocations():
+    """A `_CpuCounter` while the counting allocator replaces torch's CPU allocator. Raises where
+    the extension cannot be built (depthbench.kernels.unavailable_reason) or when a measurement
+    is already counting."""
+    extension = kernels.cpu_kernels()
+    if extension is None:
+        raise RuntimeError(
+            "measuring the CPU's memory needs DepthBench's C++ extension, which is unavailable "
+            f"here ({kernels.unavailable_reason() or 'its build failed'}); "
+            "build it with `python -m depthbench.kernels`"
+        )
+    if not extension.counting_allocator_install():
+        raise RuntimeError("a CPU memory measurement is already counting in this process")
+    try:
+        yield _CpuCounter(extension)
+    finally:
+        extension.counting_allocator_remove()

@@ -1,0 +1,136 @@
+"""The CPU's memory measurement (depthbench.train.measured_memory): the counting allocator of
+DepthBench's C++ extension counts every block alive and their high-water mark, whichever thread
+frees them, and a training step measured with it equals the running sum of torch's profiler's
+allocation events (counted apart from it) on one process, where the profiler sees every
+thread that allocates."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from depthbench import kernels
+from depthbench.models.config import ModelConfig
+from depthbench.train.measured_memory import allocator_step_memory, counted_cpu_allocations
+from depthbench.train.memory import estimate_memory
+
+reason = kernels.unavailable_reason()
+pytestmark = pytest.mark.skipif(
+    reason is not None, reason=f"the C++ extension cannot be built here: {reason}"
+)
+
+KIB = 1024
+
+
+def test_it_counts_the_bytes_alive_and_their_high_water_mark():
+    with counted_cpu_allocations() as counter:
+        a = torch.empty(KIB, dtype=torch.float32)
+        b = torch.empty(2 * KIB, dtype=torch.float64)
+        assert counter.alive() == 4 * KIB + 16 * KIB
+        del a
+        assert counter.alive() == 16 * KIB
+        assert counter.peak() == 20 * KIB
+        counter.reset_peak()
+        assert counter.peak() == 16 * KIB
+        c = torch.empty(KIB, dtype=torch.uint8)
+        assert counter.peak() == 17 * KIB
+        del b, c
+        assert (counter.alive(), counter.peak()) == (0, 17 * KIB)
+
+
+def test_a_block_freed_on_another_thread_is_uncounted():
+    """gloo's threads and the autograd engine's free tensors the measured thread made."""
+    with counted_cpu_allocations() as counter:
+        held = [torch.empty(8 * KIB, dtype=torch.uint8)]
+        assert counter.alive() == 8 * KIB
+        thread = threading.Thread(target=held.clear)
+        thread.start()
+        thread.join()
+        assert counter.alive() == 0
+
+
+def test_blocks_of_an_earlier_measurement_leave_a_later_ones_counts_alone():
+    """Garbage of an earlier measurement collected during a later one lowers nothing; blocks made
+    before any installation are never counted; after the measurement torch's own allocator
+    serves, uncounted."""
+    before = torch.empty(KIB, dtype=torch.uint8)
+    with counted_cpu_allocations():
+        earlier = torch.empty(4 * KIB, dtype=torch.uint8)
+    after = torch.empty(KIB, dtype=torch.uint8)
+    with counted_cpu_allocations() as counter:
+        now = torch.empty(2 * KIB, dtype=torch.uint8)
+        del earlier, before
+        assert counter.alive() == 2 * KIB
+        del now
+        assert counter.alive() == 0
+    with counted_cpu_allocations() as counter:
+        del after
+        assert (counter.alive(), counter.peak()) == (0, 0)
+
+
+def test_one_measurement_at_a_time():
+    with counted_cpu_allocations():
+        with pytest.raises(RuntimeError, match="already counting"):
+            with counted_cpu_allocations():
+                pass
+    with counted_cpu_allocations() as counter:  # the failed one removed nothing
+        x = torch.empty(KIB, dtype=torch.uint8)
+        assert counter.alive() == KIB
+        del x
+
+
+def _profiled_step(cfg, micro_batches) -> tuple[int, int]:
+    """(bytes alive between the steps, the measured step's high-water mark) of the same two
+    steps, from torch's profiler: the running sum of its allocation events, in time order."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from depthbench.train.distributed import DistContext
+    from depthbench.train.measured_memory import _TrainingStep
+
+    step = _TrainingStep(cfg, 2, 32, False, torch.device("cpu"), 0, micro_batches, 0, DistContext())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with kernels.disabled():
+            step.build()
+            step.run()
+            with record_function("measured step"):
+                step.run()
+    events, start, end = [], None, None
+    todo = list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        node = todo.pop()
+        todo += node.children
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        elif node.name == "measured step":
+            start, end = node.start_time_ns, node.end_time_ns
+    alive, static, peak = 0, 0, 0
+    for time, size in sorted(events):
+        if time > end:
+            break
+        alive += size
+        if time < start:
+            static = alive
+        else:
+            peak = max(peak, alive)
+    return static, peak
+
+
+@pytest.mark.parametrize("arch", ["pre_ln", "hc"])
+def test_a_measured_step_equals_the_profilers_allocation_events(arch):
+    """Weights, AdamW and the step's peak to the byte, and the estimate an upper bound on it."""
+    cfg = ModelConfig(arch=arch, vocab_size=128, d_model=32, n_layer=2, n_head=2, max_seq_len=32)
+    got = allocator_step_memory(cfg, 2, 32, False, "cpu", micro_batches=2)
+    assert (got.static, got.peak) == _profiled_step(cfg, 2)
+    est = estimate_memory(cfg, 2, 32, bf16=False, device="cpu")
+    assert est.weights + est.optimizer <= got.static <= 1.01 * (est.weights + est.optimizer)
+    assert got.peak <= est.total("none")
+
+
+def test_the_cpu_measurement_needs_the_extension(monkeypatch):
+    monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)
+    with pytest.raises(RuntimeError, match="C\\+\\+ extension"):
+        with counted_cpu_allocations():
+            pass
