@@ -32,6 +32,7 @@ LONGEST_FIRST = [
     "test_at_steps.py",
     "test_workflow_plans.py",
     "test_pretrained_stages.py",
+    "test_distributed_memory.py",
     "test_parallelize.py",
     "test_kernel_processes.py",
     "test_checkpoint_kill.py",

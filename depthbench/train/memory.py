@@ -20,15 +20,18 @@ forward), and one block's activations again (the gradient buffers of the block b
 differentiated) beside the gradients of the buffers held on a ctx (AttnRes's sources, MoDA's
 depth keys), which their readers' backward makes and which wait for their producers' backward:
 as many buffer-sized gradients as the architecture announces (layers.held_for_backward).
+DDP adds its gradient buckets (a second fp32 copy of every gradient, alive with the wrapper).
 Under FSDP2 the first three are divided by the world size; the root unit's parameters
 (embedding, head, final norm) are gathered from its forward to the end of backward and two
 units' at a time (the current one and the prefetched one); and the unsharded gradients count
-too: every one while micro-batches accumulate without sync, else the root's and one unit's. The
-gradients are counted whole throughout (gradient accumulation keeps them across micro-batches,
-as DDP's buckets do on several ranks); a run of one micro-batch per step on one rank without
-checkpointing (`accumulating=False`) takes the tighter `single_micro_batch_peak`,
-which on an H200 is 1.002-1.082 times the CUDA allocator's high-water mark of such a step, every
-architecture and MoE, fp32 and bf16, plain and chunked loss (docs/design/memory.md). Allocator
+too: every one while micro-batches accumulate without sync (beside them at most two units'
+sharded gradients, which only the last micro-batch's reduce-scatters make), else the root's and
+one unit's. The gradients are counted whole throughout (gradient accumulation keeps them across
+micro-batches); a run of one micro-batch per step without checkpointing (`accumulating=False`)
+takes the tighter `single_micro_batch_peak`, which on an H200 is 1.002-1.082 times the CUDA
+allocator's high-water mark of such a step, every architecture and MoE, fp32 and bf16, plain and
+chunked loss. On 2 gloo CPU ranks (depthbench.train.measured_memory) the estimate bounds every
+rank's peak under DDP and FSDP2, 1.03-1.25 times it (docs/design/memory.md). Allocator
 fragmentation and workspace are not modelled: `HEADROOM` (10 %) is added before the fit test
 against the GPU's memory.
 """
@@ -78,6 +81,10 @@ class MemoryEstimate:
     single_micro_batch: float | None = None
     accumulating: bool = True  # the run accumulates micro-batches: its gradients persist
     unsharded_gradients: float = 0.0  # FSDP2: gradients before their reduce-scatter
+    buckets: float = 0.0  # DDP: its gradient buckets, a second fp32 copy of every gradient
+    # the (sharded) gradients alive at the accumulating step's peak where fewer than `gradients`
+    # (FSDP2's, see estimate_memory); None: all of them
+    gradients_at_peak: float | None = None
 
     def activations_for(self, mode) -> float:
         """Saved activations at the backward's peak under a checkpointing mode (True = full)."""
@@ -95,10 +102,18 @@ class MemoryEstimate:
         act = self.activations_for(checkpointing)
         mode = {True: "full", False: "none"}.get(checkpointing, checkpointing)
         if not self.accumulating and mode == "none" and self.single_micro_batch is not None:
-            return self.weights + self.optimizer + self.gathered + self.single_micro_batch
+            return (
+                self.weights
+                + self.optimizer
+                + self.gathered
+                + self.buckets
+                + self.single_micro_batch
+            )
+        gradients = self.gradients if self.gradients_at_peak is None else self.gradients_at_peak
         return (
             self.weights
-            + self.gradients
+            + gradients
+            + self.buckets
             + self.optimizer
             + self.gathered
             + self.unsharded_gradients
@@ -156,6 +171,9 @@ def estimate_memory(
     )
     held_working = sum(nbytes * copies for nbytes, copies in trace.held.values())
     gradients = n_params * FP32 / shard
+    # under FSDP2 the unsharded gradients of the unit being reduce-scattered and of the one
+    # before it (CUDA frees a reduce-scatter's input once the next one is issued)
+    in_flight = 2 * unit * FP32 if sharded else 0.0
     frees = [0.0] * n_units  # bytes freed once unit u's backward is done (see below)
     for nbytes, owners in trace.saved.values():
         if owners and -1 not in owners:
@@ -172,6 +190,13 @@ def estimate_memory(
         # keeps every one until the step's last micro-batch reduce-scatters them; else the
         # root's, until the end of backward, and one unit's, until its reduce-scatter
         unsharded_gradients=(n_params if accumulating else root + unit) * FP32 if sharded else 0.0,
+        # ... and the sharded ones exist only from the last micro-batch's reduce-scatters on,
+        # each made as its unsharded input goes: at most two units' beside those inputs (the
+        # peak, at the start of that backward, has none)
+        gradients_at_peak=in_flight / shard if sharded and accumulating else None,
+        # DDP (gradient_as_bucket_view off) copies each gradient into its bucket for the
+        # all-reduce and back: the buckets, allocated with the wrapper, live as long as it
+        buckets=n_params * FP32 if world > 1 and not fsdp else 0.0,
         activations=trace.total,
         activations_checkpointed=trace.checkpointed,
         backward_working=max(trace.per_block),
@@ -179,18 +204,17 @@ def estimate_memory(
         activations_selective=trace.saved_with(recompute_mask("selective", n_units)),
         loss_working=loss_working,
         held_working=held_working,
-        # one rank only: DDP's buckets and FSDP2's unsharded gradients outlive a backward
         single_micro_batch=single_micro_batch_peak(
             trace.total,
             trace.unit_saved,
             frees,
             [FP32 * n for n in trace.unit_params],
-            gradients,
+            n_params * FP32,
             loss_working,
             held_working,
-        )
-        if world == 1
-        else None,
+            shard,
+            in_flight,
+        ),
         accumulating=accumulating,
     )
 
@@ -203,10 +227,13 @@ def single_micro_batch_peak(
     gradients: float,
     loss_working: float,
     held_working: float,
+    shard: int = 1,
+    in_flight: float = 0.0,
 ) -> float:
-    """Bytes above weights and AdamW's moments at the worst moment of a step of one micro-batch
-    on one rank without checkpointing, whose gradients do not exist before its backward (set to
-    None after the previous step). Backward runs from the loss through the units, last first.
+    """Bytes above weights and AdamW's moments (and FSDP2's gathered parameters, DDP's buckets) at
+    the worst moment of a step of one micro-batch without checkpointing, whose gradients do not
+    exist before its backward (set to None after the previous step). Backward runs from the loss
+    through the units, last first. `gradients` counts every gradient whole.
 
     - Before the first unit: every saved tensor, the gradients of the parameters outside the
       units (the head's and the final norm's come first; the embedding's last, all counted here)
@@ -218,15 +245,22 @@ def single_micro_batch_peak(
       buffers' (their readers' gradients wait for their producers' backward).
     - After the last unit: every gradient.
 
+    Under FSDP2 (`shard` ranks) a unit's gradients are reduce-scattered once it is done: the
+    units done count a `shard`-th of theirs, and while a unit is differentiated `in_flight` bytes
+    of unsharded gradients (its own and the unit before it, still reducing) count beside them;
+    the root's (outside the units) stay unsharded to the end of backward. On one rank (`shard` 1,
+    `in_flight` 0) every gradient made counts whole.
+
     On an H200 the step's measured high-water mark is 0.92-1.00 of weights + AdamW + this
     (tests/data/h200_training_step_memory.json)."""
     outside = gradients - sum(unit_gradients)
-    moments = [saved + outside + max(loss_working, held_working), gradients]
+    moments = [saved + outside + max(loss_working, held_working)]
     freed, made = 0.0, outside
     for u in reversed(range(len(unit_saved))):
-        made += unit_gradients[u]
-        moments.append(saved - freed + made + unit_saved[u] + held_working)
+        made += unit_gradients[u] / shard
+        moments.append(saved - freed + made + in_flight + unit_saved[u] + held_working)
         freed += unit_frees[u]
+    moments.append(made + in_flight)
     return max(moments)
 
 

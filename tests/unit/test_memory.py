@@ -11,6 +11,7 @@ kernels' switch, the autocast replay and torch.autocast are as they were, during
 after.
 """
 
+import itertools
 import json
 from pathlib import Path
 
@@ -206,6 +207,38 @@ def test_the_single_micro_batch_peak_follows_the_backward():
     assert single_micro_batch_peak(0, [0, 0], [0, 0], [5, 7], 20, 0, 0) == 20
 
 
+def test_under_fsdp2_a_unit_done_keeps_its_shard_of_the_gradients():
+    """The units of the test above on 2 FSDP2 ranks, 14 bytes of unsharded gradients in flight
+    (two units' 7): unit 1: 100 saved + 8 root gradients (unsharded to the end) + 3.5 (unit 1's
+    shard) + 14 + its 40 + 3 = 168.5; unit 0: 100 - 40 + 8 + 3.5 + 2.5 + 14 + 30 + 3 = 121; after
+    them 14 + 14 = 28; before them 118."""
+    from depthbench.train.memory import single_micro_batch_peak
+
+    assert single_micro_batch_peak(100, [30, 40], [20, 40], [5, 7], 20, 10, 3, 2, 14) == 168.5
+    assert single_micro_batch_peak(0, [0, 0], [0, 0], [5, 7], 20, 0, 0, 2, 14) == 28
+
+
+def test_the_data_parallel_terms():
+    """DDP: one fp32 bucket byte per gradient byte, on every rank, in both formulas. FSDP2 on 4
+    ranks: a quarter of the weights, gradients and moments; accumulating, the unsharded gradients
+    whole and of the sharded ones only two units' shards beside them; one rank: neither."""
+    cfg = ModelConfig(arch="pre_ln", vocab_size=96, d_model=48, n_layer=4, n_head=4, max_seq_len=T)
+    n_params = sum(p.numel() for p in build_model(cfg).parameters())
+    one = estimate_memory(cfg, N, T, world=1)
+    for accumulating in (True, False):
+        ddp = estimate_memory(cfg, N, T, world=4, accumulating=accumulating)
+        alone = estimate_memory(cfg, N, T, world=1, accumulating=accumulating)
+        assert ddp.buckets == 4 * n_params == ddp.weights
+        assert ddp.total("none") == alone.total("none") + ddp.buckets
+    fsdp = estimate_memory(cfg, N, T, world=4, fsdp=True)
+    unit = max(sum(p.numel() for p in u.parameters()) for u in build_model(cfg).fsdp_units())
+    assert (fsdp.weights, fsdp.gradients, fsdp.buckets) == (n_params, n_params, 0)
+    assert fsdp.unsharded_gradients == 4 * n_params
+    assert fsdp.gradients_at_peak == 2 * unit
+    assert one.buckets == one.unsharded_gradients == one.gathered == 0
+    assert one.gradients_at_peak is None
+
+
 @pytest.mark.parametrize("arch, moe", CASES, ids=CASE_IDS)
 def test_each_unit_counts_the_parameters_it_runs(arch, moe):
     """The single-micro-batch bound makes a unit's gradients when the unit is differentiated: its
@@ -238,18 +271,31 @@ def test_a_single_micro_batch_step_is_bounded_by_the_accumulating_one(arch, moe)
     """A step of one micro-batch makes its gradients during backward: its bound lies between
     weights + AdamW + every gradient (its last moment) and the accumulating step's, which holds
     every gradient, every saved tensor and the largest working set at once; checkpointing modes
-    keep the accumulating formula."""
+    keep the accumulating formula. On one rank, under DDP (its buckets beside both) and under
+    FSDP2 (the gathered parameters beside both; the unit's shards of the gradients)."""
     for cfg in case_configs(arch, moe):
-        for chunk in (0, 8):
+        for chunk, (world, fsdp) in itertools.product((0, 8), ((1, False), (2, False), (2, True))):
             one, many = (
-                estimate_memory(cfg, N, T, loss_chunk_tokens=chunk, accumulating=accumulating)
+                estimate_memory(
+                    cfg,
+                    N,
+                    T,
+                    loss_chunk_tokens=chunk,
+                    accumulating=accumulating,
+                    world=world,
+                    fsdp=fsdp,
+                )
                 for accumulating in (False, True)
             )
-            static = one.weights + one.optimizer
+            static = one.weights + one.optimizer + one.gathered + one.buckets
             assert static + one.gradients <= one.total("none") <= many.total("none")
             assert one.total("none") >= static + one.activations  # the first moment's tensors
             for mode in ("selective", "full"):
-                assert one.total(mode) == many.total(mode)
+                # FSDP2 without accumulation keeps fewer gradients unsharded (the root's and a
+                # unit's), in every mode
+                assert one.total(mode) == many.total(mode) or (
+                    fsdp and one.total(mode) < many.total(mode)
+                )
 
 
 def test_cuda_autocast_replay_runs_rsqrt_in_fp32():

@@ -118,9 +118,7 @@ def test_document_scoring_equals_the_nll_stage():
 
 def test_effective_fraction_stops_at_the_first_k_over_the_tolerance():
     curve = {1: 2.02, 2: 2.12, 3: 2.04, 4: 3.0}
-    assert (
-        effective_fraction(curve, 2.0, 8, 0.05) == 1 / 8
-    )  # k = 2 breaks it; k = 3 does not count
+    assert effective_fraction(curve, 2.0, 8, 0.05) == 1 / 8  # k = 2 breaks it; k = 3 does not count
     assert effective_fraction(curve, 2.0, 8, 0.10) == 3 / 8  # 2.2: all of k <= 3 within
     assert effective_fraction({1: 2.5}, 2.0, 8, 0.05) == 0.0
     assert removal.layer_counts(8, None) == list(range(1, 8))
