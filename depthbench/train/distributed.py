@@ -105,6 +105,27 @@ def shard(model: nn.Module, mp_policy=None) -> nn.Module:
     return model
 
 
+def mixed_precision_policy(device: torch.device, dtype: torch.dtype):
+    """bf16 parameters (all-gathered in bf16) and fp32 gradient reduction on CUDA in bf16; float32
+    parameters otherwise."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if device.type == "cuda" and dtype == torch.bfloat16:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+
+
+def data_parallel(
+    model: nn.Module, ctx, device: torch.device, dtype: torch.dtype, policy_device=None
+) -> nn.Module:
+    """The module a step calls across ranks: FSDP2 with the `mixed_precision_policy` of
+    `policy_device` (default `device`; the memory measurement gives CPU ranks CUDA's), DDP, or
+    the model itself on one rank."""
+    if ctx.enabled and ctx.strategy == "fsdp":
+        return shard(model, mixed_precision_policy(torch.device(policy_device or device), dtype))
+    return wrap(model, ctx, device)
+
+
 def gradient_sync(net: nn.Module, ctx: DistContext, sync: bool):
     """Context for one micro-batch's forward and backward: skip the gradient all-reduce
     (reduce-scatter under FSDP2) on all but the last micro-batch of a step."""

@@ -9,16 +9,18 @@ measures the second, which finds AdamW's moments and the workspaces made by the 
   mark; allocations are rounded up to the allocator's blocks);
 - on the CPU, the same two numbers from a counting allocator (DepthBench's C++ extension,
   depthbench/kernels/counting_allocator.cpp) installed over torch's CPU allocator for the
-  measurement: it counts every block as it is handed out and as it is freed, on any thread (gloo's
-  included, which torch's profiler does not follow). The CPU runs the eager path (no CPU kernel:
-  depthbench.kernels.disabled), the one CUDA runs.
+  measurement: it counts each block torch allocates on the CPU while it is installed, as it is
+  handed out and as it is freed, on any thread (gloo's included, which torch's profiler does not
+  follow). Not counted: the buffers gloo allocates for itself, outside torch's allocator, and
+  storages made before the measurement that grow during it. The CPU runs the eager path (no CPU
+  kernel: depthbench.kernels.disabled), the one CUDA runs.
 
 Under torch.distributed (`ctx`: gloo ranks on the CPU, NCCL on GPUs) the model is wrapped as
-training wraps it (depthbench.train.parallelize.data_parallel: DDP, or FSDP2 with bf16
-parameters on CUDA under bf16) and each rank measures its
-own bytes: this is how DDP's gradient buckets and FSDP2's sharding, all-gathers and unsharded
-gradients are measured without a GPU (tests/integration/test_distributed_memory.py). What the
-CPU cannot show is CUDA's stream-ordered freeing of the communication buffers.
+training wraps it (depthbench.train.distributed.data_parallel: DDP, or FSDP2 with the
+mixed-precision policy of `fsdp_policy_device`) and each rank measures its own bytes: this is how
+DDP's gradient buckets and FSDP2's sharding, all-gathers and reduce-scatters are measured without
+a GPU (tests/integration/test_distributed_memory.py). What the CPU cannot show is CUDA's
+stream-ordered freeing of the communication buffers and CUDA's own kernels' working sets.
 """
 
 from __future__ import annotations
@@ -32,8 +34,7 @@ import torch
 from depthbench import kernels
 from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model
-from depthbench.train.distributed import DistContext, gradient_sync
-from depthbench.train.parallelize import data_parallel
+from depthbench.train.distributed import DistContext, data_parallel, gradient_sync
 
 
 @dataclasses.dataclass
@@ -56,6 +57,7 @@ def allocator_step_memory(
     micro_batches: int = 1,
     seed: int = 0,
     ctx: DistContext | None = None,
+    fsdp_policy_device: str | None = None,
 ) -> AllocatorMeasurement:
     """The model of `cfg` trained for two steps on `device` (CUDA or the CPU) under bf16
     autocast or not, each step over `micro_batches` micro-batches of random token ids, on this
@@ -63,13 +65,15 @@ def allocator_step_memory(
     is the growth over the step's last forward, when the earlier micro-batches' gradients
     already exist. What `estimate_memory` predicts for it (with the same `loss_chunk_tokens`,
     world size and strategy): `weights + optimizer + buckets` for `static`, `activations` for
-    `saved`, `total("none")` for `peak`."""
+    `saved`, `total("none")` for `peak`. FSDP2 ranks take the mixed-precision policy of
+    `fsdp_policy_device` (default `device`): "cuda" on CPU ranks gathers bf16 parameters and
+    reduces in fp32 as GPU ranks do under bf16."""
     device = torch.device(device)
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"allocator_step_memory: measures CUDA or the CPU, not {device}")
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
-    step = _TrainingStep(
+    step = TrainingStep(
         cfg,
         micro_batch,
         seq_len,
@@ -79,6 +83,7 @@ def allocator_step_memory(
         micro_batches,
         seed,
         ctx or DistContext(),
+        fsdp_policy_device,
     )
     if device.type == "cuda":
         return _measure(step, _CudaCounter(device))
@@ -88,26 +93,34 @@ def allocator_step_memory(
         return _measure(step, counter)
 
 
-class _TrainingStep:
-    """A model, its wrapper and AdamW, and the parts of a step the measurements time."""
+@dataclasses.dataclass
+class TrainingStep:
+    """A model, its wrapper and AdamW (`build`), and the parts of a step the measurements time;
+    `run` is a whole step. The arguments of `allocator_step_memory`."""
 
-    def __init__(
-        self, cfg, micro_batch, seq_len, bf16, device, loss_chunk_tokens, micro_batches, seed, ctx
-    ):
-        self.args = (cfg, micro_batch, seq_len, bf16, device, loss_chunk_tokens, seed)
-        self.micro_batches, self.ctx = micro_batches, ctx
+    cfg: ModelConfig
+    micro_batch: int
+    seq_len: int
+    bf16: bool
+    device: torch.device
+    loss_chunk_tokens: int = 0
+    micro_batches: int = 1
+    seed: int = 0
+    ctx: DistContext = dataclasses.field(default_factory=DistContext)
+    fsdp_policy_device: str | None = None
 
     def build(self) -> None:
-        cfg, micro_batch, seq_len, bf16, device, loss_chunk_tokens, seed = self.args
-        torch.manual_seed(seed)
-        self.model = build_model(cfg).to(device)
-        self.model.loss_chunk_tokens = loss_chunk_tokens
-        dtype = torch.bfloat16 if bf16 else torch.float32
-        self.net = data_parallel(self.model, self.ctx, device, dtype)
+        torch.manual_seed(self.seed)
+        self.model = build_model(self.cfg).to(self.device)
+        self.model.loss_chunk_tokens = self.loss_chunk_tokens
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        self.net = data_parallel(self.model, self.ctx, self.device, dtype, self.fsdp_policy_device)
         # after wrapping: FSDP2 replaces the parameters by their shards
         self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=1e-4, fused=True)
-        self.ids = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), device=device)
-        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+        self.ids = torch.randint(
+            0, self.cfg.vocab_size, (self.micro_batch, self.seq_len), device=self.device
+        )
+        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
     def forward(self) -> torch.Tensor:
         with self.autocast:
@@ -135,7 +148,7 @@ class _TrainingStep:
         self.update(self.last_forward())
 
 
-def _measure(step: _TrainingStep, counter) -> AllocatorMeasurement:
+def _measure(step: TrainingStep, counter) -> AllocatorMeasurement:
     """The two steps, counted by `counter` (bytes alive, their high-water mark, its reset). The
     garbage of earlier work and of the first step (reference cycles of models, hooks and graphs)
     is collected first, so that it is neither freed during the measured step nor counted in it."""

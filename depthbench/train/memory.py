@@ -23,15 +23,17 @@ as many buffer-sized gradients as the architecture announces (layers.held_for_ba
 DDP adds its gradient buckets (a second fp32 copy of every gradient, alive with the wrapper).
 Under FSDP2 the first three are divided by the world size; the root unit's parameters
 (embedding, head, final norm) are gathered from its forward to the end of backward and two
-units' at a time (the current one and the prefetched one); and the unsharded gradients count
-too: every one while micro-batches accumulate without sync (beside them at most two units'
-sharded gradients, which only the last micro-batch's reduce-scatters make), else the root's and
+units' at a time (the current one and the prefetched one), in the dtype of its mixed-precision
+policy (bf16 on GPUs under bf16: the trace then runs on bf16 parameters, of which autocast keeps
+no copy); and the unsharded gradients count too: every one while micro-batches accumulate
+without sync (beside them what the last micro-batch's reduce-scatters hold: a unit's fp32 input
+copy, the shards made so far, under bf16 a unit's fresh bf16 gradients), else the root's and
 one unit's. The gradients are counted whole throughout (gradient accumulation keeps them across
 micro-batches); a run of one micro-batch per step without checkpointing (`accumulating=False`)
 takes the tighter `single_micro_batch_peak`, which on an H200 is 1.002-1.082 times the CUDA
 allocator's high-water mark of such a step, every architecture and MoE, fp32 and bf16, plain and
-chunked loss. On 2 gloo CPU ranks (depthbench.train.measured_memory) the estimate bounds every
-rank's peak under DDP and FSDP2, 1.03-1.25 times it (docs/design/memory.md). Allocator
+chunked loss. On gloo CPU ranks (depthbench.train.measured_memory) the estimate bounded every
+rank's peak measured under DDP and FSDP2, 1.03-1.35 times it (docs/design/memory.md). Allocator
 fragmentation and workspace are not modelled: `HEADROOM` (10 %) is added before the fit test
 against the GPU's memory.
 """
@@ -145,11 +147,13 @@ def estimate_memory(
     device: str = "cuda",
     loss_chunk_tokens: int = 0,
     accumulating: bool = True,
+    fsdp_policy_device: str | None = None,
 ) -> MemoryEstimate:
     """Per-rank memory of a training step on `device` ("cuda" or "cpu": its autocast and MoE
     paths) with the loss computed `loss_chunk_tokens` tokens at a time (0: the plain loss), in a
     run that accumulates several micro-batches per optimizer step or not (`accumulating`; see
-    the module docstring for each term)."""
+    the module docstring for each term). Under FSDP2 the ranks take the mixed-precision policy of
+    `fsdp_policy_device` (default `device`; depthbench.train.distributed.mixed_precision_policy)."""
     # weights on meta, uninitialised (parameters_on_meta), then the constants built on the CPU
     # (HC's eye) moved to meta too; under torch.device("meta") every nn.Linear and nn.Embedding
     # init ran on meta through Python reference kernels: a third of an estimate's time
@@ -157,12 +161,25 @@ def estimate_memory(
         model = build_model(cfg, initialize=False)
     model.to("meta")
     model.loss_chunk_tokens = loss_chunk_tokens
+    shard = world if fsdp else 1
+    sharded = fsdp and world > 1
+    param_bytes = FP32
+    if sharded:
+        from depthbench.train.distributed import mixed_precision_policy
+
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        policy = mixed_precision_policy(torch.device(fsdp_policy_device or device), dtype)
+        if policy.param_dtype is not None:
+            # FSDP2 all-gathers the parameters in param_dtype, and the layers save the gathered
+            # tensors, whose storage it frees after each unit's forward and gathers again for its
+            # backward (`gathered`): autocast makes no copy of a weight for backward to keep
+            for p in model.parameters():
+                p.data = p.data.to(policy.param_dtype)
+            param_bytes = policy.param_dtype.itemsize
     trace = trace_activations(
         model, torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta"), bf16, device
     )
     n_params = sum(p.numel() for p in model.parameters())
-    shard = world if fsdp else 1
-    sharded = fsdp and world > 1
     units = [sum(p.numel() for p in u.parameters()) for u in model.fsdp_units()]
     unit, root = max(units), n_params - sum(units)
     n_units = len(trace.unit_saved)
@@ -171,9 +188,16 @@ def estimate_memory(
     )
     held_working = sum(nbytes * copies for nbytes, copies in trace.held.values())
     gradients = n_params * FP32 / shard
-    # under FSDP2 the unsharded gradients of the unit being reduce-scattered and of the one
-    # before it (CUDA frees a reduce-scatter's input once the next one is issued)
+    # FSDP2's reduce-scatter of a unit (torch 2.13's foreach_reduce) copies the unit's unsharded
+    # gradients into one fp32 input buffer (freed before the next unit's is made) beside them:
+    # two units' fp32 bytes while a unit is differentiated, its gradients in the parameters'
+    # dtype and the copy
     in_flight = 2 * unit * FP32 if sharded else 0.0
+    # accumulating: the copy beside the accumulated fp32 gradients, the shards made so far beside
+    # their inputs (two units', as above), and under bf16 parameters the unit's fresh bf16
+    # gradients before FSDP2 adds them to the fp32 accumulation
+    fresh = unit * param_bytes if param_bytes != FP32 else 0.0
+    accumulating_in_flight = unit * FP32 + 2 * unit * FP32 / shard + fresh
     frees = [0.0] * n_units  # bytes freed once unit u's backward is done (see below)
     for nbytes, owners in trace.saved.values():
         if owners and -1 not in owners:
@@ -185,15 +209,17 @@ def estimate_memory(
         # FSDP2: the root unit (embedding, head, final norm) stays gathered from its forward to
         # the end of backward, and two units are gathered at a time (the current one and the
         # prefetched one)
-        gathered=(root + 2 * unit) * (2 if bf16 else FP32) if sharded else 0.0,
+        gathered=(root + 2 * unit) * param_bytes if sharded else 0.0,
         # FSDP2's unsharded gradients: accumulating without sync (train.loop's gradient_sync)
         # keeps every one until the step's last micro-batch reduce-scatters them; else the
         # root's, until the end of backward, and one unit's, until its reduce-scatter
         unsharded_gradients=(n_params if accumulating else root + unit) * FP32 if sharded else 0.0,
         # ... and the sharded ones exist only from the last micro-batch's reduce-scatters on,
-        # each made as its unsharded input goes: at most two units' beside those inputs (the
-        # peak, at the start of that backward, has none)
-        gradients_at_peak=in_flight / shard if sharded and accumulating else None,
+        # each made as its unsharded input goes (the peak, at the start of that backward, has
+        # none): what the reduce-scatters hold beside the unsharded gradients counts instead.
+        # Not counted: the root's own copy at the very end of backward, when no activation is
+        # left (below this formula unless the root holds most of the parameters)
+        gradients_at_peak=accumulating_in_flight if sharded and accumulating else None,
         # DDP (gradient_as_bucket_view off) copies each gradient into its bucket for the
         # all-reduce and back: the buckets, allocated with the wrapper, live as long as it
         buckets=n_params * FP32 if world > 1 and not fsdp else 0.0,
@@ -247,9 +273,9 @@ def single_micro_batch_peak(
 
     Under FSDP2 (`shard` ranks) a unit's gradients are reduce-scattered once it is done: the
     units done count a `shard`-th of theirs, and while a unit is differentiated `in_flight` bytes
-    of unsharded gradients (its own and the unit before it, still reducing) count beside them;
-    the root's (outside the units) stay unsharded to the end of backward. On one rank (`shard` 1,
-    `in_flight` 0) every gradient made counts whole.
+    (its unsharded gradients and the reduce-scatter's fp32 copy of them) count beside them; the
+    root's (outside the units) stay unsharded to the end of backward, where the reduce-scatter
+    copies them too. On one rank (`shard` 1, `in_flight` 0) every gradient made counts whole.
 
     On an H200 the step's measured high-water mark is 0.92-1.00 of weights + AdamW + this
     (tests/data/h200_training_step_memory.json)."""
@@ -260,7 +286,7 @@ def single_micro_batch_peak(
         made += unit_gradients[u] / shard
         moments.append(saved - freed + made + in_flight + unit_saved[u] + held_working)
         freed += unit_frees[u]
-    moments.append(made + in_flight)
+    moments.append(made + in_flight + (outside if shard > 1 else 0.0))
     return max(moments)
 
 

@@ -177,38 +177,19 @@ def wrap_units(
     return units
 
 
-def mixed_precision_policy(device: torch.device, dtype: torch.dtype):
-    """bf16 parameters (all-gathered in bf16) and fp32 gradient reduction on CUDA in bf16; float32
-    parameters otherwise."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    if device.type == "cuda" and dtype == torch.bfloat16:
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
-
-
-def data_parallel(model: nn.Module, ctx, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The module a step calls across ranks: FSDP2 with `mixed_precision_policy`, DDP, or the
-    model itself on one rank."""
-    from depthbench.train import distributed
-
-    if ctx.enabled and ctx.strategy == "fsdp":
-        return distributed.shard(model, mixed_precision_policy(device, dtype))
-    return distributed.wrap(model, ctx, device)
-
-
 def parallelize(
     model: nn.Module, tc, ctx, device: torch.device, dtype: torch.dtype, backend: str = "inductor"
 ):
     """(net, step_fn): the module the step's gradient sync acts on and the callable it runs.
     Order: checkpointing, per-block compile, then DDP / FSDP2 / nothing, then whole-model
     compile."""
+    from depthbench.train import distributed
 
     mode = resolve_checkpointing(
         tc.activation_checkpointing, model.cfg, tc, device, ctx.world_size, dtype == torch.bfloat16
     )
     compile = compile_mode(tc.compile)
     wrap_units(model, mode, compile, backend)
-    net = data_parallel(model, ctx, device, dtype)
+    net = distributed.data_parallel(model, ctx, device, dtype)
     step_fn = torch.compile(net, backend=backend) if compile == "model" else net
     return net, step_fn, mode

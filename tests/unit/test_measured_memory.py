@@ -70,6 +70,43 @@ def test_blocks_of_an_earlier_measurement_leave_a_later_ones_counts_alone():
         assert (counter.alive(), counter.peak()) == (0, 0)
 
 
+def test_blocks_keep_the_shape_torchs_raw_allocation_asks_for():
+    """A block's data pointer is its own context, as torch's CPU allocator makes it: oneDNN's
+    bf16 products take their scratchpads through `raw_allocate`, which asserts that (and frees
+    through `raw_deleter`). A bf16 linear layer forward and backward, counted, gives the result
+    it gives uncounted, and leaves nothing alive but what it returns."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 256, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(512, 256, dtype=torch.bfloat16, requires_grad=True)
+
+    def run():
+        y = torch.nn.functional.linear(x, w)
+        (dx,) = torch.autograd.grad(y.float().square().sum(), x)
+        return y, dx
+
+    expected = run()
+    with counted_cpu_allocations() as counter:
+        got = run()
+        kept = sum(t.untyped_storage().nbytes() for t in got)
+        assert counter.alive() == kept
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+
+
+def test_storages_made_while_counting_grow_after_the_measurement():
+    """A storage keeps the allocator that made it and resizes through it: after the measurement
+    that allocator hands out the replaced allocator's blocks, uncounted; during a later one it
+    counts them as that measurement's."""
+    with counted_cpu_allocations():
+        kept = torch.empty(0)
+    kept.resize_(1000).fill_(2.0)  # resized through the removed allocator
+    assert torch.equal(kept, torch.full((1000,), 2.0))
+    with counted_cpu_allocations() as counter:
+        kept.resize_(2000)  # a new block of 8000 bytes; the old one was never counted
+        assert (counter.alive(), counter.peak()) == (8000, 8000)
+    assert torch.equal(kept[:1000], torch.full((1000,), 2.0))
+
+
 def test_one_measurement_at_a_time():
     with counted_cpu_allocations():
         with pytest.raises(RuntimeError, match="already counting"):
@@ -87,10 +124,9 @@ def _profiled_step(cfg, micro_batches) -> tuple[int, int]:
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from depthbench.train.distributed import DistContext
-    from depthbench.train.measured_memory import _TrainingStep
+    from depthbench.train.measured_memory import TrainingStep
 
-    step = _TrainingStep(cfg, 2, 32, False, torch.device("cpu"), 0, micro_batches, 0, DistContext())
+    step = TrainingStep(cfg, 2, 32, False, torch.device("cpu"), micro_batches=micro_batches)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with kernels.disabled():
             step.build()

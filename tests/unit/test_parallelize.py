@@ -28,7 +28,8 @@ from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model
 from depthbench.train.activation_trace import trace_activations
 from depthbench.train.memory import recompute_mask
-from depthbench.train.parallelize import compile_mode, mixed_precision_policy, wrap_units
+from depthbench.train.distributed import mixed_precision_policy
+from depthbench.train.parallelize import compile_mode, wrap_units
 from depthbench.models.registry import PACKAGE_ARCHITECTURES
 from tests.parallel_models import FEW_ITERATIONS, VOCAB, assert_same, tiny
 
