@@ -185,7 +185,7 @@ def test_four_ranks_with_next_to_no_activations(tmp_path):
     which does not shrink with the world size, the shards made so far, under bf16 a unit's fresh
     bf16 gradients). The estimate bounds them on 4 ranks, at most 1.5 times (it counts two units
     gathered and in flight for CUDA's streams, which here are most of the bytes). Counting the
-    shards alone beside the unsharded gradients, the estimate fell to 0.97 of these peaks."""
+    shards alone beside the unsharded gradients, the estimate is 0.97 of these peaks."""
     _assert_bounded(_measure(FOUR_RANKS, tmp_path), 1.5)
 
 
