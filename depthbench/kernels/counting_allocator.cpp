@@ -29,47 +29,54 @@ struct Block {
   int64_t installation;  // the installation that counted it
 };
 
-std::atomic<int64_t> alive_bytes{0};
-std::atomic<int64_t> peak_bytes{0};
-std::atomic<int64_t> installation{0};
-std::atomic<bool> installed{false};
+// The counts and the blocks out, by address, all changed under one mutex (an installation resets
+// the counts while other threads free blocks). On the heap and never destroyed: a tensor freed
+// during the interpreter's shutdown, after static destructors ran, must still find them.
+struct State {
+  std::mutex mutex;
+  std::unordered_map<void*, Block> blocks;
+  int64_t alive_bytes = 0;
+  int64_t peak_bytes = 0;
+  int64_t installation = 0;
+  bool installed = false;
+};
+
+State& state() {
+  static auto* shared = new State;
+  return *shared;
+}
+
 // the replaced allocator, kept after the removal for the storages made while installed
 std::atomic<c10::Allocator*> replaced{nullptr};
 
-// The blocks out, by address. On the heap and never destroyed: a tensor freed during the
-// interpreter's shutdown, after static destructors ran, must still find them.
-std::mutex& blocks_mutex() {
-  static auto* mutex = new std::mutex;
-  return *mutex;
-}
-std::unordered_map<void*, Block>& blocks() {
-  static auto* map = new std::unordered_map<void*, Block>;
-  return *map;
-}
-
-void count(int64_t nbytes) {
-  const int64_t now = alive_bytes.fetch_add(nbytes) + nbytes;
-  int64_t peak = peak_bytes.load();
-  while (now > peak && !peak_bytes.compare_exchange_weak(peak, now)) {
-  }
+c10::Allocator* replaced_allocator() {
+  c10::Allocator* allocator = replaced.load();
+  return allocator != nullptr ? allocator : c10::GetDefaultCPUAllocator();
 }
 
 void release(void* ptr) {
-  Block block;
+  Block block{};
+  bool found = false;
   {
-    std::lock_guard<std::mutex> lock(blocks_mutex());
-    auto found = blocks().find(ptr);
-    if (found == blocks().end()) {
-      // raw_deallocate asks the allocator installed now for its raw deleter: a raw block of the
-      // replaced allocator goes back to it
-      const c10::DeleterFnPtr raw = replaced.load()->raw_deleter();
-      if (raw != nullptr) raw(ptr);
-      return;
+    State& s = state();
+    std::lock_guard<std::mutex> lock(s.mutex);
+    auto it = s.blocks.find(ptr);
+    if (it != s.blocks.end()) {
+      found = true;
+      block = it->second;
+      s.blocks.erase(it);
+      if (block.installation == s.installation) s.alive_bytes -= block.nbytes;
     }
-    block = found->second;
-    blocks().erase(found);
   }
-  if (block.installation == installation.load()) alive_bytes.fetch_sub(block.nbytes);
+  // the deleters run outside the lock: one that frees through this allocator again must not wait
+  // on it
+  if (!found) {
+    // raw_deallocate asks the allocator installed now for its raw deleter: a raw block of the
+    // replaced allocator goes back to it
+    const c10::DeleterFnPtr raw = replaced_allocator()->raw_deleter();
+    if (raw != nullptr) raw(ptr);
+    return;
+  }
   if (block.inner_deleter != nullptr) block.inner_deleter(block.inner_context);
 }
 
@@ -78,16 +85,19 @@ void release(void* ptr) {
 class CountingCPUAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
-    c10::DataPtr data = replaced.load()->allocate(nbytes);
+    c10::DataPtr data = replaced_allocator()->allocate(nbytes);
     void* ptr = data.get();
-    if (ptr == nullptr || !installed.load()) return data;  // zero bytes, or not counting
-    const c10::DeleterFnPtr deleter = data.get_deleter();
-    void* context = data.release_context();
+    if (ptr == nullptr) return data;  // zero bytes: nothing to count
+    State& s = state();
     {
-      std::lock_guard<std::mutex> lock(blocks_mutex());
-      blocks()[ptr] = {context, deleter, static_cast<int64_t>(nbytes), installation.load()};
+      std::lock_guard<std::mutex> lock(s.mutex);
+      if (!s.installed) return data;  // removed: the replaced allocator's block, uncounted
+      const c10::DeleterFnPtr deleter = data.get_deleter();
+      void* context = data.release_context();
+      s.blocks[ptr] = {context, deleter, static_cast<int64_t>(nbytes), s.installation};
+      s.alive_bytes += static_cast<int64_t>(nbytes);
+      if (s.alive_bytes > s.peak_bytes) s.peak_bytes = s.alive_bytes;
     }
-    count(static_cast<int64_t>(nbytes));
     return {ptr, ptr, &release, c10::Device(c10::DeviceType::CPU)};
   }
 
@@ -104,28 +114,42 @@ CountingCPUAllocator counting;
 
 // Install the counting allocator (the counts start at 0); false if it already is.
 bool counting_allocator_install() {
-  if (installed.load()) return false;
-  c10::Allocator* current = c10::GetCPUAllocator();
-  if (current != &counting) replaced = current;
-  installation.fetch_add(1);
-  alive_bytes = 0;
-  peak_bytes = 0;
-  installed = true;
+  State& s = state();
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    if (s.installed) return false;
+    c10::Allocator* current = c10::GetCPUAllocator();
+    if (current != &counting) replaced = current;
+    s.installation += 1;
+    s.alive_bytes = 0;
+    s.peak_bytes = 0;
+    s.installed = true;
+  }
   c10::SetCPUAllocator(&counting, /*priority=*/255);
   return true;
 }
 
 // Put the replaced allocator back; the blocks still out are uncounted as they are freed.
 void counting_allocator_remove() {
-  if (!installed.load()) return;
-  c10::SetCPUAllocator(replaced.load(), /*priority=*/255);
-  installed = false;
+  State& s = state();
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    if (!s.installed) return;
+    s.installed = false;
+  }
+  c10::SetCPUAllocator(replaced_allocator(), /*priority=*/255);
 }
 
 // (bytes alive, their high-water mark since the installation or the last reset).
 std::tuple<int64_t, int64_t> counting_allocator_counts() {
-  return {alive_bytes.load(), peak_bytes.load()};
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return {s.alive_bytes, s.peak_bytes};
 }
 
 // Start the high-water mark again from the bytes alive now.
-void counting_allocator_reset_peak() { peak_bytes = alive_bytes.load(); }
+void counting_allocator_reset_peak() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.peak_bytes = s.alive_bytes;
+}

@@ -27,13 +27,14 @@ units' at a time (the current one and the prefetched one), in the dtype of its m
 policy (bf16 on GPUs under bf16: the trace then runs on bf16 parameters, of which autocast keeps
 no copy); and the unsharded gradients count too: every one while micro-batches accumulate
 without sync (beside them what the last micro-batch's reduce-scatters hold: a unit's fp32 input
-copy, the shards made so far, under bf16 a unit's fresh bf16 gradients), else the root's and
+copy, the shards made so far, under bf16 the fresh bf16 gradients of a unit and of the root;
+and at the end of backward the root's gradients beside its own copy), else the root's and
 one unit's. The gradients are counted whole throughout (gradient accumulation keeps them across
 micro-batches); a run of one micro-batch per step without checkpointing (`accumulating=False`)
 takes the tighter `single_micro_batch_peak`, which on an H200 is 1.002-1.082 times the CUDA
 allocator's high-water mark of such a step, every architecture and MoE, fp32 and bf16, plain and
 chunked loss. On gloo CPU ranks (depthbench.train.measured_memory) the estimate bounded every
-rank's peak measured under DDP and FSDP2, 1.03-1.35 times it (docs/design/memory.md). Allocator
+rank's peak measured under DDP and FSDP2, 1.02-1.35 times it (docs/design/memory.md). Allocator
 fragmentation and workspace are not modelled: `HEADROOM` (10 %) is added before the fit test
 against the GPU's memory.
 """
@@ -87,6 +88,9 @@ class MemoryEstimate:
     # the (sharded) gradients alive at the accumulating step's peak where fewer than `gradients`
     # (FSDP2's, see estimate_memory); None: all of them
     gradients_at_peak: float | None = None
+    # FSDP2, accumulating: the gradients at the end of the last backward, when no activation is
+    # left (every unit's shard, the root's unsharded ones and its reduce-scatter's copy)
+    end_of_backward: float = 0.0
 
     def activations_for(self, mode) -> float:
         """Saved activations at the backward's peak under a checkpointing mode (True = full)."""
@@ -112,7 +116,7 @@ class MemoryEstimate:
                 + self.single_micro_batch
             )
         gradients = self.gradients if self.gradients_at_peak is None else self.gradients_at_peak
-        return (
+        during = (
             self.weights
             + gradients
             + self.buckets
@@ -122,6 +126,7 @@ class MemoryEstimate:
             + act
             + max(self.backward_working + self.held_working, self.loss_working)
         )
+        return max(during, self.weights + self.optimizer + self.gathered + self.end_of_backward)
 
     def needs_checkpointing(self, gpu_bytes: float) -> bool:
         return self.total("none") * (1 + HEADROOM) > gpu_bytes
@@ -194,9 +199,10 @@ def estimate_memory(
     # dtype and the copy
     in_flight = 2 * unit * FP32 if sharded else 0.0
     # accumulating: the copy beside the accumulated fp32 gradients, the shards made so far beside
-    # their inputs (two units', as above), and under bf16 parameters the unit's fresh bf16
-    # gradients before FSDP2 adds them to the fp32 accumulation
-    fresh = unit * param_bytes if param_bytes != FP32 else 0.0
+    # their inputs (two units', as above), and under bf16 parameters the fresh bf16 gradients
+    # that wait for FSDP2 to add them to the fp32 accumulation: a unit's, and the root's, made
+    # at the start of backward (the head's) and added only at its end
+    fresh = (unit + root) * param_bytes if param_bytes != FP32 else 0.0
     accumulating_in_flight = unit * FP32 + 2 * unit * FP32 / shard + fresh
     frees = [0.0] * n_units  # bytes freed once unit u's backward is done (see below)
     for nbytes, owners in trace.saved.values():
@@ -216,10 +222,15 @@ def estimate_memory(
         unsharded_gradients=(n_params if accumulating else root + unit) * FP32 if sharded else 0.0,
         # ... and the sharded ones exist only from the last micro-batch's reduce-scatters on,
         # each made as its unsharded input goes (the peak, at the start of that backward, has
-        # none): what the reduce-scatters hold beside the unsharded gradients counts instead.
-        # Not counted: the root's own copy at the very end of backward, when no activation is
-        # left (below this formula unless the root holds most of the parameters)
+        # none): what the reduce-scatters hold beside the unsharded gradients counts instead;
+        # at the very end of backward (no activation left) every shard, and the root's
+        # unsharded gradients beside its reduce-scatter's copy (and its fresh bf16 ones)
         gradients_at_peak=accumulating_in_flight if sharded and accumulating else None,
+        end_of_backward=(
+            n_params * FP32 / shard + 2 * root * FP32 + root * (param_bytes != FP32) * param_bytes
+            if sharded and accumulating
+            else 0.0
+        ),
         # DDP (gradient_as_bucket_view off) copies each gradient into its bucket for the
         # all-reduce and back: the buckets, allocated with the wrapper, live as long as it
         buckets=n_params * FP32 if world > 1 and not fsdp else 0.0,

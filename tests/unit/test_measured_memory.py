@@ -74,7 +74,9 @@ def test_blocks_keep_the_shape_torchs_raw_allocation_asks_for():
     """A block's data pointer is its own context, as torch's CPU allocator makes it: oneDNN's
     bf16 products take their scratchpads through `raw_allocate`, which asserts that (and frees
     through `raw_deleter`). A bf16 linear layer forward and backward, counted, gives the result
-    it gives uncounted, and leaves nothing alive but what it returns."""
+    it gives uncounted, and leaves nothing alive but what it returns. Where oneDNN runs bf16
+    products (AVX512-BF16 or AMX CPUs) this takes the raw path; elsewhere it checks the counts
+    and results only."""
     torch.manual_seed(0)
     x = torch.randn(64, 256, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(512, 256, dtype=torch.bfloat16, requires_grad=True)

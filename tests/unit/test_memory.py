@@ -239,6 +239,13 @@ def test_the_data_parallel_terms():
     for world in (2, 4, 16):
         at_peak = estimate_memory(cfg, N, T, world=world, fsdp=True).gradients_at_peak
         assert 4 * unit <= at_peak < 4 * n_params
+    # the parameters gather in the dtype of the ranks' policy: bf16 on GPUs under bf16, else fp32
+    root = n_params - sum(
+        sum(p.numel() for p in u.parameters()) for u in build_model(cfg).fsdp_units()
+    )
+    for device, bf16, nbytes in (("cuda", True, 2), ("cuda", False, 4), ("cpu", True, 4)):
+        gathered = estimate_memory(cfg, N, T, bf16=bf16, world=4, fsdp=True, device=device).gathered
+        assert gathered == (root + 2 * unit) * nbytes, (device, bf16)
     assert one.buckets == one.unsharded_gradients == one.gathered == 0
     assert one.gradients_at_peak is None
 
