@@ -79,23 +79,10 @@ def setup(strategy: str, device_name: str) -> tuple[DistContext, str]:
     return DistContext(rank, world, local_rank, strategy), device_name
 
 
-def wrap(model: nn.Module, ctx: DistContext, device: torch.device) -> nn.Module:
-    """The module the training step calls: DDP, FSDP2-sharded in place, or the model itself."""
-    if not ctx.enabled:
-        return model
-    if ctx.strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        return DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-    return shard(model)
-
-
 def shard(model: nn.Module, mp_policy=None) -> nn.Module:
     """FSDP2 in place: each of the architecture's units (one per layer by default, see
     DecoderLM.fsdp_units), then the rest (embedding, head, final norm) as the root unit, all with
-    `mp_policy` (a MixedPrecisionPolicy; depthbench.train.parallelize picks it)."""
+    `mp_policy` (a MixedPrecisionPolicy; `data_parallel` picks it)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp_policy = mp_policy or MixedPrecisionPolicy()
@@ -118,12 +105,18 @@ def mixed_precision_policy(device: torch.device, dtype: torch.dtype):
 def data_parallel(
     model: nn.Module, ctx, device: torch.device, dtype: torch.dtype, policy_device=None
 ) -> nn.Module:
-    """The module a step calls across ranks: FSDP2 with the `mixed_precision_policy` of
-    `policy_device` (default `device`; the memory measurement gives CPU ranks CUDA's), DDP, or
-    the model itself on one rank."""
-    if ctx.enabled and ctx.strategy == "fsdp":
-        return shard(model, mixed_precision_policy(torch.device(policy_device or device), dtype))
-    return wrap(model, ctx, device)
+    """The module a step calls: the model itself on one rank, DDP, or the model sharded in place
+    by FSDP2 with the `mixed_precision_policy` of `policy_device` (default `device`; the memory
+    measurement gives CPU ranks CUDA's)."""
+    if not ctx.enabled:
+        return model
+    if ctx.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    return shard(model, mixed_precision_policy(torch.device(policy_device or device), dtype))
 
 
 def gradient_sync(net: nn.Module, ctx: DistContext, sync: bool):

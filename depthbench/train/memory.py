@@ -202,8 +202,8 @@ def estimate_memory(
     # their inputs (two units', as above), and under bf16 parameters the fresh bf16 gradients
     # that wait for FSDP2 to add them to the fp32 accumulation: a unit's, and the root's, made
     # at the start of backward (the head's) and added only at its end
-    fresh = (unit + root) * param_bytes if param_bytes != FP32 else 0.0
-    accumulating_in_flight = unit * FP32 + 2 * unit * FP32 / shard + fresh
+    fresh_bytes = param_bytes if param_bytes != FP32 else 0  # per parameter
+    accumulating_in_flight = unit * FP32 + 2 * unit * FP32 / shard + (unit + root) * fresh_bytes
     frees = [0.0] * n_units  # bytes freed once unit u's backward is done (see below)
     for nbytes, owners in trace.saved.values():
         if owners and -1 not in owners:
@@ -227,7 +227,7 @@ def estimate_memory(
         # unsharded gradients beside its reduce-scatter's copy (and its fresh bf16 ones)
         gradients_at_peak=accumulating_in_flight if sharded and accumulating else None,
         end_of_backward=(
-            n_params * FP32 / shard + 2 * root * FP32 + root * (param_bytes != FP32) * param_bytes
+            n_params * FP32 / shard + 2 * root * FP32 + root * fresh_bytes
             if sharded and accumulating
             else 0.0
         ),

@@ -106,6 +106,7 @@ def _worker(rank, setting, store, out):
 
 
 def _measure(setting, tmp):
+    """(what a rank measured, the estimate) by (label, micro-batches, kind)."""
     import torch.multiprocessing as mp
 
     if kernels.cpu_kernels() is None:
@@ -114,7 +115,8 @@ def _measure(setting, tmp):
         )
     args = (setting, str(tmp / "store"), str(tmp / "out.pt"))
     mp.spawn(_worker, args=args, nprocs=setting.world, join=True)
-    return setting, torch.load(tmp / "out.pt", weights_only=False)
+    results = torch.load(tmp / "out.pt", weights_only=False)
+    return {key: (got, _estimate(setting, *key)) for key, got in results.items()}
 
 
 @pytest.fixture(scope="module")
@@ -139,13 +141,8 @@ def _estimate(setting, label, micro_batches, kind):
 
 
 def _cases(measured):
-    setting, results = measured
-    for (label, micro_batches, kind), got in results.items():
-        yield (
-            f"{label} {kind} x{micro_batches}",
-            got,
-            _estimate(setting, label, micro_batches, kind),
-        )
+    for (label, micro_batches, kind), (got, est) in measured.items():
+        yield f"{label} {kind} x{micro_batches}", got, est
 
 
 def test_between_steps_each_rank_holds_its_weights_adamw_and_ddp_buckets(measured):
@@ -161,12 +158,10 @@ def test_ddp_adds_its_buckets_to_every_moment_of_the_step(measured):
     """DDP's whole cost is its buckets, allocated with the wrapper and alive throughout: a DDP
     rank's peak is one rank's peak plus the estimate's bucket term, to 0.1 % of the peak.
     Without the term the estimate falls below DDP's measured peak (pre_ln: 0.92 of it)."""
-    setting, results = measured
-    for (label, micro_batches, kind), got in results.items():
+    for (label, micro_batches, kind), (got, est) in measured.items():
         if kind != "ddp":
             continue
-        alone = results[label, micro_batches, "none"]
-        est = _estimate(setting, label, micro_batches, "ddp")
+        alone, _ = measured[label, micro_batches, "none"]
         assert est.buckets == est.weights  # one fp32 copy of every parameter
         assert abs(got.peak - alone.peak - est.buckets) <= 1e-3 * got.peak, (label, micro_batches)
 
