@@ -13,30 +13,29 @@ The loss is traced as the run computes it: `loss_chunk_tokens` > 0 is the chunke
 loss of training (depthbench.models.loss: it saves d x and d W, never the logits), 0 the plain
 cross-entropy (it saves the (N T, V) fp32 log-probabilities).
 
-Peak per GPU = weights + gradients + AdamW (two fp32 moments) + saved activations + the larger
-of two working sets: the loss's (`loss_working_bytes`: with the plain loss two fp32 (N T, V)
-gradients at the start of backward, with the chunked one a chunk's logits and gradients in the
-forward), and one block's activations again (the gradient buffers of the block being
-differentiated) beside the gradients of the buffers held on a ctx (AttnRes's sources, MoDA's
-depth keys), which their readers' backward makes and which wait for their producers' backward:
-as many buffer-sized gradients as the architecture announces (layers.held_for_backward).
-DDP adds its gradient buckets (a second fp32 copy of every gradient, alive with the wrapper).
-Under FSDP2 the first three are divided by the world size; the root unit's parameters
-(embedding, head, final norm) are gathered from its forward to the end of backward and two
-units' at a time (the current one and the prefetched one), in the dtype of its mixed-precision
-policy (bf16 on GPUs under bf16: the trace then runs on bf16 parameters, of which autocast keeps
-no copy); and the unsharded gradients count too: every one while micro-batches accumulate
-without sync (beside them what the last micro-batch's reduce-scatters hold: a unit's fp32 input
-copy, the shards made so far, under bf16 the fresh bf16 gradients of a unit and of the root;
-and at the end of backward the root's gradients beside its own copy), else the root's and
-one unit's. The gradients are counted whole throughout (gradient accumulation keeps them across
-micro-batches); a run of one micro-batch per step without checkpointing (`accumulating=False`)
-takes the tighter `single_micro_batch_peak`, which on an H200 is 1.002-1.082 times the CUDA
-allocator's high-water mark of such a step, every architecture and MoE, fp32 and bf16, plain and
-chunked loss. On gloo CPU ranks (depthbench.train.measured_memory) the estimate bounded every
-rank's peak measured under DDP and FSDP2, 1.02-1.35 times it (docs/design/memory.md). Allocator
-fragmentation and workspace are not modelled: `HEADROOM` (10 %) is added before the fit test
-against the GPU's memory.
+Peak per GPU = weights + gradients + AdamW (two fp32 moments) + saved activations + the larger of
+two working sets: the loss's (`loss_working_bytes`: with the plain loss two fp32 (N T, V) gradients
+at the start of backward, with the chunked one a chunk's logits and gradients in the forward), and
+one block's activations again (the gradient buffers of the block being differentiated) beside the
+gradients of the buffers held on a ctx (AttnRes's sources, MoDA's depth keys), which their readers'
+backward makes and which wait for their producers' backward: as many buffer-sized gradients as the
+architecture announces (layers.held_for_backward). DDP adds its gradient buckets (a second fp32 copy
+of every gradient, alive with the wrapper). Under FSDP2 the first three are divided by the world
+size; the root unit's parameters (embedding, head, final norm) are gathered from its forward to the
+end of backward and two units' at a time (the current one and the prefetched one), in the dtype of
+its mixed-precision policy (bf16 on GPUs under bf16: the trace then runs on bf16 parameters, of
+which autocast keeps no copy); and the unsharded gradients count too: every one while micro-batches
+accumulate without sync (beside them what the last micro-batch's reduce-scatters hold: a unit's fp32
+input copy, on CPU ranks gloo's scratch copy of it, the shards made so far, under bf16 the fresh
+bf16 gradients of a unit and of the root; and at the end of backward the root's gradients beside its
+own copy), else the root's and one unit's. The gradients are counted whole throughout (gradient
+accumulation keeps them across micro-batches); a run of one micro-batch per step without
+checkpointing (`accumulating=False`) takes the tighter `single_micro_batch_peak`, which on an H200
+is 1.002-1.082 times the CUDA allocator's high-water mark of such a step, every architecture and
+MoE, fp32 and bf16, plain and chunked loss. On gloo CPU ranks (depthbench.train.measured_memory) the
+estimate bounded every rank's peak measured under DDP and FSDP2, 1.03-1.47 times it
+(docs/design/memory.md). Allocator fragmentation and workspace are not modelled: `HEADROOM` (10 %)
+is added before the fit test against the GPU's memory.
 """
 
 from __future__ import annotations
@@ -193,17 +192,23 @@ def estimate_memory(
     )
     held_working = sum(nbytes * copies for nbytes, copies in trace.held.values())
     gradients = n_params * FP32 / shard
+    # gloo, the CPU ranks' backend, reduce-scatters through a scratch copy of its whole input (a
+    # unit's fp32 gradients) that its worker thread frees after it has released the caller, at
+    # times once the next unit's backward has begun: one more unit's fp32 bytes in flight
+    gloo_scratch = unit * FP32 if sharded and device == "cpu" else 0.0
     # FSDP2's reduce-scatter of a unit (torch 2.13's foreach_reduce) copies the unit's unsharded
     # gradients into one fp32 input buffer (freed before the next unit's is made) beside them:
     # two units' fp32 bytes while a unit is differentiated, its gradients in the parameters'
     # dtype and the copy
-    in_flight = 2 * unit * FP32 if sharded else 0.0
+    in_flight = 2 * unit * FP32 + gloo_scratch if sharded else 0.0
     # accumulating: the copy beside the accumulated fp32 gradients, the shards made so far beside
     # their inputs (two units', as above), and under bf16 parameters the fresh bf16 gradients
     # that wait for FSDP2 to add them to the fp32 accumulation: a unit's, and the root's, made
     # at the start of backward (the head's) and added only at its end
     fresh_bytes = param_bytes if param_bytes != FP32 else 0  # per parameter
-    accumulating_in_flight = unit * FP32 + 2 * unit * FP32 / shard + (unit + root) * fresh_bytes
+    accumulating_in_flight = (
+        unit * FP32 + 2 * unit * FP32 / shard + (unit + root) * fresh_bytes + gloo_scratch
+    )
     frees = [0.0] * n_units  # bytes freed once unit u's backward is done (see below)
     for nbytes, owners in trace.saved.values():
         if owners and -1 not in owners:

@@ -6,7 +6,10 @@ is held to what each rank allocates. The ranks run the wrappers as GPUs do (DDP'
 FSDP2's shards, all-gathers and reduce-scatters, in fp32, and under bf16 autocast with the GPU's
 FSDP2 policy: bf16 parameters gathered, fp32 reductions), with the CPU's kernels and gloo; what
 they cannot show is CUDA's stream-ordered freeing of the communication buffers, which the
-estimate covers by counting two units' unsharded gradients and gathered parameters at a time."""
+estimate covers by counting two units' unsharded gradients and gathered parameters at a time.
+What they add is gloo's: a reduce-scatter's scratch copy of its input, which gloo's worker thread
+frees at times after the caller has gone on, so that a rank's peak varies from run to run by up to
+a unit's fp32 gradients; the estimate of a CPU rank counts it."""
 
 import dataclasses
 
@@ -169,25 +172,70 @@ def test_ddp_adds_its_buckets_to_every_moment_of_the_step(measured):
 def test_the_estimate_bounds_every_ranks_peak(measured):
     """An upper bound for every architecture, MoE, alone, under DDP and under FSDP2 (fp32, and
     bf16 with the GPU's policy), accumulating or not: never below the rank's measured high-water
-    mark, and at most 1.3 times it (the measured ranges: docs/design/memory.md). The trace
+    mark, and at most 1.4 times it (the measured ranges: docs/design/memory.md). The trace
     follows CUDA's working sets, which are the larger (on an H200 the estimate is 1.002-1.08
     times the peak); FSDP2's gathered parameters and in-flight gradients, counted two units at a
-    time for CUDA's streams, add to that on gloo ranks, whose collectives free their buffers at
-    once. What it catches: without DDP's bucket term pre_ln's DDP estimate is 0.92 of its peak;
-    with autocast's bf16 copies of the weights counted under FSDP2's bf16 parameters (which the
-    layers save instead, freed after each unit's forward) hc's estimate is 1.50 times its peak."""
-    _assert_bounded(measured, 1.3)
+    time for CUDA's streams and a third for gloo's late scratch, add to that on gloo ranks,
+    where the scratch is late only now and then. What it catches: without DDP's bucket term
+    pre_ln's DDP estimate is 0.92 of its peak; with autocast's bf16 copies of the weights counted
+    under FSDP2's bf16 parameters (which the layers save instead, freed after each unit's forward)
+    hc's estimate is 1.50 times its peak."""
+    _assert_bounded(measured, 1.4)
 
 
 def test_four_ranks_with_next_to_no_activations(tmp_path):
     """Where the activations are next to nothing, an FSDP2 rank's peak is its gradients: the
     accumulated unsharded ones beside what the reduce-scatters hold (a unit's fp32 input copy,
-    which does not shrink with the world size, the shards made so far, under bf16 a unit's fresh
-    bf16 gradients). The estimate bounds them on 4 ranks, at most 1.5 times (it counts two units
-    gathered and in flight for CUDA's streams, which here are most of the bytes). Counting the
-    shards alone beside the unsharded gradients, the estimate is 0.97 of these peaks; without
-    the end of backward, 0.81 of the large root's (0.75 under bf16)."""
-    _assert_bounded(_measure(FOUR_RANKS, tmp_path), 1.5)
+    which does not shrink with the world size, gloo's scratch copy of it, the shards made so
+    far, under bf16 a unit's fresh bf16 gradients). The estimate bounds them on 4 ranks, at most
+    1.6 times (it counts two units gathered and three in flight, which here are most of the
+    bytes). Counting the shards alone beside the unsharded gradients, the estimate is 0.97 of
+    these peaks; without the end of backward, 0.81 of the large root's (0.75 under bf16); without
+    gloo's scratch, 0.97 of pre_ln's peak in the runs where gloo frees it late (which runs do
+    varies: test_gloos_reduce_scatter_copies_its_input)."""
+    _assert_bounded(_measure(FOUR_RANKS, tmp_path), 1.6)
+
+
+def _reduce_scatter_worker(rank, world, store, out):
+    """One gloo rank: a reduce-scatter of 1 MiB of fp32 (FSDP2's call), counted, again and again."""
+    import torch.distributed as dist
+
+    from depthbench.train.measured_memory import counted_cpu_allocations
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    numel = 1 << 18
+    scratch, late = [], 0
+    for _ in range(50):
+        gradients, shard = torch.ones(numel), torch.empty(numel // world)
+        with counted_cpu_allocations() as counter:
+            counter.reset_peak()
+            before = counter.alive()
+            dist.reduce_scatter_single(shard, gradients)
+            late += counter.alive() > before
+            scratch.append(counter.peak() - before)
+    if rank == 0:
+        torch.save({"input": numel * 4, "scratch": scratch, "late": late}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_gloos_reduce_scatter_copies_its_input(tmp_path):
+    """The bytes behind the estimate's gloo term: while a reduce-scatter runs on a CPU rank, gloo
+    holds a scratch copy of its whole input beside it, in every call; its worker thread frees the
+    copy after releasing the caller, so in some calls it is still alive when the caller goes on
+    (in how many: printed, as it depends on the scheduler)."""
+    import torch.multiprocessing as mp
+
+    if kernels.cpu_kernels() is None:
+        pytest.skip(
+            f"the counting allocator needs the C++ extension: {kernels.unavailable_reason()}"
+        )
+    out = tmp_path / "out.pt"
+    mp.spawn(_reduce_scatter_worker, args=(2, str(tmp_path / "store"), str(out)), nprocs=2)
+    got = torch.load(out)
+    assert set(got["scratch"]) == {got["input"]}
+    print(f"gloo's scratch alive after the call returned: {got['late']} of 50 calls")
 
 
 def _assert_bounded(measured, ceiling):

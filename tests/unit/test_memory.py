@@ -223,7 +223,8 @@ def test_the_data_parallel_terms():
     one fp32 bucket byte per gradient byte, on every rank, in both formulas. FSDP2 on 4 ranks: a
     quarter of the weights, gradients and moments; accumulating, the unsharded gradients whole
     and beside them fewer bytes than they hold, but never less than a unit's fp32 reduce-scatter
-    copy, whatever the world size; one rank: neither."""
+    copy, whatever the world size, and on CPU ranks gloo's scratch copy of it beside; one rank:
+    neither."""
     cfg = ModelConfig(arch="pre_ln", vocab_size=96, d_model=48, n_layer=4, n_head=4, max_seq_len=T)
     n_params = sum(p.numel() for p in build_model(cfg).parameters())
     one = estimate_memory(cfg, N, T, world=1)
@@ -239,6 +240,9 @@ def test_the_data_parallel_terms():
     for world in (2, 4, 16):
         at_peak = estimate_memory(cfg, N, T, world=world, fsdp=True).gradients_at_peak
         assert 4 * unit <= at_peak < 4 * n_params
+        on_gloo = estimate_memory(cfg, N, T, bf16=False, world=world, fsdp=True, device="cpu")
+        on_nccl = estimate_memory(cfg, N, T, bf16=False, world=world, fsdp=True, device="cuda")
+        assert on_gloo.gradients_at_peak == on_nccl.gradients_at_peak + 4 * unit
     # the parameters gather in the dtype of the ranks' policy: bf16 on GPUs under bf16, else fp32
     root = n_params - sum(
         sum(p.numel() for p in u.parameters()) for u in build_model(cfg).fsdp_units()
