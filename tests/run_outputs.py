@@ -1,7 +1,7 @@
 """Checkpoints and run outputs written as training writes them, for the tests that damage, read or
 report on them: checkpoint faults, file modes, summary checks, table stages, `depthbench status`;
-and the tiny grid's run with fewer steps and the weights digest its summary records, for the
-tests that train it."""
+and the tiny grid's run with fewer steps, the weights digest its summary records, and how far two
+runs' final weights are apart, for the tests that train it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from depthbench.spec.run import RunSpec
 from depthbench.spec.schema import load_config
@@ -101,3 +102,18 @@ def weights_digest(paths: RunPaths) -> str:
     actual = hashlib.sha256(paths.weights.read_bytes()).hexdigest()
     assert digest == actual, f"the summary records {digest}, {paths.weights} hashes to {actual}"
     return digest
+
+
+# Final weights of runs whose gradients sum in another order (another rank count, FSDP2's
+# reduce-scatters) agree to a few ulps of the gradients, which AdamW turns into up to ~1e-6 of the
+# weights wherever a gradient is next to zero (2 ranks against 1 with torch's unvectorised
+# kernels: 1.7e-6; with its AVX2 or AVX-512 ones: 0); a wrong data split or a lost step moves them
+# by the order of the tiny grid's learning rate (3e-3)
+WEIGHT_TOLERANCE = 1e-5
+
+
+def max_weight_diff(run_a: Path, run_b: Path) -> float:
+    """The largest difference between two runs' final weights (model.safetensors)."""
+    wa, wb = load_file(run_a / "model.safetensors"), load_file(run_b / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    return max(float((wa[k] - wb[k]).abs().max()) for k in wa)

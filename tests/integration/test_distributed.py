@@ -6,13 +6,13 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from depthbench.launch.executors import slurm_parameters
 from depthbench.launch.local import dispatch
 from depthbench.train.recipe import RunPaths
 from depthbench.train.loop import train
 from depthbench.models.registry import PACKAGE_ARCHITECTURES
+from tests.run_outputs import WEIGHT_TOLERANCE, max_weight_diff
 
 pytestmark = pytest.mark.slow
 
@@ -32,12 +32,6 @@ def _losses(run_dir):
         for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
         if "train_loss" in r
     }
-
-
-def _max_weight_diff(a, b):
-    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
-    assert wa.keys() == wb.keys()
-    return max(float((wa[k] - wb[k]).abs().max()) for k in wa)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +62,7 @@ def test_two_gloo_ranks_match_one_rank(tiny_data, one_rank, tmp_path, parallel):
     assert ref.keys() == got.keys() and len(ref) == spec.train.total_steps
     for step in ref:
         assert got[step] == pytest.approx(ref[step], abs=1e-5), step
-    assert _max_weight_diff(one_rank, tmp_path / "run") < 1e-6
+    assert max_weight_diff(one_rank, tmp_path / "run") < WEIGHT_TOLERANCE
 
 
 def _interrupted_two_ranks(spec, data_dir, paths) -> None:
@@ -139,7 +133,7 @@ def test_checkpoint_of_two_ranks_resumes_with_one(tiny_data, one_rank, tmp_path)
     assert ref.keys() == got.keys()
     for step in ref:
         assert got[step] == pytest.approx(ref[step], abs=1e-5), step
-    assert _max_weight_diff(one_rank, paths.run_dir) < 1e-6
+    assert max_weight_diff(one_rank, paths.run_dir) < WEIGHT_TOLERANCE
 
 
 def test_asynchronous_ddp_checkpoint_resumes_under_fsdp2(tiny_data, one_rank, tmp_path):
@@ -170,7 +164,7 @@ def test_asynchronous_ddp_checkpoint_resumes_under_fsdp2(tiny_data, one_rank, tm
     assert ref.keys() == got.keys()
     for step in ref:
         assert got[step] == pytest.approx(ref[step], abs=1e-5), step
-    assert _max_weight_diff(one_rank, paths.run_dir) < 1e-6
+    assert max_weight_diff(one_rank, paths.run_dir) < WEIGHT_TOLERANCE
 
 
 def test_slurm_jobs_ask_one_task_per_gpu():
@@ -301,7 +295,7 @@ def test_requeue_signal_to_one_rank_checkpoints_both_and_the_job_is_requeued(
     assert ref.keys() == got.keys()
     for s in ref:
         assert got[s] == pytest.approx(ref[s], abs=1e-5), s
-    assert _max_weight_diff(one_rank, paths.run_dir) < 1e-6
+    assert max_weight_diff(one_rank, paths.run_dir) < WEIGHT_TOLERANCE
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)

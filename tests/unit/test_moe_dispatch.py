@@ -75,8 +75,8 @@ def test_moe_without_host_syncs_equals_the_per_expert_loop(monkeypatch, d, d_ff,
         )
     got = _out_and_grads(m, x, g, _module_moe)
     monkeypatch.undo()
-    for a, b in zip(got, ref):
-        assert (a - b).abs().max() <= 1e-6
+    for a, b in zip(got, ref):  # to a few ulps: the two paths' products may sum in other orders
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("dense", [False, True])
