@@ -108,14 +108,18 @@ def _worker(rank, setting, store, out):
     dist.destroy_process_group()
 
 
-def _measure(setting, tmp):
-    """(what a rank measured, the estimate) by (label, micro-batches, kind)."""
-    import torch.multiprocessing as mp
-
+def _skip_without_the_counting_allocator():
     if kernels.cpu_kernels() is None:
         pytest.skip(
             f"the counting allocator needs the C++ extension: {kernels.unavailable_reason()}"
         )
+
+
+def _measure(setting, tmp):
+    """(what a rank measured, the estimate) by (label, micro-batches, kind)."""
+    import torch.multiprocessing as mp
+
+    _skip_without_the_counting_allocator()
     args = (setting, str(tmp / "store"), str(tmp / "out.pt"))
     mp.spawn(_worker, args=args, nprocs=setting.world, join=True)
     results = torch.load(tmp / "out.pt", weights_only=False)
@@ -227,10 +231,7 @@ def test_gloos_reduce_scatter_copies_its_input(tmp_path):
     (in how many: printed, as it depends on the scheduler)."""
     import torch.multiprocessing as mp
 
-    if kernels.cpu_kernels() is None:
-        pytest.skip(
-            f"the counting allocator needs the C++ extension: {kernels.unavailable_reason()}"
-        )
+    _skip_without_the_counting_allocator()
     out = tmp_path / "out.pt"
     mp.spawn(_reduce_scatter_worker, args=(2, str(tmp_path / "store"), str(out)), nprocs=2)
     got = torch.load(out)
