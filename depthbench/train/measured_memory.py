@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import time
 from contextlib import contextmanager
 
 import torch
@@ -148,16 +149,41 @@ class TrainingStep:
         self.update(self.last_forward())
 
 
+# gloo's worker thread lets go of a collective it has finished (and with it of what the
+# collective holds: a reduce-scatter's scratch copy of its whole input, made by
+# ProcessGroupGloo::reduce_scatter_tensor_coalesced) after it has released the caller, and on a
+# loaded machine tens of milliseconds later; no call waits for it, so a rank's count is read once
+# it has held still for SETTLE_S
+SETTLE_S = 0.1
+SETTLE_TIMEOUT_S = 10.0
+
+
+def settled_alive(counter) -> int:
+    """Bytes alive by `counter` once nothing is freed in the background: read every millisecond
+    until unchanged for SETTLE_S (or, where it never holds still, after SETTLE_TIMEOUT_S)."""
+    start = since = time.monotonic()
+    alive = counter.alive()
+    while (now := time.monotonic()) - since < SETTLE_S and now - start < SETTLE_TIMEOUT_S:
+        time.sleep(0.001)
+        current = counter.alive()
+        if current != alive:
+            alive, since = current, time.monotonic()
+    return alive
+
+
 def _measure(step: TrainingStep, counter) -> AllocatorMeasurement:
     """The two steps, counted by `counter` (bytes alive, their high-water mark, its reset). The
     garbage of earlier work and of the first step (reference cycles of models, hooks and graphs)
-    is collected first, so that it is neither freed during the measured step nor counted in it."""
+    is collected first, so that it is neither freed during the measured step nor counted in it;
+    on a rank of several, the counts before and between the steps are read once gloo's workers
+    have freed what the collectives held (`settled_alive`)."""
+    alive = settled_alive if step.ctx.enabled else (lambda counter: counter.alive())
     gc.collect()
-    empty = counter.alive()
+    empty = alive(counter)
     step.build()
     step.run()
     gc.collect()
-    static = counter.alive()
+    static = alive(counter)
     counter.reset_peak()
     step.first_micro_batches()
     before = counter.alive()

@@ -9,7 +9,8 @@ they cannot show is CUDA's stream-ordered freeing of the communication buffers, 
 estimate covers by counting two units' unsharded gradients and gathered parameters at a time.
 What they add is gloo's: a reduce-scatter's scratch copy of its input, which gloo's worker thread
 frees at times after the caller has gone on, so that a rank's peak varies from run to run by up to
-a unit's fp32 gradients; the estimate of a CPU rank counts it."""
+a unit's fp32 gradients; the estimate of a CPU rank counts it, and a rank's bytes between steps
+are read once gloo has freed it (depthbench.train.measured_memory.settled_alive)."""
 
 import dataclasses
 
@@ -204,12 +205,12 @@ def _reduce_scatter_worker(rank, world, store, out):
     """One gloo rank: a reduce-scatter of 1 MiB of fp32 (FSDP2's call), counted, again and again."""
     import torch.distributed as dist
 
-    from depthbench.train.measured_memory import counted_cpu_allocations
+    from depthbench.train.measured_memory import counted_cpu_allocations, settled_alive
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     numel = 1 << 18
-    scratch, late = [], 0
+    scratch, late, left = [], 0, []
     for _ in range(50):
         gradients, shard = torch.ones(numel), torch.empty(numel // world)
         with counted_cpu_allocations() as counter:
@@ -218,8 +219,9 @@ def _reduce_scatter_worker(rank, world, store, out):
             dist.reduce_scatter_single(shard, gradients)
             late += counter.alive() > before
             scratch.append(counter.peak() - before)
+            left.append(settled_alive(counter) - before)
     if rank == 0:
-        torch.save({"input": numel * 4, "scratch": scratch, "late": late}, out)
+        torch.save({"input": numel * 4, "scratch": scratch, "late": late, "left": left}, out)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -228,7 +230,10 @@ def test_gloos_reduce_scatter_copies_its_input(tmp_path):
     """The bytes behind the estimate's gloo term: while a reduce-scatter runs on a CPU rank, gloo
     holds a scratch copy of its whole input beside it, in every call; its worker thread frees the
     copy after releasing the caller, so in some calls it is still alive when the caller goes on
-    (in how many: printed, as it depends on the scheduler)."""
+    (in how many: printed, as it depends on the scheduler), and in none once the count has
+    settled (depthbench.train.measured_memory.settled_alive, which reads the bytes between steps
+    of the measured ranks: a count read at once held the root's late scratch, 1 MiB above the
+    weights and AdamW's moments, now and then)."""
     import torch.multiprocessing as mp
 
     _skip_without_the_counting_allocator()
@@ -236,6 +241,7 @@ def test_gloos_reduce_scatter_copies_its_input(tmp_path):
     mp.spawn(_reduce_scatter_worker, args=(2, str(tmp_path / "store"), str(out)), nprocs=2)
     got = torch.load(out)
     assert set(got["scratch"]) == {got["input"]}
+    assert set(got["left"]) == {0}
     print(f"gloo's scratch alive after the call returned: {got['late']} of 50 calls")
 
 

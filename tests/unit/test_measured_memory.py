@@ -7,13 +7,19 @@ thread that allocates."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 
 from depthbench import kernels
 from depthbench.models.config import ModelConfig
-from depthbench.train.measured_memory import allocator_step_memory, counted_cpu_allocations
+from depthbench.train.measured_memory import (
+    SETTLE_S,
+    allocator_step_memory,
+    counted_cpu_allocations,
+    settled_alive,
+)
 from depthbench.train.memory import estimate_memory
 
 reason = kernels.unavailable_reason()
@@ -49,6 +55,30 @@ def test_a_block_freed_on_another_thread_is_uncounted():
         thread.start()
         thread.join()
         assert counter.alive() == 0
+
+
+def test_a_settled_count_waits_for_a_late_free():
+    """A block another thread frees a while after the measured thread reads (as gloo's worker
+    frees a reduce-scatter's scratch): an immediate read still counts it, a settled one does not;
+    with nothing freed in the background the settled read is the immediate one."""
+    with counted_cpu_allocations() as counter:
+        held = [torch.empty(8 * KIB, dtype=torch.uint8)]
+        start = threading.Event()
+
+        def free_late():
+            start.wait()
+            time.sleep(SETTLE_S / 5)
+            held.clear()
+
+        thread = threading.Thread(target=free_late)
+        thread.start()
+        assert counter.alive() == 8 * KIB
+        start.set()
+        assert settled_alive(counter) == 0
+        thread.join()
+        kept = torch.empty(KIB, dtype=torch.uint8)
+        assert settled_alive(counter) == counter.alive() == KIB
+        del kept
 
 
 def test_blocks_of_an_earlier_measurement_leave_a_later_ones_counts_alone():
@@ -145,11 +175,11 @@ def _profiled_step(cfg, micro_batches) -> tuple[int, int]:
         elif node.name == "measured step":
             start, end = node.start_time_ns, node.end_time_ns
     alive, static, peak = 0, 0, 0
-    for time, size in sorted(events):
-        if time > end:
+    for at, size in sorted(events):
+        if at > end:
             break
         alive += size
-        if time < start:
+        if at < start:
             static = alive
         else:
             peak = max(peak, alive)
