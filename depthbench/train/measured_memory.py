@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
+import threading
 import time
 from contextlib import contextmanager
 
@@ -151,24 +153,49 @@ class TrainingStep:
 
 # gloo's worker thread lets go of a collective it has finished (and with it of what the
 # collective holds: a reduce-scatter's scratch copy of its whole input, made by
-# ProcessGroupGloo::reduce_scatter_tensor_coalesced) after it has released the caller, and on a
-# loaded machine tens of milliseconds later; no call waits for it, so a rank's count is read once
-# it has held still for SETTLE_S
-SETTLE_S = 0.1
+# ProcessGroupGloo::reduce_scatter_tensor_coalesced) after it has released the caller: at once
+# where it has a core, but on a loaded machine a runnable worker waits its turn for tens of
+# milliseconds. No call waits for it, so a rank's count is read once it has held still for
+# SETTLE_S while every other thread of the process slept (a waiting runnable thread, however
+# long it waits, keeps the count from settling)
+SETTLE_S = 0.05
 SETTLE_TIMEOUT_S = 10.0
 
 
 def settled_alive(counter) -> int:
     """Bytes alive by `counter` once nothing is freed in the background: read every millisecond
-    until unchanged for SETTLE_S (or, where it never holds still, after SETTLE_TIMEOUT_S)."""
+    until it has not changed for SETTLE_S while the process's other threads all slept
+    (`_other_threads_asleep`), or after SETTLE_TIMEOUT_S where that never happens."""
     start = since = time.monotonic()
     alive = counter.alive()
     while (now := time.monotonic()) - since < SETTLE_S and now - start < SETTLE_TIMEOUT_S:
         time.sleep(0.001)
         current = counter.alive()
-        if current != alive:
+        if current != alive or not _other_threads_asleep():
             alive, since = current, time.monotonic()
     return alive
+
+
+def _other_threads_asleep() -> bool:
+    """Whether no other thread of this process runs or waits for a core (state R, or D: in the
+    kernel, uninterruptible) by Linux's /proc/self/task/*/stat; True where there is no /proc."""
+    me = threading.get_native_id()
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return True
+    for tid in tasks:
+        if int(tid) == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as stat:
+                # "tid (name) state ...": the name may hold spaces and parentheses
+                state = stat.read().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            continue  # the thread has ended
+        if state in ("R", "D"):
+            return False
+    return True
 
 
 def _measure(step: TrainingStep, counter) -> AllocatorMeasurement:

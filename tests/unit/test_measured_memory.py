@@ -2,10 +2,12 @@
 DepthBench's C++ extension counts every block alive and their high-water mark, whichever thread
 frees them, and a training step measured with it equals the running sum of torch's profiler's
 allocation events (counted apart from it) on one process, where the profiler sees every
-thread that allocates."""
+thread that allocates. A settled read waits for the frees other threads make late."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import threading
 import time
 
@@ -79,6 +81,35 @@ def test_a_settled_count_waits_for_a_late_free():
         kept = torch.empty(KIB, dtype=torch.uint8)
         assert settled_alive(counter) == counter.alive() == KIB
         del kept
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads Linux's thread states")
+def test_a_settled_count_waits_for_a_thread_that_runs():
+    """A block freed by a thread once it has run for several times SETTLE_S (as gloo's worker
+    frees a scratch once it gets a core): while it runs, the count holds still but the thread is
+    not asleep, so the settled read waits for the free."""
+    seconds = 6 * SETTLE_S
+    rounds, took = 1000, 0.0
+    while took < seconds / 10:  # hashlib's rounds per second on this CPU
+        rounds *= 2
+        begin = time.perf_counter()
+        hashlib.pbkdf2_hmac("sha256", b"p", b"s", rounds)
+        took = time.perf_counter() - begin
+    with counted_cpu_allocations() as counter:
+        held = [torch.empty(8 * KIB, dtype=torch.uint8)]
+        start = threading.Event()
+
+        def run_then_free():
+            start.wait()
+            # one call that runs without the GIL for `seconds`: state R throughout
+            hashlib.pbkdf2_hmac("sha256", b"p", b"s", int(rounds * seconds / took))
+            held.clear()
+
+        thread = threading.Thread(target=run_then_free)
+        thread.start()
+        start.set()
+        assert settled_alive(counter) == 0
+        thread.join()
 
 
 def test_blocks_of_an_earlier_measurement_leave_a_later_ones_counts_alone():
