@@ -59,25 +59,32 @@ def test_a_block_freed_on_another_thread_is_uncounted():
         assert counter.alive() == 0
 
 
+def _settled_while_another_thread_frees(counter, before_the_free) -> int:
+    """`settled_alive` read as another thread frees a block once `before_the_free` returns."""
+    held = [torch.empty(8 * KIB, dtype=torch.uint8)]
+    start = threading.Event()
+
+    def free_later():
+        start.wait()
+        before_the_free()
+        held.clear()
+
+    thread = threading.Thread(target=free_later)
+    thread.start()
+    assert counter.alive() == 8 * KIB
+    start.set()
+    try:
+        return settled_alive(counter)
+    finally:
+        thread.join()
+
+
 def test_a_settled_count_waits_for_a_late_free():
     """A block another thread frees a while after the measured thread reads (as gloo's worker
     frees a reduce-scatter's scratch): an immediate read still counts it, a settled one does not;
     with nothing freed in the background the settled read is the immediate one."""
     with counted_cpu_allocations() as counter:
-        held = [torch.empty(8 * KIB, dtype=torch.uint8)]
-        start = threading.Event()
-
-        def free_late():
-            start.wait()
-            time.sleep(SETTLE_S / 5)
-            held.clear()
-
-        thread = threading.Thread(target=free_late)
-        thread.start()
-        assert counter.alive() == 8 * KIB
-        start.set()
-        assert settled_alive(counter) == 0
-        thread.join()
+        assert _settled_while_another_thread_frees(counter, lambda: time.sleep(SETTLE_S / 5)) == 0
         kept = torch.empty(KIB, dtype=torch.uint8)
         assert settled_alive(counter) == counter.alive() == KIB
         del kept
@@ -95,21 +102,12 @@ def test_a_settled_count_waits_for_a_thread_that_runs():
         begin = time.perf_counter()
         hashlib.pbkdf2_hmac("sha256", b"p", b"s", rounds)
         took = time.perf_counter() - begin
+
+    def run():  # one call that runs without the GIL for `seconds`: state R throughout
+        hashlib.pbkdf2_hmac("sha256", b"p", b"s", int(rounds * seconds / took))
+
     with counted_cpu_allocations() as counter:
-        held = [torch.empty(8 * KIB, dtype=torch.uint8)]
-        start = threading.Event()
-
-        def run_then_free():
-            start.wait()
-            # one call that runs without the GIL for `seconds`: state R throughout
-            hashlib.pbkdf2_hmac("sha256", b"p", b"s", int(rounds * seconds / took))
-            held.clear()
-
-        thread = threading.Thread(target=run_then_free)
-        thread.start()
-        start.set()
-        assert settled_alive(counter) == 0
-        thread.join()
+        assert _settled_while_another_thread_frees(counter, run) == 0
 
 
 def test_blocks_of_an_earlier_measurement_leave_a_later_ones_counts_alone():
