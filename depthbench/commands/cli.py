@@ -62,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--gpu-memory-gb", type=float, default=80.0, help="memory per GPU in GB (default 80)"
     )
+    p.add_argument(
+        "--record",
+        default="auto",
+        help="measured step times to price the runs by: a record's path, none, or auto (the "
+        "record in benchmarks/records/ named after --gpu, else the only one there)",
+    )
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser(
         "rehearse",

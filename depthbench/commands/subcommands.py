@@ -79,10 +79,13 @@ def cmd_validate(args) -> None:
 
 def cmd_plan(args) -> None:
     from depthbench.commands.plan import format_plan, plan_experiment
+    from depthbench.commands.step_records import find_record
 
     exp = _experiment(args.config)
-    plans = plan_experiment(exp, mfu=args.mfu, peak=args.peak, gpu_memory=args.gpu_memory_gb * 1e9)
-    print(format_plan(plans, args.gpu, args.mfu, args.gpu_memory_gb * 1e9))
+    record = find_record(args.record, args.gpu)
+    memory = args.gpu_memory_gb * 1e9
+    plans = plan_experiment(exp, mfu=args.mfu, peak=args.peak, gpu_memory=memory, record=record)
+    print(format_plan(plans, args.gpu, args.mfu, memory, record))
 
 
 def cmd_rehearse(args) -> int:

@@ -186,6 +186,7 @@ def run_removal(
 
     from depthbench.probes.removal import ScoredTokens
     from depthbench.probes.run import validation_tokens
+    from depthbench.kernels.swap import swap_in
     from depthbench.train.checkpoint import load_final_model
 
     torch.set_num_threads(int(settings["threads"]))
@@ -204,7 +205,7 @@ def run_removal(
         pd.read_parquet(sets_path), settings["docs_per_domain"], settings["seed"]
     ).items():
         data[domain] = ScoredTokens.documents(docs, window)
-    model = load_final_model(spec.model, run_dir).eval()
+    model = swap_in(load_final_model(spec.model, run_dir).eval())
     df = removal_rows(model, pd.read_parquet(probes_path), data, settings)
     _write(df, spec.run_id, summary["status"], out_path)
     return {"run_id": spec.run_id, "rows": len(df), "seconds": round(time.time() - start, 2)}

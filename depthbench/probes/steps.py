@@ -19,6 +19,7 @@ import torch
 
 from depthbench.util.errors import DataError
 from depthbench.models.registry import build_model
+from depthbench.kernels.swap import swap_in
 from depthbench.probes.measure import probe_model
 from depthbench.spec.run import RunSpec
 from depthbench.train.snapshots import FOLDER, META_KEY, list_snapshots
@@ -41,7 +42,7 @@ def load_snapshot(spec: RunSpec, path: Path) -> torch.nn.Module:
         )
     model = build_model(spec.model)
     model.load_state_dict(load_file(path))
-    return model.eval()
+    return swap_in(model.eval())
 
 
 def snapshot_rows(
