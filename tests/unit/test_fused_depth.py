@@ -1,7 +1,7 @@
 """The fused depth computations equal the definitions they are swapped in for
 (depthbench.kernels.swap): MoDA's fused joint attention (depthbench/kernels/moda_fused.py) against
 the explicit score matrices of `joint_depth_attention`, and AttnRes's batched depth mix
-(depthbench/kernels/attnres_mix.py) against the per-source multiply-adds, in forward and
+(depthbench/kernels/attnres_groups.py) against the per-source multiply-adds, in forward and
 gradients."""
 
 import math
@@ -215,41 +215,9 @@ def test_attnres_batched_mix_equals_the_per_source_loop(arch, n_layer, options):
         torch.testing.assert_close(x, y, **TOL)
 
 
-def test_attnres_batched_mix_gradients_per_source_with_an_extra_source():
-    """The batched product's gradients w.r.t. the weights, every buffered source and the extra
-    (partial-sum) source equal autograd through sum_i w_i v_i written out here; float64
-    gradcheck."""
-    from depthbench.kernels.attnres_mix import BufferedSources, SourceBuffer, batched_mix
-
-    torch.manual_seed(0)
-    sources = [torch.randn(2, 2, 3, dtype=torch.float64, requires_grad=True) for _ in range(4)]
-    extra = torch.randn(2, 2, 3, dtype=torch.float64, requires_grad=True)
-    logits = torch.randn(5, 2, 2, dtype=torch.float64, requires_grad=True)
-
-    def batched(logits, extra, *sources):
-        buf = SourceBuffer(sources[0], 2)  # grows to 4 slots
-        for t in sources:
-            buf.push(t)
-        return batched_mix(BufferedSources(buf, len(sources), extra), torch.softmax(logits, 0))
-
-    def written_out(logits, extra, *sources):
-        w = torch.softmax(logits, 0)
-        return sum(w[i].unsqueeze(-1) * v for i, v in enumerate([*sources, extra]))
-
-    inputs = (logits, extra, *sources)
-    torch.testing.assert_close(batched(*inputs), written_out(*inputs))
-    dh = torch.randn(2, 2, 3, dtype=torch.float64)
-    for ga, gb in zip(
-        torch.autograd.grad(batched(*inputs), inputs, dh),
-        torch.autograd.grad(written_out(*inputs), inputs, dh),
-    ):
-        torch.testing.assert_close(ga, gb)
-    assert torch.autograd.gradcheck(batched, inputs)
-
-
 def test_attnres_sources_live_in_one_buffer_per_forward():
     """Full AttnRes's sublayer outputs go into one buffer, sized once for all 2L of them, v_0
-    apart (attnres_groups.py); Block AttnRes's v_0 and block sums into one (attnres_mix.py)."""
+    apart; Block AttnRes's block sums likewise (attnres_groups.py)."""
     torch.manual_seed(0)
     definition = build_model(cfg("attnres_full")).begin(torch.zeros(1, 3, dtype=torch.long))
     assert not hasattr(definition.value, "buffer")  # the definition: one multiply-add per source
@@ -265,10 +233,10 @@ def test_attnres_sources_live_in_one_buffer_per_forward():
         build_model(cfg("attnres_block", n_layer=4, arch_options={"n_blocks": 2})), "cuda"
     )
     state = blocks.begin(torch.randint(0, 61, (2, 7)))
-    buffer = state.value.buffer
     for layer in range(1, 5):
         state = blocks.step(state, layer)
-    assert buffer.values.shape[2] == 3 and len(buffer.sources) == 3  # v_0 and two block sums
+    buffer = state.value.buffer
+    assert buffer.values.shape[2] == 2 and len(buffer.sources) == 2  # two block sums
 
 
 # --- the chunked kernel pair (what MoDA's fused path runs off the CPU) --------------------------

@@ -181,8 +181,8 @@ class AttnResFull(DecoderLM):
 
     def extra_flops_per_token(self, seq_len: int) -> float:
         """The depth logits w . N(v_i) and the mix sum_i w_i v_i: 2 d each per source per reader
-        (the matmul of DepthSources._add_logits and the batched product of attnres_mix; the
-        `loop` mix does the same arithmetic as multiply-adds)."""
+        (the matmul of DepthSources._add_logits; the mix's multiply-adds, or the batched
+        products of depthbench.kernels.attnres_groups)."""
         return 4.0 * self.cfg.d_model * sum(self.source_counts())
 
     def depth_state_bytes_per_token(self, bytes_per_value: int = 2) -> int:

@@ -8,7 +8,7 @@ q_s . unit_i: each source is RMS-normalised once (`rms_unit`), and when it is ad
 against the effective queries q_s of every later reader come from one matmul. The mix is one
 multiply-add per source (`WeightedSum`): the sources are never stacked (an O(S) copy per reader,
 so O(L^2) over the network), and no (S, B, T, d) product is materialised. Faster mixes subclass
-`DepthSources` (depthbench.kernels.attnres_mix) and are swapped in from outside.
+`DepthSources` (depthbench.kernels.attnres_groups) and are swapped in from outside.
 """
 
 from __future__ import annotations
