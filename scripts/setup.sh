@@ -35,7 +35,11 @@ for mode in "$@"; do extras+=",$mode"; done
 # rather than in the first workflow job or test that needs them.
 pip install -c constraints.txt torch ninja numpy
 kernels_log=.venv/depthbench-kernels.log
-MAX_JOBS=1 .venv/bin/python -m depthbench.kernels >"$kernels_log" 2>&1 &
+case " $* " in *" test "*) build_tests=true ;; *) build_tests=false ;; esac
+# with `test`, then the tests' counting CPU allocator (tests/cpu_memory.py), likewise
+( MAX_JOBS=1 .venv/bin/python -m depthbench.kernels \
+    && if $build_tests; then MAX_JOBS=1 .venv/bin/python -m tests.cpu_memory; fi ) \
+  >"$kernels_log" 2>&1 &
 kernels_pid=$!
 trap 'kill "$kernels_pid" 2>/dev/null || true' EXIT  # a failed pip install stops the build too
 # Build DepthBench with the venv's own setuptools when it meets pyproject.toml's build requirement

@@ -28,10 +28,6 @@ beside it:
   `hc_read_backward(...)`, Hyper-Connections' whole read (per-stream RMS, dynamic projection,
   tanh, read and mix); and `stream_write_backward(grad, w, out)`, the backward of both
   architectures' write H = mixed + w^T out (`stream_ops.write_after_read`).
-- counting_allocator.cpp: `counting_allocator_install()`, `_counts()`, `_reset_peak()` and
-  `_remove()`, a CPU allocator that counts the bytes alive and their high-water mark over every
-  thread, for the memory measurement (depthbench.train.measured_memory); not a kernel, but
-  compiled with them into the one extension.
 - common.h: the CPU dispatch (an x86-64-v3 clone beside the baseline one), vector helpers, and
   the vectorised exp and tanh.
 """
@@ -53,7 +49,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = [
-    Path(__file__).with_name(name) for name in ("mhc.cpp", "hc.cpp", "counting_allocator.cpp")
+    Path(__file__).with_name(name) for name in ("mhc.cpp", "hc.cpp")
 ]
 _HEADERS = [Path(__file__).with_name("common.h")]
 # -ffp-contract=fast: a * b + c as one fused multiply-add (ISO C++ mode would keep them apart);

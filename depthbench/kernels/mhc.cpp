@@ -608,12 +608,6 @@ std::vector<at::Tensor> hc_read_backward(at::Tensor H, at::Tensor W, at::Tensor 
                                          at::Tensor gx, at::Tensor gmixed, at::Tensor gcoeff);
 std::vector<at::Tensor> stream_write_backward(at::Tensor gH, at::Tensor w, at::Tensor out);
 
-// The counting CPU allocator of the memory measurement (counting_allocator.cpp).
-bool counting_allocator_install();
-void counting_allocator_remove();
-std::tuple<int64_t, int64_t> counting_allocator_counts();
-void counting_allocator_reset_peak();
-
 // The extension's one module, for the kernels of every source file.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("mhc_coefficients_forward", &mhc_coefficients_forward, "mHC's pre, res and post coefficients");
@@ -623,8 +617,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("stream_write_backward", &stream_write_backward, "HC's and mHC's write H = mixed + w^T out, backward");
   module.def("hc_read_forward", &hc_read_forward, "HC's read: x, mixed streams and coefficients from the streams");
   module.def("hc_read_backward", &hc_read_backward, "its gradients w.r.t. the streams, weight, static weights and scales");
-  module.def("counting_allocator_install", &counting_allocator_install, "count the CPU's allocations from now on");
-  module.def("counting_allocator_remove", &counting_allocator_remove, "put the CPU allocator it replaced back");
-  module.def("counting_allocator_counts", &counting_allocator_counts, "(bytes alive, their high-water mark)");
-  module.def("counting_allocator_reset_peak", &counting_allocator_reset_peak, "the high-water mark from now");
 }

@@ -1,7 +1,8 @@
 """The memory estimate's data-parallel terms, measured: 2 gloo ranks train every architecture (and
 MoE) for two steps under DDP and under FSDP2, one process the same models alone, and 4 ranks a
-few models at next to no activations, each counted by DepthBench's counting CPU allocator
-(depthbench.train.measured_memory.allocator_step_memory); depthbench.train.memory.estimate_memory
+few models at next to no activations, each counted by the tests' counting CPU allocator
+(tests/cpu_memory.py, through depthbench.train.measured_memory.allocator_step_memory);
+depthbench.train.memory.estimate_memory
 is held to what each rank allocates. The ranks run the wrappers as GPUs do (DDP's buckets,
 FSDP2's shards, all-gathers and reduce-scatters, in fp32, and under bf16 autocast with the GPU's
 FSDP2 policy: bf16 parameters gathered, fp32 reductions), with the CPU's kernels and gloo; what
@@ -10,14 +11,13 @@ estimate covers by counting two units' unsharded gradients and gathered paramete
 What they add is gloo's: a reduce-scatter's scratch copy of its input, which gloo's worker thread
 frees at times after the caller has gone on, so that a rank's peak varies from run to run by up to
 a unit's fp32 gradients; the estimate of a CPU rank counts it, and a rank's bytes between steps
-are read once gloo has freed it (depthbench.train.measured_memory.settled_alive)."""
+are read once gloo has freed it (tests/cpu_memory.settled_alive)."""
 
 import dataclasses
 
 import pytest
 import torch
 
-from depthbench import kernels
 from depthbench.models.config import ModelConfig
 from depthbench.models.registry import registered_architectures
 from depthbench.train.memory import estimate_memory
@@ -82,7 +82,7 @@ def _worker(rank, setting, store, out):
     import torch.distributed as dist
 
     from depthbench.train.distributed import DistContext
-    from depthbench.train.measured_memory import allocator_step_memory
+    from tests.cpu_memory import cpu_step_memory
 
     torch.set_num_threads(1)  # ranks on a shared machine: no oversubscribed thread pools
     dist.init_process_group(
@@ -93,12 +93,11 @@ def _worker(rank, setting, store, out):
         for kind in setting.kinds:
             strategy, bf16 = KINDS[kind]
             ctx = None if strategy == "none" else DistContext(rank, setting.world, rank, strategy)
-            results[label, micro_batches, kind] = allocator_step_memory(
+            results[label, micro_batches, kind] = cpu_step_memory(
                 _config(arch, extra),
                 setting.micro_batch,
                 setting.seq_len,
                 bf16,
-                "cpu",
                 micro_batches=micro_batches,
                 ctx=ctx,
                 fsdp_policy_device="cuda",
@@ -110,10 +109,10 @@ def _worker(rank, setting, store, out):
 
 
 def _skip_without_the_counting_allocator():
-    if kernels.cpu_kernels() is None:
-        pytest.skip(
-            f"the counting allocator needs the C++ extension: {kernels.unavailable_reason()}"
-        )
+    from tests.cpu_memory import unavailable_reason
+
+    if unavailable_reason() is not None:
+        pytest.skip(f"the counting allocator cannot be built here: {unavailable_reason()}")
 
 
 def _measure(setting, tmp):
@@ -205,7 +204,7 @@ def _reduce_scatter_worker(rank, world, store, out):
     """One gloo rank: a reduce-scatter of 1 MiB of fp32 (FSDP2's call), counted, again and again."""
     import torch.distributed as dist
 
-    from depthbench.train.measured_memory import counted_cpu_allocations, settled_alive
+    from tests.cpu_memory import counted_cpu_allocations, settled_alive
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -231,7 +230,7 @@ def test_gloos_reduce_scatter_copies_its_input(tmp_path):
     holds a scratch copy of its whole input beside it, in every call; its worker thread frees the
     copy after releasing the caller, so in some calls it is still alive when the caller goes on
     (in how many: printed, as it depends on the scheduler), and in none once the count has
-    settled (depthbench.train.measured_memory.settled_alive, which reads the bytes between steps
+    settled (tests/cpu_memory.settled_alive, which reads the bytes between steps
     of the measured ranks: a count read at once held the root's late scratch, 1 MiB above the
     weights and AdamW's moments, now and then)."""
     import torch.multiprocessing as mp

@@ -106,8 +106,7 @@ def test_stream_write_kernel_is_independent_of_thread_count():
 
 def test_every_kernel_entry_point_has_a_thread_count_test():
     """Every kernel the extension exports is called by one of the thread-count tests (their
-    names in this file's and test_cpu_kernels.py's source). The counting allocator it exports
-    too computes nothing (tests/unit/test_measured_memory.py)."""
+    names in this file's and test_cpu_kernels.py's source)."""
     from pathlib import Path
 
     here = Path(__file__).parent
@@ -119,11 +118,7 @@ def test_every_kernel_entry_point_has_a_thread_count_test():
         for part in source.split("\ndef ")
         if part.split("(")[0].endswith("independent_of_thread_count")
     ]
-    exported = [
-        name
-        for name in dir(kernels.cpu_kernels())
-        if not name.startswith(("_", "counting_allocator_"))
-    ]
+    exported = [name for name in dir(kernels.cpu_kernels()) if not name.startswith("_")]
     assert len(exported) == 7, exported
     untested = [name for name in exported if not any(f"k.{name}(" in test for test in tests)]
     assert not untested, f"no thread-count test calls {untested}"

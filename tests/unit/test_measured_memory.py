@@ -1,8 +1,9 @@
-"""The CPU's memory measurement (depthbench.train.measured_memory): the counting allocator of
-DepthBench's C++ extension counts every block alive and their high-water mark, whichever thread
-frees them, and a training step measured with it equals the running sum of torch's profiler's
-allocation events (counted apart from it) on one process, where the profiler sees every
-thread that allocates. A settled read waits for the frees other threads make late."""
+"""The CPU's memory measurement of the tests (tests/cpu_memory.py): the counting allocator counts
+every block alive and their high-water mark, whichever thread frees them, and a training step
+measured with it (depthbench.train.measured_memory.allocator_step_memory) equals the running sum
+of torch's profiler's allocation events (counted apart from it) on one process, where the
+profiler sees every thread that allocates. A settled read waits for the frees other threads make
+late."""
 
 from __future__ import annotations
 
@@ -14,19 +15,20 @@ import time
 import pytest
 import torch
 
-from depthbench import kernels
 from depthbench.models.config import ModelConfig
-from depthbench.train.measured_memory import (
-    SETTLE_S,
-    allocator_step_memory,
-    counted_cpu_allocations,
-    settled_alive,
-)
+from depthbench.train.measured_memory import allocator_step_memory
 from depthbench.train.memory import estimate_memory
+from tests.cpu_memory import (
+    SETTLE_S,
+    counted_cpu_allocations,
+    cpu_step_memory,
+    settled_alive,
+    unavailable_reason,
+)
 
-reason = kernels.unavailable_reason()
+reason = unavailable_reason()
 pytestmark = pytest.mark.skipif(
-    reason is not None, reason=f"the C++ extension cannot be built here: {reason}"
+    reason is not None, reason=f"the counting allocator cannot be built here: {reason}"
 )
 
 KIB = 1024
@@ -218,15 +220,16 @@ def _profiled_step(cfg, micro_batches) -> tuple[int, int]:
 def test_a_measured_step_equals_the_profilers_allocation_events(arch):
     """Weights, AdamW and the step's peak to the byte, and the estimate an upper bound on it."""
     cfg = ModelConfig(arch=arch, vocab_size=128, d_model=32, n_layer=2, n_head=2, max_seq_len=32)
-    got = allocator_step_memory(cfg, 2, 32, False, "cpu", micro_batches=2)
+    got = cpu_step_memory(cfg, 2, 32, False, micro_batches=2)
     assert (got.static, got.peak) == _profiled_step(cfg, 2)
     est = estimate_memory(cfg, 2, 32, bf16=False, device="cpu")
     assert est.weights + est.optimizer <= got.static <= 1.01 * (est.weights + est.optimizer)
     assert got.peak <= est.total("none")
 
 
-def test_the_cpu_measurement_needs_the_extension(monkeypatch):
-    monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)
-    with pytest.raises(RuntimeError, match="C\\+\\+ extension"):
-        with counted_cpu_allocations():
-            pass
+def test_off_cuda_the_measurement_needs_a_counter():
+    cfg = ModelConfig(
+        arch="pre_ln", vocab_size=128, d_model=32, n_layer=2, n_head=2, max_seq_len=32
+    )
+    with pytest.raises(ValueError, match="hand in a counter"):
+        allocator_step_memory(cfg, 2, 32, False, "cpu")

@@ -1,7 +1,7 @@
 // A CPU allocator that counts (counting_allocator_*, below): the bytes of the blocks it has handed
 // out and not yet taken back, and their high-water mark, over every thread of the process. It is
-// installed over torch's CPU allocator for one measurement (depthbench.train.measured_memory, the
-// CPU's counterpart of the CUDA caching allocator's counters) and removed after it; the blocks
+// installed over torch's CPU allocator for one measurement (tests/cpu_memory.py, the CPU's
+// counterpart of the CUDA caching allocator's counters) and removed after it; the blocks
 // come from the allocator it replaced, and each goes back to it through that allocator's own
 // deleter. A block made before the installation is freed by the deleter it was made with and
 // never counted; a block made while installed is uncounted when freed, on whichever thread that
@@ -12,6 +12,7 @@
 // unchanged and counts nothing. Torch's CPU allocator slot keeps the priority of the installation
 // (255), so that a later lower-priority SetCPUAllocator does not take.
 #include <c10/core/CPUAllocator.h>
+#include <torch/extension.h>
 
 #include <atomic>
 #include <cstdint>
@@ -152,4 +153,11 @@ void counting_allocator_reset_peak() {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   s.peak_bytes = s.alive_bytes;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("counting_allocator_install", &counting_allocator_install, "count the CPU's allocations from now on");
+  module.def("counting_allocator_remove", &counting_allocator_remove, "put the CPU allocator it replaced back");
+  module.def("counting_allocator_counts", &counting_allocator_counts, "(bytes alive, their high-water mark)");
+  module.def("counting_allocator_reset_peak", &counting_allocator_reset_peak, "the high-water mark from now");
 }
