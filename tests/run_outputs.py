@@ -49,7 +49,8 @@ def load_newest(folder: Path, run_id: str = "r", size: int = 256):
 
 def fake_summary(results: Path, spec: RunSpec, status: str = "ok", **extra) -> Path:
     """A run's summary.json, metrics.jsonl and weights file under `results`/runs/; the summary's
-    path. The summary names the run and its spec hash, as training writes it."""
+    path. The summary names the run, its spec hash and its weights' digest, as training writes
+    it."""
     run = results / "runs" / spec.run_id
     run.mkdir(parents=True, exist_ok=True)
     summary = {
@@ -66,6 +67,7 @@ def fake_summary(results: Path, spec: RunSpec, status: str = "ok", **extra) -> P
         "world_size": 1,
         "spec": spec.to_dict(),
         "spec_hash": spec.spec_hash(),
+        "weights_sha256": hashlib.sha256(b"weights").hexdigest(),
         **extra,
     }
     (run / "summary.json").write_text(json.dumps(summary))

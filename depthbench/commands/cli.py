@@ -15,7 +15,6 @@ import os
 import sys
 
 from depthbench.commands.subcommands import (
-    cmd_checksum,
     cmd_export,
     cmd_plan,
     cmd_regenerate,
@@ -153,16 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", nargs="?", default="config/config.yaml")
     p.add_argument("--results", default="results", help="the results folder (default: results)")
     p.set_defaults(fn=cmd_status)
-
-    p = sub.add_parser(
-        "checksum",
-        help="record the SHA-256 of the final weights of runs trained before it was kept "
-        "(status: unchecked); a run that has one is verified instead",
-    )
-    p.add_argument(
-        "run_dirs", nargs="+", metavar="RUN_DIR", help="a run's folder, results/runs/<run_id>"
-    )
-    p.set_defaults(fn=cmd_checksum)
 
     p = sub.add_parser(
         "export",

@@ -16,9 +16,9 @@ that is unreadable, copied from another run or edited (see depthbench.train.runc
 is `invalid`: Snakemake would not retrain it (nothing it tracks changed) and the tables would
 refuse it, so the fix is `snakemake --forcerun` on its summary. Final weights that do not hash to
 the digest their summary records are `corrupt` (depthbench.train.runcheck): every stage refuses
-them, and `snakemake --forcerun` on them retrains the run from its last checkpoint. Weights whose
-summary records no digest are `unchecked`, with the `depthbench checksum RUN_DIR` command that
-records it. Checking the digests reads every run's weights.
+them, and `snakemake --forcerun` on them retrains the run from its last checkpoint; so are weights
+whose summary records no digest (`invalid`: nothing vouches for them). Checking the digests reads
+every run's weights.
 
 The plan mirrors the workflow's rules (train -> probe, nll -> tables and figures) with
 Snakemake's mtime trigger as the pinned Snakemake (9) applies it by default: an input newer than
@@ -74,7 +74,7 @@ def _nll_sets_path(exp: Experiment, results: Path) -> Path:
 
 
 def _train_state(spec, run: Path, work: Path, meta: Path) -> tuple[str, list[str]]:
-    from depthbench.train.runcheck import WEIGHTS, WEIGHTS_DIGEST, CorruptWeights, verify_weights
+    from depthbench.train.runcheck import WEIGHTS, CorruptWeights, verify_weights
     from depthbench.train.runcheck import read_summary
 
     summary = run / "summary.json"
@@ -100,17 +100,12 @@ def _train_state(spec, run: Path, work: Path, meta: Path) -> tuple[str, list[str
     if missing:
         return "stale", [f"{', '.join(missing)} missing beside the summary"]
     try:
-        checked = verify_weights(run, s)
+        verify_weights(run, s)
     except CorruptWeights as exc:
         return "corrupt", [str(exc)]
-    reasons = (
-        []
-        if checked
-        else [
-            f"{run / WEIGHTS}: unchecked (its summary records no {WEIGHTS_DIGEST}: trained before "
-            f"the digest was kept); `depthbench checksum {run}` records it"
-        ]
-    )
+    except DataError as exc:  # no digest recorded: nothing vouches for the weights
+        return "invalid", [str(exc)]
+    reasons = []
     newer = updated_input(root, outputs, [meta])
     if newer is not None:
         return "stale", [f"{summary} is older than its input {newer}"]

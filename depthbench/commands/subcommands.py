@@ -1,6 +1,6 @@
 """What each `depthbench` subcommand does (the parser is depthbench.commands.cli): the grid's
 shapes, runs and validation, the cost plan, the rehearsal, regeneration of tables and figures,
-status, checksums, export, and `run`, which checks the YAML of every --configfile
+status, export, and `run`, which checks the YAML of every --configfile
 before Snakemake reads it."""
 
 from __future__ import annotations
@@ -177,15 +177,6 @@ def cmd_status(args) -> None:
     from depthbench.commands.status import format_status
 
     print(format_status(_planned_experiment(args.config, args.results), args.results))
-
-
-def cmd_checksum(args) -> None:
-    """Record the SHA-256 of an unchecked run's final weights in its summary.json
-    (depthbench.train.runcheck)."""
-    from depthbench.train.runcheck import record_checksum
-
-    for run_dir in args.run_dirs:
-        print(f"{run_dir}: weights_sha256 {record_checksum(run_dir)}")
 
 
 def cmd_export(args) -> None:

@@ -37,9 +37,7 @@ class TrainConfig:
     dtype: str = "auto"
     device: str = "auto"
     threads: int = 1
-    compile: str | bool = (
-        "none"  # none, model or block (depthbench.train.parallelize); legacy booleans
-    )
+    compile: str = "none"  # none, model or block (depthbench.train.parallelize)
     activation_checkpointing: str = (
         "auto"  # auto, none, full or selective (depthbench.train.parallelize)
     )

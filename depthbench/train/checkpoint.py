@@ -39,7 +39,6 @@ from depthbench.train.checkpoint_folder import (
     checkpoint_path,
     complete_checkpoint,
     list_checkpoints,
-    refuse_legacy,
     remove_strays,
 )
 
@@ -154,11 +153,8 @@ class Checkpointer:
 
     # ---- loading
     def _listed(self) -> list[tuple[int, Path]]:
-        """The folder's checkpoints, oldest first; none beside a legacy checkpoint is an error."""
-        found = list_checkpoints(self.folder)
-        if not found:
-            refuse_legacy(self.folder)
-        return found
+        """The folder's checkpoints, oldest first."""
+        return list_checkpoints(self.folder)
 
     def has_checkpoints(self) -> bool:
         """Whether there is a checkpoint to try. A fresh run learns this without importing DCP or

@@ -18,8 +18,7 @@ the previous checkpoint in use and a `.tmp` folder that the next save removes (`
 A checkpoint counts only when its `state.json.sha256` matches and every listed file matches its
 sha256 (`verify_checkpoint`; `agreed_reason` adds the check of the tensor data against DCP's
 metadata and gives every rank the same verdict), and its manifest names this format, run and step
-(`check_identity`). Single-file checkpoints of earlier versions (`step_NNNNNNNN.pt`) are refused
-with a message saying so (`refuse_legacy`: a resume would silently restart otherwise).
+(`check_identity`).
 
 Saving and loading through DCP: depthbench.train.checkpoint.
 """
@@ -41,7 +40,6 @@ FORMAT = "depthbench-dcp-1"
 MANIFEST = "state.json"
 CHECKSUM_SUFFIX = ".sha256"
 _NAME = re.compile(r"^step_(\d{8})$")
-_LEGACY = re.compile(r"^step_(\d{8})\.pt$")
 
 
 def checkpoint_path(folder: str | os.PathLike, step: int) -> Path:
@@ -178,18 +176,6 @@ def check_identity(path: Path, manifest: dict, run_id: str, step: int) -> None:
     if manifest.get("step") != step:
         raise CheckpointError(
             f"{path}: folder name says step {step}, content says {manifest.get('step')}"
-        )
-
-
-def refuse_legacy(folder: Path) -> None:
-    """A folder holding single-file checkpoints of an earlier version is an error, not a fresh
-    start."""
-    legacy = sorted(n for n in os.listdir(folder) if _LEGACY.match(n)) if folder.is_dir() else []
-    if legacy:
-        raise CheckpointError(
-            f"{folder}: {legacy[-1]} is a single-file checkpoint of an earlier DepthBench version; "
-            "this version resumes only from sharded (DCP) checkpoint folders. Finish the run with "
-            "the earlier version, or delete the step_*.pt files to train it again from step 0"
         )
 
 

@@ -38,7 +38,7 @@ graph compiled for layer 1 serves every layer whose guards it passes (position-b
 such as LNS's 1/sqrt(l) are buffers, i.e. graph inputs, not constants). dynamo's state is reset
 first, so a process that builds many models never reaches the recompile limit; the limit is
 raised to the number of units plus 8 because MoDA's depth-key count differs at every layer (one
-graph per layer there). Legacy booleans: false = none, true = model.
+graph per layer there).
 
 FSDP2 (`train.parallel: fsdp`): `fully_shard` per unit and then the root with
 `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)` when training in bf16 on
@@ -60,11 +60,9 @@ COMPILE = ("none", "model", "block")
 
 
 def compile_mode(value) -> str:
-    """`train.compile` as one of COMPILE (legacy booleans mapped)."""
-    if isinstance(value, bool):
-        return "model" if value else "none"
+    """`train.compile`, checked to be one of COMPILE."""
     if value not in COMPILE:
-        raise ConfigError("train.compile", f"{value!r}; valid: {list(COMPILE)} (or true/false)")
+        raise ConfigError("train.compile", f"{value!r}; valid: {list(COMPILE)}")
     return value
 
 

@@ -10,10 +10,8 @@ Every stage that reads a trained run (probes, NLL, export, status) calls `check_
   temporary file just before that file is renamed into place, and writes summary.json after it,
   so the digest always describes the weights published with that summary.
 
-A summary without `weights_sha256` (a run trained before the digest was recorded) is not
-declared corrupt: its weights are "unchecked". `depthbench checksum RUN_DIR` records the digest
-of the weights as they are now, after checking that they load as safetensors and name the run;
-it keeps the summary's modification time so that Snakemake redoes nothing because of it.
+A summary without `weights_sha256` describes weights nothing vouches for: the run is invalid,
+and training it again (`snakemake --forcerun` on its weights) makes a summary with the digest.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ import os
 from pathlib import Path
 
 from depthbench.util.errors import DataError, DepthBenchError
-from depthbench.util.io import atomic_write_json
 from depthbench.train.listing import file_sha256
 from depthbench.spec.run import RunSpec
 
@@ -48,10 +45,9 @@ def recover_corrupt(run_dir: str | os.PathLike) -> str:
     )
 
 
-def verify_weights(run_dir: str | os.PathLike, summary: dict) -> bool:
-    """True when the weights match the recorded digest, False when none is recorded
-    ("unchecked"); CorruptWeights naming the file on a mismatch, DataError if the file is
-    missing."""
+def verify_weights(run_dir: str | os.PathLike, summary: dict) -> None:
+    """Checks that the weights match the recorded digest: CorruptWeights naming the file on a
+    mismatch, DataError if the file is missing or the summary records no digest."""
     run_dir = Path(run_dir)
     weights = run_dir / WEIGHTS
     if not weights.is_file():
@@ -60,7 +56,10 @@ def verify_weights(run_dir: str | os.PathLike, summary: dict) -> bool:
         )
     want = summary.get(WEIGHTS_DIGEST)
     if want is None:
-        return False
+        raise DataError(
+            f"{run_dir / 'summary.json'}: records no {WEIGHTS_DIGEST}, so nothing vouches for "
+            f"{weights}; {recover_corrupt(run_dir)}"
+        )
     actual = file_sha256(weights)
     if actual != want:
         raise CorruptWeights(
@@ -68,7 +67,6 @@ def verify_weights(run_dir: str | os.PathLike, summary: dict) -> bool:
             f"not the {want[:16]}... recorded in "
             f"{run_dir / 'summary.json'} when it was written; {recover_corrupt(run_dir)}"
         )
-    return True
 
 
 def check_run(run_dir: str | os.PathLike, spec=None, weights: bool = True) -> dict:
@@ -88,40 +86,6 @@ def check_run(run_dir: str | os.PathLike, spec=None, weights: bool = True) -> di
     if weights:
         verify_weights(run_dir, summary)
     return summary
-
-
-def record_checksum(run_dir: str | os.PathLike) -> str:
-    """Record the digest of an unchecked run's weights in its summary.json (module docstring);
-    returns it. Refuses a run that already has one (verifying it instead) and weights that do not
-    load as safetensors or whose metadata names another run."""
-    from safetensors import SafetensorError, safe_open
-
-    run_dir = Path(run_dir)
-    summary_path = run_dir / "summary.json"
-    summary = check_run(run_dir, weights=False)
-    if verify_weights(run_dir, summary):
-        return summary[WEIGHTS_DIGEST]
-    weights = run_dir / WEIGHTS
-    try:
-        with safe_open(str(weights), framework="pt") as f:
-            owner = (f.metadata() or {}).get("run_id")
-            for key in f.keys():
-                f.get_tensor(key)
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise CorruptWeights(
-            f"{weights}: not readable safetensors ({exc}); {recover_corrupt(run_dir)}"
-        ) from None
-    if owner is not None and owner != run_dir.name:
-        raise CorruptWeights(
-            f"{weights}: written by run {owner!r}, not {run_dir.name!r}; {recover_corrupt(run_dir)}"
-        )
-    digest = file_sha256(weights)
-    stat = summary_path.stat()
-    atomic_write_json(
-        summary_path, {**json.loads(summary_path.read_text()), WEIGHTS_DIGEST: digest}
-    )
-    os.utime(summary_path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    return digest
 
 
 class StaleSummary(DataError):

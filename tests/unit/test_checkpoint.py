@@ -76,17 +76,6 @@ def test_a_checkpoint_of_another_model_is_an_error_not_a_silent_restart(tmp_path
         load_latest(tmp_path, "r", {"model": {"b.weight": torch.zeros(3, 4)}})
 
 
-def test_an_old_single_file_checkpoint_is_refused_with_what_to_do(tmp_path):
-    torch.save({"run_id": "r", "step": 5, "model": {}}, tmp_path / "step_00000005.pt")
-    with pytest.raises(
-        CheckpointError, match="step_00000005.pt is a single-file checkpoint of an earlier"
-    ) as err:
-        load_latest(tmp_path, "r", _tensors(0.0))
-    assert "delete the step_*.pt files" in str(err.value)
-    save_checkpoint(tmp_path, 6, "r", _tensors(6.0))  # a sharded checkpoint beside it is used
-    assert load_latest(tmp_path, "r", _tensors(0.0)).step == 6
-
-
 def test_meta_that_is_not_json_is_refused_at_the_call(tmp_path):
     with pytest.raises(CheckpointError, match="must be JSON"):
         save_checkpoint(tmp_path, 1, "r", _tensors(1.0), {"lr": torch.tensor(0.1)})

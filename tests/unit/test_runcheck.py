@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from depthbench.grid.config import expand_grid
 from depthbench.spec.schema import load_config
 from depthbench.util.errors import DataError
-from depthbench.train.runcheck import WEIGHTS_DIGEST, CorruptWeights, check_run, record_checksum
+from depthbench.train.runcheck import WEIGHTS_DIGEST, CorruptWeights, check_run
 from tests.conftest import status_grid, tiny_config
 
 INLINE = {"backend": "inline"}
@@ -222,63 +222,21 @@ def test_status_reports_corrupt_weights_with_the_forcerun_command(wiki_jsonl, tm
     assert "fail on 1 run with corrupt weights" in out
 
 
-def test_unchecked_weights_are_reported_and_the_checksum_command_records_them(
-    wiki_jsonl, tmp_path, capsys
-):
-    """A summary without a digest (trained before it was recorded) is not corrupt: status names it
-    unchecked with the command, and the command records the digest without changing the summary's
-    mtime (so Snakemake redoes nothing), after which status is clean."""
-    from depthbench.commands.cli import main
-
+def test_weights_without_a_recorded_digest_are_invalid_and_retrained(wiki_jsonl, tmp_path, capsys):
+    """A summary without a digest vouches for no weights: every stage refuses the run, and
+    status names it invalid with the command that trains it again."""
     cfg, exp, res = _status_grid(wiki_jsonl, tmp_path)
     a, b = exp.runs.values()
-    for spec in (a, b):
-        run = _fake_run(res, spec)
-        s = json.loads((run / "summary.json").read_text())
-        del s[WEIGHTS_DIGEST]
-        (run / "summary.json").write_text(json.dumps(s))
-    rows, out = _status(cfg, res, capsys)
-    assert rows[a.run_id][0] == rows[b.run_id][0] == "trained"
-    commands = re.findall(r"unchecked .*`(depthbench checksum [^`]+)`", out)
-    assert len(commands) == 2
-    summary = res / "runs" / a.run_id / "summary.json"
-    before = summary.stat().st_mtime_ns
-    for command in commands:
-        assert main(command.split()[1:]) == 0
-    assert summary.stat().st_mtime_ns == before
-    assert capsys.readouterr().out.count("weights_sha256") == 2
-    rows, out = _status(cfg, res, capsys)
-    assert "unchecked" not in out and rows[a.run_id][0] == rows[b.run_id][0] == "trained"
-    assert check_run(res / "runs" / a.run_id, a)[WEIGHTS_DIGEST]
-
-
-def test_checksum_command_refuses_weights_it_cannot_vouch_for(grid2, tmp_path):
-    a, b = grid2.runs.values()
-    run = _fake_run(tmp_path, a)
+    run = _fake_run(res, a)
+    _fake_run(res, b)
     s = json.loads((run / "summary.json").read_text())
     del s[WEIGHTS_DIGEST]
     (run / "summary.json").write_text(json.dumps(s))
-    good = (run / "model.safetensors").read_bytes()
-    (run / "model.safetensors").write_bytes(b"not safetensors")
-    with pytest.raises(
-        CorruptWeights, match=re.escape(str(run / "model.safetensors")) + ": not readable"
-    ):
-        record_checksum(run)
-    save_file(
-        {"w": __import__("torch").zeros(2)},
-        str(run / "model.safetensors"),
-        metadata={"run_id": b.run_id},
-    )
-    with pytest.raises(CorruptWeights, match="written by run"):
-        record_checksum(run)
-    assert WEIGHTS_DIGEST not in json.loads((run / "summary.json").read_text())
-    (run / "model.safetensors").write_bytes(good)
-    assert record_checksum(run) == hashlib.sha256(good).hexdigest()
-    _flip_byte(run / "model.safetensors")
-    with pytest.raises(
-        CorruptWeights, match="corrupt"
-    ):  # a recorded digest is verified, never replaced
-        record_checksum(run)
+    with pytest.raises(DataError, match=f"records no {WEIGHTS_DIGEST}"):
+        check_run(run, a)
+    rows, out = _status(cfg, res, capsys)
+    assert rows[a.run_id][0] == "invalid" and rows[b.run_id][0] == "trained"
+    assert f"`snakemake --forcerun {run / 'model.safetensors'}`" in out
 
 
 def _snakemake_record(root: Path, kind: str, path: Path) -> Path:
