@@ -198,7 +198,7 @@ def test_the_single_micro_batch_peak_follows_the_backward():
     + 15 gradients (8 + 7) + its 40 + 3 = 158; then unit 0: 100 - 40 + 20 + 30 + 3 = 113; before
     the units 100 + 8 + 10 = 118; after them the 20 gradients. Taken in forward order it would
     read 146."""
-    from depthbench.train.memory import single_micro_batch_peak
+    from depthbench.train.working_sets import single_micro_batch_peak
 
     assert single_micro_batch_peak(100, [30, 40], [20, 40], [5, 7], 20, 10, 3) == 158
     # nothing saved: the gradients, all made by the end, are the peak
@@ -210,7 +210,7 @@ def test_under_fsdp2_a_unit_done_keeps_its_shard_of_the_gradients():
     (two units' 7): unit 1: 100 saved + 8 root gradients (unsharded to the end) + 3.5 (unit 1's
     shard) + 14 + its 40 + 3 = 168.5; unit 0: 100 - 40 + 8 + 3.5 + 2.5 + 14 + 30 + 3 = 121; after
     them 14 + 14 and the root's 8 again, its reduce-scatter's copy: 36; before them 118."""
-    from depthbench.train.memory import single_micro_batch_peak
+    from depthbench.train.working_sets import single_micro_batch_peak
 
     assert single_micro_batch_peak(100, [30, 40], [20, 40], [5, 7], 20, 10, 3, 2, 14) == 168.5
     assert single_micro_batch_peak(0, [0, 0], [0, 0], [5, 7], 20, 0, 0, 2, 14) == 36

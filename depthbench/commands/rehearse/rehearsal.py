@@ -4,14 +4,14 @@ machine, before a cluster sees it.
 For each architecture, its widest shape (largest d_model) and its deepest (largest n_layer), as
 the shape solver resolves them for the workflow (depthbench.grid.config.expand_grid):
 
-1. **Memory guard.** The analytic estimate (depthbench.train.memory, fp32 on CPU, micro-batch
-   1 x `tokens`) gives the rehearsal's footprint: the larger of the training step (weights,
-   gradients, AdamW's two moments, saved activations and the larger working set, the loss's or a
-   block's backward with the held buffers' gradients) and the
-   resume (weights and AdamW state, with the loaded checkpoint's 12 bytes per parameter next to
-   them), plus depthbench.train.memory.HEADROOM. When that exceeds the machine's available memory,
-   `mode="real"` refuses the shape (a row with status "refused" saying how much it needs);
-   `mode="auto"` checks it on the meta device instead (step 5).
+1. **Memory guard.** The analytic estimate (depthbench.train.memory, fp32 on CPU, micro-batch 1 x
+   `tokens`) gives the rehearsal's footprint: the larger of the training step (weights, gradients,
+   AdamW's two moments, saved activations and the larger working set, the loss's or a block's
+   backward with the held buffers' gradients) and the resume (weights and AdamW state, with the
+   loaded checkpoint's 12 bytes per parameter next to them), plus depthbench.train.memory.HEADROOM.
+   When that exceeds the machine's available memory, `mode="real"` refuses the shape (a row with
+   status "refused" saying how much it needs); `mode="auto"` checks it on the meta device instead
+   (step 5).
 2. **Two optimizer steps** through depthbench.train.trainer.Trainer (the training loop's own
    forward/backward, clipping, AdamW and schedule), in fp32 on the CPU, on one micro-batch of
    1 x `tokens` random token ids drawn uniformly from the preset's vocabulary (seeded): the
@@ -19,12 +19,11 @@ the shape solver resolves them for the workflow (depthbench.grid.config.expand_g
    of a real run sees too. Peak memory: the process's RSS high-water mark from just before the
    model is built to the end of the second step (depthbench.commands.rehearse.rss), next to the
    estimate.
-3. **Checkpoint and resume** through `save_state` / `resume_state` (roundtrip.py), the two
-   narrow calls into the trainer's checkpointing (adapt them when it moves to
-   torch.distributed.checkpoint): the state is fingerprinted (SHA-256 of every tensor's bytes:
-   weights, AdamW moments and steps, the torch RNG state, the step), saved, the live state is
-   overwritten (weights and moments zeroed, RNG reseeded, step 0), resumed, and fingerprinted
-   again: every entry must be equal.
+3. **Checkpoint and resume** through `save_state` / `resume_state` (roundtrip.py), the two narrow
+   calls into the trainer's checkpointing: the state is fingerprinted (SHA-256 of every tensor's
+   bytes: weights, AdamW moments and steps, the torch RNG state, the step), saved, the live state is
+   overwritten (weights and moments zeroed, RNG reseeded, step 0), resumed, and fingerprinted again:
+   every entry must be equal.
 4. **Probes**: depthbench.probes.run.probe_model with the schema's settings (probe_settings) on
    2 random sequences of `probe_tokens` + 1 tokens, every family that applies to the
    architecture. The intervention families (causal, permutation, usefulness) cost about L^2/2,
@@ -59,7 +58,8 @@ from depthbench.commands.rehearse.roundtrip import checkpoint_roundtrip
 from depthbench.commands.rehearse.rss import PeakRSS
 from depthbench.spec.run import RunSpec
 from depthbench.train.distributed import DistContext
-from depthbench.train.memory import FP32, HEADROOM, estimate_memory
+from depthbench.train.memory import HEADROOM, estimate_memory
+from depthbench.train.working_sets import FP32
 from depthbench.train.recipe import RunPaths
 
 GIB = 2**30
