@@ -11,7 +11,7 @@ This module builds the C++ kernels: `cpu_kernels()` compiles the `.cpp` files be
 scripts/setup.sh, which runs `python -m depthbench.kernels`) and caches the build in a directory
 named after the Python and torch versions and a hash of the sources and flags, under
 TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions): the first call in a new environment
-compiles for about a minute, later ones only load. Concurrent first calls (parallel workflow jobs)
+compiles, later ones only load. Concurrent first calls (parallel workflow jobs)
 wait on the build's lock file; a lock left by a build that was killed is removed once it is older
 than `STALE_LOCK_SECONDS`, so a later run does not wait forever. Where the build is impossible,
 or DEPTHBENCH_CPU_KERNELS=0 asks, it returns None once with a warning and the swapped modules run
@@ -57,7 +57,7 @@ _HEADERS = [Path(__file__).with_name("common.h")]
 # -fopenmp: at::parallel_for is an OpenMP loop in ATen's headers, serial without it (the GOMP
 # calls resolve to the libgomp that libtorch_cpu loads, so no second OpenMP runtime is linked)
 _CFLAGS = ["-O3", "-ffp-contract=fast", "-Wno-psabi", "-fopenmp"]
-STALE_LOCK_SECONDS = 15 * 60  # a build takes about a minute on 2 cores
+STALE_LOCK_SECONDS = 15 * 60  # many times a build's time
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 

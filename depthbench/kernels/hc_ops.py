@@ -90,8 +90,8 @@ fused_read.register_autograd(_read_backward, setup_context=_save_for_read_backwa
 
 class _EagerRead(torch.autograd.Function):
     """`fused_read` for eager mode: the same kernels through a plain autograd Function, whose
-    per-call overhead is a fraction of a torch.library custom op's (about 0.1 ms less per
-    forward and backward). torch.compile gets the custom op (see `read`)."""
+    per-call overhead is a fraction of a torch.library custom op's. torch.compile gets the
+    custom op (see `read`)."""
 
     @staticmethod
     def forward(ctx, H, weight, static, scale, eps):

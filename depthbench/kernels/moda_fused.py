@@ -166,8 +166,8 @@ class _JointAttention(torch.autograd.Function):
     from, in order (k_1, v_1, k_2, ...): the gradient of each slot is returned to its tensor.
 
     The depth chunk works on the slot-major buffer with broadcasts over the D slots (one kernel
-    each): a per-position (G, hd) x (hd, D) product as a batched matmul of 2048 tiny matrices
-    took 4.5 ms where the broadcast takes under 1 ms (CPU, hd 16, D 15). Query heads are viewed
+    each), faster on the CPU than a per-position (G, hd) x (hd, D) product as a batched matmul of
+    thousands of tiny matrices (docs/design/architectures.md, MoDA). Query heads are viewed
     (B, H_kv, G, T, hd), G = H / H_kv sharing a KV head, so GQA needs no copy of the depth keys."""
 
     @staticmethod

@@ -65,8 +65,8 @@ class HashingWriter(FileSystemWriter):
         self.on_finish()
 
 
-# What DCP's metadata pickle may reference (measured on torch 2.13 with plain, DDP and FSDP2
-# state dicts); anything else makes the checkpoint refused, not loaded.
+# What DCP's metadata pickle may reference (torch 2.13's, with plain, DDP and FSDP2 state
+# dicts); anything else makes the checkpoint refused, not loaded.
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata",

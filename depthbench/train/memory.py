@@ -31,12 +31,11 @@ a unit's fp32 input copy, on CPU ranks gloo's scratch copy of it, the shards mad
 the fresh bf16 gradients of a unit and of the root; and at the end of backward the root's gradients
 beside its own copy), else the root's and one unit's. The gradients are counted whole throughout
 (gradient accumulation keeps them across micro-batches); a run of one micro-batch per step without
-checkpointing (`accumulating=False`) takes the tighter `single_micro_batch_peak`, which on an H200
-is 1.002-1.082 times the CUDA allocator's high-water mark of such a step, every architecture and
-MoE, fp32 and bf16, plain and chunked loss. On gloo CPU ranks (depthbench.train.measured_memory) the
-estimate bounded every rank's peak measured under DDP and FSDP2, 1.03-1.47 times it
-(docs/design/memory.md). Allocator fragmentation and workspace are not modelled: `HEADROOM` (10 %)
-is added before the fit test against the GPU's memory.
+checkpointing (`accumulating=False`) takes the tighter `single_micro_batch_peak`. The tests hold
+the estimate to a GPU's measured steps (tests/data/h200_training_step_memory.json, every
+architecture and MoE, fp32 and bf16, plain and chunked loss) and to the peaks of gloo CPU ranks
+under DDP and FSDP2 (docs/design/memory.md). Allocator fragmentation and workspace are not
+modelled: `HEADROOM` (10 %) is added before the fit test against the GPU's memory.
 """
 
 from __future__ import annotations

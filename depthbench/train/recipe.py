@@ -42,10 +42,9 @@ def build_optimizer(
     device: torch.device,
 ) -> torch.optim.AdamW:
     """AdamW (torch's, without its eager torch._dynamo import: depthbench.train.optimizer) over
-    `param_groups`, fused (one kernel for all parameters) on CUDA and on the CPU:
-    on the CPU the per-parameter loop costs about 7 ms per step for a 0.6M-parameter pre_ln model
-    and 14 ms for mhc, with its 147 small tensors; the fused kernel 1.1 and 2.7 ms
-    (2 threads). Elsewhere (MPS) the default implementation."""
+    `param_groups`, fused (one kernel for all parameters) on CUDA and on the CPU, where the
+    per-parameter loop costs several times the fused kernel's time on small models with many
+    small tensors (mhc). Elsewhere (MPS) the default implementation."""
     return AdamW(
         param_groups(model, weight_decay),
         lr=lr,

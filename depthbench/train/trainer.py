@@ -2,8 +2,8 @@
 context, and a list of `Hook`s that do everything around the update (evaluation, dynamics,
 metrics, logging, checkpointing, divergence; depthbench.train.hooks).
 
-One step of `Trainer.fit` (the order is part of the numbers: it is the order of the function it
-replaced, so weights and metrics.jsonl are bit-identical to it):
+One step of `Trainer.fit` (the order is part of the numbers: weights and metrics.jsonl depend on
+it, and the tests hold resumed and interrupted runs to it bit for bit):
 1. set the learning rate of step s (lr_at), start an empty record;
 2. `on_step_start(trainer, s, record)`: e.g. dynamics, measured on the weights before update s;
 3. forward/backward over the micro-batches, train loss averaged over ranks, gradient norm

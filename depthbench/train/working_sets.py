@@ -38,9 +38,7 @@ def single_micro_batch_peak(
     (its unsharded gradients and the reduce-scatter's fp32 copy of them) count beside them; the
     root's (outside the units) stay unsharded to the end of backward, where the reduce-scatter
     copies them too. On one rank (`shard` 1, `in_flight` 0) every gradient made counts whole.
-
-    On an H200 the step's measured high-water mark is 0.92-1.00 of weights + AdamW + this
-    (tests/data/h200_training_step_memory.json)."""
+    The tests hold it to a GPU's measured steps (tests/data/h200_training_step_memory.json)."""
     outside = gradients - sum(unit_gradients)
     moments = [saved + outside + max(loss_working, held_working)]
     freed, made = 0.0, outside

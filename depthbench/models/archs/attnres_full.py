@@ -41,8 +41,8 @@ class PreNormed(nn.Module):
     recomputes (`checkpoint_units`). It holds the norm and the sublayer without owning them (not
     registered as children), so parameter names and state dicts stay those of the block. Were
     the sublayer alone the unit, the norm's saved input and output (two fp32 (B, T, d) tensors
-    per sublayer under autocast) would stay saved through every checkpointed layer: 22 GiB at
-    the 400M preset's L = 70, micro-batch 16 x 2048."""
+    per sublayer under autocast) would stay saved through every checkpointed layer
+    (docs/design/parallelism.md)."""
 
     def __init__(self, norm: nn.Module, sublayer: nn.Module):
         super().__init__()

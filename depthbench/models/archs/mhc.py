@@ -25,8 +25,9 @@ identity start gives from step 0 (tokenbender/mHC-manifold-constrained-hyper-con
 starts there: diagonal logits 0, off-diagonal -8 before its temperature), while the `hc_static`
 start (lucidrains/hyper-connections' identity logits) mixes the streams to rank 1 before any
 training, so the paper's rank finding could not be told from the init. -8 rather than lower:
-the gradient reaching H_res's logits scales with the off-diagonal mass e^-8 = 3.4e-4 (50x more
-than at -12, where it measured below Adam's epsilon on a tiny model at init). The cost: near the
+the gradient reaching H_res's logits scales with the off-diagonal mass e^-8 = 3.4e-4 (e^4, about
+50 times, more than at -12, where it falls below Adam's epsilon on a tiny model at init:
+docs/design/architectures.md, mHC init). The cost: near the
 identity, 20 Sinkhorn iterations leave row-sum errors of the order of the off-diagonal mass
 times the logit noise (7e-4 at noise 0.1, 6e-3 at 0.45; exact at init;
 docs/design/architectures.md).
