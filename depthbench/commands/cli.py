@@ -189,12 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     except DepthBenchError as exc:
         print(f"depthbench: {exc}", file=sys.stderr)
         return 2
-    except (
-        BrokenPipeError
-    ):  # the reader stopped early (`depthbench runs CONFIG | head`): not an error
-        os.dup2(
-            os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()
-        )  # so the exit-time flush is silent
+    # the reader stopped early (`depthbench runs CONFIG | head`): not an error
+    except BrokenPipeError:
+        # so the exit-time flush is silent
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     return code or 0
 

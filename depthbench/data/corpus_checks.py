@@ -92,9 +92,8 @@ def _check_json(path: str, text_field: str, limit: int | None) -> tuple[int, boo
     try:
         data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
-        return _check_lines(
-            path, "jsonl" if not is_array else "text", text_field, None
-        )  # names line and offset
+        # names line and offset
+        return _check_lines(path, "jsonl" if not is_array else "text", text_field, None)
     except json.JSONDecodeError as exc:
         if is_array:
             raise DataError(

@@ -61,9 +61,8 @@ def _text_boundary(f, c: int, size: int) -> int:
             return base + m.end()
         if at_eof:
             return size
-        keep = min(
-            4, len(buf)
-        )  # a separator not yet final starts in the last 3 bytes; plus the look-behind byte
+        # a separator not yet final starts in the last 3 bytes; plus the look-behind byte
+        keep = min(4, len(buf))
         base += len(buf) - keep
         buf = buf[-keep:] + f.read(CHUNK)
 

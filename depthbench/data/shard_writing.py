@@ -202,9 +202,8 @@ def merge_pieces(piece_dirs: list, out_dir, meta_extra: dict) -> dict:
     counts = sum(np.load(Path(d) / "counts.npy") for d in piece_dirs)
     splits = {}
     for split in ("train", "val"):
-        kept = [
-            (Path(d), p[split]) for d, p in zip(piece_dirs, pieces) if p[split]["n_tokens"] > 0
-        ]  # empty files cannot be mapped
+        # empty files cannot be mapped
+        kept = [(Path(d), p[split]) for d, p in zip(piece_dirs, pieces) if p[split]["n_tokens"] > 0]
         if not kept:
             raise DataError(
                 f"{out}: the {split} split has no documents in any piece; "

@@ -111,9 +111,8 @@ def check_named(config: dict) -> int:
     from depthbench.pretrained.loading import pretrained_specs
 
     pretrained_specs(config)  # every `pretrained` entry names a loadable checkpoint
-    if (
-        config.get("launcher", {}).get("backend") == "slurm"
-    ):  # before the tokenizer and shards are built
+    # before the tokenizer and shards are built
+    if config.get("launcher", {}).get("backend") == "slurm":
         from depthbench.launch.slurm import check_launcher
 
         check_launcher(config["launcher"])

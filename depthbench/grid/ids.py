@@ -14,9 +14,10 @@ def tokenizer_id(config: dict) -> str:
     tok = config["tokenizer"]
     ident: dict[str, Any] = {"tokenizer": tok}
     if tok["kind"] == "bpe":  # trained on the corpus, so the corpus is part of its identity
+        # pieces do not change its text
         ident["corpus"] = {
             k: v for k, v in config["corpus"].items() if k not in ("pieces", "piece_by")
-        }  # pieces do not change its text
+        }
     if tok["kind"] in ("file", "olmo_eval"):
         from depthbench.data.tokenizer import resolve_tokenizer_file
 

@@ -75,9 +75,8 @@ def load_run(run_dir: str | os.PathLike, results_dir: str | os.PathLike | None =
             f"{summary_path}: no such file; "
             "RUN_DIR must be a finished run's folder (results/runs/<run_id>)"
         )
-    summary = check_run(
-        run_dir, weights=False
-    )  # its identity: run id of its folder, spec hash of its spec
+    # its identity: run id of its folder, spec hash of its spec
+    summary = check_run(run_dir, weights=False)
     if summary.get("status") != "ok":
         raise DataError(
             f"{summary_path}: status {summary.get('status')!r}; "
@@ -202,9 +201,8 @@ def export_run(
     with atomic_folder(out) as tmp:
         specials = write_tokenizer(run, tmp)
         class_name = write_model(run, tmp, specials)
-        if (
-            class_name != "LlamaForCausalLM"
-        ):  # a folder without the remote-code config.json (see above)
+        # a folder without the remote-code config.json (see above)
+        if class_name != "LlamaForCausalLM":
             write_tokenizer(run, tmp / TOKENIZER_FOLDER)
         write_generation_config(tmp, specials, remote=class_name != "LlamaForCausalLM")
         (tmp / "README.md").write_text(model_card(run, class_name))

@@ -111,9 +111,8 @@ def chunked_attention_backward(grad, q, k, v, out, lse, dropout_p=0.0, is_causal
     B, H, T, hd = q.shape
     qf, kf, vf, gf, of = (t.reshape(B * H, T, hd) for t in (q, k, v, grad, out))
     lf = lse.reshape(B * H, T, 1)
-    rowsum = torch.linalg.vecdot(at_least_fp32(gf), at_least_fp32(of)).unsqueeze(
-        -1
-    )  # D = rowsum(dy * y), (N, T, 1)
+    # D = rowsum(dy * y), (N, T, 1)
+    rowsum = torch.linalg.vecdot(at_least_fp32(gf), at_least_fp32(of)).unsqueeze(-1)
     acc, dtype = at_least_fp32(q).dtype, q.dtype
     dq = torch.empty(B * H, T, hd, dtype=acc, device=q.device)
     dk = torch.zeros(B * H, T, hd, dtype=acc, device=q.device)
@@ -138,9 +137,8 @@ def _kernel_for(q: torch.Tensor, k: torch.Tensor, kernel: str = "auto"):
     """The causal kernel pair (forward with lse, backward) for these inputs, or None. `kernel`:
     auto (aten's CPU flash pair on CPU tensors of the dtypes it takes; the chunked pair
     otherwise) or chunked."""
-    if (
-        q.shape[2] != k.shape[2] or not q.is_floating_point()
-    ):  # queries must be all positions (no decoding offset)
+    # queries must be all positions (no decoding offset)
+    if q.shape[2] != k.shape[2] or not q.is_floating_point():
         return None
     if (
         kernel == "auto"

@@ -34,9 +34,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
 
         export_distributed_env()
         run = RunSpec.from_dict(spec)
-        ctx, device_name = distributed.setup(
-            run.train.parallel, run.train.device
-        )  # train() finds it joined
+        # train() finds it joined
+        ctx, device_name = distributed.setup(run.train.parallel, run.train.device)
         lock = acquire_for_job(work_dir, run.run_id, ctx, device_name)
         try:
             return train(run, data_dir, RunPaths(run_dir, work_dir), progress=progress, owner=owner)

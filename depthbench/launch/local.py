@@ -61,9 +61,8 @@ def _wait(job, poll_s: float = 2.0) -> None:
         state = queue_state(job.job_id)
         if state is not None and state not in LIVE_STATES:
             ended_at = ended_at or time.time()
-            if (
-                time.time() - ended_at > LOST_JOB_GRACE_S
-            ):  # the result file may lag on a shared file system
+            # the result file may lag on a shared file system
+            if time.time() - ended_at > LOST_JOB_GRACE_S:
                 raise RuntimeError(f"SLURM job {job.job_id} ended {state} without a result")
         time.sleep(poll_s)
 
@@ -169,9 +168,8 @@ def dispatch(
     if backend == "slurm":
         check_gpus(launcher)  # GPUs asked of a cluster without any: named here, not by sbatch
     spec_dict = spec.to_dict()
-    if (
-        backend != "slurm"
-    ):  # on this machine, share the cores Snakemake gave the job among the ranks
+    # on this machine, share the cores Snakemake gave the job among the ranks
+    if backend != "slurm":
         spec_dict["train"]["threads"] = max(1, threads // ranks_per_run(launcher))
     # On this machine the trainer watches the Snakemake process that runs this dispatcher (its
     # parent) and stops at a checkpoint if it ends; a SLURM job is re-attached to instead.
@@ -273,8 +271,7 @@ def dispatch_removal(
 
 def _local_threads(settings: dict, launcher: dict, threads: int) -> dict:
     settings = dict(settings)
-    if (
-        with_defaults("launcher", launcher)["backend"] != "slurm"
-    ):  # on this machine: the cores Snakemake gave
+    # on this machine: the cores Snakemake gave
+    if with_defaults("launcher", launcher)["backend"] != "slurm":
         settings["threads"] = threads
     return settings

@@ -45,9 +45,8 @@ GENERIC_PROBES = frozenset(
 
 @dataclass
 class ModelOutput:
-    logits: (
-        torch.Tensor | None
-    )  # None when the loss was computed in chunks (DecoderLM.loss_chunk_tokens)
+    # None when the loss was computed in chunks (DecoderLM.loss_chunk_tokens)
+    logits: torch.Tensor | None
     loss: torch.Tensor | None = None  # cross-entropy only
     hidden: list[torch.Tensor] | None = None  # h_0 .. h_L when requested
     aux_loss: torch.Tensor | None = (
@@ -95,9 +94,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ffn = make_ffn(cfg)
 
-    def forward(
-        self, x: torch.Tensor, rope: Rope, internals: dict | None = None
-    ) -> torch.Tensor:  # pragma: no cover
+    def forward(self, x: torch.Tensor, rope: Rope, internals: dict | None = None) -> torch.Tensor:
         raise NotImplementedError("each architecture's Block defines its residual update")
 
 

@@ -88,9 +88,8 @@ class MoESwiGLU(nn.Module):
         expert."""
         N, k = top_e.shape
         slot_expert = top_e.reshape(-1)
-        order = torch.sort(
-            slot_expert, stable=True
-        ).indices  # slots grouped by expert, token order within
+        # slots grouped by expert, token order within
+        order = torch.sort(slot_expert, stable=True).indices
         counts = torch.zeros(self.n_experts, dtype=torch.int64, device=flat.device).index_add_(
             0, slot_expert, torch.ones_like(slot_expert)
         )

@@ -47,15 +47,13 @@ class TrainConfig:
     )
     dynamics_every: int = 0  # measure norm and gradient dynamics every k steps; 0 = off
     parallel: str = "ddp"  # data parallelism when the launcher starts several ranks: ddp or fsdp
-    loggers: list[str] = field(
-        default_factory=list
-    )  # experiment trackers (depthbench.train.tracking)
+    # experiment trackers (depthbench.train.tracking)
+    loggers: list[str] = field(default_factory=list)
     experiment: str = (
         ""  # the config's `name`, set with the operational settings; trackers group by it
     )
-    snapshot_steps: list[int] = field(
-        default_factory=list
-    )  # weights kept at these steps (probes.at_steps; depthbench.train.snapshots)
+    # weights kept at these steps (probes.at_steps; depthbench.train.snapshots)
+    snapshot_steps: list[int] = field(default_factory=list)
 
     # Settings that do not change the trained weights or the logged curves, so they are left
     # out of the run id's hash: changing them must not start new runs.

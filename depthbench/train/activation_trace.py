@@ -54,9 +54,8 @@ def _tensors(obj, out: list) -> list:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             _tensors(getattr(obj, f.name), out)
-    elif hasattr(obj, "__iter__") and not isinstance(
-        obj, (str, bytes, torch.nn.Module)
-    ):  # MoDA's DepthKeys
+    # MoDA's DepthKeys
+    elif hasattr(obj, "__iter__") and not isinstance(obj, (str, bytes, torch.nn.Module)):
         for o in obj:
             _tensors(o, out)
     return out

@@ -197,10 +197,8 @@ class Checkpointer:
                         process_group=self.group,
                         no_dist=self.world == 1,
                     )
-            except (
-                Exception,
-                CheckpointException,
-            ) as exc:  # DCP's CheckpointException is a BaseException
+            # DCP's CheckpointException is a BaseException
+            except (Exception, CheckpointException) as exc:
                 raise CheckpointError(
                     f"{path}: does not fit this run's model or optimizer ({_cause(exc)})"
                 ) from exc

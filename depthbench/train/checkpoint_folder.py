@@ -140,9 +140,8 @@ def complete_checkpoint(
         files.update(listing.read_listing(tmp / listing.rank_listing(r)))
     files[listing.METADATA] = listing.file_sha256(tmp / listing.METADATA)
     atomic_write_json(tmp / MANIFEST, {**manifest, "files": files})
-    listing.write_listing(
-        tmp, checksum_path(tmp).name, [MANIFEST]
-    )  # last: the checkpoint counts from here
+    # last: the checkpoint counts from here
+    listing.write_listing(tmp, checksum_path(tmp).name, [MANIFEST])
     _fsync_dir(tmp)
     if final.exists():  # the same step saved again (a resume from an older checkpoint)
         trash = final.with_name(f".{final.name}.replaced.tmp")

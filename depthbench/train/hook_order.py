@@ -59,16 +59,13 @@ def default_hooks(
             (tc.log_every, tc.eval_every, tc.checkpoint_every),
             tc.total_steps,
         ),
-        *(
-            [SnapshotHook(tc.snapshot_steps)] if tc.snapshot_steps else []
-        ),  # before the checkpoint of its step
+        # before the checkpoint of its step
+        *([SnapshotHook(tc.snapshot_steps)] if tc.snapshot_steps else []),
         CheckpointHook(tc.checkpoint_every, tc.total_steps),
-        *(
-            [OwnerHook(owner, tc.checkpoint_every, tc.total_steps)] if owner else []
-        ),  # after the checkpoint it stops at
-        RequeueHook(
-            tc.total_steps
-        ),  # after the periodic checkpoint: a step saved there is not saved twice
+        # after the checkpoint it stops at
+        *([OwnerHook(owner, tc.checkpoint_every, tc.total_steps)] if owner else []),
+        # after the periodic checkpoint: a step saved there is not saved twice
+        RequeueHook(tc.total_steps),
     ]
     if ctx.is_main:
         if progress:

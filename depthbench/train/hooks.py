@@ -148,9 +148,8 @@ class DivergenceHook(Hook):
         )
         dtype = accumulator_dtype(loss.device)
         loss, norm = loss.to(dtype), norm.to(device=loss.device, dtype=dtype)
-        bad = (
-            ~torch.isfinite(loss) | (loss > self.limit) | ~torch.isfinite(norm)
-        )  # is_bad, on the device
+        # is_bad, on the device
+        bad = ~torch.isfinite(loss) | (loss > self.limit) | ~torch.isfinite(norm)
         # torch.full, not torch.tensor: a fill kernel, where a host-to-device copy would wait for
         # the device
         now = torch.stack(
@@ -211,9 +210,8 @@ class CheckpointHook(Hook):
         if trainer.status == STATUS_OK and trainer.step < self.total:
             trainer.snapshot(blocking=True)
 
-    def close(
-        self, trainer
-    ):  # an asynchronous save still in flight completes before the run goes on
+    # an asynchronous save still in flight completes before the run goes on
+    def close(self, trainer):
         trainer.checkpointer.wait()
 
 

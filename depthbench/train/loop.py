@@ -121,9 +121,8 @@ def train(
     )
     trainer.fit(stop_after)
 
-    if (
-        trainer.status == STATUS_OK and trainer.step < tc.total_steps
-    ):  # interrupted on purpose (stop_after)
+    # interrupted on purpose (stop_after)
+    if trainer.status == STATUS_OK and trainer.step < tc.total_steps:
         distributed.teardown(ctx)
         return {"run_id": spec.run_id, "status": "interrupted", "step": trainer.step}
     if tc.snapshot_steps and ctx.is_main:  # before summary.json, whose presence means done
@@ -166,9 +165,8 @@ def finish(
         return {"run_id": spec.run_id, "status": status, "rank": ctx.rank}
     digest: list[str] = []
 
-    def write_weights(
-        tmp: str,
-    ) -> None:  # hashed before the rename, so the digest is of the published file
+    # hashed before the rename, so the digest is of the published file
+    def write_weights(tmp: str) -> None:
         save_safetensors(tensors, tmp, {"run_id": spec.run_id, "step": str(step)})
         digest.append(file_sha256(tmp))
 
@@ -208,9 +206,8 @@ def finish(
         "spec": spec.to_dict(),
         # checked by the tables against the grid (depthbench.analysis.tables)
         "spec_hash": spec.spec_hash(),
-        WEIGHTS_DIGEST: digest[
-            0
-        ],  # checked by every stage that reads the weights (depthbench.train.runcheck)
+        # checked by every stage that reads the weights (depthbench.train.runcheck)
+        WEIGHTS_DIGEST: digest[0],
     }
     atomic_write_json(paths.summary, summary)
     return summary

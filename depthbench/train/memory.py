@@ -53,11 +53,8 @@ from depthbench.train.working_sets import FP32, loss_working_bytes, single_micro
 HEADROOM = 0.10
 
 
-CHECKPOINT_MODES = (
-    "none",
-    "selective",
-    "full",
-)  # least memory saved first (depthbench.train.parallelize)
+# least memory saved first (depthbench.train.parallelize)
+CHECKPOINT_MODES = ("none", "selective", "full")
 
 
 def recompute_mask(mode: str, n_units: int) -> list[bool]:

@@ -86,9 +86,8 @@ class RunLock:
 
         path = Path(work_dir) / LOCK_NAME
         path.parent.mkdir(parents=True, exist_ok=True)
-        file = open(
-            path, "a+"
-        )  # never truncated before the lock is held: the holder's record stays readable
+        # never truncated before the lock is held: the holder's record stays readable
+        file = open(path, "a+")
         try:
             fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

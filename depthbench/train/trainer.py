@@ -72,9 +72,8 @@ class Trainer:
         self.spec, self.tc, self.paths, self.ctx = spec, tc, paths, ctx
         self.device, self.autocast, self.batches = device, autocast, batches
         self.model = model
-        model.loss_chunk_tokens = (
-            tc.loss_chunk_tokens
-        )  # training's loss in chunks (depthbench.models.loss)
+        # training's loss in chunks (depthbench.models.loss)
+        model.loss_chunk_tokens = tc.loss_chunk_tokens
         # checkpointing, per-block compile, then DDP wrapper / FSDP2 sharding in place
         # (depthbench.train.parallelize)
         self.net, self.step_fn, self.checkpointing = parallelize(
@@ -88,9 +87,8 @@ class Trainer:
         self.wall_before, self.t_start = 0.0, time.time()
         self.status, self.last_val = STATUS_OK, float("nan")
         self.stats: StepStats | None = None
-        self.checkpointer = Checkpointer(
-            paths.checkpoints, ctx
-        )  # on every rank: creates the saves' gloo group
+        # on every rank: creates the saves' gloo group
+        self.checkpointer = Checkpointer(paths.checkpoints, ctx)
 
     # ---- state on disk
     def restore(self) -> bool:
@@ -173,15 +171,13 @@ class Trainer:
                 with self.autocast:
                     out = self.step_fn(to_device(x, self.device), to_device(y, self.device))
                 loss = out.loss
-                objective = (
-                    loss if out.aux_loss is None else loss + out.aux_loss
-                )  # MoE load balancing
+                # MoE load balancing
+                objective = loss if out.aux_loss is None else loss + out.aux_loss
                 (objective / batches.accum_steps).backward()
             loss_sum = loss_sum + loss.detach().to(loss_sum.dtype)
         train_loss = distributed.all_reduce_mean_tensor(loss_sum / batches.accum_steps, self.ctx)
-        max_norm = (
-            tc.grad_clip if tc.grad_clip is not None else float("inf")
-        )  # inf: measure, do not clip
+        # inf: measure, do not clip
+        max_norm = tc.grad_clip if tc.grad_clip is not None else float("inf")
         grad_norm = distributed.local_tensor(
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         )

@@ -26,9 +26,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     os.close(fd)
     try:
         write(tmp)
-        os.chmod(
-            tmp, 0o666 & ~current_umask()
-        )  # after: a writer that replaces the file (safetensors) gets it too
+        # after: a writer that replaces the file (safetensors) gets it too
+        os.chmod(tmp, 0o666 & ~current_umask())
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -69,9 +68,8 @@ def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if (
-        old is not None
-    ):  # the new folder is in place: the old one goes (a failure here loses nothing new)
+    # the new folder is in place: the old one goes (a failure here loses nothing new)
+    if old is not None:
         shutil.rmtree(old.parent, ignore_errors=True)
 
 

@@ -22,6 +22,7 @@ from depthbench.hf.export import export_run
 from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model
 from depthbench.spec.training import TrainConfig
+from depthbench.train.listing import file_sha256
 from depthbench.models.registry import PACKAGE_ARCHITECTURES
 
 ARCHS = list(PACKAGE_ARCHITECTURES)  # every architecture of the package
@@ -114,6 +115,7 @@ def fake_run(root, model, tokenizer_file, status: str = "ok"):
         "final_val_loss": 4.25,
         "n_params": model.num_parameters(),
         "spec": spec,
+        "weights_sha256": file_sha256(run_dir / "model.safetensors"),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary))
     (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 10, "train_loss": 4.5}) + "\n")

@@ -150,9 +150,8 @@ def run_probe_families(model, vocab: int, probe_tokens: int, passes: int, seed: 
 
 def cpu_footprint(est, n_params: int) -> float:
     """Bytes the rehearsal needs at its peak, headroom included (see step 1)."""
-    resume = (
-        3 * FP32 + CHECKPOINT_BYTES_PER_PARAM
-    ) * n_params  # weights + AdamW, and the loaded checkpoint
+    # weights + AdamW, and the loaded checkpoint
+    resume = (3 * FP32 + CHECKPOINT_BYTES_PER_PARAM) * n_params
     return max(est.total(False), resume) * (1 + HEADROOM)
 
 

@@ -101,9 +101,8 @@ def torchscale_init_(block: DeepNormBlock, scale: float) -> None:
     for start, stop in ((0, q), (q, q + kv), (q + kv, q + 2 * kv)):
         xavier_uniform_rows_(attn.wqkv.weight, start, stop, 2**-0.5)
     nn.init.xavier_uniform_(attn.wo.weight, gain=1.0)
-    if hasattr(
-        ffn, "init_weights_xavier"
-    ):  # mixture of experts: x @ w13[e], (d, 2 d_ff); w2[e] (d_ff, d)
+    # mixture of experts: x @ w13[e], (d, 2 d_ff); w2[e] (d_ff, d)
+    if hasattr(ffn, "init_weights_xavier"):
         default_linear_(ffn.w13, ffn.w13.shape[1])
         default_linear_(ffn.w2, ffn.d_ff)
         scaled = (ffn.w13, ffn.w2)

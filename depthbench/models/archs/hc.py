@@ -50,9 +50,8 @@ class HyperConnection(nn.Module):
         # one projection for [w_m | W_r | w_b]: d -> 1 + n + 1 per stream
         self.dynamic = nn.Linear(d_model, n + 2, bias=False)
         # shape (1,), not a 0-dim scalar: FSDP2 shards every parameter along dim 0
-        self.s_alpha = nn.Parameter(
-            torch.full((1,), DYNAMIC_SCALE_INIT)
-        )  # scales tanh(.) of w_m and W_r
+        # scales tanh(.) of w_m and W_r
+        self.s_alpha = nn.Parameter(torch.full((1,), DYNAMIC_SCALE_INIT))
         self.s_beta = nn.Parameter(torch.full((1,), DYNAMIC_SCALE_INIT))  # scales tanh(.) of w_b
         self.n = n
 

@@ -94,9 +94,8 @@ class ManifoldHyperConnection(nn.Module):
         n = n_streams
         self.n, self.sublayer, self.iterations, self.start = n, sublayer, iterations, start
         self.norm = RMSNorm(n * d_model, eps)
-        self.phi = nn.Linear(
-            n * d_model, 2 * n + n * n, bias=False
-        )  # [Phi_pre | Phi_post | Phi_res]
+        # [Phi_pre | Phi_post | Phi_res]
+        self.phi = nn.Linear(n * d_model, 2 * n + n * n, bias=False)
         self.gains = nn.Parameter(torch.full((3,), GAIN_INIT))  # g_pre, g_post, g_res
         self.b_pre = nn.Parameter(torch.zeros(n))
         self.b_post = nn.Parameter(torch.zeros(n))

@@ -183,10 +183,8 @@ class MixtureOfDepthsAttention(DecoderLM):
         cos, sin = rope
         parts = [after[0]]
         for k, v in left:
-            parts += [
-                _per_position(apply_rotary(k, cos, -sin)),
-                _per_position(v),
-            ]  # R(-t) undoes R(t)
+            # R(-t) undoes R(t)
+            parts += [_per_position(apply_rotary(k, cos, -sin)), _per_position(v)]
         return x, torch.cat(parts, dim=-1), after
 
     def from_layer_features(self, state, layer: int, outputs: torch.Tensor, rope: Rope):

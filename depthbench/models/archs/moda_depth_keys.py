@@ -38,9 +38,8 @@ class DepthBuffer:
         if n == self.k.shape[0]:  # full: double (never during a model's own forward, sized to it)
             self.k = held_for_backward(torch.cat([self.k, torch.empty_like(self.k)]))
             self.v = held_for_backward(torch.cat([self.v, torch.empty_like(self.v)]))
-        with (
-            torch.no_grad()
-        ):  # a cache of values: gradients reach the sources through _JointAttention
+        # a cache of values: gradients reach the sources through _JointAttention
+        with torch.no_grad():
             self.k[n].copy_(pair[0])
             self.v[n].copy_(pair[1])
         self.sources.append((weakref.ref(pair[0]), weakref.ref(pair[1])))
