@@ -9,14 +9,16 @@
 #       the workflow's own outputs that need no GPU (tokenizer, token shards, tokenized NLL sets)
 #       and Snakemake's metadata of them, made in a scratch copy of the workflow
 #   bash scripts/gpu_workflow.sh run [--config CONFIG] [--bundle DIR] [--out DIR]
-#                                   [--device cuda|cpu] [--cores N] [--slots K]
+#                                   [--device cuda|cpu] [--cores N] [--slots K] [--time-limit S]
 #       installs DIR/wheels into a private folder (the interpreter's own packages, torch among
 #       them, untouched), unpacks the prepared outputs and checks with a dry run that Snakemake
 #       takes them as up to date, runs the workflow with train.device set to --device (no silent
 #       fall-back to the CPU), then leaves in --out: record.json (per-job times and devices,
 #       per-run losses and tokens/s, the claims; depthbench.commands.workflow_record),
 #       headline.png, report.html, snakemake.log and results.tar.gz (tables, figures, logs,
-#       benchmark records, run summaries). The record is written also when a job failed.
+#       benchmark records, run summaries). The record is written also when a job failed, and
+#       --time-limit S interrupts Snakemake (SIGINT) after S seconds so that it is written before
+#       an outer limit kills everything.
 #
 # CONFIG defaults to config/presets/gpu_smoke.yaml; PYTHON to .venv/bin/python where it exists,
 # else python3. The CPU test (tests/workflow/test_gpu_workflow.py) runs the same `prepare` and
@@ -58,7 +60,7 @@ prepare() {
 }
 
 run() {
-  local config="$PRESET" bundle="" out="results/gpu_run" device=cuda cores slots=""
+  local config="$PRESET" bundle="" out="results/gpu_run" device=cuda cores slots="" limit=0
   cores="$(nproc)"
   while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -68,7 +70,8 @@ run() {
       --device) device="$2"; shift 2 ;;
       --cores) cores="$2"; shift 2 ;;
       --slots) slots="$2"; shift 2 ;;
-      *) die "unknown option $1 (valid: --config --bundle --out --device --cores --slots)" ;;
+      --time-limit) limit="$2"; shift 2 ;;
+      *) die "unknown option $1 (valid: --config --bundle --out --device --cores --slots --time-limit)" ;;
     esac
   done
   [[ "$device" == cuda || "$device" == cpu ]] || die "--device $device: valid: cuda, cpu"
@@ -111,7 +114,7 @@ EOF
   local start rc=0
   start="$(date +%s.%N)"
   set +e
-  "${smk[@]}" --cores "$cores" --resources dispatch_slots="$slots" --keep-going \
+  timeout -s INT -k 60 "$limit" "${smk[@]}" --cores "$cores" --resources dispatch_slots="$slots" --keep-going \
     --rerun-incomplete --config "train={device: $device}" 2>&1 | tee "$out/snakemake.log"
   rc="${PIPESTATUS[0]}"
   set -e

@@ -103,7 +103,8 @@ def score_windows(model, windows: list[Window], tokens_per_batch: int, device) -
                 idx[row, : len(windows[w].inputs)] = torch.tensor(windows[w].inputs)
             # the batch's targets in one host-to-device copy; each window's sum stays on the
             # device, and every sum is read once at the end (no wait on the device per window)
-            flat = torch.tensor([t for w in batch for t in windows[w].targets]).to(device)
+            flat = torch.tensor([t for w in batch for t in windows[w].targets], dtype=torch.long)
+            flat = flat.to(device)
             logits = model(idx.to(device)).logits
             start = 0
             for row, w in enumerate(batch):
