@@ -10,7 +10,8 @@ failed): what ran, where and how long, in one JSON file that can be committed
   marks the jobs whose outputs came with the bundle (--prepared: they ran on the CPU machine that
   prepared it, and their times are that machine's).
 - `runs`: per run of runs.parquet, its status, final validation loss, unigram floor, whether it
-  learned, tokens/s, wall seconds, the device and the dtype it trained in.
+  learned, tokens/s, wall seconds, the device and the dtype it trained in, and its compile
+  setting (scripts/gpu_workflow.sh trains a run that failed with compile again without it).
 - `devices`: per stage, the devices its jobs ran on (one entry when every job of the stage ran
   on the same device), which is how a reader checks that no stage fell back to the CPU.
 - `claims`: claims.parquet's verdicts with the numbers compared.
@@ -99,12 +100,13 @@ def run_rows(results: Path, missing: list[str]) -> list[dict]:
     for row in runs[[c for c in columns if c in runs.columns]].to_dict("records"):
         summary = _json(results / "runs" / row["run_id"] / "summary.json") or {}
         device = summary.get("device")
-        dtype = ((summary.get("spec") or {}).get("train") or {}).get("dtype", "auto")
+        train = (summary.get("spec") or {}).get("train") or {}
+        dtype = train.get("dtype", "auto")
         if dtype == "auto" and device:  # depthbench.train.recipe.resolve_dtype
             dtype = "bfloat16" if device.startswith("cuda") else "float32"
         out.append(
             {k: _finite(v.item() if hasattr(v, "item") else v) for k, v in row.items()}
-            | {"device": device, "dtype": dtype}
+            | {"device": device, "dtype": dtype, "compile": train.get("compile")}
         )
     return out
 

@@ -135,6 +135,7 @@ def test_the_run_leaves_its_record_figure_and_report(gpu_run):
     assert {j["rule"] for j in jobs.values() if j["prepared_elsewhere"]} == PREPARED_RULES
     (run,) = record["runs"]
     assert run["device"] == "cpu" and run["dtype"] == "float32" and run["status"] == "ok"
+    assert run["compile"] == "none"
     assert run["final_val_loss"] < run["unigram_floor"] and run["tokens_per_s"] > 0
     assert len(record["claims"]) >= 12 and all(c["verdict"] for c in record["claims"])
     with tarfile.open(out / "results.tar.gz") as tar:
