@@ -12,12 +12,14 @@ most 1.5x for hc, mhc, attnres_full, attnres_block and moda.
     .venv/bin/python benchmarks/arch_step_time.py [--budget 8e5 --n-layer 8 --vocab 2048
         --batch 16 --seq 128 --threads 2 --rounds 7 --steps 1 --json out.json]
 
-HC's and mHC's reads and writes run through the C++ CPU kernels (depthbench/kernels) where they
-build; the header says whether they did, and DEPTHBENCH_CPU_KERNELS=0 times the PyTorch code
-instead. The optimizer is the training loop's (fused AdamW).
+Every model runs the CPU's implementations that training swaps in (depthbench.kernels.swap: the
+C++ kernels of HC's and mHC's reads and writes where they build, MoDA's fused attention); the
+header says whether the C++ kernels built. The optimizer is the training loop's (fused AdamW).
 
-An entry of --archs may carry arch_options, e.g. `--archs moda moda:attention_impl=explicit
-attnres_full:depth_mix=loop`, to time an implementation against the default in the same run.
+An entry of --archs may carry arch_options and `kernels` (`reference`: the definition as written;
+`cuda`: the CUDA backend's implementations, on CPU tensors), e.g. `--archs moda
+moda:kernels=reference attnres_full:kernels=cuda`, to time an implementation against the
+default in the same run.
 
 --compile wraps every model in torch.compile, as `train.compile: true` does in a run, and also
 reports each model's compile time (its first step): on CPU, inductor fuses the element-wise
@@ -35,6 +37,7 @@ import torch
 import yaml
 
 from depthbench import kernels
+from depthbench.kernels.swap import swap_in
 from depthbench.models.registry import ARCHITECTURES, build_model, canonical_arch
 from depthbench.models.config import ModelConfig
 from depthbench.spec.shapes import solve_width
@@ -59,7 +62,7 @@ def main() -> None:
         "--archs",
         nargs="*",
         default=None,
-        help="architectures, each optionally with arch_options: moda:attention_impl=explicit",
+        help="architectures, each optionally with arch_options and kernels: moda:kernels=reference",
     )
     p.add_argument(
         "--compile", action="store_true", help="torch.compile every model (train.compile: true)"
@@ -81,6 +84,7 @@ def main() -> None:
             if spec
             else {}
         )
+        implementation = options.pop("kernels", "auto")
         base = ModelConfig(
             arch=arch,
             vocab_size=args.vocab,
@@ -104,6 +108,10 @@ def main() -> None:
                 arch_options=options,
             )
         )
+        if implementation == "cuda":
+            swap_in(model, "cuda")
+        else:
+            swap_in(model, "cpu", implementation)
         opt = build_optimizer(
             model, 1e-4, 0.1, (0.9, 0.95), 1e-8, torch.device("cpu")
         )  # as training does

@@ -13,9 +13,11 @@ Made to start and stop on time on a bare GPU machine:
 - a wall-clock budget (`--time-budget`, 480 s) is checked before each measurement: one that would
   not finish in what is left (estimated from the slowest measurement so far) is recorded as
   skipped; the GPU tests get what is left, at most `--tests-timeout`;
-- each model is measured after `torch._dynamo.reset()`, so that one process compiling twelve
-  models never hits dynamo's recompile limit (after which models silently run eager), and is
-  compiled per block (`block.compile()`: one trace serves every layer of the same code);
+- each model is built, swapped and compiled exactly as training does it
+  (depthbench.train.parallelize: the device's implementations from depthbench.kernels.swap, then
+  `train.compile: block`, one compiled function for every checkpoint unit, the blocks or
+  AttnRes's pre-normed sublayers), after `torch._dynamo.reset()`, so that one process compiling
+  twelve models never hits dynamo's recompile limit (after which models silently run eager);
 - the micro-batch is the largest, up to `--batch`, that the memory estimate
   (depthbench.train.memory, without activation checkpointing, 10 % headroom) fits on the device;
   an out-of-memory error is caught and recorded, and the next model goes on.
@@ -25,11 +27,16 @@ bytes of a training step against the memory estimate, every architecture (and Mo
 bf16 with the plain and the chunked loss, and with two micro-batches accumulated
 (depthbench.train.measured_memory.allocator_step_memory).
 
-Targets: pre_ln at >= 45% MFU at the widest shape on an H100/H200-class GPU; the deepest
-shape within 1.3x of the widest shape's time per token; hc, mhc, attnres_full and moda within 1.3x
-of pre_ln. Every measurement is bf16 autocast, fused AdamW, SDPA, the chunked loss of training
+Then pre_ln at the deepest shape, every other architecture there (step time relative to
+pre_ln's), and, with the time left, every architecture at the widest shape. `--record` writes
+the step times as the committed record `benchmarks/records/<device>.json`
+(depthbench.commands.step_records), which `depthbench plan` prices runs by.
+
+Targets: pre_ln at >= 50% MFU at the widest shape on an H100/H200-class GPU; the deepest
+shape within 1.3x of the widest shape's time per token; hc and mhc within 1.10x of pre_ln at
+L = 70. Every measurement is bf16 autocast, fused AdamW, SDPA, the chunked loss of training
 (train.loss_chunk_tokens' default), and per-block torch.compile on CUDA (`--no-compile` to turn it
-off), timed with CUDA events after warm-up.
+off), timed after warm-up with a synchronize around each step.
 """
 
 from __future__ import annotations
@@ -48,14 +55,17 @@ sys.path.insert(0, str(REPO))  # the repository's depthbench, installed or not
 
 import torch  # noqa: E402
 
-from depthbench.util.io import atomic_write_json  # noqa: E402
+from depthbench.commands.step_records import RECORDS, record_name  # noqa: E402
 from depthbench.models.config import ModelConfig  # noqa: E402
 from depthbench.models.registry import build_model, registered_architectures  # noqa: E402
 from depthbench.spec.shapes import solve_width  # noqa: E402
 from depthbench.spec.training import TrainConfig  # noqa: E402
+from depthbench.train.distributed import DistContext  # noqa: E402
 from depthbench.train.flops import device_peak_flops, mfu, train_flops_per_token  # noqa: E402
 from depthbench.train.measured_memory import allocator_step_memory  # noqa: E402
 from depthbench.train.memory import HEADROOM, estimate_memory  # noqa: E402
+from depthbench.train.parallelize import parallelize  # noqa: E402
+from depthbench.util.io import atomic_write_json  # noqa: E402
 
 ARCHS = ["pre_ln"] + [a for a in registered_architectures() if a != "pre_ln"]  # the reference first
 GIB = 2**30
@@ -143,22 +153,25 @@ def fit_batch(cfg: ModelConfig, args, memory: int, bf16: bool) -> tuple[int, dic
 
 
 def measure(cfg: ModelConfig, args, device: torch.device, batch: int) -> dict:
-    """Median seconds per optimizer step, tokens/s, MFU and peak memory of one model."""
-    if args.compile:
-        torch._dynamo.reset()  # a fresh cache per model: no recompile limit across models
+    """Median seconds per optimizer step, tokens/s, MFU and peak memory of one model, built,
+    swapped and compiled as training does (depthbench.train.parallelize)."""
+    torch._dynamo.reset()  # a fresh cache per model: no recompile limit across models
     torch.manual_seed(0)
     model = build_model(cfg).to(device)
-    model.loss_chunk_tokens = TrainConfig().loss_chunk_tokens
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type in ("cuda", "cpu"))
-    if args.compile:
-        for block in model.blocks:
-            block.compile()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tc = TrainConfig(
+        compile="block" if args.compile else "none",
+        activation_checkpointing="none",
+        kernels=args.kernels,
+    )
+    model.loss_chunk_tokens = tc.loss_chunk_tokens
+    _, step_fn, _ = parallelize(model, tc, DistContext(), device, dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type in ("cuda", "cpu"))
     x = torch.randint(0, cfg.vocab_size, (batch, args.seq), device=device)
 
     def step():
         with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
-            loss = model(x, x).loss
+            loss = step_fn(x, x).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -362,6 +375,77 @@ def gpu_tests(report: Report, args) -> dict:
     return {"returncode": done.returncode, "tail": done.stdout[-2000:]}
 
 
+def record_runs(report: Report) -> list[dict]:
+    """The measured runs of the report, one per architecture and depth."""
+    runs = []
+    entries = [("pre_ln", report.get("pre_ln_widest")), ("pre_ln", report.get("pre_ln_deepest"))]
+    for key in ("arch_ratios_deepest", "arch_ratios_widest"):
+        entries += list(report.get(key, {}).items())
+    for arch, r in entries:
+        if not isinstance(r, dict) or "step_seconds" not in r:
+            continue
+        runs.append(
+            {
+                "arch": arch,
+                "n_layer": r["n_layer"],
+                "d_model": r["d_model"],
+                "micro_batch": r["memory"]["batch"],
+                "tokens_per_s": round(r["tokens_per_s"], 1),
+                "mfu": round(r["mfu"], 4),
+                "step_time_vs_pre_ln": 1.0 if arch == "pre_ln" else r["step_time_vs_pre_ln"],
+                "peak_memory_bytes": r["peak_memory_bytes"],
+            }
+        )
+    return runs
+
+
+def git_commit() -> str:
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        )
+    except OSError:
+        return "unknown"
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    commit = done.stdout.strip() or "unknown"
+    return commit + ("+changes" if dirty.stdout.strip() else "")
+
+
+def write_record(report: Report, args) -> None:
+    """The record for depthbench plan (depthbench.commands.step_records), rewritten atomically
+    as the measurements come; only with --record."""
+    if not args.record:
+        return
+    path = RECORDS / record_name(report["device"]) if args.record == "auto" else Path(args.record)
+    atomic_write_json(
+        path,
+        {
+            "what": "Training-step times on one GPU (benchmarks/gpu_check.py): per architecture "
+            "and depth, tokens/s, MFU and the step time over pre_ln's at the same depth, "
+            "parameter budget, micro-batch and sequence length, measured in the same process.",
+            "device": report["device"],
+            "torch": torch.__version__,
+            "commit": report["commit"],
+            "recorded": time.strftime("%Y-%m-%d"),
+            "command": "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:]),
+            "settings": {
+                "budget": args.budget,
+                "seq_len": args.seq,
+                "vocab_size": args.vocab,
+                "dtype": "bfloat16 autocast" if args.device == "cuda" else "float32",
+                "compile": "block" if args.compile else "none",
+                "kernels": args.kernels,
+            },
+            "runs": record_runs(report),
+        },
+    )
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -382,6 +466,19 @@ def parse_args(argv=None):
         "--time-budget", type=float, default=480.0, help="wall-clock seconds for the whole check"
     )
     p.add_argument("--tests-timeout", type=float, default=150.0)
+    p.add_argument(
+        "--kernels",
+        choices=["auto", "reference"],
+        default="auto",
+        help="train.kernels: the device's fast implementations (auto) or the definitions",
+    )
+    p.add_argument(
+        "--record",
+        nargs="?",
+        const="auto",
+        help="write the step times as a record for depthbench plan (default path: "
+        "benchmarks/records/<device>.json)",
+    )
     p.add_argument("--compile", dest="compile", action="store_true", default=None)
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument(
@@ -427,6 +524,7 @@ def main(argv=None) -> None:
         args.time_budget,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         torch=torch.__version__,
+        commit=git_commit(),
         depthbench=str(Path(depthbench.__file__).resolve().parent),
         config=vars(args),
     )
@@ -451,6 +549,15 @@ def main(argv=None) -> None:
         ratios[arch] = r
         print(arch, r.get("step_time_vs_pre_ln", r.get("error", r.get("skipped"))), flush=True)
         report.put("arch_ratios_deepest", ratios)
+        write_record(report, args)
+    widest_ratios: dict = {}
+    for arch in args.archs or ARCHS[1:]:  # with the time left, the widest shape too
+        r = run_model(report, arch, args.widest, args, device)
+        if "step_seconds" in r and "step_seconds" in widest:
+            r = {"step_time_vs_pre_ln": r["step_seconds"] / widest["step_seconds"], **r}
+        widest_ratios[arch] = r
+        report.put("arch_ratios_widest", widest_ratios)
+        write_record(report, args)
     report.put("finished", True)
     print(f"wrote {args.out} in {report['elapsed_s']:.1f} s")
 

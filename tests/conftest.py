@@ -81,12 +81,17 @@ def pytest_configure(config):
     # One worker per core: each worker's torch uses its share of the cores (torch would start
     # one thread per core in every worker, and OpenMP threads spin when oversubscribed).
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    try:
+        import torch
+    except ImportError:
+        return
     if os.environ.get("PYTEST_XDIST_WORKER") and workers > 1:
-        try:
-            import torch
-        except ImportError:
-            return
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    # Triton kernels (depthbench.kernels.triton_streams) are tested on CPU tensors in Triton's
+    # interpreter, which triton reads from the environment when it is first imported: on for
+    # every worker of a machine without a GPU (with one, the kernels run on it)
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

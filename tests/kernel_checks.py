@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from depthbench import kernels
+from depthbench.kernels.swap import swap_in
 from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model
 
@@ -63,7 +64,8 @@ def assert_compiled_calls_kernels_and_matches_eager(
 
 def perturbed_hc(n_layer=2, d_model=32, arch="hc", **options):
     """A small model of `arch` (HC unless named) with arch_options `options`, every parameter
-    moved off its initialisation (HC's and mHC's dynamic weights start at zero)."""
+    moved off its initialisation (HC's and mHC's dynamic weights start at zero), with the CPU's
+    implementations swapped in (depthbench.kernels.swap)."""
     torch.manual_seed(0)
     model = build_model(
         ModelConfig(
@@ -79,4 +81,4 @@ def perturbed_hc(n_layer=2, d_model=32, arch="hc", **options):
     with torch.no_grad():  # move the zero-initialised dynamic weights off their init
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    return model
+    return swap_in(model, "cpu")

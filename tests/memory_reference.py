@@ -11,7 +11,7 @@ from unittest import mock
 
 import torch
 
-from depthbench import kernels
+from depthbench.kernels.swap import swap_in
 from depthbench.train.memory import MemoryEstimate
 from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model
@@ -24,13 +24,17 @@ def measured_saved_bytes(
     seq_len: int,
     device: str = "cpu",
     grouped_mm: bool = True,
+    backend: str | None = None,
 ) -> int:
     """Every distinct storage (parameters excluded) that one forward of `cfg`'s model on
     `micro_batch` x `seq_len` random tokens saves for backward, under `device`'s bf16 autocast
-    when `bf16`, with the eager path (no CPU kernel). `grouped_mm=False`: MoE experts take the
-    every-expert path (CUDA's for fp32)."""
+    when `bf16`, with the implementations of `backend` (depthbench.kernels.swap; default: the
+    definitions). `grouped_mm=False`: MoE experts take the every-expert path (CUDA's for
+    fp32)."""
     torch.manual_seed(0)
     model = build_model(cfg).to(device)
+    if backend is not None:
+        swap_in(model, backend)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
 
@@ -46,7 +50,7 @@ def measured_saved_bytes(
         if not grouped_mm
         else nullcontext()
     )
-    with kernels.disabled(), serves, torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
+    with serves, torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(idx, targets=idx)
     # tensors a custom autograd.Function keeps as ctx attributes rather than saving them (buffers

@@ -20,7 +20,6 @@ from depthbench.commands.subcommands import (
     cmd_plan,
     cmd_regenerate,
     cmd_rehearse,
-    cmd_rename_runs,
     cmd_runs,
     cmd_shapes,
     cmd_status,
@@ -61,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--gpu-memory-gb", type=float, default=80.0, help="memory per GPU in GB (default 80)"
+    )
+    p.add_argument(
+        "--record",
+        default="auto",
+        help="measured step times to price the runs by: a record's path, none, or auto (the "
+        "record in benchmarks/records/ named after --gpu, else the only one there)",
     )
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser(
@@ -158,16 +163,6 @@ def main(argv: list[str] | None = None) -> int:
         "run_dirs", nargs="+", metavar="RUN_DIR", help="a run's folder, results/runs/<run_id>"
     )
     p.set_defaults(fn=cmd_checksum)
-
-    p = sub.add_parser(
-        "rename-runs",
-        help="move run folders trained when every run id hashed the whole "
-        "model.arch_options section to today's ids (refuses on conflicts; --dry-run lists)",
-    )
-    p.add_argument("config", nargs="?", default="config/config.yaml")
-    p.add_argument("--results", default="results", help="the results folder (default: results)")
-    p.add_argument("--dry-run", action="store_true", help="list what would move and change nothing")
-    p.set_defaults(fn=cmd_rename_runs)
 
     p = sub.add_parser(
         "export",

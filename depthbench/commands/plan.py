@@ -1,7 +1,9 @@
 """`depthbench plan CONFIG`: what a sweep costs before it is launched.
 
 Per run: training FLOPs (depthbench.models.cost's analytic count, 3 x forward per token, times the
-run's tokens), GPU-hours at a stated MFU on a stated GPU (peak dense bf16 FLOP/s), per-GPU memory
+run's tokens), GPU-hours at a stated MFU on a stated GPU (peak dense bf16 FLOP/s), scaled by the
+architecture's step time relative to pre_ln where a GPU record measured it
+(depthbench.commands.step_records: measured, else assumed), per-GPU memory
 at the configured micro-batch without and with full activation checkpointing
 (depthbench.train.memory), the checkpointing mode `train.activation_checkpointing: auto` picks
 (the least of none / selective / full that fits; depthbench.train.parallelize), its memory,
@@ -22,8 +24,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from depthbench.models.cost import analytic_cost
+import dataclasses
+
+from depthbench.commands.step_records import StepRecord
 from depthbench.launch.executors import ranks_per_run
+from depthbench.models.cost import analytic_cost
 from depthbench.train.memory import HEADROOM, estimate_memory
 
 DEFAULT_GPU = "H100 SXM"
@@ -50,6 +55,8 @@ class RunPlan:
     disk: float
     checkpointing: str = "none"  # what `auto` picks: none, selective or full
     memory_auto: float = 0.0  # bytes per GPU with that mode (headroom included)
+    arch: str = ""
+    step_factor: float | None = None  # measured step time relative to pre_ln (None: assumed)
 
 
 @dataclass
@@ -108,9 +115,15 @@ class SweepPlan(list):
 
 
 def plan_experiment(
-    exp, mfu: float = 0.4, peak: float = DEFAULT_PEAK, gpu_memory: float = DEFAULT_GPU_MEMORY
+    exp,
+    mfu: float = 0.4,
+    peak: float = DEFAULT_PEAK,
+    gpu_memory: float = DEFAULT_GPU_MEMORY,
+    record: StepRecord | None = None,
 ) -> SweepPlan:
-    """One RunPlan per run; memory traces are shared by runs of the same model and batch."""
+    """One RunPlan per run; memory traces are shared by runs of the same model and batch. With
+    a `record`, each run is priced by its architecture's measured step time relative to pre_ln
+    (depthbench.commands.step_records)."""
     if not 0 < mfu <= 1:
         raise ValueError(f"--mfu {mfu}: must be in (0, 1]")
     world = ranks_per_run(exp.config["launcher"])
@@ -143,15 +156,24 @@ def plan_experiment(
                 loss_chunk_tokens=tc.loss_chunk_tokens,
                 accumulating=tc.micro_batches_per_rank(world) > 1,
             )
-            cache[key] = (cost, est)
-        cost, est = cache[key]
+            factor = record.relative_step_time(spec.arch, spec.model.n_layer) if record else None
+            base = (  # pre_ln's work at this shape, which the measured factor scales
+                analytic_cost(
+                    dataclasses.replace(spec.model, arch="pre_ln", arch_options={}), tc.seq_len
+                )["train_flops_per_token"]
+                if factor is not None
+                else cost["train_flops_per_token"]
+            )
+            cache[key] = (cost, est, factor, base * (factor or 1.0))
+        cost, est, factor, priced_flops_per_token = cache[key]
         flops = cost["train_flops_per_token"] * tokens
         params = cost["params_total"]
         return RunPlan(
             run_id=run_id,
             tokens=tokens,
             flops=flops,
-            gpu_hours=flops / (mfu * peak) / 3600.0,  # GPU-hours: total work / per-GPU rate
+            # GPU-hours: the (priced) work / the per-GPU rate at the stated MFU
+            gpu_hours=priced_flops_per_token * tokens / (mfu * peak) / 3600.0,
             memory=est.total(False) * (1 + HEADROOM),
             memory_checkpointed=est.total(True) * (1 + HEADROOM),
             needs_checkpointing=est.needs_checkpointing(gpu_memory),
@@ -159,6 +181,8 @@ def plan_experiment(
             disk=params * (CHECKPOINT_BYTES_PER_PARAM + WEIGHTS_BYTES_PER_PARAM),
             checkpointing=est.checkpointing_for(gpu_memory),
             memory_auto=est.total(est.checkpointing_for(gpu_memory)) * (1 + HEADROOM),
+            arch=spec.arch,
+            step_factor=factor,
         )
 
     plans = SweepPlan(
@@ -180,7 +204,39 @@ def plan_experiment(
     return plans
 
 
-def format_plan(plans: list[RunPlan], gpu: str, mfu: float, gpu_memory: float) -> str:
+def format_pricing(plans: list[RunPlan], record: StepRecord | None, mfu: float) -> list[str]:
+    """Per architecture: its runs' GPU-hours and whether its step time is measured (the
+    record's relative step time, with the depths measured) or assumed (its FLOPs at the MFU)."""
+    lines = [
+        f"GPU-hours by architecture (pre_ln at MFU {mfu:g}, assumed; "
+        + (
+            f"step time relative to pre_ln measured, {record.describe()}):"
+            if record
+            else "no GPU record: every architecture at its FLOPs, assumed):"
+        )
+    ]
+    for arch in dict.fromkeys(p.arch for p in plans):
+        runs = [p for p in plans if p.arch == arch]
+        hours = sum(p.gpu_hours for p in runs)
+        factors = sorted({round(p.step_factor, 2) for p in runs if p.step_factor is not None})
+        if arch == "pre_ln":
+            how = "the reference: its FLOPs at the MFU"
+        elif factors and record is not None:
+            depths = ", ".join(str(L) for L in record.depths(arch))
+            how = (
+                f"measured {factors[0]:g}-{factors[-1]:g}x pre_ln"
+                if len(factors) > 1
+                else f"measured {factors[0]:g}x pre_ln"
+            ) + f" (L = {depths})"
+        else:
+            how = "assumed: its FLOPs at the MFU"
+        lines.append(f"  {arch:<14} {len(runs):>4} runs {hours:>10,.0f} GPU-h  {how}")
+    return lines
+
+
+def format_plan(
+    plans: list[RunPlan], gpu: str, mfu: float, gpu_memory: float, record=None
+) -> str:
     gib = 2**30
     lines = [
         f"{'run':<44} {'tokens':>15} {'FLOPs':>10} {'GPU-h':>8} {'mem GiB':>8} "
@@ -207,6 +263,7 @@ def format_plan(plans: list[RunPlan], gpu: str, mfu: float, gpu_memory: float) -
         f"(memory includes {HEADROOM:.0%} headroom; "
         "AC = the mode train.activation_checkpointing: auto picks, AC GiB its memory)"
     )
+    lines += format_pricing(plans, record, mfu)
     replicates = getattr(plans, "replicates", [])
     if replicates:
         lines.append(

@@ -1,6 +1,6 @@
 """What each `depthbench` subcommand does (the parser is depthbench.commands.cli): the grid's
 shapes, runs and validation, the cost plan, the rehearsal, regeneration of tables and figures,
-status, checksums, run renames, export, and `run`, which checks the YAML of every --configfile
+status, checksums, export, and `run`, which checks the YAML of every --configfile
 before Snakemake reads it."""
 
 from __future__ import annotations
@@ -79,10 +79,13 @@ def cmd_validate(args) -> None:
 
 def cmd_plan(args) -> None:
     from depthbench.commands.plan import format_plan, plan_experiment
+    from depthbench.commands.step_records import find_record
 
     exp = _experiment(args.config)
-    plans = plan_experiment(exp, mfu=args.mfu, peak=args.peak, gpu_memory=args.gpu_memory_gb * 1e9)
-    print(format_plan(plans, args.gpu, args.mfu, args.gpu_memory_gb * 1e9))
+    record = find_record(args.record, args.gpu)
+    memory = args.gpu_memory_gb * 1e9
+    plans = plan_experiment(exp, mfu=args.mfu, peak=args.peak, gpu_memory=memory, record=record)
+    print(format_plan(plans, args.gpu, args.mfu, memory, record))
 
 
 def cmd_rehearse(args) -> int:
@@ -183,15 +186,6 @@ def cmd_checksum(args) -> None:
 
     for run_dir in args.run_dirs:
         print(f"{run_dir}: weights_sha256 {record_checksum(run_dir)}")
-
-
-def cmd_rename_runs(args) -> None:
-    """Move results trained under whole-section option hashing to today's run ids
-    (depthbench.commands.rename)."""
-    from depthbench.commands.rename import format_plan, rename_runs
-
-    plan = rename_runs(_experiment(args.config), args.results, dry_run=args.dry_run)
-    print(format_plan(plan, args.dry_run))
 
 
 def cmd_export(args) -> None:

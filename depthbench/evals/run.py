@@ -93,12 +93,13 @@ def run_nll(spec_dict: dict, run_dir: str, sets_path: str, out_path: str, settin
         # torch only for a model to score: a diverged run's rows need none (see below)
         import torch
 
+        from depthbench.kernels.swap import swap_in
         from depthbench.train.checkpoint import load_final_model
         from depthbench.train.recipe import resolve_device
 
         torch.set_num_threads(int(settings["threads"]))
         device = resolve_device(spec.train.device)
-        model = load_final_model(spec.model, run_dir).to(device).eval()
+        model = swap_in(load_final_model(spec.model, run_dir).to(device).eval())
         window = min(settings["seq_len"] or spec.train.seq_len, spec.model.max_seq_len)
         table = aggregate(
             score_documents(model, docs, window, int(settings["tokens_per_batch"]), device),

@@ -1,17 +1,13 @@
 """The config grid's entry points: `expand_grid` checks what a schema-valid config names
 (depthbench.grid.checks) and expands its grid into runs (depthbench.grid.expand), with the
 tokenizer, data and run ids of depthbench.grid.ids; `ignored_settings` lists the
-per-architecture settings no run of the grid reads, and `shared_options_ids` the run ids that
-DepthBench versions hashing the whole `model.arch_options` section gave."""
+per-architecture settings no run of the grid reads."""
 
 from __future__ import annotations
 
-import copy
-from dataclasses import replace
-
 from depthbench.grid.checks import check_named
 from depthbench.grid.expand import Experiment, grid_runs, replicate_runs
-from depthbench.grid.ids import data_id, run_id_of, tokenizer_id
+from depthbench.grid.ids import data_id, tokenizer_id
 from depthbench.models.registry import canonical_arch
 from depthbench.models.registry import declared_options, registered_architectures
 
@@ -28,21 +24,6 @@ def expand_grid(config: dict) -> Experiment:
     exp.runs = grid_runs(exp)
     exp.replicates = replicate_runs(exp)
     return exp
-
-
-def shared_options_ids(exp: Experiment) -> dict[str, str]:
-    """{run id: the id the same run gets when every architecture's model config holds the whole
-    `model.arch_options` section} for each run of `exp`: the ids of results trained by
-    DepthBench versions that hashed the whole section into every run id, which
-    `depthbench rename-runs` (depthbench.commands.rename) moves to the current ids."""
-    out = {}
-    for run_id, spec in exp.runs.items():
-        whole = spec.knobs.get(
-            "model.arch_options", exp.config.get("model", {}).get("arch_options", {})
-        )
-        shared = replace(spec, model=replace(spec.model, arch_options=copy.deepcopy(whole)))
-        out[run_id] = run_id_of(shared)
-    return out
 
 
 def ignored_settings(config: dict) -> list[str]:

@@ -1,22 +1,24 @@
-"""Optional C++ kernels for the CPU, compiled by scripts/setup.sh (`python -m depthbench.kernels`)
-or else on first use.
+"""DepthBench's fast implementations and the CPU C++ kernels they use.
 
-`cpu_kernels()` builds the extension from the `.cpp` files beside this module with
+The architectures (depthbench/models/archs) are written in plain PyTorch: their definitions. The
+modules of this package hold faster implementations of some of their modules, and
+`depthbench.kernels.swap.swap_in(model, device, kernels)` puts them in place for the device's
+backend: C++ kernels and aten's fused CPU attention on the CPU, Triton kernels (Liger-Kernel's)
+and batched PyTorch on CUDA. The tests hold every implementation to the definition it replaces.
+
+This module builds the C++ kernels: `cpu_kernels()` compiles the `.cpp` files beside it with
 `torch.utils.cpp_extension.load` (needs a C++ compiler and the `ninja` package, installed by
-scripts/setup.sh) and caches the build in a directory named after the Python and torch versions
-and a hash of the sources and flags, under TORCH_EXTENSIONS_DIR (default
-~/.cache/torch_extensions): the first call in a new environment compiles for about a minute,
-later ones only load. Concurrent first calls (parallel workflow jobs) wait on the build's lock
-file; a lock left by a build that was killed is removed once it is older than
-`STALE_LOCK_SECONDS`, so a later run does not wait forever. Where the build is impossible, or
-DEPTHBENCH_CPU_KERNELS=0 asks, it returns None once with a warning and callers keep their
-PyTorch code: the kernels change speed, never definitions (tests compare them with the PyTorch
-code they replace). Callers ask `apply_to(t)` whether a kernel takes a tensor; within
-`disabled()` it answers False, so that a region runs the PyTorch code (the memory trace, tests
-that measure that path).
+scripts/setup.sh, which runs `python -m depthbench.kernels`) and caches the build in a directory
+named after the Python and torch versions and a hash of the sources and flags, under
+TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions): the first call in a new environment
+compiles for about a minute, later ones only load. Concurrent first calls (parallel workflow jobs)
+wait on the build's lock file; a lock left by a build that was killed is removed once it is older
+than `STALE_LOCK_SECONDS`, so a later run does not wait forever. Where the build is impossible,
+or DEPTHBENCH_CPU_KERNELS=0 asks, it returns None once with a warning and the swapped modules run
+their definitions: the kernels change speed, never definitions.
 
-Kernels (the C++), each wrapped as torch custom ops and eager autograd Functions in a Python
-module beside it, which the architecture modules call:
+The C++ sources, each wrapped as torch custom ops and eager autograd Functions in a Python module
+beside it:
 - mhc.cpp (`mhc_ops.py`): `mhc_read_forward(H, W, scale, bias, eps, iterations)` and
   `mhc_read_backward(...)`, mHC's whole read (flattened RMS, projection, coefficients with the
   Sinkhorn-Knopp iterations, read and mix) from the streams; and `mhc_coefficients_forward(u, n,
@@ -43,7 +45,6 @@ import platform
 import shutil
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -86,35 +87,6 @@ def built() -> bool:
 # (with sympy) took about 1.5 s of every workflow job that builds a model, compiling or not.
 # tests/unit/test_cpu_kernels.py checks that the decorator still marks a function exactly so.
 built._dynamo_marked_constant = True
-
-
-# Depth of the open `disabled()` contexts: a module-level counter, not a thread-local, so that
-# torch.compile reads it as a plain global (guarded on its value) and never breaks its graph.
-_disabled_depth = 0
-
-
-@contextmanager
-def disabled():
-    """Within the context `apply_to` answers False, so that the models take their PyTorch code
-    (the eager path every other device runs): for the memory trace and for tests that measure
-    that path. Process-wide while open (every thread sees it); nests; restores on exit."""
-    global _disabled_depth
-    _disabled_depth += 1
-    try:
-        yield
-    finally:
-        _disabled_depth -= 1
-
-
-def apply_to(t: "torch.Tensor") -> bool:
-    """Whether a kernel can take t: a CPU float32/float64 tensor, with the kernels built, outside
-    `disabled()`."""
-    return (
-        _disabled_depth == 0
-        and t.device.type == "cpu"
-        and t.dtype in (torch.float32, torch.float64)
-        and built()
-    )
 
 
 def unavailable_reason() -> str | None:

@@ -1,12 +1,9 @@
-"""Autograd and custom-op wrappers for mHC's kernels (depthbench/kernels/mhc.cpp), and the
-Sinkhorn-Knopp iterations of the PyTorch path.
+"""Autograd and custom-op wrappers for mHC's C++ kernels (depthbench/kernels/mhc.cpp).
 
 - `read(H, weight, scale, bias, eps, iterations)`: mHC's whole read from the streams, the custom
   op `depthbench::mhc_read` under torch.compile, a plain autograd Function in eager mode.
 - `fused_coefficients(u, n, iterations)`: the coefficients alone from their pre-activations
   (bf16 streams on the CPU), the custom op `depthbench::mhc_coefficients`.
-- `sinkhorn_knopp(log_m, iterations)`: exp(log_m) made doubly stochastic in PyTorch (elsewhere),
-  with a hand-written backward (`_AlternatingNormalization`) in eager mode.
 """
 
 from __future__ import annotations
@@ -14,36 +11,6 @@ from __future__ import annotations
 import torch
 
 from depthbench import kernels
-
-
-class _AlternatingNormalization(torch.autograd.Function):
-    """Sinkhorn-Knopp iterations on m laid out as (n, n, ...): rows are dim 0, columns dim 1.
-
-    Forward keeps each half-step's sums and result; backward applies, in reverse, the exact
-    vector-Jacobian product of y = x / sum(x): dx = (dy - sum(dy * y)) / sum(x), over the same
-    dim. The same numbers as autograd through the loop, without its per-op bookkeeping.
-    """
-
-    @staticmethod
-    def forward(ctx, m: torch.Tensor, iterations: int) -> torch.Tensor:
-        saved = []
-        for _ in range(iterations):
-            for dim in (1, 0):  # rows sum to 1, then columns sum to 1
-                s = m.sum(dim, keepdim=True)
-                m = m / s
-                saved += [s, m]
-        ctx.save_for_backward(*saved)
-        return m
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        saved = ctx.saved_tensors
-        grad = grad.contiguous()  # it arrives in the caller's (..., n, n) layout: strided here
-        for k in range(len(saved) // 2 - 1, -1, -1):
-            s, y = saved[2 * k], saved[2 * k + 1]
-            dim = 1 if k % 2 == 0 else 0
-            grad = (grad - (grad * y).sum(dim, keepdim=True)) / s
-        return grad, None
 
 
 @torch.library.custom_op("depthbench::mhc_coefficients", mutates_args=(), device_types="cpu")
@@ -248,35 +215,3 @@ def read(H, weight, scale, bias, eps: float, iterations: int):
     if torch.compiler.is_compiling():
         return fused_read(H, weight, scale, bias, eps, iterations)
     return _EagerRead.apply(H, weight, scale, bias, eps, iterations)
-
-
-def sinkhorn_knopp(log_m: torch.Tensor, iterations: int = 20) -> torch.Tensor:
-    """exp(log_m) scaled to a doubly stochastic matrix over the last two dims.
-
-    Alternating row and column normalisation in the linear domain (about 3x faster than
-    log-domain logsumexp on CPU). Stability: each row's maximum is subtracted first (the row
-    scaling cancels in the first row normalisation) and the logits are clamped 60 below it, so
-    every entry is at least exp(-60) and no sum can vanish. Speed: the n x n dims are moved in
-    front, so that every sum adds n contiguous slices instead of reducing a size-n inner dim
-    (about 6x faster on CPU), and the iterations have a hand-written backward (1.5x more).
-    Without autograd (probes, decoding) they normalise in place: a 32-layer forward pass at probe
-    shapes is about 20% faster than through the Function, with the same numbers. (On the CPU,
-    mHC's sublayers do not call this: `fused_coefficients` runs the iterations in C++.)
-    """
-    shifted = log_m - log_m.amax(dim=-1, keepdim=True).detach()
-    m = shifted.clamp_min(-60.0).exp()
-    m = m.movedim(-2, 0).movedim(-1, 1).contiguous()  # (n, n, ...)
-    if not (torch.is_grad_enabled() and m.requires_grad):
-        # inference (probes, decoding): nothing is saved for a backward, so normalise in place
-        for _ in range(iterations):
-            m.div_(m.sum(1, keepdim=True))
-            m.div_(m.sum(0, keepdim=True))
-    elif torch.compiler.is_compiling():
-        # under torch.compile the plain loop lets inductor fuse the iterations (and autograd
-        # derive their backward); the hand-written Function is for eager mode
-        for _ in range(iterations):
-            m = m / m.sum(1, keepdim=True)
-            m = m / m.sum(0, keepdim=True)
-    else:
-        m = _AlternatingNormalization.apply(m, iterations)
-    return m.movedim(0, -1).movedim(0, -1)

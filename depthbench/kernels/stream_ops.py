@@ -1,11 +1,9 @@
-"""Autograd and custom-op wrappers for the multi-stream write and mix (hc and mhc).
+"""Autograd and custom-op wrappers for the multi-stream write after a fused CPU read (hc, mhc).
 
-- `write_after_read(mixed, weights, out, shape)`: H = mixed + weights^T out after a fused read, in
-  place in eager mode (`_EagerWrite`), the custom op `depthbench::stream_write` under
-  torch.compile; its backward is one C++ pass (`stream_write_backward`, depthbench/kernels/hc.cpp).
-  H comes back in the streams' shape (B, T, n, d) as a tensor of its own, not a view.
-- `BatchedMix`: M @ H over per-token matrices with contiguous operands, the Function behind
-  `depthbench.models.streams.mix_matrix`.
+`write_after_read(mixed, weights, out, shape)`: H = mixed + weights^T out after a fused read, in
+place in eager mode (`_EagerWrite`), the custom op `depthbench::stream_write` under
+torch.compile; its backward is one C++ pass (`stream_write_backward`, depthbench/kernels/hc.cpp).
+H comes back in the streams' shape (B, T, n, d) as a tensor of its own, not a view.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from depthbench import kernels
-from depthbench.kernels.precision import autocast_off
 
 
 @torch.library.custom_op("depthbench::stream_write", mutates_args=(), device_types="cpu")
@@ -90,28 +87,3 @@ def write_after_read(
     else:
         H = _EagerWrite.apply(mixed, weights, out)
     return torch.ops.aten._unsafe_view(H, shape)
-
-
-class BatchedMix(torch.autograd.Function):
-    """M @ H over per-token matrices, with every operand of the three batched matmuls made
-    contiguous (forward and backward): on CPU a strided batch, such as a permuted view or the
-    stride-0 gradient that a sum over streams sends back, runs as a per-matrix loop, 10x slower.
-
-    Computed in the promoted dtype with autocast off, as the element-wise mixing it replaces:
-    under bf16 autocast the residual streams stay in fp32 (a bf16 matmul would round them)."""
-
-    @staticmethod
-    def forward(ctx, M: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
-        dtype = torch.promote_types(M.dtype, H.dtype)
-        M, H = M.to(dtype).contiguous(), H.to(dtype).contiguous()
-        ctx.save_for_backward(M, H)
-        with autocast_off(H.device.type):  # on meta: the memory trace's replay pauses
-            return M @ H
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        M, H = ctx.saved_tensors
-        grad = grad.to(M.dtype).contiguous()
-        grad_M = grad @ H.mT if ctx.needs_input_grad[0] else None
-        grad_H = M.mT @ grad if ctx.needs_input_grad[1] else None
-        return grad_M, grad_H

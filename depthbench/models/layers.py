@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from depthbench.kernels.precision import autocast_off
+from depthbench.models.precision import autocast_off
 from depthbench.models.config import ModelConfig
 
 

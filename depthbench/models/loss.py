@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from depthbench.kernels.precision import autocast_dtype, autocast_off
+from depthbench.models.precision import autocast_dtype, autocast_off
 
 IGNORE_INDEX = -100
 

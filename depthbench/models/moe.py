@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from depthbench.kernels.precision import autocast_dtype, replay
+from depthbench.models.precision import autocast_dtype, replay
 from depthbench.models.config import ModelConfig
 
 
@@ -115,14 +115,14 @@ class MoESwiGLU(nn.Module):
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the expert products run in: autocast's where it is on (as `@` would be cast),
-    on meta the memory trace's replayed autocast (depthbench.kernels.precision)."""
+    on meta the memory trace's replayed autocast (depthbench.models.precision)."""
     return autocast_dtype(x)
 
 
 def _grouped_mm_serves(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether F.grouped_mm runs this dtype on this device: CPU fp32/bf16/fp16 (bf16 only under
     torch.compile), CUDA bf16 on Hopper or newer (its documented kernels). On the meta device the
-    memory trace (depthbench.kernels.precision.replay) stands for a target device and takes its
+    memory trace (depthbench.models.precision.replay) stands for a target device and takes its
     path, CUDA's for the planner's GPUs (Hopper or newer); outside a trace meta takes the dense
     fallback: an upper bound on the experts' activations."""
     if not hasattr(F, "grouped_mm"):

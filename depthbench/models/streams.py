@@ -4,7 +4,7 @@ The state is n residual streams H (B, T, n, d), all initialised to copies of the
 for the probes, and the trunk output, is the sum of the streams. A sublayer reads a weighted sum
 of the streams, mixes them with an n x n matrix M and writes its output back with per-stream
 weights: H <- M H + w^T F(read). `mix_matrix` and `write_streams` are that mixing and write in
-PyTorch; after a fused CPU read the write is `write_after_read` (depthbench/kernels/stream_ops.py).
+PyTorch: the reference that depthbench.kernels' fast implementations are held to.
 """
 
 from __future__ import annotations
@@ -13,11 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from depthbench.util.errors import ConfigError
-from depthbench.kernels.stream_ops import BatchedMix, write_after_read
 from depthbench.models.base import GENERIC_PROBES, ArchOptions, DecoderLM
-
-__all__ = ["MultiStreamLM", "MultiStreamOptions", "mix_matrix", "write_after_read", "write_streams"]
+from depthbench.models.precision import autocast_off
+from depthbench.util.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -33,20 +31,43 @@ class MultiStreamOptions(ArchOptions):
 
 
 def write_streams(mixed: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """H_i = mixed_i + b_i out for every stream i: the write of a sublayer's output (the PyTorch
-    code; after a fused read, `write_after_read`)."""
+    """H_i = mixed_i + b_i out for every stream i: the write of a sublayer's output."""
     return torch.addcmul(mixed, b.unsqueeze(-1), out.unsqueeze(-2))
 
 
 def mix_matrix(M: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
     """(M H)_j = sum_i M_ji H_i: (B, T, m, n) x (B, T, n, d) -> (B, T, m, d).
 
-    One batched matmul of per-token m x n matrices. On CPU (torch 2.13, 2 threads, 2048 tokens,
-    n = 4) it beats n multiply-adds of whole streams by 3.3x forward + backward at d = 64 and by
-    4.8x at d = 256 (benchmarks/stream_mix.py), and a broadcast product, which materialises an
-    (m, n, d) tensor per token, by more.
+    One batched matmul of per-token m x n matrices: faster than n multiply-adds of whole streams
+    or a broadcast product, which materialises an (m, n, d) tensor per token
+    (benchmarks/stream_mix.py; docs/benchmarks.md, "Stream mixing").
     """
     return BatchedMix.apply(M, H)
+
+
+class BatchedMix(torch.autograd.Function):
+    """M @ H over per-token matrices, with every operand of the three batched matmuls made
+    contiguous (forward and backward): on CPU a strided batch, such as a permuted view or the
+    stride-0 gradient that a sum over streams sends back, runs as a per-matrix loop.
+
+    Computed in the promoted dtype with autocast off, as the element-wise mixing it stands for:
+    under bf16 autocast the residual streams stay in fp32 (a bf16 matmul would round them)."""
+
+    @staticmethod
+    def forward(ctx, M: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(M.dtype, H.dtype)
+        M, H = M.to(dtype).contiguous(), H.to(dtype).contiguous()
+        ctx.save_for_backward(M, H)
+        with autocast_off(H.device.type):  # on meta: the memory trace's replay pauses
+            return M @ H
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        M, H = ctx.saved_tensors
+        grad = grad.to(M.dtype).contiguous()
+        grad_M = grad @ H.mT if ctx.needs_input_grad[0] else None
+        grad_H = M.mT @ grad if ctx.needs_input_grad[1] else None
+        return grad_M, grad_H
 
 
 class MultiStreamLM(DecoderLM):

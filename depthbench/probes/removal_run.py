@@ -189,6 +189,7 @@ def run_removal(
 
     from depthbench.probes.removal import ScoredTokens
     from depthbench.probes.run import validation_tokens
+    from depthbench.kernels.swap import swap_in
     from depthbench.train.checkpoint import load_final_model
     from depthbench.train.recipe import resolve_device
 
@@ -209,7 +210,7 @@ def run_removal(
         pd.read_parquet(sets_path), settings["docs_per_domain"], settings["seed"]
     ).items():
         data[domain] = ScoredTokens.documents(docs, window)
-    model = load_final_model(spec.model, run_dir).to(device).eval()
+    model = swap_in(load_final_model(spec.model, run_dir).to(device).eval())
     data = {domain: scored.to(device) for domain, scored in data.items()}
     df = removal_rows(model, pd.read_parquet(probes_path), data, settings)
     _write(df, spec.run_id, summary["status"], out_path)

@@ -30,6 +30,7 @@ from depthbench.spec.schema import schema_defaults
 from depthbench.data.shards import read_meta, split_files
 from depthbench.util.io import atomic_write
 from depthbench.models.registry import build_model
+from depthbench.kernels.swap import swap_in
 from depthbench.probes.measure import probe_model
 from depthbench.probes.steps import snapshot_rows
 from depthbench.train.runcheck import check_run
@@ -91,17 +92,12 @@ def run_probes(spec_dict: dict, data_dir: str, run_dir: str, out_path: str, sett
     start = time.time()
     rows: list[dict] = []
     torch.manual_seed(spec.train.seed)  # the run's own initialisation, built on the CPU
-    init = build_model(spec.model).to(device).eval()
+    init = swap_in(build_model(spec.model).to(device).eval())  # the device's implementations
     rows += [{**r, "step": 0} for r in probe_model(init, idx, "init", settings, full=False)]
     del init
     if summary["status"] == "ok":
-        trained = probe_model(
-            load_final_model(spec.model, run_dir).to(device).eval(),
-            idx,
-            "trained",
-            settings,
-            full=True,
-        )
+        model = swap_in(load_final_model(spec.model, run_dir).to(device).eval())
+        trained = probe_model(model, idx, "trained", settings, full=True)
         rows += [{**r, "step": summary["steps"]} for r in trained]
     if settings["at_steps"]:  # diverged runs too: their snapshots end before the divergence
         rows += snapshot_rows(spec, run_dir, idx, settings)

@@ -19,6 +19,7 @@ import torch
 
 from depthbench.util.errors import DataError
 from depthbench.models.registry import build_model
+from depthbench.kernels.swap import swap_in
 from depthbench.probes.measure import probe_model
 from depthbench.spec.run import RunSpec
 from depthbench.train.snapshots import FOLDER, META_KEY, list_snapshots
@@ -41,7 +42,7 @@ def load_snapshot(spec: RunSpec, path: Path) -> torch.nn.Module:
         )
     model = build_model(spec.model)
     model.load_state_dict(load_file(path))
-    return model.eval()
+    return swap_in(model.eval())
 
 
 def snapshot_rows(
@@ -52,7 +53,8 @@ def snapshot_rows(
     rows: list[dict] = []
     for step, path in list_snapshots(Path(run_dir) / FOLDER):
         start = time.time()
-        model = load_snapshot(spec, path).to(idx.device)  # the sample's device
+        # on the sample's device, with that device's implementations
+        model = swap_in(load_snapshot(spec, path).to(idx.device))
         for row in probe_model(model, idx, SNAPSHOT_STAGE, settings, full=True):
             rows.append({**row, "step": step})
         print(

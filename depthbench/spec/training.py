@@ -43,6 +43,7 @@ class TrainConfig:
     activation_checkpointing: str = (
         "auto"  # auto, none, full or selective (depthbench.train.parallelize)
     )
+    kernels: str = "auto"  # auto: the device's fast implementations; reference (kernels.swap)
     loss_chunk_tokens: int = (
         4096  # LM head + loss this many tokens at a time (depthbench.models.loss); 0 = off
     )
@@ -72,6 +73,7 @@ class TrainConfig:
         "loss_chunk_tokens",
         "snapshot_steps",
         "activation_checkpointing",
+        "kernels",
     )
 
     @property

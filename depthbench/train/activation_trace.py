@@ -14,11 +14,11 @@ reference them weakly (MoDA) or are not kept themselves (AttnRes: its Function k
 
 On meta the trace follows a target device (`device`, "cuda" unless told): its bf16 autocast is
 replayed (depthbench.train.meta_autocast) and installed as the replay that the models' autocast
-questions are answered from (depthbench.kernels.precision); MoE experts take that device's path
+questions are answered from (depthbench.models.precision); MoE experts take that device's path
 (depthbench.models.moe: grouped products on the CPU and for bf16 on CUDA, Hopper or newer;
-every expert on every token for fp32 on CUDA, E/k times the experts' saved bytes). The CPU C++
-kernels of HC/mHC never run on CUDA, so a meta trace takes the eager path (within
-`kernels.disabled()`) for either device. Nothing of this outlives the trace.
+every expert on every token for fp32 on CUDA, E/k times the experts' saved bytes). Kernels
+that cannot take a meta tensor (the C++ and Triton kernels of HC/mHC) leave the modules'
+definitions to run (depthbench.kernels.swap). Nothing of this outlives the trace.
 
 Activation checkpointing (depthbench.train.parallelize) acts on the architecture's units
 (`checkpoint_units`: the blocks, or attnres's pre-normed sublayers), so the trace attributes each
@@ -37,8 +37,7 @@ from contextlib import ExitStack
 
 import torch
 
-from depthbench import kernels
-from depthbench.kernels.precision import replaying
+from depthbench.models.precision import replaying
 from depthbench.models.layers import HELD_LISTENERS
 from depthbench.train.meta_autocast import MetaAutocast
 
@@ -199,7 +198,6 @@ def trace_activations(
             if idx.device.type == "meta":
                 mode = regions.enter_context(MetaAutocast(bf16, device))
                 regions.enter_context(replaying(mode.state))
-                regions.enter_context(kernels.disabled())
             out = model(idx, targets=idx)
             del out
     finally:

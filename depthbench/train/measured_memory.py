@@ -12,8 +12,8 @@ measures the second, which finds AdamW's moments and the workspaces made by the 
   measurement: it counts each block torch allocates on the CPU while it is installed, as it is
   handed out and as it is freed, on any thread (gloo's included, which torch's profiler does not
   follow). Not counted: the buffers gloo allocates for itself, outside torch's allocator, and
-  storages made before the measurement that grow during it. The CPU runs the eager path (no CPU
-  kernel: depthbench.kernels.disabled), the one CUDA runs.
+  storages made before the measurement that grow during it.
+The model runs the implementations training swaps in on the device (depthbench.kernels.swap).
 
 Under torch.distributed (`ctx`: gloo ranks on the CPU, NCCL on GPUs) the model is wrapped as
 training wraps it (depthbench.train.distributed.data_parallel: DDP, or FSDP2 with the
@@ -35,6 +35,7 @@ from contextlib import contextmanager
 import torch
 
 from depthbench import kernels
+from depthbench.kernels.swap import swap_in
 from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model
 from depthbench.train.distributed import DistContext, data_parallel, gradient_sync
@@ -90,9 +91,7 @@ def allocator_step_memory(
     )
     if device.type == "cuda":
         return _measure(step, _CudaCounter(device))
-    # the CPU runs the eager path: the kernels are CPU-only, the estimate is CUDA's and the
-    # eager path's
-    with counted_cpu_allocations() as counter, kernels.disabled():
+    with counted_cpu_allocations() as counter:
         return _measure(step, counter)
 
 
@@ -114,7 +113,8 @@ class TrainingStep:
 
     def build(self) -> None:
         torch.manual_seed(self.seed)
-        self.model = build_model(self.cfg).to(self.device)
+        # what training runs on the device (depthbench.kernels.swap), as the estimate traces it
+        self.model = swap_in(build_model(self.cfg).to(self.device), self.device)
         self.model.loss_chunk_tokens = self.loss_chunk_tokens
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         self.net = data_parallel(self.model, self.ctx, self.device, dtype, self.fsdp_policy_device)

@@ -45,6 +45,7 @@ import dataclasses
 import torch
 
 from depthbench.models.config import ModelConfig
+from depthbench.kernels.swap import swap_in
 from depthbench.models.registry import build_model, parameters_on_meta
 from depthbench.train.activation_trace import trace_activations
 
@@ -152,18 +153,24 @@ def estimate_memory(
     loss_chunk_tokens: int = 0,
     accumulating: bool = True,
     fsdp_policy_device: str | None = None,
+    backend: str | None = None,
 ) -> MemoryEstimate:
     """Per-rank memory of a training step on `device` ("cuda" or "cpu": its autocast and MoE
     paths) with the loss computed `loss_chunk_tokens` tokens at a time (0: the plain loss), in a
     run that accumulates several micro-batches per optimizer step or not (`accumulating`; see
     the module docstring for each term). Under FSDP2 the ranks take the mixed-precision policy of
-    `fsdp_policy_device` (default `device`; depthbench.train.distributed.mixed_precision_policy)."""
+    `fsdp_policy_device` (default `device`; depthbench.train.distributed.mixed_precision_policy).
+    The model runs the implementations of `backend` (default `device`;
+    depthbench.kernels.swap)."""
     # weights on meta, uninitialised (parameters_on_meta), then the constants built on the CPU
     # (HC's eye) moved to meta too; under torch.device("meta") every nn.Linear and nn.Embedding
     # init ran on meta through Python reference kernels: a third of an estimate's time
     with parameters_on_meta():
         model = build_model(cfg, initialize=False)
     model.to("meta")
+    # the implementations training swaps in on `device` (depthbench.kernels.swap): where one
+    # cannot take a meta tensor (the C++ and Triton kernels) it runs the definition
+    swap_in(model, backend or device)
     model.loss_chunk_tokens = loss_chunk_tokens
     shard = world if fsdp else 1
     sharded = fsdp and world > 1

@@ -8,7 +8,7 @@ keeps two bf16 copies of x); the losses take fp32 inputs. On CUDA the other ops 
 lists (exp, log, rsqrt, pow, sum, logsumexp, softmax, log-softmax; ATen/autocast_mode.h) also
 take fp32 inputs, where CPU autocast runs them in bf16; the promote ops (cat, stack, and on CUDA
 addcmul, addcdiv and a few more) take every floating input in the widest dtype among them. The
-mode's `state` is the replay that depthbench.kernels.precision answers from while the trace
+mode's `state` is the replay that depthbench.models.precision answers from while the trace
 installs it: regions the models run with autocast off (`precision.autocast_off`) pause the casts,
 and MoE experts read the dtype and the target device from it (depthbench.models.moe).
 
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from depthbench.kernels.precision import Replay
+from depthbench.models.precision import Replay
 
 _LOW = {
     F.linear,

@@ -28,6 +28,10 @@ Only in training (grad enabled, no probe records): evaluation and probes run the
 The RNG state is not saved for the recomputation (`preserve_rng_state=False`): no architecture
 draws random numbers in its forward (no dropout), and the saved state is 5 KB per unit.
 
+`train.kernels`: `auto` (default) swaps in the device's fast implementations before anything
+else wraps the model (depthbench.kernels.swap), `reference` trains the architectures'
+definitions as written.
+
 `train.compile`: `none`; `model` (torch.compile of the whole wrapped model, as before); `block`:
 each unit's forward through one compiled function (`dynamic=False`), shared by every unit, so a
 graph compiled for layer 1 serves every layer whose guards it passes (position-bound constants
@@ -47,8 +51,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from depthbench.util.errors import ConfigError
+from depthbench.kernels.swap import swap_in
 from depthbench.train.memory import recompute_mask
+from depthbench.util.errors import ConfigError
 
 CHECKPOINTING = ("auto", "none", "full", "selective")
 COMPILE = ("none", "model", "block")
@@ -158,10 +163,15 @@ class _UnitForward:
 
 
 def wrap_units(
-    model: nn.Module, checkpointing: str, compile: str = "none", backend: str = "inductor"
+    model: nn.Module,
+    checkpointing: str,
+    compile: str = "none",
+    backend: str = "inductor",
+    fullgraph: bool = False,
 ) -> list[nn.Module]:
     """Activation checkpointing and per-block compile on the model's units, in place; returns
-    them."""
+    them. `fullgraph`: a graph break in a unit is an error (the tests hold every architecture
+    to it; training leaves it off, since FSDP2's hooks inside AttnRes's units break graphs)."""
     units = list(model.checkpoint_units())
     recompute = checkpointed_units(checkpointing, len(units))
     fn = run_unit
@@ -169,7 +179,7 @@ def wrap_units(
         torch._dynamo.reset()  # a process that compiles many models starts each from a clean cache
         limit = len(units) + 8  # MoDA: one graph per depth-key count
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-        fn = torch.compile(run_unit, dynamic=False, backend=backend)
+        fn = torch.compile(run_unit, dynamic=False, backend=backend, fullgraph=fullgraph)
     if fn is run_unit and not any(recompute):
         return units
     for unit, on in zip(units, recompute):
@@ -181,10 +191,11 @@ def parallelize(
     model: nn.Module, tc, ctx, device: torch.device, dtype: torch.dtype, backend: str = "inductor"
 ):
     """(net, step_fn): the module the step's gradient sync acts on and the callable it runs.
-    Order: checkpointing, per-block compile, then DDP / FSDP2 / nothing, then whole-model
-    compile."""
+    Order: the device's implementations (depthbench.kernels.swap, `train.kernels`),
+    checkpointing, per-block compile, then DDP / FSDP2 / nothing, then whole-model compile."""
     from depthbench.train import distributed
 
+    swap_in(model, device, tc.kernels)
     mode = resolve_checkpointing(
         tc.activation_checkpointing, model.cfg, tc, device, ctx.world_size, dtype == torch.bfloat16
     )

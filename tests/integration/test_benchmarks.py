@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from depthbench.commands.step_records import load_record
 from depthbench.models.registry import PACKAGE_ARCHITECTURES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,6 +98,8 @@ def test_smoke_mode_on_a_bare_machine_reports_every_model_and_records_out_of_mem
             "--smoke",
             "--out",
             str(out),
+            "--record",
+            str(tmp_path / "record.json"),
         ],
         cwd=tmp_path,
         env=env,
@@ -112,3 +116,11 @@ def test_smoke_mode_on_a_bare_machine_reports_every_model_and_records_out_of_mem
     assert set(ratios) == OTHERS and ratios["hc"]["error"] == "out of memory"
     assert all(r["step_time_vs_pre_ln"] > 0 for a, r in ratios.items() if a != "hc")
     assert report["gpu_tests"]["returncode"] == 0  # collected on a CPU machine: every test skipped
+    # the record for depthbench plan: every architecture measured at both depths, but hc
+    record = load_record(tmp_path / "record.json")
+    assert record.device == "cpu" and record.commit != "unknown"
+    assert {(r["arch"], r["n_layer"]) for r in record.runs} == {
+        (arch, n_layer) for arch in OTHERS - {"hc"} | {"pre_ln"} for n_layer in (2, 4)
+    }
+    assert record.relative_step_time("hc", 4) is None
+    assert record.relative_step_time("mhc", 4) == ratios["mhc"]["step_time_vs_pre_ln"]

@@ -321,7 +321,9 @@ def test_one_process_full_state_is_dcps_full_state_dict(arch):
 FSDP_STEPS, FSDP_BATCH = 3, 4
 
 
-def _stream_model(arch: str):
+def _stream_model(arch: str, kernels: str):
+    """A small hc or mhc; `kernels`: auto (the CPU's C++ kernels swapped in) or reference."""
+    from depthbench.kernels.swap import swap_in
     from depthbench.models.config import ModelConfig
     from depthbench.models.registry import build_model
 
@@ -340,7 +342,7 @@ def _stream_model(arch: str):
     )
     for p in model.parameters():  # away from the zero-initialised dynamic weights
         p.data.add_(0.05 * torch.randn_like(p))
-    return model
+    return swap_in(model, "cpu", kernels)
 
 
 def _sgd_steps(model, idx, full_tensor=lambda t: t):
@@ -366,23 +368,19 @@ def _fsdp_stream_worker(rank, world, store, out):
 
     import torch.distributed as dist
 
-    from depthbench import kernels
     from depthbench.train.distributed import shard
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    apply_to = kernels.apply_to
     results = {}
-    for use_kernels in (True, False):
-        kernels.apply_to = apply_to if use_kernels else (lambda t: False)
+    for kernels in ("auto", "reference"):
         for arch in ("hc", "mhc"):
-            model = shard(_stream_model(arch))
+            model = shard(_stream_model(arch, kernels))
             idx = torch.randint(0, 64, (FSDP_BATCH, 9), generator=torch.Generator().manual_seed(1))
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 steps = _sgd_steps(model, idx[rank::world], full_tensor=lambda t: t.full_tensor())
-            results[arch, use_kernels] = (steps, [str(w.message) for w in caught])
-    kernels.apply_to = apply_to
+            results[arch, kernels] = (steps, [str(w.message) for w in caught])
     if rank == 0:
         torch.save(results, out)
     # both ranks past their last collective before either tears gloo down (as
@@ -399,10 +397,8 @@ def test_hc_and_mhc_under_two_fsdp2_ranks_match_one_process_and_return_no_views(
     every parameter after each of 3 SGD steps equals one process on the whole batch to 1e-5, and
     FSDP2 never warns that a unit returned a view (an in-place op on such an output would skip
     the unit's pre-backward hook, and with it the all-gather of its parameters for backward).
-    Through the CPU kernels and through the PyTorch code (the path CUDA takes)."""
+    Through the CPU kernels and through the definitions."""
     import torch.multiprocessing as mp
-
-    from depthbench import kernels
 
     mp.spawn(
         _fsdp_stream_worker,
@@ -411,26 +407,19 @@ def test_hc_and_mhc_under_two_fsdp2_ranks_match_one_process_and_return_no_views(
         join=True,
     )
     results = torch.load(tmp_path / "out.pt", weights_only=False)
-    apply_to = kernels.apply_to
-    try:
-        for (arch, use_kernels), (steps, caught) in results.items():
-            kernels.apply_to = apply_to if use_kernels else (lambda t: False)
-            assert not [m for m in caught if "view" in m], (arch, use_kernels, caught)
-            model = _stream_model(arch)
-            idx = torch.randint(0, 64, (FSDP_BATCH, 9), generator=torch.Generator().manual_seed(1))
-            reference = _sgd_steps(model, idx)
-            assert len(steps) == len(reference) == FSDP_STEPS
-            for step, ((grads, params), (ref_grads, ref_params)) in enumerate(
-                zip(steps, reference)
-            ):
-                assert grads.keys() == ref_grads.keys() and params.keys() == ref_params.keys()
-                for name in ref_grads:
-                    where = f"{arch} kernels={use_kernels} step {step} {name}"
-                    torch.testing.assert_close(
-                        grads[name], ref_grads[name], rtol=0, atol=1e-5, msg=where
-                    )
-                    torch.testing.assert_close(
-                        params[name], ref_params[name], rtol=0, atol=1e-5, msg=where
-                    )
-    finally:
-        kernels.apply_to = apply_to
+    for (arch, kernels), (steps, caught) in results.items():
+        assert not [m for m in caught if "view" in m], (arch, kernels, caught)
+        model = _stream_model(arch, kernels)
+        idx = torch.randint(0, 64, (FSDP_BATCH, 9), generator=torch.Generator().manual_seed(1))
+        reference = _sgd_steps(model, idx)
+        assert len(steps) == len(reference) == FSDP_STEPS
+        for step, ((grads, params), (ref_grads, ref_params)) in enumerate(zip(steps, reference)):
+            assert grads.keys() == ref_grads.keys() and params.keys() == ref_params.keys()
+            for name in ref_grads:
+                where = f"{arch} kernels={kernels} step {step} {name}"
+                torch.testing.assert_close(
+                    grads[name], ref_grads[name], rtol=0, atol=1e-5, msg=where
+                )
+                torch.testing.assert_close(
+                    params[name], ref_params[name], rtol=0, atol=1e-5, msg=where
+                )

@@ -27,12 +27,16 @@ def true_fp32_products():
     torch.set_float32_matmul_precision(precision)
 
 
-def _model(arch, **kw):
+def _model(arch, kernels="auto", **kw):
+    """A small model of `arch` on the GPU with CUDA's implementations swapped in (kernels=auto,
+    as training runs it) or its definition (kernels=reference)."""
+    from depthbench.kernels.swap import swap_in
+
     torch.manual_seed(0)
     cfg = ModelConfig(
         arch=arch, vocab_size=1024, d_model=256, n_layer=4, n_head=4, max_seq_len=256, **kw
     )
-    return build_model(cfg).cuda()
+    return swap_in(build_model(cfg).cuda(), "cuda", kernels)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -116,7 +120,7 @@ def test_chunked_pair_on_cuda_against_float64(dtype, monkeypatch):
     out_dtype), blocks of 96 over 300 positions, against causal attention in float64."""
     import math
 
-    from depthbench.models.archs import moda_fused as mf
+    from depthbench.kernels import moda_fused as mf
 
     monkeypatch.setattr(mf, "QUERY_CHUNK", 96)
     g = torch.Generator("cuda").manual_seed(0)
@@ -138,20 +142,30 @@ def test_chunked_pair_on_cuda_against_float64(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moda_fused_on_cuda_is_the_chunked_pair_and_equals_the_explicit_path(dtype, monkeypatch):
-    """Off the CPU MoDA's fused attention runs the chunked online-softmax pair: loss and
-    gradients against the explicit score matrices, blocks of 96 queries over 256 positions."""
-    from depthbench.models.archs import moda_fused as mf
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_implementations_equal_the_definitions(arch, dtype, monkeypatch):
+    """What depthbench.kernels.swap puts in on CUDA (Liger's Triton kernels for hc and mhc, the
+    chunked online-softmax pair for moda, the batched mix for attnres) against the architecture's
+    definition: loss and gradients, fp32 (TF32 off) and under bf16 autocast, blocks of 96 queries
+    over 256 positions for moda. The bf16 case is where the Triton interpreter cannot speak for
+    the GPU (it multiplies bf16 bit patterns)."""
+    from depthbench.kernels import moda_fused as mf
+    from depthbench.kernels.swap import swapped
 
     monkeypatch.setattr(mf, "QUERY_CHUNK", 96)
     q = torch.zeros(1, 1, 4, 8, device="cuda", dtype=dtype)
     assert mf._kernel_for(q, q) is mf.CHUNKED
     losses, grads = [], []
-    for impl in ("fused", "explicit"):
-        model = _model("moda", n_kv_head=2, arch_options={"attention_impl": impl})
+    for kernels in ("auto", "reference"):
+        model = _model(arch, kernels, n_kv_head=2)
+        with torch.no_grad():  # off the zero-initialised weights (HC, mHC, AttnRes)
+            for p in model.parameters():
+                p.add_(0.02 * torch.randn_like(p))
+        assert bool(swapped(model)) == (kernels == "auto" and arch in SWAPPED_ON_CUDA)
         idx = torch.randint(
             0, 1024, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(1)
         )
+        torch.manual_seed(0)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             loss = model(idx, idx).loss
         loss.backward()
@@ -160,8 +174,11 @@ def test_moda_fused_on_cuda_is_the_chunked_pair_and_equals_the_explicit_path(dty
             torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
         )
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    assert abs(losses[0] - losses[1]) <= tol * abs(losses[1])
+    assert abs(losses[0] - losses[1]) <= tol * abs(losses[1]), losses
     assert (grads[0] - grads[1]).norm() <= 10 * tol * grads[1].norm()
+
+
+SWAPPED_ON_CUDA = {"hc", "mhc", "moda", "attnres_full", "attnres_block"}
 
 
 # every architecture, and pre_ln and hc with MoE experts, at benchmarks/gpu_check.py's memory

@@ -15,8 +15,6 @@ import pytest
 import torch
 
 from depthbench import kernels
-from depthbench.models.config import ModelConfig
-from depthbench.models.registry import build_model
 
 from tests.kernel_checks import assert_compiled_calls_kernels_and_matches_eager, perturbed_hc
 
@@ -41,13 +39,7 @@ def test_compiled_hc_keeps_the_kernel_and_matches_eager(monkeypatch):
 def test_compiled_mhc_keeps_the_kernel_and_matches_eager(monkeypatch):
     """Under torch.compile each sublayer's read stays one custom-op call: same loss and
     gradients."""
-    torch.manual_seed(0)
-    model = build_model(
-        ModelConfig(arch="mhc", vocab_size=64, n_layer=1, d_model=16, n_head=2, max_seq_len=8)
-    )
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    model = perturbed_hc(n_layer=1, d_model=16, arch="mhc")
     idx, targets = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
     # both sublayers of the layer, forward and backward, each one fused read
     assert_compiled_calls_kernels_and_matches_eager(

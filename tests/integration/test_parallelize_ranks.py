@@ -9,16 +9,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from depthbench import kernels
 from depthbench.train.parallelize import wrap_units
 from tests.parallel_models import VOCAB, assert_same, tiny
-
-
-@pytest.fixture(autouse=True)
-def _eager_paths():
-    """The PyTorch code of HC/mHC (the CPU C++ kernels never run on CUDA, where this matters)."""
-    with kernels.disabled():
-        yield
 
 
 @pytest.mark.slow

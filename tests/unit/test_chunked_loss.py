@@ -137,7 +137,7 @@ def test_chunked_loss_traces_on_the_meta_device():
     """The memory estimate traces the model on meta (depthbench.train.activation_trace), where
     torch.autocast refuses the device: the chunked loss turns autocast off through
     kernels.precision, which on meta pauses the replayed casts instead."""
-    from depthbench.kernels import precision
+    from depthbench.models import precision
 
     x = torch.empty(2, 8, 16, device="meta", requires_grad=True)
     w = torch.empty(32, 16, device="meta", requires_grad=True)

@@ -61,6 +61,7 @@ TRAIN_FROM_SCHEMA = {
         "threads",
         "compile",
         "activation_checkpointing",
+        "kernels",
         "loss_chunk_tokens",
         "dynamics_every",
         "parallel",

@@ -1,18 +1,21 @@
-"""The fused depth computations equal their reference paths: MoDA's fused joint attention
-(moda_fused.py) against the explicit score matrices of `joint_depth_attention`, and AttnRes's
-batched depth mix against the per-source multiply-adds, in forward and gradients."""
+"""The fused depth computations equal the definitions they are swapped in for
+(depthbench.kernels.swap): MoDA's fused joint attention (depthbench/kernels/moda_fused.py) against
+the explicit score matrices of `joint_depth_attention`, and AttnRes's batched depth mix
+(depthbench/kernels/attnres_mix.py) against the per-source multiply-adds, in forward and
+gradients."""
 
 import math
 
 import pytest
 import torch
 
-from depthbench.util.errors import ConfigError
+from depthbench.kernels import moda_fused as mf
+from depthbench.kernels.moda_fused import fused_joint_attention
+from depthbench.kernels.swap import swap_in, swapped
+from depthbench.models.archs.moda import joint_depth_attention
+from depthbench.models.archs.moda_depth_keys import DepthBuffer, DepthKeys
 from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model
-from depthbench.models.archs.moda import joint_depth_attention
-from depthbench.models.archs.moda_depth_keys import DepthKeys
-from depthbench.models.archs.moda_fused import DepthBuffer, fused_joint_attention
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -25,18 +28,19 @@ def cfg(arch, **kw):
     return ModelConfig(**base)
 
 
-def twin_models(arch, option, fast, reference, **kw):
-    """Two models with the same weights, differing only in arch_options[option]."""
-    options = kw.pop("arch_options", {})
+def twin_models(arch, backend, **kw):
+    """Two models with the same weights: `backend`'s implementations swapped in, and the
+    definition."""
     torch.manual_seed(0)
-    a = build_model(cfg(arch, arch_options={**options, option: fast}, **kw))
-    with (
-        torch.no_grad()
-    ):  # perturb the zero-initialised parts (AttnRes pseudo-queries), as after training
+    a = build_model(cfg(arch, **kw))
+    with torch.no_grad():
+        # perturb the zero-initialised parts (AttnRes pseudo-queries), as after training
         for p in a.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    b = build_model(cfg(arch, arch_options={**options, option: reference}, **kw))
+    b = build_model(cfg(arch, **kw))
     b.load_state_dict(a.state_dict())
+    swap_in(a, backend)
+    assert swapped(a), f"{backend} swaps nothing in {arch}"
     return a, b
 
 
@@ -55,7 +59,7 @@ def assert_same_loss_and_gradients(a, b, idx, targets):
 
 
 def moda_twins(**kw):
-    return twin_models("moda", "attention_impl", "fused", "explicit", **kw)
+    return twin_models("moda", "cpu", **kw)
 
 
 @pytest.mark.parametrize(
@@ -84,8 +88,6 @@ def test_moda_fused_function_gradients_match_the_explicit_path_per_input(group, 
     """The fused call's gradients w.r.t. q, k, v and every depth source (GQA: 6 query heads over
     3 KV heads) equal autograd through the explicit score matrices; float64 gradcheck too. With
     the depth slots taken 2 at a time (3 slots: a group of 2 and one of 1) as with all at once."""
-    from depthbench.models.archs import moda_fused as mf
-
     monkeypatch.setattr(mf, "DEPTH_GROUP", group)
     torch.manual_seed(0)
     B, Hk, G, T, hd, D = 2, 3, 2, 7, 4, 3
@@ -124,7 +126,7 @@ def test_moda_depth_keys_live_in_one_buffer_per_forward():
     """No layer re-stacks the keys before it: every layer appends into the same preallocated
     storage (the one read by the last layer holds every layer's keys, written once)."""
     torch.manual_seed(0)
-    model = build_model(cfg("moda", n_layer=4, arch_options={"variant": "ffn_kv"}))
+    model = swap_in(build_model(cfg("moda", n_layer=4, arch_options={"variant": "ffn_kv"})), "cpu")
     seen = []
     original = DepthKeys.buffer
 
@@ -148,7 +150,7 @@ def test_moda_forks_and_edited_pairs_rebuild_the_buffer_from_the_pairs():
     state's slots: the buffer is rebuilt from the state's own pairs."""
     torch.manual_seed(0)
     pairs = [(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)) for _ in range(3)]
-    keys = DepthKeys(capacity=3)
+    keys = DepthKeys(capacity=3, buffered=True)
     keys.append(pairs[0])
     fork = keys.fork()
     keys.append(pairs[1])
@@ -176,9 +178,15 @@ def test_moda_decoding_offset_falls_back_to_the_explicit_path():
     assert fused_joint_attention(q, k, v, keys.buffer(), 1) is None
 
 
-def test_moda_attention_impl_is_validated():
-    with pytest.raises(ConfigError, match="model.arch_options.attention_impl"):
-        build_model(cfg("moda", arch_options={"attention_impl": "flash"}))
+def test_the_definition_of_moda_makes_no_buffer():
+    """The explicit path stacks the pairs it is handed; only a fused attention asks for the
+    depth K/V buffer."""
+    torch.manual_seed(0)
+    model = build_model(cfg("moda", n_layer=3))
+    state = model.begin(torch.randint(0, 61, (2, 7)))
+    for layer in range(1, 4):
+        state = model.step(state, layer)
+    assert state.value[1]._buffer is None and len(state.value[1]) == 3
 
 
 @pytest.mark.parametrize(
@@ -192,9 +200,7 @@ def test_moda_attention_impl_is_validated():
     ],
 )
 def test_attnres_batched_mix_equals_the_per_source_loop(arch, n_layer, options):
-    batched, loop = twin_models(
-        arch, "depth_mix", "batched", "loop", n_layer=n_layer, arch_options=options
-    )
+    batched, loop = twin_models(arch, "cuda", n_layer=n_layer, arch_options=options)
     idx = torch.randint(0, 61, (2, 10), generator=torch.Generator().manual_seed(1))
     targets = torch.randint(0, 61, (2, 10), generator=torch.Generator().manual_seed(2))
     assert_same_loss_and_gradients(batched, loop, idx, targets)
@@ -213,7 +219,7 @@ def test_attnres_batched_mix_gradients_per_source_with_an_extra_source():
     """The batched product's gradients w.r.t. the weights, every buffered source and the extra
     (partial-sum) source equal autograd through sum_i w_i v_i written out here; float64
     gradcheck."""
-    from depthbench.models.archs.attnres_mix import BufferedSources, SourceBuffer, batched_mix
+    from depthbench.kernels.attnres_mix import BufferedSources, SourceBuffer, batched_mix
 
     torch.manual_seed(0)
     sources = [torch.randn(2, 2, 3, dtype=torch.float64, requires_grad=True) for _ in range(4)]
@@ -243,11 +249,9 @@ def test_attnres_batched_mix_gradients_per_source_with_an_extra_source():
 
 def test_attnres_sources_live_in_one_buffer_per_forward():
     torch.manual_seed(0)
-    assert (
-        build_model(cfg("attnres_full")).begin(torch.zeros(1, 3, dtype=torch.long)).value.buffer
-        is None
-    )  # auto: loop on CPU
-    model = build_model(cfg("attnres_full", n_layer=3, arch_options={"depth_mix": "batched"}))
+    definition = build_model(cfg("attnres_full")).begin(torch.zeros(1, 3, dtype=torch.long))
+    assert not hasattr(definition.value, "buffer")  # the definition: one multiply-add per source
+    model = swap_in(build_model(cfg("attnres_full", n_layer=3)), "cuda")
     state = model.begin(torch.randint(0, 61, (2, 7)))
     buffer = state.value.buffer
     assert buffer.values.shape[2] == 7  # 2L + 1 sources, allocated once
@@ -258,8 +262,6 @@ def test_attnres_sources_live_in_one_buffer_per_forward():
         and buffer.holds(state.value.values)
         and len(buffer.sources) == 7
     )
-    with pytest.raises(ConfigError, match="model.arch_options.depth_mix"):
-        build_model(cfg("attnres_block", arch_options={"depth_mix": "fast"}))
 
 
 # --- the chunked kernel pair (what MoDA's fused path runs off the CPU) --------------------------
@@ -270,8 +272,6 @@ def test_chunked_pair_equals_causal_attention_and_its_lse(T, chunk, monkeypatch)
     """Forward (output, lse) equals causal softmax attention written out; backward from a given
     lse and output equals autograd's gradient of that attention (the lse and output being its
     own), for blocks that split T unevenly, evenly and not at all; float64."""
-    from depthbench.models.archs import moda_fused as mf
-
     monkeypatch.setattr(mf, "QUERY_CHUNK", chunk)
     torch.manual_seed(0)
     B, H, hd = 2, 3, 5
@@ -296,8 +296,6 @@ def test_chunked_pair_equals_causal_attention_and_its_lse(T, chunk, monkeypatch)
 def test_chunked_pair_equals_the_cpu_flash_pair():
     """The two pairs agree, forward and backward (float32, blocks of 4 over T = 10): on the CPU
     one can stand for the other."""
-    from depthbench.models.archs import moda_fused as mf
-
     flash = mf._kernel_for(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))
     if flash is mf.CHUNKED:
         pytest.skip("this torch has no CPU flash pair")
@@ -316,9 +314,7 @@ def test_chunked_pair_equals_the_cpu_flash_pair():
         torch.testing.assert_close(a, b, **TOL)
 
 
-def test_kernel_choice_by_device_and_option():
-    from depthbench.models.archs import moda_fused as mf
-
+def test_kernel_choice_by_device_and_backend():
     cpu = torch.zeros(1, 1, 3, 2)
     assert mf._kernel_for(cpu, cpu, "chunked") is mf.CHUNKED
     meta = torch.zeros(1, 1, 3, 2, device="meta")  # any device but the CPU: the chunked pair
@@ -330,20 +326,13 @@ def test_kernel_choice_by_device_and_option():
 def test_moda_chunked_equals_explicit_in_loss_and_every_gradient(
     n_layer, n_kv_head, variant, monkeypatch
 ):
-    """`attention_impl: chunked` (the path CUDA takes) against the explicit score matrices in a
-    whole model, blocks of 5 queries over 12 positions."""
-    from depthbench.models.archs import moda_fused as mf
-
+    """The cuda backend's MoDA (the chunked pair, here on CPU tensors) against the explicit score
+    matrices in a whole model, blocks of 5 queries over 12 positions."""
     monkeypatch.setattr(mf, "QUERY_CHUNK", 5)
     chunked, explicit = twin_models(
-        "moda",
-        "attention_impl",
-        "chunked",
-        "explicit",
-        n_layer=n_layer,
-        n_kv_head=n_kv_head,
-        arch_options={"variant": variant},
+        "moda", "cuda", n_layer=n_layer, n_kv_head=n_kv_head, arch_options={"variant": variant}
     )
+    assert set(swapped(chunked).values()) == {"FusedMoDA", "ChunkedMoDABlock"}
     idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
     targets = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(2))
     assert_same_loss_and_gradients(chunked, explicit, idx, targets)

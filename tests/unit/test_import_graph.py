@@ -14,8 +14,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "depthbench"
 # Lowest first: a module may import from its own subpackage and from the ones before it.
 LAYERS = [
     "util",
-    "kernels",
     "models",
+    "kernels",
     "data",
     "spec",
     "train",

@@ -3,12 +3,12 @@
 On the CPU: the reference (tests/memory_reference.py) runs the real model on real CPU tensors
 (eager path) and sums the bytes of every distinct storage autograd keeps, counted independently
 of depthbench.train.memory; the estimate traced with the CPU's autocast policy, MoE path and
-kernels (`device="cpu"`) is held to it within 2 % in fp32 and under bf16 autocast, for every
-registered architecture and for MoE experts (it is exact on these models). On CUDA: the kernels
-the CUDA trace stands in for are held to the byte on toy modules, and the whole estimate to a
-training step measured on an H200 (tests/data/). The trace leaves nothing of its own behind: the
-kernels' switch, the autocast replay and torch.autocast are as they were, during the trace and
-after.
+implementations (`device="cpu"`, the CUDA backend's implementations) is held to it within 2 %
+in fp32 and under bf16 autocast, for every registered architecture and for MoE experts (it is
+exact on these models). On CUDA: the kernels the CUDA trace stands in for are held to the byte on
+toy modules, and the whole estimate to a training step measured on an H200 (tests/data/). The
+trace leaves nothing of its own behind: the autocast replay and torch.autocast are as they were,
+during the trace and after.
 """
 
 import itertools
@@ -19,8 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from depthbench import kernels
-from depthbench.kernels import precision
+from depthbench.models import precision
 from depthbench.models import moe as moe_module
 from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model
@@ -34,13 +33,11 @@ SHAPES = [dict(d_model=32, n_layer=2, n_head=2), dict(d_model=48, n_layer=4, n_h
 N, T = 2, 16
 
 
-# the paths the meta trace takes off the CPU, as on CUDA: AttnRes's batched depth mix over its
-# source buffer, MoDA's chunked pair over its depth K/V buffer (both buffers held on a ctx)
-OFF_CPU_PATHS = {
-    "attnres_full": {"depth_mix": "batched"},
-    "attnres_block": {"depth_mix": "batched"},
-    "moda": {"attention_impl": "chunked"},
-}
+# the implementations the estimate and the reference run: the CUDA backend's (depthbench.kernels
+# .swap), whose AttnRes's batched depth mix over its source buffer and MoDA's chunked pair over
+# its depth K/V buffer (both buffers held on a ctx) run on CPU tensors and on meta alike, while
+# HC's and mHC's Triton kernels leave them to their definitions
+BACKEND = "cuda"
 MOE = {"n_experts": 4, "top_k": 2}
 CASES = [(arch, {}) for arch in registered_architectures()] + [("pre_ln", MOE), ("hc", MOE)]
 CASE_IDS = [arch + ("-moe" if moe else "") for arch, moe in CASES]
@@ -52,7 +49,6 @@ def case_configs(arch, moe):
             arch=arch,
             vocab_size=96,
             max_seq_len=T,
-            arch_options=OFF_CPU_PATHS.get(arch, {}),
             moe=moe,
             **shape,
         )
@@ -65,8 +61,8 @@ def test_activation_estimate_matches_cpu(arch, moe, bf16):
     (`linalg.vecdot`) takes two bf16 copies of the fp32 streams, 14 % and 7-8 % of their saved
     bytes; MoE experts take the grouped products, whose saved bytes are k/E of the dense path's."""
     for cfg in case_configs(arch, moe):
-        est = estimate_memory(cfg, N, T, bf16=bf16, device="cpu").activations
-        ref = measured_saved_bytes(cfg, bf16, N, T)
+        est = estimate_memory(cfg, N, T, bf16=bf16, device="cpu", backend=BACKEND).activations
+        ref = measured_saved_bytes(cfg, bf16, N, T, backend=BACKEND)
         assert abs(est - ref) <= 0.02 * ref, (arch, cfg.d_model, est, ref, est / ref)
 
 
@@ -344,7 +340,7 @@ def test_cuda_autocast_replay_runs_rsqrt_in_fp32():
 
 class Witness(torch.nn.Module):
     """A model that records, while it is traced, what model code meets: torch.autocast, the
-    kernels' answer for a CPU fp32 tensor, the replay in force and the dtypes it answers."""
+    replay in force and the dtypes it answers."""
 
     def __init__(self):
         super().__init__()
@@ -359,7 +355,6 @@ class Witness(torch.nn.Module):
         x = idx.float()[..., None].expand(-1, -1, 8)
         self.seen.update(
             autocast=torch.autocast,
-            apply_to=kernels.apply_to(torch.ones(2)),
             replay=precision.replay(),
             dtype=precision.autocast_dtype(x),
         )
@@ -370,16 +365,13 @@ class Witness(torch.nn.Module):
 
 
 def test_the_trace_changes_no_global_state():
-    """During a meta trace the models meet the real torch.autocast, kernels that answer False and
-    the replay of the target device; after it (and after one that fails) everything answers as
-    before: no function of another module is swapped, no replay is left in force."""
+    """During a meta trace the models meet the real torch.autocast and the replay of the target
+    device; after it (and after one that fails) everything answers as before: no function of
+    another module is swapped, no replay is left in force."""
     from depthbench.train.activation_trace import trace_activations
 
-    cpu = torch.ones(2)
     before = {
         "autocast": torch.autocast,
-        "apply_to": kernels.apply_to,
-        "answer": kernels.apply_to(cpu),
         "compute_dtype": moe_module._compute_dtype,
         "serves": moe_module._grouped_mm_serves,
     }
@@ -391,7 +383,6 @@ def test_the_trace_changes_no_global_state():
         trace_activations(model, idx, True, device)
         seen = model.seen
         assert seen["autocast"] is torch.amp.autocast_mode.autocast
-        assert seen["apply_to"] is False
         assert seen["replay"] == precision.Replay(device=device, enabled=True)
         assert (seen["dtype"], seen["dtype_off"], seen["dtype_after_off"]) == (
             torch.bfloat16,
@@ -404,8 +395,6 @@ def test_the_trace_changes_no_global_state():
         trace_activations(model, idx, True, "tpu")
     after = {
         "autocast": torch.autocast,
-        "apply_to": kernels.apply_to,
-        "answer": kernels.apply_to(cpu),
         "compute_dtype": moe_module._compute_dtype,
         "serves": moe_module._grouped_mm_serves,
     }
@@ -417,28 +406,14 @@ def test_the_trace_changes_no_global_state():
         assert precision.autocast_dtype(idx.float()) == torch.float32
 
 
-def test_kernels_disabled_nests_and_restores():
-    cpu = torch.ones(2)
-    answer = kernels.apply_to(cpu)
-    with kernels.disabled():
-        with kernels.disabled():
-            assert kernels.apply_to(cpu) is False
-        assert kernels.apply_to(cpu) is False
-    assert kernels.apply_to(cpu) == answer
-    with pytest.raises(RuntimeError):
-        with kernels.disabled():
-            raise RuntimeError("a failed trace")
-    assert kernels.apply_to(cpu) == answer
-
-
 @pytest.mark.parametrize(
     "arch, options, n_kv_head",
     [
-        ("attnres_full", {"depth_mix": "batched"}, 4),
-        ("attnres_block", {"depth_mix": "batched", "n_blocks": 2}, 4),
-        ("moda", {"attention_impl": "chunked"}, 4),
-        ("moda", {"attention_impl": "chunked"}, 2),
-        ("moda", {"attention_impl": "chunked", "variant": "ffn_kv"}, 4),
+        ("attnres_full", {}, 4),
+        ("attnres_block", {"n_blocks": 2}, 4),
+        ("moda", {}, 4),
+        ("moda", {}, 2),
+        ("moda", {"variant": "ffn_kv"}, 4),
     ],
     ids=["full", "block", "moda", "moda-gqa", "moda-ffn_kv"],
 )
@@ -459,8 +434,8 @@ def test_buffers_held_on_a_ctx_are_counted(arch, options, n_kv_head):
         n_kv_head=n_kv_head,
     )
     est, ref = (
-        estimate_memory(cfg, N, T, bf16=False, device="cpu").activations,
-        measured_saved_bytes(cfg, False, N, T),
+        estimate_memory(cfg, N, T, bf16=False, device="cpu", backend=BACKEND).activations,
+        measured_saved_bytes(cfg, False, N, T, backend=BACKEND),
     )
     assert abs(est - ref) <= 0.01 * ref, (est, ref)
 

@@ -22,7 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from depthbench import kernels
+from depthbench.kernels.swap import swap_in
 from depthbench.util.errors import ConfigError
 from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model
@@ -34,13 +34,6 @@ from depthbench.models.registry import PACKAGE_ARCHITECTURES
 from tests.parallel_models import FEW_ITERATIONS, VOCAB, assert_same, tiny
 
 ARCHS = list(PACKAGE_ARCHITECTURES)  # every architecture of the package
-
-
-@pytest.fixture(autouse=True)
-def _eager_paths():
-    """The PyTorch code of HC/mHC (the CPU C++ kernels never run on CUDA, where this matters)."""
-    with kernels.disabled():
-        yield
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -107,14 +100,10 @@ def test_checkpointing_frees_memory_as_the_estimator_predicts(arch):
     """Measured bytes held after the forward drop with checkpointing; the meta-device estimate of
     every mode is within 10 % of the measurement."""
     N, T = 2, 32
-    # the paths CUDA runs, which the meta trace takes: MoDA's chunked pair and AttnRes's batched
-    # mix, whose buffers (held on a ctx, announced through held_for_backward) are live memory here
-    cuda_path = {
-        "moda": {"attention_impl": "chunked"},
-        "attnres_full": {"depth_mix": "batched"},
-        "attnres_block": {"depth_mix": "batched"},
-    }
-    options = {**FEW_ITERATIONS, **cuda_path.get(arch, {})}
+    # the CUDA backend's implementations, which run on meta and CPU tensors alike: MoDA's
+    # chunked pair and AttnRes's batched mix, whose buffers (held on a ctx, announced through
+    # held_for_backward) are live memory here; HC's and mHC's definitions
+    options = FEW_ITERATIONS
     cfg = ModelConfig(
         arch=arch,
         vocab_size=VOCAB,
@@ -126,7 +115,7 @@ def test_checkpointing_frees_memory_as_the_estimator_predicts(arch):
     )
     with torch.device("meta"):
         trace = trace_activations(
-            build_model(cfg, initialize=False),
+            swap_in(build_model(cfg, initialize=False), "cuda"),
             torch.zeros(N, T, dtype=torch.long, device="meta"),
             False,
             "cpu",  # the CPU's kernels, which the measurement below runs
@@ -135,7 +124,7 @@ def test_checkpointing_frees_memory_as_the_estimator_predicts(arch):
     held = {}
     for mode in ("none", "selective", "full"):
         torch.manual_seed(0)
-        model = build_model(cfg)
+        model = swap_in(build_model(cfg), "cuda")
         units = wrap_units(model, mode)
         held[mode] = held_after_forward(model, idx)
         est = trace.retained(recompute_mask(mode, len(units)))

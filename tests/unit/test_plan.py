@@ -73,3 +73,64 @@ def test_the_plan_counts_one_cells_replicates_per_cell_after_the_sweep():
     )
     text = format_plan(plans, "H100 SXM", 0.4, 80e9)
     assert "after the LR sweep: 36 replicate runs at the cells' best LRs" in text
+
+
+def _record(tmp_path, runs):
+    import json
+
+    path = tmp_path / "record.json"
+    fields = {"device": "NVIDIA H200", "torch": "2.11", "commit": "abc", "recorded": "today"}
+    path.write_text(json.dumps({**fields, "runs": runs}))
+    return path
+
+
+def test_a_record_gives_each_architectures_step_time_interpolated_in_depth(tmp_path):
+    from depthbench.commands.step_records import find_record, load_record, record_name
+    from depthbench.util.errors import DataError
+
+    runs = [
+        {"arch": "hc", "n_layer": 16, "step_time_vs_pre_ln": 1.2},
+        {"arch": "hc", "n_layer": 70, "step_time_vs_pre_ln": 2.0},
+        {"arch": "mhc", "n_layer": 70, "step_time_vs_pre_ln": 1.5},
+    ]
+    record = load_record(_record(tmp_path, runs))
+    assert record.relative_step_time("hc", 16) == 1.2 and record.relative_step_time("hc", 70) == 2.0
+    assert record.relative_step_time("hc", 43) == pytest.approx(1.6)  # halfway in L
+    assert record.relative_step_time("hc", 8) == 1.2 and record.relative_step_time("hc", 99) == 2.0
+    assert record.relative_step_time("mhc", 16) == 1.5  # one depth measured: it stands for all
+    assert record.relative_step_time("moda", 16) is None
+    assert record.relative_step_time("pre_ln", 16) == 1.0
+    assert record_name("NVIDIA H200") == "nvidia-h200.json"
+    assert find_record("auto", "H100 SXM", tmp_path).device == "NVIDIA H200"  # the only one
+    assert find_record("none", "H100 SXM", tmp_path) is None
+    (tmp_path / "second.json").write_text((tmp_path / "record.json").read_text())
+    assert find_record("auto", "H100 SXM", tmp_path) is None  # two: neither is named after it
+    bad = _record(tmp_path, [{"arch": "hc", "n_layer": 4}])
+    with pytest.raises(DataError, match=r"runs\[0\] lacks \['step_time_vs_pre_ln'\]"):
+        load_record(bad)
+
+
+def test_the_plan_prices_runs_by_measured_step_times_and_marks_assumed_ones(tmp_path):
+    from depthbench.commands.plan import plan_experiment
+    from depthbench.commands.step_records import load_record
+
+    exp = expand_grid(load_config("config/config.yaml"))
+    plain = {p.run_id: p for p in plan_experiment(exp)}
+    depths = sorted({s.model.n_layer for s in exp.runs.values()})
+    runs = [{"arch": "hc", "n_layer": depths[0], "step_time_vs_pre_ln": 3.0}]
+    record = load_record(_record(tmp_path, runs))
+    priced = plan_experiment(exp, record=record)
+    for p in priced:
+        spec = exp.runs[p.run_id]
+        if spec.arch == "hc":
+            pre_ln = [q for q in priced if exp.runs[q.run_id].arch == "pre_ln"]
+            assert p.step_factor == 3.0
+            same = [q for q in pre_ln if exp.runs[q.run_id].model.n_layer == spec.model.n_layer]
+            # three times pre_ln's work at the shape (pre_ln's width there is at least hc's)
+            assert 2.7 * same[0].gpu_hours <= p.gpu_hours <= 3.0 * same[0].gpu_hours
+        else:  # pre_ln is the reference; the others are not in the record
+            assert p.step_factor == (1.0 if spec.arch == "pre_ln" else None)
+            assert p.gpu_hours == pytest.approx(plain[p.run_id].gpu_hours, rel=1e-12)
+    text = format_plan(priced, "H100 SXM", 0.4, 80e9, record)
+    assert "hc" in text and "measured 3x pre_ln (L = %d)" % depths[0] in text
+    assert any(line.strip().startswith("mhc") and "assumed" in line for line in text.splitlines())

@@ -13,9 +13,10 @@ from depthbench.models.config import ModelConfig
 from depthbench.models.registry import build_model, count_parameters
 from depthbench.models.archs.hc import HyperConnection
 from depthbench.models.archs.attnres_block import block_ends
-from depthbench.models.archs.attnres_sources import DepthAttention, rms_unit
+from depthbench.models.archs.attnres_sources import DepthAttention, DepthSources, rms_unit
+from depthbench.kernels.swap import swap_in, swapped
 from depthbench.models.streams import mix_matrix
-from depthbench.kernels.mhc_ops import sinkhorn_knopp
+from depthbench.models.sinkhorn import sinkhorn_knopp
 from depthbench.models.archs.moda import joint_depth_attention
 from depthbench.models.moe import MoESwiGLU
 from depthbench.spec.shapes import solve_width
@@ -67,16 +68,18 @@ def _hc_sublayer_reference(h, H, F):
 
 
 @pytest.mark.parametrize("use_kernels", [True, False])
-def test_hc_learnable_scales_match_the_written_out_sublayer(monkeypatch, use_kernels):
+def test_hc_learnable_scales_match_the_written_out_sublayer(use_kernels):
     """s_alpha scales the read and mixing weights' tanh, s_beta the write weights': the module's
     output and the gradients of every parameter, both scales included, equal the sublayer
-    written out in the test (float64), through the C++ kernels and through the PyTorch code."""
+    written out in the test (float64), through the C++ kernels (the CPU's implementation, swapped
+    in) and through the definition."""
     if use_kernels and kernels.unavailable_reason() is not None:
         pytest.skip(f"CPU kernels cannot be built here: {kernels.unavailable_reason()}")
-    if not use_kernels:
-        monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)
     torch.manual_seed(0)
     h = HyperConnection(16, 3, 1, 1e-6).double()
+    if use_kernels:
+        swap_in(h, "cpu")
+        assert swapped(h)
     with torch.no_grad():
         for prm in h.parameters():
             prm.copy_(torch.randn_like(prm))
@@ -397,20 +400,37 @@ def test_inference_forward_equals_the_training_forward(arch):
     torch.testing.assert_close(inferred, trained.detach(), rtol=1e-5, atol=1e-5)
 
 
-def test_sinkhorn_loop_taken_under_compile_equals_the_hand_written_backward(monkeypatch):
+def test_sinkhorn_under_compile_is_one_custom_op_and_equals_eager():
+    """torch.compile keeps the iterations as one call (no unrolled loop) with the same numbers
+    and gradient."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     torch.manual_seed(0)
     x = torch.randn(5, 4, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.arange(16.0, dtype=torch.float64).view(4, 4)
     eager = sinkhorn_knopp(x, 20)
-    (g_eager,) = torch.autograd.grad(
-        (eager * torch.arange(16.0, dtype=torch.float64).view(4, 4)).sum(), x
+    (g_eager,) = torch.autograd.grad((eager * weight).sum(), x)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda t: sinkhorn_knopp(t, 20), backend=counter, fullgraph=True)
+    out = compiled(x)
+    (g_compiled,) = torch.autograd.grad((out * weight).sum(), x)
+    torch.testing.assert_close(out, eager, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(g_compiled, g_eager, rtol=1e-12, atol=1e-14)
+    graph = counter.graphs[0].graph
+    ops = [str(n.target) for n in graph.nodes if n.op == "call_function"]
+    assert ops.count("depthbench.sinkhorn_normalize.default") == 1
+    assert not any("div" in op for op in ops), ops  # no normalisation outside the op
+
+
+def test_sinkhorn_custom_ops_pass_opcheck():
+    torch.manual_seed(0)
+    m = torch.rand(3, 3, 5, dtype=torch.float64) + 0.1
+    torch.library.opcheck(torch.ops.depthbench.sinkhorn_normalize, (m.requires_grad_(), 4))
+    _, results, sums = torch.ops.depthbench.sinkhorn_normalize(m.detach(), 4)
+    grad = torch.randn(3, 3, 5, dtype=torch.float64)
+    torch.library.opcheck(
+        torch.ops.depthbench.sinkhorn_normalize_backward, (grad, results, sums)
     )
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    looped = sinkhorn_knopp(x, 20)
-    (g_loop,) = torch.autograd.grad(
-        (looped * torch.arange(16.0, dtype=torch.float64).view(4, 4)).sum(), x
-    )
-    torch.testing.assert_close(looped, eager, rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(g_loop, g_eager, rtol=1e-10, atol=1e-12)
 
 
 def test_attnres_full_zero_queries_give_uniform_weights_over_earlier_outputs():
@@ -473,22 +493,23 @@ def test_block_boundaries():
 def test_depth_attention_gradient_matches_finite_differences():
     torch.manual_seed(0)
     depth = DepthAttention(5, 1e-6).double()
+    mix = DepthSources.mix
     with torch.no_grad():
         depth.query.normal_()
         depth.key_norm.weight.uniform_(0.5, 1.5)
     v = torch.randn(4, 2, 3, 5, dtype=torch.float64, requires_grad=True)
     # logits w . N(v_i) through the effective query q = w * g, then the softmax mixture
     assert torch.autograd.gradcheck(
-        lambda t: depth.mix(t, rms_unit(t, 1e-6) @ depth.effective_query())[0], (v,)
+        lambda t: mix(t, rms_unit(t, 1e-6) @ depth.effective_query())[0], (v,)
     )
     w = torch.randn(5, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
-        lambda q: depth.mix(v.detach(), rms_unit(v.detach(), 1e-6) @ q)[1], (w,)
+        lambda q: mix(v.detach(), rms_unit(v.detach(), 1e-6) @ q)[1], (w,)
     )
     # the mixture itself through the weights, with the sources as a list of separate tensors
     sources = list(v.detach().unbind(0))
     assert torch.autograd.gradcheck(
-        lambda q: depth.mix(sources, rms_unit(v.detach(), 1e-6) @ q)[0], (w,)
+        lambda q: mix(sources, rms_unit(v.detach(), 1e-6) @ q)[0], (w,)
     )
     # the effective-query logit is the design's w . N(v)
     torch.testing.assert_close(
@@ -521,11 +542,11 @@ def test_moda_joint_softmax_equals_dense_reference():
 
 
 def test_moda_fused_path_equals_the_dense_reference():
-    """The default fused joint attention (moda_fused.py) against the per-position reference, with
-    and without autograd, MHA and GQA; tests/unit/test_fused_depth.py holds it to the explicit
-    path."""
+    """The fused joint attention (depthbench/kernels/moda_fused.py) against the per-position
+    reference, with and without autograd, MHA and GQA; tests/unit/test_fused_depth.py holds it to
+    the explicit path."""
+    from depthbench.kernels.moda_fused import fused_joint_attention
     from depthbench.models.archs.moda_depth_keys import DepthKeys
-    from depthbench.models.archs.moda_fused import fused_joint_attention
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 9, 4, dtype=torch.float64) for _ in range(3))

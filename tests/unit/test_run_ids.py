@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from depthbench.grid.config import expand_grid, shared_options_ids
+from depthbench.grid.config import expand_grid
 from depthbench.spec.schema import load_config, load_schema
 from depthbench.models.registry import ARCHITECTURES, declared_options, registered_architectures
 
@@ -97,29 +97,6 @@ def test_n_blocks_renames_only_attnres_block_runs_of_the_default(tmp_path):
     differ = {b.split(":")[0] for b, a in zip(before, after) if b != a}
     assert differ == {"attnres_block"}
     assert sum(b != a for b, a in zip(before, after)) == 9
-
-
-def test_shared_options_ids_are_the_ids_hashed_over_the_whole_section():
-    """The ids DepthBench gave the default's runs when every run hashed the whole
-    model.arch_options section (`depthbench runs config/config.yaml` then): what
-    `depthbench rename-runs` finds on disk; the default's recipe of that time restored."""
-    config = load_config("config/config.yaml")
-    config["train"].update(
-        global_batch_size=12, micro_batch_size=12, tokens_per_param=0.375, min_lr_ratio=0.1
-    )
-    config["learning_rates_by_arch"]["pre_ln"] = [8.0e-4, 2.0e-3, 5.0e-3, 1.25e-2]
-    exp = expand_grid(config)
-    old = shared_options_ids(exp)
-    by_arch = {}
-    for new, legacy in old.items():
-        by_arch.setdefault(exp.runs[new].arch, []).append(legacy)
-    assert by_arch["pre_ln"][:3] == [
-        "pre_ln_L2-d88_lr0.0008_s0_1cc63d3b",
-        "pre_ln_L2-d88_lr0.002_s0_c7005a98",
-        "pre_ln_L2-d88_lr0.005_s0_fedcec0c",
-    ]
-    assert all(new != legacy for new, legacy in old.items())
-    assert len(set(old.values())) == len(old)
 
 
 @pytest.mark.parametrize("bad", [{"n_blocks": 0}, {"n_streams": 0}])

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from depthbench.models.archs.attnres_full import AttnResBlock, AttnResFull, AttnResOptions
+from depthbench.models.archs.attnres_full import AttnResBlock, AttnResFull
 from depthbench.models.archs.attnres_sources import DepthSources, rms_unit
-from depthbench.util.errors import ConfigError
+from depthbench.models.base import ArchOptions
 from depthbench.models.registry import register
+from depthbench.util.errors import ConfigError
 
 
 def block_ends(n_layer: int, n_blocks: int) -> list[int]:
@@ -36,9 +37,8 @@ class BlockSources(DepthSources):
         queries: torch.Tensor,
         eps: float,
         ends: list[int],
-        capacity: int = 0,
     ):
-        super().__init__(v0, queries, eps, capacity)
+        super().__init__(v0, queries, eps)
         self.ends = set(ends)
         self.partial: torch.Tensor | None = None
 
@@ -72,11 +72,10 @@ class BlockSources(DepthSources):
 
 
 @dataclass(frozen=True)
-class AttnResBlockOptions(AttnResOptions):
+class AttnResBlockOptions(ArchOptions):
     n_blocks: int = 8  # B: the layers are cut into B blocks
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if not isinstance(self.n_blocks, int) or self.n_blocks < 1:
             raise ConfigError(
                 "model.arch_options.n_blocks", f"must be a positive integer, got {self.n_blocks!r}"
@@ -94,8 +93,7 @@ class AttnResBlocks(AttnResFull):
 
     def make_sources(self, h0: torch.Tensor) -> BlockSources:
         ends = block_ends(self.cfg.n_layer, self.options.n_blocks)
-        capacity = len(ends) + 1 if self.options.batched(h0.device) else 0  # v_0 and the block sums
-        return BlockSources(h0, self.reader_queries(), self.cfg.norm_eps, ends, capacity)
+        return BlockSources(h0, self.reader_queries(), self.cfg.norm_eps, ends)
 
     def source_counts(self) -> list[int]:
         """How many sources each reader sees (2L sublayers, then the final aggregation): v_0, the

@@ -13,18 +13,11 @@ own pseudo-query feeds the final norm and LM head.
 Since N_s(v) = g_s * v / rms(v), the logit w_s . N_s(v_i) = (w_s * g_s) . (v_i / rms(v_i)): each
 source is RMS-normalised once, and when it is added its logits against the effective queries
 q_s = w_s * g_s of every later reader come from one matmul (unit_i @ [q_s ...]). A sublayer then
-only stacks its sources' logit columns and mixes them, in one of two ways
-(`arch_options.depth_mix`, recorded in docs/design/architectures.md):
-- `batched` (attnres_mix.py): each source is written once into a buffer preallocated per
-  forward, and a reader's mix is one batched product over the buffer's first S slots;
-- `loop`: one multiply-add per source (`WeightedSum`), the reference the tests compare with;
-- `auto` (default): `loop` on the CPU, where it measured faster (at L = 32, 2.00x pre_ln against
-  2.62x for `batched`: per-token (1, S) x (S, d) products are slow in the CPU's bmm), `batched`
-  on other devices, where the loop's kernel count (about 10,000 per forward at L = 70) dominates.
-Neither re-stacks the sources per reader (O(L^2) copies, which would be most of this
-architecture's overhead on CPU).
+only stacks its sources' logit columns and mixes them, one multiply-add per source, without
+re-stacking the sources per reader (O(L^2) copies). Faster mixes are swapped in from outside
+(depthbench.kernels.swap) by replacing `make_sources`.
 
-The readers' pseudo-queries and mixes (`DepthAttention`) and the sources with their logits
+The readers' pseudo-queries (`DepthAttention`) and the sources with their logits and mix
 (`DepthSources`, which Block AttnRes extends) are in attnres_sources.py.
 
 h_l for probes is the aggregated input of the first sublayer of layer l + 1 (h_0 = v_0; h_L is
@@ -34,13 +27,11 @@ aggregation), the softmax weight on each available source averaged over batch an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from depthbench.models.archs.attnres_sources import DepthAttention, DepthSources
-from depthbench.models.base import GENERIC_PROBES, ArchOptions, Block, DecoderLM, Rope
+from depthbench.models.base import GENERIC_PROBES, Block, DecoderLM, Rope
 from depthbench.models.registry import register
 from depthbench.models.layers import RMSNorm
 
@@ -76,32 +67,14 @@ class AttnResBlock(Block):
         )
 
     def sublayers(self, rope: Rope):
-        """(depth attention, F(N_pre(.))) for the attention then the FFN sublayer."""
+        """F(N_pre(.)) for the attention then the FFN sublayer."""
         attn_unit, ffn_unit = self.units
-        return (
-            (self.attn_depth, lambda h: attn_unit(h, rope)),
-            (self.ffn_depth, lambda h: ffn_unit(h)),
-        )
-
-
-@dataclass(frozen=True)
-class AttnResOptions(ArchOptions):
-    # batched: one batched product per reader over a preallocated source buffer (attnres_mix.py);
-    # loop: one multiply-add per source (WeightedSum), the reference the tests compare with;
-    # auto: loop on the CPU, where it measured faster (docs/benchmarks.md), batched elsewhere
-    depth_mix: str = "auto"
-
-    def __post_init__(self) -> None:
-        self.require("depth_mix", ("auto", "batched", "loop"))
-
-    def batched(self, device: torch.device) -> bool:
-        return self.depth_mix == "batched" or (self.depth_mix == "auto" and device.type != "cpu")
+        return (lambda h: attn_unit(h, rope), lambda h: ffn_unit(h))
 
 
 @register("attnres_full")
 class AttnResFull(DecoderLM):
     block_class = AttnResBlock
-    Options = AttnResOptions
     has_final_norm = True
     probes = GENERIC_PROBES | {"depth_weight"}
     figures = frozenset({"depth_mixing"})
@@ -118,8 +91,7 @@ class AttnResFull(DecoderLM):
                 nn.init.zeros_(module.query)
 
     def make_sources(self, h0: torch.Tensor) -> DepthSources:
-        capacity = 2 * self.cfg.n_layer + 1 if self.options.batched(h0.device) else 0
-        return DepthSources(h0, self.reader_queries(), self.cfg.norm_eps, capacity)
+        return DepthSources(h0, self.reader_queries(), self.cfg.norm_eps)
 
     def reader_queries(self) -> torch.Tensor:
         """(d, 2L + 1): the effective query of every sublayer in order, then the final one."""
@@ -152,8 +124,8 @@ class AttnResFull(DecoderLM):
         record: list | None = None,
         outputs: list | None = None,
     ) -> DepthSources:
-        for position, (depth, sublayer) in enumerate(block.sublayers(rope)):
-            h, weights = sources.current(depth)
+        for position, sublayer in enumerate(block.sublayers(rope)):
+            h, weights = sources.current()
             if position == 0 and hidden is not None:
                 hidden.append(h)  # h_{layer-1}: what layer `layer` reads
             if record is not None:
@@ -168,7 +140,7 @@ class AttnResFull(DecoderLM):
         return self.run_layer(state, block, rope)
 
     def final_aggregation(self, sources: DepthSources) -> tuple[torch.Tensor, torch.Tensor]:
-        return sources.current(self.final_depth)
+        return sources.current()
 
     def trunk_output(self, state: DepthSources) -> torch.Tensor:
         return self.final_aggregation(state)[0]
@@ -176,10 +148,7 @@ class AttnResFull(DecoderLM):
     def read_stream(self, state: DepthSources) -> torch.Tensor:
         """h_l: the aggregated input of layer l + 1's first sublayer (the final aggregation
         after the last layer), whichever reader the state has next."""
-        readers = [d for block in self.blocks for d in (block.attn_depth, block.ffn_depth)] + [
-            self.final_depth
-        ]
-        return state.current(readers[state.next_reader])[0]
+        return state.current()[0]
 
     def fork_state(self, state: DepthSources) -> DepthSources:
         return state.fork(self.reader_queries())

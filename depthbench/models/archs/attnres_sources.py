@@ -6,8 +6,9 @@ A reader s mixes h_s = sum_i softmax_i(w_s . N_s(v_i)) v_i over its sources v_i.
 N_s(v) = g_s * v / rms(v), the logit w_s . N_s(v_i) = (w_s * g_s) . (v_i / rms(v_i)) =
 q_s . unit_i: each source is RMS-normalised once (`rms_unit`), and when it is added its logits
 against the effective queries q_s of every later reader come from one matmul. The mix is one
-multiply-add per source (`WeightedSum`, `depth_mix: loop`) or one batched product over a source
-buffer (attnres_mix.py, `depth_mix: batched`).
+multiply-add per source (`WeightedSum`): the sources are never stacked (an O(S) copy per reader,
+so O(L^2) over the network), and no (S, B, T, d) product is materialised. Faster mixes subclass
+`DepthSources` (depthbench.kernels.attnres_mix) and are swapped in from outside.
 """
 
 from __future__ import annotations
@@ -17,19 +18,12 @@ import copy
 import torch
 from torch import nn
 
-from depthbench.models.archs.attnres_mix import (
-    BufferedSources,
-    SourceBuffer,
-    WeightedSum,
-    batched_mix,
-    synced_buffer,
-)
 from depthbench.models.layers import RMSNorm, at_least_fp32
 
 
 class DepthAttention(nn.Module):
-    """One reader's pseudo-query w and key-norm gain g; mixes its sources under
-    softmax_i(logit_i)."""
+    """One reader's pseudo-query w and key-norm gain g: its sources are mixed under
+    softmax_i(w . N(v_i)) (DepthSources.mix)."""
 
     def __init__(self, d_model: int, eps: float):
         super().__init__()
@@ -39,20 +33,6 @@ class DepthAttention(nn.Module):
     def effective_query(self) -> torch.Tensor:
         """q = w * g, so that w . N(v) = q . (v / rms(v))."""
         return self.query * self.key_norm.weight
-
-    @staticmethod
-    def mix(values, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """values: the S sources (a list of (B, T, d), or one (S, B, T, d) tensor); logits
-        (S, B, T) -> h = sum_i softmax_i(logits) v_i (B, T, d) and the weights (S, B, T).
-
-        A multiply-add per source: the sources are never stacked (an O(S) copy per reader, so
-        O(L^2) over the network), and no (S, B, T, d) product is materialised. `values` as
-        `BufferedSources` (`depth_mix: batched`): one batched product over the source buffer."""
-        if isinstance(values, BufferedSources):
-            weights = torch.softmax(at_least_fp32(logits), dim=0).to(values.dtype)
-            return batched_mix(values, weights), weights
-        weights = torch.softmax(at_least_fp32(logits), dim=0).to(values[0].dtype)
-        return WeightedSum.apply(weights, *values), weights
 
 
 def rms_unit(v: torch.Tensor, eps: float) -> torch.Tensor:
@@ -66,12 +46,8 @@ class DepthSources:
     `queries` (d, 2L + 1) holds their effective queries. A source added after reader r - 1 ran
     is read by readers r .. 2L: its logits for all of them are computed at once."""
 
-    def __init__(self, v0: torch.Tensor, queries: torch.Tensor, eps: float, capacity: int = 0):
+    def __init__(self, v0: torch.Tensor, queries: torch.Tensor, eps: float):
         self.eps = eps
-        # depth_mix batched: the sources also go into one buffer (attnres_mix.py), sized for
-        # `capacity` sources and shared by forks (rebuilt by a fork whose slots another took)
-        self.capacity = capacity
-        self.buffer: SourceBuffer | None = SourceBuffer(v0, capacity) if capacity else None
         self.queries = queries
         self.next_reader = 0
         self.values: list[torch.Tensor] = []
@@ -94,34 +70,29 @@ class DepthSources:
         """v becomes a source of every reader from `next_reader` on."""
         unit = rms_unit(v, self.eps)
         self._add_logits(unit)
-        buf = self.buffer
-        if (
-            buf is not None
-            and len(buf.sources) == len(self.values)
-            and buf.holds(self.values)
-            and buf.fits(v)
-        ):
-            buf.push(v)
         self.values.append(v)
         self.units.append(unit)
 
     def sources(self, extra: torch.Tensor | None = None):
-        """The sources to mix: a list (the reference path), or the buffer's slots (batched)."""
-        if self.capacity:
-            self.buffer = synced_buffer(self.buffer, self.values, self.capacity)
-            if self.buffer is not None and (extra is None or self.buffer.fits(extra)):
-                return BufferedSources(self.buffer, len(self.values), extra)
+        """The sources to mix, in order (`extra` last: Block AttnRes's partial sum)."""
         return list(self.values) + ([extra] if extra is not None else [])
 
-    def read(self) -> tuple[list[torch.Tensor] | BufferedSources, torch.Tensor]:
+    def read(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The next reader's S sources (B, T, d each) and their logits (S, B, T)."""
         return self.sources(), torch.stack(self.logits[self.next_reader])
 
-    def current(self, depth: "DepthAttention") -> tuple[torch.Tensor, torch.Tensor]:
-        """The next reader's mix (h, weights) through `depth`, computed once per reader: the
-        probes read it as h_l, and the layer's first sublayer then takes it as its input."""
+    @staticmethod
+    def mix(values, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h = sum_i softmax_i(logits) v_i (B, T, d) and the weights (S, B, T), for the S
+        sources `values` and their logits (S, B, T)."""
+        weights = torch.softmax(at_least_fp32(logits), dim=0).to(values[0].dtype)
+        return WeightedSum.apply(weights, *values), weights
+
+    def current(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next reader's mix (h, weights), computed once per reader: the probes read it as
+        h_l, and the layer's first sublayer then takes it as its input."""
         if self.next_reader not in self.reads:
-            self.reads = {self.next_reader: depth.mix(*self.read())}
+            self.reads = {self.next_reader: self.mix(*self.read())}
         return self.reads[self.next_reader]
 
     def add(self, out: torch.Tensor, layer: int, is_last_sublayer_of_layer: bool) -> None:
@@ -152,3 +123,37 @@ class DepthSources:
         for unit in other.units:
             other._add_logits(unit)
         return other
+
+
+class WeightedSum(torch.autograd.Function):
+    """h = sum_i w_i v_i over the S sources v_i (B, T, d) with per-token weights w (S, B, T), as
+    one multiply-add per source.
+
+    Forward: a multiply-add per source into one buffer. Backward: dv_i = w_i dh and
+    dw_i = dh . v_i, the latter one fused dot product per source (linalg.vecdot) instead of a
+    product tensor and a sum. One autograd node instead of S: with up to 2L + 1 sources per reader
+    and 2L + 1 readers, autograd's per-node work and the extra passes would be a visible share of
+    Full AttnRes's step time."""
+
+    @staticmethod
+    def forward(ctx, weights: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:
+        h = values[0] * weights[0].unsqueeze(-1)
+        for i in range(1, len(values)):
+            h.addcmul_(weights[i].unsqueeze(-1), values[i])
+        ctx.save_for_backward(weights, *values)
+        return h
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weights, *values = ctx.saved_tensors
+        grad_weights = None
+        if ctx.needs_input_grad[0]:
+            # (under autocast the sources may be bf16 and the sum fp32: the dot takes one dtype)
+            grad_weights = torch.stack(
+                [torch.linalg.vecdot(grad, v.to(grad.dtype)) for v in values]
+            )
+        grad_values = [
+            grad * weights[i].unsqueeze(-1) if ctx.needs_input_grad[1 + i] else None
+            for i in range(len(values))
+        ]
+        return grad_weights, *grad_values

@@ -17,10 +17,9 @@ is the sum of streams. With n = 1 and zero dynamic weights this is exactly Pre-L
 `internals["stream_mixing"]` records, for every sublayer, the matrix acting on the streams,
 A_r^T (B, T, n, n), as mhc records H_res: both read H <- M H + ...
 
-On the CPU (float32/float64, up to 16 streams) the whole read, from H to the sublayer input, the
-mixed streams and the coefficients, runs in one C++ kernel per direction (`read`,
-depthbench/kernels/hc.cpp and hc_ops.py), also under torch.compile; elsewhere, or where the
-kernels cannot be built, the PyTorch code below computes the same numbers.
+This module is the definition, in PyTorch. Faster implementations of `HyperConnection` (a C++
+read on the CPU, Triton kernels on CUDA) are swapped in from outside by depthbench.kernels.swap
+and held to it by the tests.
 """
 
 from __future__ import annotations
@@ -30,16 +29,12 @@ from typing import Callable
 import torch
 from torch import nn
 
-from depthbench import kernels
-from depthbench.kernels.hc_ops import read
 from depthbench.models.base import Block, Rope
-from depthbench.models.registry import register
 from depthbench.models.layers import RMSNorm, normed_linear
+from depthbench.models.registry import register
 from depthbench.models.streams import MultiStreamLM, MultiStreamOptions, mix_matrix, write_streams
-from depthbench.kernels.stream_ops import write_after_read
 
 DYNAMIC_SCALE_INIT = 0.01  # s_alpha and s_beta at init (HC paper; lucidrains/hyper-connections)
-KERNEL_MAX_STREAMS = 16  # hc.cpp's limit
 
 
 class HyperConnection(nn.Module):
@@ -76,33 +71,21 @@ class HyperConnection(nn.Module):
         times, then s_beta (autograd sums the columns' gradients back into the two scalars)."""
         return torch.cat([self.s_alpha.expand(self.n + 1), self.s_beta])
 
-    def forward(self, H: torch.Tensor, sublayer_fn: Callable[[torch.Tensor], torch.Tensor]):
-        n = self.n
-        # row i = stream i's [a_m,i | A_r[i, :] | b_i]: static part + the bounded dynamic part
-        static = torch.cat(
+    def static(self) -> torch.Tensor:
+        """Row i = stream i's static [a_m,i | A_r[i, :] | b_i], (n, n + 2)."""
+        return torch.cat(
             [self.static_read[:, None], self.static_mix, self.static_write[:, None]], dim=1
         )
-        scales = self.scales()
-        if n <= KERNEL_MAX_STREAMS and kernels.apply_to(H):
-            B, T, _, d = H.shape
-            weight = (
-                self.dynamic.weight * self.norm.weight
-            )  # N(H_i) W^T = (H_i (g * W)^T) / rms(H_i)
-            x, mixed, coeff = read(
-                H.reshape(B * T, n, d),
-                weight.to(H.dtype),
-                static.to(H.dtype),
-                scales.to(H.dtype),
-                self.norm.eps,
-            )
-            out = sublayer_fn(x.view(B, T, d))
-            H = write_after_read(
-                mixed, coeff[..., n + 1], out.reshape(B * T, d), (B, T, n, d)
-            )  # + b^T F(...)
-            coeff = coeff.view(B, T, n, n + 2)
-            return H, coeff[..., 1 : n + 1].mT
+
+    def coefficients(self, H: torch.Tensor) -> torch.Tensor:
+        """Row i = stream i's [a_m,i | A_r[i, :] | b_i] (B, T, n, n + 2): the static part plus
+        the bounded dynamic part, in the streams' dtype."""
         proj = normed_linear(H, self.norm, self.dynamic)  # N(H_i) W per stream: (B, T, n, n + 2)
-        coeff = (static + scales * torch.tanh(proj)).to(H.dtype)  # the streams keep their dtype
+        return (self.static() + self.scales() * torch.tanh(proj)).to(H.dtype)
+
+    def forward(self, H: torch.Tensor, sublayer_fn: Callable[[torch.Tensor], torch.Tensor]):
+        n = self.n
+        coeff = self.coefficients(H)
         # read (a_m^T H) and mix (A_r^T H) in one batched matmul: row 0 reads, rows 1..n mix
         x, mixed = mix_matrix(coeff[..., : n + 1].mT, H).split([1, n], dim=-2)
         out = sublayer_fn(x.squeeze(-2))

@@ -36,12 +36,10 @@ Sinkhorn-Knopp runs 20 alternating row and column normalisations (stabilised, se
 that shrinks with the iterations.
 `internals["stream_mixing"]` records H_res of every sublayer, (B, T, n, n).
 
-On the CPU (float32/float64) the whole read, from H to the sublayer input, the mixed streams and
-the coefficients (the norm, the projection, the Sinkhorn iterations, the read and the mix), runs
-in one C++ kernel per direction (`read`, depthbench/kernels/mhc.cpp and mhc_ops.py), also under
-torch.compile; elsewhere, or where the kernels cannot be built, the PyTorch code below computes
-the same numbers. (`fused_coefficients`, the coefficients alone from their pre-activations,
-is the kernels' tested building block.)
+This module is the definition, in PyTorch (the Sinkhorn iterations are one custom op,
+depthbench/models/sinkhorn.py). Faster implementations of `ManifoldHyperConnection` (a C++ read
+on the CPU, Liger-Kernel's Triton kernels on CUDA) are swapped in from outside by
+depthbench.kernels.swap and held to it by the tests.
 """
 
 from __future__ import annotations
@@ -52,14 +50,12 @@ from typing import Callable
 import torch
 from torch import nn
 
-from depthbench import kernels
-from depthbench.util.errors import ConfigError
-from depthbench.kernels.mhc_ops import fused_coefficients, read, sinkhorn_knopp
 from depthbench.models.base import Block, Rope
-from depthbench.models.registry import register
 from depthbench.models.layers import RMSNorm, at_least_fp32, normed_linear
+from depthbench.models.registry import register
+from depthbench.models.sinkhorn import sinkhorn_knopp
 from depthbench.models.streams import MultiStreamLM, MultiStreamOptions, mix_matrix, write_streams
-from depthbench.kernels.stream_ops import write_after_read
+from depthbench.util.errors import ConfigError
 
 RES_INITS = ("identity", "hc_static")  # arch_options.res_init
 IDENTITY_OFF_DIAGONAL_LOGIT = -8.0  # b_res off the diagonal under res_init = identity
@@ -127,52 +123,25 @@ class ManifoldHyperConnection(nn.Module):
         )
         return gains, torch.cat([self.b_pre, self.b_post, self.b_res.reshape(-1)])
 
-    def kernel_coefficients(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[H_pre; H_res] (B, T, n + 1, n) and H_post (B, T, n) from z = N(flatten(H)) Phi through
-        the C++ kernel: u = g * z + b here (autograd gives the gains' and biases' gradients), the
-        rest in `fused_coefficients`."""
-        B, T, width = z.shape
-        gains, biases = self.gains_and_biases()
-        u = torch.addcmul(biases.to(z.dtype), z, gains.to(z.dtype))
-        coeff, post = fused_coefficients(u.reshape(B * T, width), self.n, self.iterations)
-        return coeff.view(B, T, self.n + 1, self.n), post.view(B, T, self.n)
+    def coefficients(
+        self, H: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """H_pre (B, T, n), H_post (B, T, n) and H_res (B, T, n, n) from the streams (B, T, n, d),
+        at least fp32."""
+        B, T, n, d = H.shape
+        # N(flatten(H)) Phi without materialising the normalised state
+        z = normed_linear(H.reshape(B, T, n * d), self.norm, self.phi)
+        g_pre, g_post, g_res = at_least_fp32(self.gains)
+        pre = torch.sigmoid(g_pre * z[..., :n] + self.b_pre)
+        post = 2.0 * torch.sigmoid(g_post * z[..., n : 2 * n] + self.b_post)
+        res = sinkhorn_knopp(g_res * z[..., 2 * n :].view(B, T, n, n) + self.b_res, self.iterations)
+        return pre, post, res
 
     def forward(self, H: torch.Tensor, sublayer_fn: Callable[[torch.Tensor], torch.Tensor]):
-        B, T, n, d = H.shape
-        if kernels.apply_to(H):
-            weight = (self.phi.weight * self.norm.weight).to(
-                H.dtype
-            )  # N(h) Phi = (h (g * Phi)) / rms(h)
-            gains, biases = self.gains_and_biases()
-            x, mixed, coeff, post, _ = read(
-                H.reshape(B * T, n, d),
-                weight,
-                gains.to(H.dtype),
-                biases.to(H.dtype),
-                self.norm.eps,
-                self.iterations,
-            )
-            out = sublayer_fn(x.view(B, T, d))
-            H = write_after_read(
-                mixed, post, out.reshape(B * T, d), (B, T, n, d)
-            )  # + H_post^T F(...)
-            return H, coeff.view(B, T, n + 1, n)[..., 1:, :]
-        # N(flatten(H)) Phi without materialising the normalised state (an RMSNorm over n*d
-        # values per token has a slow backward on CPU at this size)
-        z = normed_linear(H.reshape(B, T, n * d), self.norm, self.phi)
-        if kernels.apply_to(z):  # bf16 streams on the CPU: the coefficients in C++
-            coeff, post = self.kernel_coefficients(z)
-            res = coeff[..., 1:, :]
-        else:
-            g_pre, g_post, g_res = at_least_fp32(self.gains)
-            pre = torch.sigmoid(g_pre * z[..., :n] + self.b_pre)
-            post = 2.0 * torch.sigmoid(g_post * z[..., n : 2 * n] + self.b_post)
-            res = sinkhorn_knopp(
-                g_res * z[..., 2 * n :].view(B, T, n, n) + self.b_res, self.iterations
-            )
-            coeff = torch.cat([pre.unsqueeze(-2), res], dim=-2)
+        n = self.n
+        pre, post, res = self.coefficients(H)
         # read (H_pre H) and mix (H_res H) in one batched matmul: row 0 reads, rows 1..n mix
-        coeff = coeff.to(H.dtype)  # the streams keep their dtype
+        coeff = torch.cat([pre.unsqueeze(-2), res], dim=-2).to(H.dtype)  # the streams' dtype
         x, mixed = mix_matrix(coeff, H).split([1, n], dim=-2)
         out = sublayer_fn(x.squeeze(-2))
         H = write_streams(mixed, post.to(H.dtype), out)  # + H_post^T F(...)

@@ -15,21 +15,11 @@ The residual placement is Pre-LN with a final norm. `reuse_kv` (default) adds no
 `ffn_kv` adds a d -> 2 * kv_dim projection per layer (2 d^2 / G parameters, G = query heads per
 KV head), charged to the budget. Depth keys carry the RoPE rotation of their own position t,
 the same as the query they meet, so the rotation cancels in q . k as it does for j = t.
-Two implementations of the joint softmax, `arch_options.attention_impl` (choice recorded in
-docs/design/architectures.md):
-- `fused` (default; moda_fused.py): one online softmax over the sequence chunk, from the fused
-  causal kernel with its log-sum-exp, and the depth chunk, read from a depth K/V buffer
-  preallocated per forward that each layer writes its own keys into. Forward and backward hold
-  no (T, S) score matrix and re-stack no earlier layer's keys. The sequence chunk runs aten's
-  fused flash pair on the CPU and a chunked online-softmax pair (blocks of queries, written in
-  torch operations) on every other device, CUDA included. Where neither applies (a decoding
-  offset) it falls back to the explicit path. On the CPU at L = 32 its training step measured
-  1.57x pre_ln against the explicit path's 2.35x.
-- `chunked`: `fused` with the chunked pair on every device, the CPU included (what CUDA runs,
-  so that the CPU tests hold it to the explicit path).
-- `explicit`: the scores as explicit (T, S + D) matrices and the depth keys stacked per layer
-  (`joint_depth_attention`): the reference the tests hold the fused path to (1e-5 in float32).
-Layer 1, which has no depth keys, always uses SDPA.
+The joint softmax is written out here with explicit (T, S + D) score matrices and the depth
+keys stacked per layer (`joint_depth_attention`): the definition. A fused implementation (one
+online softmax over the causal keys and a depth K/V buffer, no score matrix held;
+depthbench.kernels.moda_fused) is swapped in from outside for `MoDABlock` and held to this one.
+Layer 1, which has no depth keys, uses SDPA.
 """
 
 from __future__ import annotations
@@ -42,7 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from depthbench.models.archs.moda_depth_keys import DepthKeys
-from depthbench.models.archs.moda_fused import fused_joint_attention
 from depthbench.models.base import GENERIC_PROBES, ArchOptions, Block, DecoderLM, Rope
 from depthbench.models.registry import register
 from depthbench.models.layers import RMSNorm, apply_rotary, at_least_fp32, causal_mask
@@ -52,14 +41,9 @@ from depthbench.models.layers import RMSNorm, apply_rotary, at_least_fp32, causa
 class MoDAOptions(ArchOptions):
     # reuse_kv: the attention K/V as depth keys; ffn_kv: also a projection of each FFN input
     variant: str = "reuse_kv"
-    attention_impl: str = (
-        "fused"  # fused: one online softmax over a depth K/V buffer; chunked: fused with
-    )
-    # the torch-written kernel pair on every device (CUDA's path); explicit: score matrices
 
     def __post_init__(self) -> None:
         self.require("variant", ("reuse_kv", "ffn_kv"))
-        self.require("attention_impl", ("fused", "chunked", "explicit"))
 
 
 def joint_depth_attention(q, k, v, depth_k, depth_v):
@@ -110,9 +94,21 @@ class MoDABlock(Block):
             # never run (no later layer reads it, see forward) yet in the budget: frozen, so that
             # DDP does not wait for its gradient (its unused-parameter check) and AdamW leaves it
             self.ffn_kv.weight.requires_grad_(False)
-        impl = MoDAOptions.of(cfg).attention_impl
-        self.fused = impl != "explicit"
-        self.kernel = "chunked" if impl == "chunked" else "auto"
+
+    def joint_attention(self, q, k, v, depth: DepthKeys) -> torch.Tensor:
+        """The joint softmax of q (B, H, T, hd) over the sequence keys k, v (B, H_kv, S, hd) and
+        the depth keys of the earlier layers: the score matrices written out."""
+        dk = torch.stack([pair[0] for pair in depth], dim=3)
+        dv = torch.stack([pair[1] for pair in depth], dim=3)
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:  # GQA: each group of query heads reads one K/V head (a copy)
+            dk, dv, k, v = (t.repeat_interleave(groups, dim=1) for t in (dk, dv, k, v))
+        return joint_depth_attention(q, k, v, dk, dv)
+
+    def depth_pair(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (k, v) this layer leaves for later layers: contiguous, as `joint_attention`
+        stacks them."""
+        return depth_layout(k), depth_layout(v)
 
     def forward(
         self,
@@ -130,32 +126,14 @@ class MoDABlock(Block):
         k_seq, v_seq = attn.cache.extend(k, v) if attn.cache is not None else (k, v)
         groups = attn.n_head // attn.n_kv_head
         if depth:
-            buffer = depth.buffer() if self.fused else None
-            y = (
-                fused_joint_attention(q, k_seq, v_seq, buffer, len(depth), self.kernel)
-                if buffer is not None
-                else None
-            )
-            if y is None:  # the explicit path: the reference, and where no fused kernel applies
-                dk, dv = (
-                    torch.stack([d[0] for d in depth], dim=3),
-                    torch.stack([d[1] for d in depth], dim=3),
-                )
-                if (
-                    groups > 1
-                ):  # GQA: each group of query heads reads one K/V head (a copy; skipped for MHA)
-                    dk, dv, k_seq, v_seq = (
-                        t.repeat_interleave(groups, dim=1) for t in (dk, dv, k_seq, v_seq)
-                    )
-                y = joint_depth_attention(q, k_seq, v_seq, dk, dv)
+            y = self.joint_attention(q, k_seq, v_seq, depth)
         else:
             mask = causal_mask(T, k_seq.shape[2], x.device)
             y = F.scaled_dot_product_attention(
                 q, k_seq, v_seq, attn_mask=mask, is_causal=mask is None, enable_gqa=groups > 1
             )
         x = x + attn.wo(y.transpose(1, 2).reshape(B, T, attn.q_dim))
-        # the buffer copies the keys as they come; the explicit path stacks contiguous ones
-        depth.append((k, v) if self.fused else (depth_layout(k), depth_layout(v)))
+        depth.append(self.depth_pair(k, v))
         h = self.ffn_norm(x)
         # The last layer's FFN-side depth keys have no later layer to read them: not computed
         # (its projection still counts in the budget, as the design's 2 d^2 / G per layer says).
@@ -163,7 +141,7 @@ class MoDABlock(Block):
             fk, fv = self.ffn_kv(h).split(attn.kv_dim, dim=-1)
             fk = apply_rotary(fk.view(B, T, attn.n_kv_head, attn.head_dim).transpose(1, 2), *rope)
             fv = fv.view(B, T, attn.n_kv_head, attn.head_dim).transpose(1, 2)
-            depth.append((fk, fv) if self.fused else (depth_layout(fk), depth_layout(fv)))
+            depth.append(self.depth_pair(fk, fv))
         return x + self.ffn(h)
 
 
@@ -175,14 +153,12 @@ class MixtureOfDepthsAttention(DecoderLM):
     # the prefix-average intervention needs the standard attention sublayer; moda's is joint over
     # depth
     probes = GENERIC_PROBES - {"prefix_average"}
+    buffered_depth = False  # the depth keys copied into one buffer as they come (DepthKeys)
 
     # The trunk state is (x, the depth keys and values so far); see DecoderLM.layer_step.
     def init_state(self, h0: torch.Tensor) -> tuple[torch.Tensor, DepthKeys]:
         per_layer = 2 if self.options.variant == "ffn_kv" else 1
-        return h0, DepthKeys(
-            capacity=per_layer * self.cfg.n_layer,
-            buffered=self.options.attention_impl != "explicit",
-        )
+        return h0, DepthKeys(capacity=per_layer * self.cfg.n_layer, buffered=self.buffered_depth)
 
     def read_stream(self, state: tuple[torch.Tensor, DepthKeys]) -> torch.Tensor:
         return state[0]

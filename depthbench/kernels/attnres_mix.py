@@ -1,5 +1,8 @@
-"""AttnRes's depth mix as batched products over a preallocated source buffer
-(`arch_options.depth_mix: batched`, the default).
+"""AttnRes's depth mix as batched products over a preallocated source buffer: the CUDA backend's
+implementation of Full and Block AttnRes (depthbench.kernels.swap), where the definition's loop of
+one multiply-add per source (depthbench.models.archs.attnres_sources.WeightedSum) launches about
+10,000 small kernels per forward at L = 70. On the CPU the loop is the faster of the two
+(docs/benchmarks.md), so the CPU backend keeps the definition.
 
 A reader mixes its S sources per token, h = sum_i w_i v_i, i.e. for each of the N = B T tokens
 the (1, S) x (S, d) product w^T V. With the sources held token-major in one buffer
@@ -16,7 +19,7 @@ not written to the buffer but enters as one extra source next to the view.
 
 The gradient of each buffer slot is returned to the tensor the slot was copied from (the
 buffer itself is a cache of values, written in place and never differentiated), so autograd
-sees the same graph as the reference path (`DepthAttention.mix` on a list of sources).
+sees the same graph as the definition (`DepthSources.mix` on a list of sources).
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from depthbench.models.layers import held_for_backward
+from depthbench.models.archs.attnres_block import AttnResBlocks, BlockSources, block_ends
+from depthbench.models.archs.attnres_full import AttnResFull
+from depthbench.models.archs.attnres_sources import DepthSources
+from depthbench.models.layers import at_least_fp32, held_for_backward
 
 
 # Buffer-sized gradients the backward of the mixes holds at once (the memory estimate's held
@@ -33,7 +39,7 @@ from depthbench.models.layers import held_for_backward
 # of it, so it lives until every source it reaches has received another reader's gradient or run
 # its own backward, while the sources' accumulated gradients wait for their producers. With 2 the
 # estimate is 1.007-1.074 times the peaks of Full and Block AttnRes measured on an H200
-# (tests/data/h200_training_step_memory.json); with 1 it is 1 % below Full AttnRes's (bf16,
+# (tests/data/h200_training_step_memory.json); with 1 it falls below Full AttnRes's (bf16,
 # chunked loss).
 GRADIENT_COPIES = 2.0
 
@@ -162,35 +168,67 @@ def batched_mix(sources: BufferedSources, weights: torch.Tensor) -> torch.Tensor
     return BatchedMix.apply(w, view, extra, *held).view(B, T, d)
 
 
-class WeightedSum(torch.autograd.Function):
-    """h = sum_i w_i v_i over the S sources v_i (B, T, d) with per-token weights w (S, B, T), as
-    one multiply-add per source (`depth_mix: loop`, the reference of the batched mix).
+class BufferedMix:
+    """What DepthSources' batched subclasses add: every source is also written, once, into a
+    `SourceBuffer` sized for `capacity` sources and shared by forks (rebuilt by a fork whose slots
+    another took), and a reader's mix is one batched product over the buffer's slots."""
 
-    Forward: a multiply-add per source into one buffer. Backward: dv_i = w_i dh and
-    dw_i = dh . v_i, the latter one fused dot product per source (linalg.vecdot) instead of a
-    product tensor and a sum. One autograd node instead of S: with up to 2L + 1 sources per reader
-    and 2L + 1 readers, autograd's per-node work and the extra passes were a visible share of
-    Full AttnRes's step time on CPU."""
+    def __init__(self, *args, capacity: int, **kwargs):
+        self.capacity, self.buffer = capacity, None
+        super().__init__(*args, **kwargs)
+
+    def append(self, v: torch.Tensor) -> None:
+        if self.buffer is None and not self.values:  # v_0: the buffer takes its dtype
+            self.buffer = SourceBuffer(v, self.capacity)
+        buf = self.buffer
+        if (
+            buf is not None
+            and len(buf.sources) == len(self.values)
+            and buf.holds(self.values)
+            and buf.fits(v)
+        ):
+            buf.push(v)
+        super().append(v)
+
+    def sources(self, extra: torch.Tensor | None = None):
+        self.buffer = synced_buffer(self.buffer, self.values, self.capacity)
+        if self.buffer is not None and (extra is None or self.buffer.fits(extra)):
+            return BufferedSources(self.buffer, len(self.values), extra)
+        return super().sources(extra)
 
     @staticmethod
-    def forward(ctx, weights: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:
-        h = values[0] * weights[0].unsqueeze(-1)
-        for i in range(1, len(values)):
-            h.addcmul_(weights[i].unsqueeze(-1), values[i])
-        ctx.save_for_backward(weights, *values)
-        return h
+    def mix(values, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(values, BufferedSources):
+            weights = torch.softmax(at_least_fp32(logits), dim=0).to(values.dtype)
+            return batched_mix(values, weights), weights
+        return DepthSources.mix(values, logits)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        weights, *values = ctx.saved_tensors
-        grad_weights = None
-        if ctx.needs_input_grad[0]:
-            # (under autocast the sources may be bf16 and the sum fp32: the dot takes one dtype)
-            grad_weights = torch.stack(
-                [torch.linalg.vecdot(grad, v.to(grad.dtype)) for v in values]
-            )
-        grad_values = [
-            grad * weights[i].unsqueeze(-1) if ctx.needs_input_grad[1 + i] else None
-            for i in range(len(values))
-        ]
-        return grad_weights, *grad_values
+
+class BufferedDepthSources(BufferedMix, DepthSources):
+    """Full AttnRes's sources, mixed by batched products."""
+
+
+class BufferedBlockSources(BufferedMix, BlockSources):
+    """Block AttnRes's sources (v_0 and the block sums in the buffer; the partial sum enters as
+    the extra source), mixed by batched products."""
+
+
+class BatchedAttnResFull(AttnResFull):
+    def make_sources(self, h0: torch.Tensor) -> DepthSources:
+        queries, eps = self.reader_queries(), self.cfg.norm_eps
+        # capacity: v_0 and every sublayer's output
+        return BufferedDepthSources(h0, queries, eps, capacity=2 * self.cfg.n_layer + 1)
+
+
+class BatchedAttnResBlocks(AttnResBlocks):
+    def make_sources(self, h0: torch.Tensor) -> BlockSources:
+        ends = block_ends(self.cfg.n_layer, self.options.n_blocks)
+        queries, eps = self.reader_queries(), self.cfg.norm_eps
+        # capacity: v_0 and the block sums
+        return BufferedBlockSources(h0, queries, eps, ends, capacity=len(ends) + 1)
+
+
+SWAPS = {
+    ("cuda", AttnResFull): BatchedAttnResFull,
+    ("cuda", AttnResBlocks): BatchedAttnResBlocks,
+}

@@ -1,4 +1,6 @@
-"""MoDA's joint attention as one fused computation (`arch_options.attention_impl: fused`).
+"""MoDA's joint attention as one fused computation: swapped in for the definition's explicit score
+matrices (depthbench.models.archs.moda.MoDABlock.joint_attention) on both backends
+(depthbench.kernels.swap).
 
 The joint softmax of moda.py, p = softmax([q k_j / sqrt(hd) for j <= t ; q k^depth_m / sqrt(hd)]),
 is one online softmax over two chunks of keys: the causal sequence keys and the D depth keys of
@@ -20,10 +22,11 @@ it the JOINT lse and y gives exactly the sequence chunk's part of the joint grad
 the depth chunk's part is four batched products (`_depth_backward`).
 
 The sequence chunk's kernel pair (forward with its log-sum-exp; backward from a given lse and
-output), by device (`_kernel_for`):
-- CPU: aten's fused flash-attention pair (`_scaled_dot_product_flash_attention_for_cpu` and its
-  backward).
-- every other device (CUDA, MPS, meta): `chunked_attention_forward` / `_backward`, the same two
+output), by backend (`_kernel_for`):
+- cpu: aten's fused flash-attention pair (`_scaled_dot_product_flash_attention_for_cpu` and its
+  backward), on CPU tensors of the dtypes it takes.
+- cuda, and every tensor the CPU pair does not take (meta, for the memory trace):
+  `chunked_attention_forward` / `_backward`, the same two
   functions written with torch operations over blocks of QUERY_CHUNK queries: each block's
   scores against the keys up to its last query are formed, used and dropped (at most
   QUERY_CHUNK x S per head at a time, never T x S), and backward recomputes them from the lse
@@ -33,20 +36,22 @@ output), by device (`_kernel_for`):
   them), elsewhere from float32 copies. Chosen over FlexAttention, which in
   torch 2.13 has no backward on the CPU (so could not be held to the explicit path by the CPU
   tests) and whose backward cannot be handed the joint lse; and over aten's CUDA flash /
-  memory-efficient pairs, whose lse layouts differ by kernel and version and which no GPU here
-  could check (`attention_impl: chunked` forces this pair on the CPU too, for the tests).
+  memory-efficient pairs, whose lse layouts differ by kernel and version. The cuda backend's
+  implementation runs this pair on CPU tensors too, which is how the tests hold it to the
+  explicit path.
 Where neither applies (a decoding offset, an integer dtype) `fused_joint_attention` returns
-None and moda.py takes the explicit path, which stays as the reference the tests compare with.
+None and the definition's explicit path runs.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 
-from depthbench.models.layers import at_least_fp32, held_for_backward
+from depthbench.models.archs.moda import MixtureOfDepthsAttention, MoDABlock
+from depthbench.models.archs.moda_depth_keys import DepthBuffer, DepthKeys
+from depthbench.models.layers import at_least_fp32
 
 
 QUERY_CHUNK = 256  # queries per block of the chunked pair: at T = 2048 eight blocks per layer
@@ -131,8 +136,8 @@ CHUNKED = (chunked_attention_forward, chunked_attention_backward)
 
 def _kernel_for(q: torch.Tensor, k: torch.Tensor, kernel: str = "auto"):
     """The causal kernel pair (forward with lse, backward) for these inputs, or None. `kernel`:
-    auto (aten's CPU flash pair on the CPU, for the dtypes it takes; the chunked pair otherwise)
-    or chunked."""
+    auto (aten's CPU flash pair on CPU tensors of the dtypes it takes; the chunked pair
+    otherwise) or chunked."""
     if (
         q.shape[2] != k.shape[2] or not q.is_floating_point()
     ):  # queries must be all positions (no decoding offset)
@@ -234,50 +239,6 @@ def _slot_groups(n: int):
     return [slice(i, min(i + DEPTH_GROUP, n)) for i in range(0, n, DEPTH_GROUP)]
 
 
-class DepthBuffer:
-    """Preallocated depth keys and values (capacity, B, H_kv, T, hd) of one forward, written slot
-    by slot as the layers run (each slot contiguous). `sources` are weak references to the
-    tensors the slots were copied from, in order: a slot's gradient is returned to its tensor,
-    and the buffer must not keep a tensor alive that nothing else needs (after the forward the
-    tensors live only where autograd, or a checkpointed unit's inputs, keep them, which is what
-    the memory estimate counts). Capacity doubles when full (an O(D) copy, amortised), so the
-    keys are never re-stacked."""
-
-    def __init__(self, like: torch.Tensor, capacity: int):
-        # one buffer-sized gradient in backward (held_for_backward's default): each slot's
-        # gradient is its own tensor, returned to the key it was copied from; the estimate is
-        # then 1.01-1.08 times MoDA's peaks measured on an H200
-        self.k = held_for_backward(like.new_empty(max(capacity, 1), *like.shape))
-        self.v = held_for_backward(torch.empty_like(self.k))
-        self.sources: list[tuple[weakref.ref, weakref.ref]] = []
-
-    def fits(self, t: torch.Tensor) -> bool:
-        return t.shape == self.k.shape[1:] and t.dtype == self.k.dtype and t.device == self.k.device
-
-    def push(self, pair: tuple[torch.Tensor, torch.Tensor]) -> None:
-        n = len(self.sources)
-        if n == self.k.shape[0]:  # full: double (never during a model's own forward, sized to it)
-            self.k = held_for_backward(torch.cat([self.k, torch.empty_like(self.k)]))
-            self.v = held_for_backward(torch.cat([self.v, torch.empty_like(self.v)]))
-        with (
-            torch.no_grad()
-        ):  # a cache of values: gradients reach the sources through _JointAttention
-            self.k[n].copy_(pair[0])
-            self.v[n].copy_(pair[1])
-        self.sources.append((weakref.ref(pair[0]), weakref.ref(pair[1])))
-
-    def holds(self, pairs: list) -> bool:
-        """Whether the first len(pairs) slots are exactly these tensors."""
-        return len(self.sources) >= len(pairs) and all(
-            rk() is k and rv() is v for (rk, rv), (k, v) in zip(self.sources, pairs)
-        )
-
-    def tensors(self, n_pairs: int) -> list[torch.Tensor] | None:
-        """The tensors of the first n_pairs slots (k_1, v_1, k_2, ...), or None if one is gone."""
-        out = [ref() for pair in self.sources[:n_pairs] for ref in pair]
-        return None if any(t is None for t in out) else out
-
-
 def fused_joint_attention(q, k, v, buffer: DepthBuffer, n_pairs: int, kernel: str = "auto"):
     """Equation (1) over the first `n_pairs` (k, v) pairs in `buffer`, or None where no fused
     kernel applies. q (B, H, T, hd); k, v (B, H_kv, T, hd) -> (B, H, T, hd). `kernel`: see
@@ -289,3 +250,42 @@ def fused_joint_attention(q, k, v, buffer: DepthBuffer, n_pairs: int, kernel: st
     if sources is None:
         return None
     return _JointAttention.apply(q, k, v, buffer.k[:n_pairs], buffer.v[:n_pairs], kernels, *sources)
+
+
+class FusedMoDA(MixtureOfDepthsAttention):
+    """MoDA whose depth keys are copied into one buffer per forward as they come, for the fused
+    joint attention of its layers to read."""
+
+    buffered_depth = True
+
+
+class FusedMoDABlock(MoDABlock):
+    """The cpu backend's MoDA layer: the joint attention fused (aten's flash pair for the
+    sequence chunk where it takes the tensors), the depth keys kept as they come (the buffer
+    copies them)."""
+
+    kernel = "auto"
+
+    def joint_attention(self, q, k, v, depth: DepthKeys) -> torch.Tensor:
+        buffer = depth.buffer()
+        y = None
+        if buffer is not None:
+            y = fused_joint_attention(q, k, v, buffer, len(depth), self.kernel)
+        return super().joint_attention(q, k, v, depth) if y is None else y
+
+    def depth_pair(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return k, v  # the buffer copies them
+
+
+class ChunkedMoDABlock(FusedMoDABlock):
+    """The cuda backend's MoDA layer: the sequence chunk by the chunked online-softmax pair."""
+
+    kernel = "chunked"
+
+
+SWAPS = {
+    ("cpu", MixtureOfDepthsAttention): FusedMoDA,
+    ("cpu", MoDABlock): FusedMoDABlock,
+    ("cuda", MixtureOfDepthsAttention): FusedMoDA,
+    ("cuda", MoDABlock): ChunkedMoDABlock,
+}
