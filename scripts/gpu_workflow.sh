@@ -4,7 +4,8 @@
 #
 #   bash scripts/gpu_workflow.sh wheels  [DIR]            # online, any machine: DIR (.gpu/wheels)
 #       the pure-Python (and, where none exists, cp312 manylinux) wheels of Snakemake, submitit,
-#       jsonschema and everything they need, at constraints.txt's versions, for Python 3.12
+#       jsonschema and everything they need, and of Liger-Kernel (the CUDA backend's HC and mHC
+#       kernels; pyproject.toml's no-deps `gpu` list), at constraints.txt's versions, for Python 3.12
 #   bash scripts/gpu_workflow.sh prepare [CONFIG] [DIR]   # CPU: DIR/prepared.tar.gz (.gpu)
 #       the workflow's own outputs that need no GPU (tokenizer, token shards, tokenized NLL sets)
 #       and Snakemake's metadata of them, made in a scratch copy of the workflow
@@ -19,7 +20,8 @@
 #       benchmark records, run summaries). The record is written also when a job failed, and
 #       --time-limit S interrupts Snakemake (SIGINT) after S seconds so that it is written before
 #       an outer limit kills everything. On CUDA, runs whose training failed are trained again
-#       with train.compile: none in the time left (the record gives each run's setting).
+#       with train.compile: none and train.kernels: reference in the time left (the record gives
+#       each run's settings).
 #
 # CONFIG defaults to config/presets/gpu_smoke.yaml; PYTHON to .venv/bin/python where it exists,
 # else python3. The CPU test (tests/workflow/test_gpu_workflow.py) runs the same `prepare` and
@@ -40,6 +42,8 @@ wheels() {
   mkdir -p "$dir"
   # the requirement closure of what the image lacks, at the versions this checkout's setup pins
   local pins; pins="$(PYTHONPATH="$REPO" "$PYTHON" -m depthbench.commands.gpu_bundle pins)"
+  # and the gpu mode's packages installed without their dependencies (Liger-Kernel)
+  pins="$pins $(PYTHONPATH="$REPO" "$PYTHON" -m depthbench.commands.gpu_bundle pins-no-deps)"
   local platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
   for pin in $pins; do
@@ -118,15 +122,16 @@ EOF
   timeout -s INT -k 60 "$limit" "${smk[@]}" --cores "$cores" --resources dispatch_slots="$slots" --keep-going \
     --rerun-incomplete --config "train={device: $device}" 2>&1 | tee "$out/snakemake.log"
   rc="${PIPESTATUS[0]}"
-  # a training job that failed with compile on (the one GPU-only code path the CPU test cannot
-  # reach) is trained again without it, in the time left: compile is operational (not in the run
-  # ids), so only the failed runs train; each run's summary records its setting
+  # a training job that failed with compile and the Triton kernels on (the GPU-only code paths
+  # the CPU test cannot reach) is trained again with neither, in the time left: both settings are
+  # operational (not in the run ids), so only the failed runs train; each run's summary records
+  # its settings
   local left=$((limit > 0 ? limit - ${SECONDS} + begin : 0))
   if [[ "$rc" != 0 && "$rc" != 124 && "$device" == cuda ]] && grep -q "^Error in rule train" "$out/snakemake.log" \
     && ((limit == 0 || left > 90)); then
-    echo "gpu_workflow: training failed with train.compile on (above); training those runs again without compile"
+    echo "gpu_workflow: training failed (above); training those runs again with train.compile: none, train.kernels: reference"
     timeout -s INT -k 60 "$left" "${smk[@]}" --cores "$cores" --resources dispatch_slots="$slots" \
-      --keep-going --rerun-incomplete --config "train={device: $device, compile: none}" 2>&1 \
+      --keep-going --rerun-incomplete --config "train={device: $device, compile: none, kernels: reference}" 2>&1 \
       | tee -a "$out/snakemake.log"
     rc="${PIPESTATUS[0]}"
   fi

@@ -22,7 +22,10 @@ and jsonschema (what the workflow needs beyond torch, numpy, pandas, pyarrow, ma
 tokenizers and safetensors, which a GPU image has), markers evaluated for Python 3.12 on x86-64
 Linux, at the versions installed here (constraints.txt's, through scripts/setup.sh). The whole
 closure is carried, also what the image may have (packaging, PyYAML, Jinja2, ...): the carried
-folder comes first on the path, so these are the versions tested here.
+folder comes first on the path, so these are the versions tested here. With them the packages
+that pyproject.toml's `[tool.depthbench.no-deps]` lists for the `gpu` mode (Liger-Kernel's Triton
+kernels, which the CUDA backend swaps in for HC and mHC), at constraints.txt's versions, without
+their dependencies (their declared torch and triton are the image's).
 
 `check-wheels SITE`: every requirement of every distribution installed in SITE (pip install
 --target) is met by a distribution this interpreter sees, at an allowed version; prints each one
@@ -119,6 +122,25 @@ def wheel_pins(roots=ROOTS, env: dict = TARGET) -> dict[str, str]:
     return dict(sorted(pins.items()))
 
 
+def gpu_no_deps(repo: Path = Path(__file__).resolve().parents[2]) -> dict[str, str]:
+    """{name: version} of the `gpu` mode's no-deps packages: pyproject.toml's list, pinned by
+    constraints.txt."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: pip's own copy of tomli (as scripts/setup.sh)
+        from pip._vendor import tomli as tomllib
+
+    from packaging.utils import canonicalize_name
+
+    listed = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["depthbench"]["no-deps"]
+    pins = {}
+    for line in (repo / "constraints.txt").read_text().splitlines():
+        name, sep, version = line.split("#")[0].strip().partition("==")
+        if sep:
+            pins[canonicalize_name(name)] = version
+    return {canonicalize_name(n): pins[canonicalize_name(n)] for n in listed.get("gpu", [])}
+
+
 def unmet_requirements(site: Path) -> list[str]:
     """'dist: requirement (found: version or nothing)' for each unmet requirement of the
     distributions in `site`, markers evaluated for this interpreter, extras left out."""
@@ -154,12 +176,18 @@ def main(argv: list[str] | None = None) -> int:
     if args == ["pins"]:
         print(" ".join(f"{name}=={version}" for name, version in wheel_pins().items()))
         return 0
+    if args == ["pins-no-deps"]:
+        print(" ".join(f"{name}=={version}" for name, version in gpu_no_deps().items()))
+        return 0
     if len(args) == 2 and args[0] == "check-wheels":
         problems = unmet_requirements(Path(args[1]))
         for line in problems:
             print(f"unmet: {line}", file=sys.stderr)
         return 1 if problems else 0
-    print("usage: pack ROOT TAR | unpack TAR ROOT | pins | check-wheels SITE", file=sys.stderr)
+    print(
+        "usage: pack ROOT TAR | unpack TAR ROOT | pins | pins-no-deps | check-wheels SITE",
+        file=sys.stderr,
+    )
     return 2
 
 

@@ -10,8 +10,9 @@ failed): what ran, where and how long, in one JSON file that can be committed
   marks the jobs whose outputs came with the bundle (--prepared: they ran on the CPU machine that
   prepared it, and their times are that machine's).
 - `runs`: per run of runs.parquet, its status, final validation loss, unigram floor, whether it
-  learned, tokens/s, wall seconds, the device and the dtype it trained in, and its compile
-  setting (scripts/gpu_workflow.sh trains a run that failed with compile again without it).
+  learned, tokens/s, wall seconds, the device and the dtype it trained in, and its compile and
+  kernels settings (scripts/gpu_workflow.sh trains a run whose training failed again with
+  neither).
 - `devices`: per stage, the devices its jobs ran on (one entry when every job of the stage ran
   on the same device), which is how a reader checks that no stage fell back to the CPU.
 - `claims`: claims.parquet's verdicts with the numbers compared.
@@ -106,7 +107,8 @@ def run_rows(results: Path, missing: list[str]) -> list[dict]:
             dtype = "bfloat16" if device.startswith("cuda") else "float32"
         out.append(
             {k: _finite(v.item() if hasattr(v, "item") else v) for k, v in row.items()}
-            | {"device": device, "dtype": dtype, "compile": train.get("compile")}
+            | {"device": device, "dtype": dtype}
+            | {"compile": train.get("compile"), "kernels": train.get("kernels")}
         )
     return out
 

@@ -53,6 +53,12 @@ def test_wheel_pins_are_the_closure_of_the_roots_at_the_installed_versions():
                 assert canonicalize_name(req.name) in pins, (name, text)
 
 
+def test_the_gpu_modes_no_deps_packages_are_carried_at_their_pins():
+    pins = gpu_bundle.gpu_no_deps()
+    assert set(pins) == {"liger-kernel"}
+    assert f"liger-kernel=={pins['liger-kernel']}" in (REPO / "constraints.txt").read_text()
+
+
 def _dist(site: Path, name: str, version: str, requires: list[str]) -> None:
     info = site / f"{name}-{version}.dist-info"
     info.mkdir(parents=True)
