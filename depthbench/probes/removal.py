@@ -159,10 +159,16 @@ def layer_counts(n_layer: int, fractions: list[float] | None) -> list[int]:
 @torch.no_grad()
 def loss_without(
     adapter: ModelAdapter, states: list, data: ScoredTokens, removed: list[int]
-) -> torch.Tensor:
+) -> float:
     """The loss on `data` with the layers `removed` skipped in one pass, resumed from the
-    baseline state entering the first removed layer (`states` from trunk_states on data.inputs),
-    as a 0-dim tensor on the model's device."""
+    baseline state entering the first removed layer (`states` from trunk_states on data.inputs)."""
+    return float(_loss_without(adapter, states, data, removed))
+
+
+def _loss_without(
+    adapter: ModelAdapter, states: list, data: ScoredTokens, removed: list[int]
+) -> torch.Tensor:
+    """loss_without as a 0-dim tensor on the model's device, for the caller to read once."""
     if not removed:
         return data.loss(adapter.logits(states[-1]))
     first = min(removed)
@@ -187,9 +193,9 @@ def removal_losses(
     rows = [{"ranking": r, "draw": d, "k": k, "removed": layers} for r, d, k, layers in sets]
     for domain, scored in data.items():
         states = trunk_states(adapter, scored.inputs)
-        losses = [loss_without(adapter, states, scored, row["removed"]) for row in rows]
+        losses = [_loss_without(adapter, states, scored, row["removed"]) for row in rows]
         full[domain], *by_set = torch.stack(
-            [loss_without(adapter, states, scored, []), *losses]
+            [_loss_without(adapter, states, scored, []), *losses]
         ).tolist()
         for row, value in zip(rows, by_set):
             row[domain] = value
