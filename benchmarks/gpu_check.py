@@ -205,6 +205,37 @@ def measure(cfg: ModelConfig, args, device: torch.device, batch: int) -> dict:
     }
 
 
+def sdpa_backends(cfg: ModelConfig, device: torch.device) -> dict:
+    """Which of SDPA's CUDA backends run causal attention at `cfg`'s head dimension in bf16
+    (flash attention needs a multiple of 8: the widest 400M shape has d 1216 over 16 heads, 76),
+    and which one SDPA picks by itself (the profiler's kernel names)."""
+    if device.type != "cuda":
+        return {"skipped": "SDPA's CUDA backends: no CUDA device"}
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    hd = cfg.d_model // cfg.n_head
+    q = torch.randn(1, cfg.n_head, 256, hd, device=device, dtype=torch.bfloat16)
+    out: dict = {"head_dim": hd}
+    for backend in (
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.MATH,
+    ):
+        try:
+            with sdpa_kernel(backend):
+                torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+            out[backend.name] = "runs"
+        except RuntimeError as exc:
+            out[backend.name] = f"refused: {str(exc).splitlines()[0][:200]}"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if "attention" in e.name.lower() or "fmha" in e.name]
+    out["picked_kernels"] = sorted(set(names))[:5]
+    return out
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
@@ -530,6 +561,10 @@ def main(argv=None) -> None:
     )
     if not args.skip_memory:
         report.put("memory_vs_estimate", memory_against_estimate(report, device))
+    report.put(
+        "sdpa_backends_widest",
+        guarded(lambda: sdpa_backends(shape_config("pre_ln", args.widest, args), device), device),
+    )
     report.put("pre_ln_widest", run_model(report, "pre_ln", args.widest, args, device))
     if not args.skip_tests:
         report.put("gpu_tests", gpu_tests(report, args))

@@ -1,21 +1,21 @@
-"""AttnRes's depth mix as batched products over a preallocated source buffer: the CUDA backend's
-implementation of Full and Block AttnRes (depthbench.kernels.swap), where the definition's loop of
-one multiply-add per source (depthbench.models.archs.attnres_sources.WeightedSum) launches about
-10,000 small kernels per forward at L = 70. On the CPU the loop is the faster of the two
-(docs/benchmarks.md), so the CPU backend keeps the definition.
+"""Block AttnRes's depth mix as batched products over a preallocated source buffer: the CUDA
+backend's implementation (depthbench.kernels.swap), where the definition's loop of one
+multiply-add per source (depthbench.models.archs.attnres_sources.WeightedSum) launches a kernel
+per source and reader. On the CPU the loop is the faster of the two (docs/benchmarks.md), so the
+CPU backend keeps the definition. (Full AttnRes, whose readers see every earlier source, mixes in
+groups of readers: attnres_groups.py.)
 
-A reader mixes its S sources per token, h = sum_i w_i v_i, i.e. for each of the N = B T tokens
-the (1, S) x (S, d) product w^T V. With the sources held token-major in one buffer
-(B, T, capacity, d), written once per source as it is produced, the first S slots are a view
-(N, S, d) and the mix is ONE batched matrix product forward (bmm) and two backward
-(dw = dh V^T and dV = w dh^T, the latter an outer product: a bmm with inner size 1), instead of S
-multiply-adds forward and 2S kernels backward per reader (about 10,000 small kernels per forward
-at L = 70 for Full AttnRes). Every product of the mix, the extra source's too, is a bmm, so
+A reader mixes its S sources per token, h = sum_i w_i v_i, i.e. for each of the N = B T tokens the
+(1, S) x (S, d) product w^T V. With the sources held token-major in one buffer (B, T, capacity, d),
+written once per source as it is produced, the first S slots are a view (N, S, d) and the mix is ONE
+batched matrix product forward (bmm) and two backward (dw = dh V^T and dV = w dh^T, the latter an
+outer product: a bmm with inner size 1), instead of S multiply-adds forward and 2S kernels backward
+per reader. Every product of the mix, the extra source's too, is a bmm, so
 `torch.utils.flop_counter` counts the 2 S d forward and 4 S d backward FLOPs per token and reader
 that depthbench.models.cost charges (backward twice the forward, as for every matmul); an outer
-product as a bmm rounds as the element-wise product does (one multiplication per output).
-Block AttnRes's partial sum changes after every sublayer and is read by one reader only: it is
-not written to the buffer but enters as one extra source next to the view.
+product as a bmm rounds as the element-wise product does (one multiplication per output). Block
+AttnRes's partial sum changes after every sublayer and is read by one reader only: it is not written
+to the buffer but enters as one extra source next to the view.
 
 The gradient of each buffer slot is returned to the tensor the slot was copied from (the
 buffer itself is a cache of values, written in place and never differentiated), so autograd
@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 
 from depthbench.models.archs.attnres_block import AttnResBlocks, BlockSources, block_ends
-from depthbench.models.archs.attnres_full import AttnResFull
 from depthbench.models.archs.attnres_sources import DepthSources
 from depthbench.models.layers import at_least_fp32, held_for_backward
 
@@ -204,20 +203,9 @@ class BufferedMix:
         return DepthSources.mix(values, logits)
 
 
-class BufferedDepthSources(BufferedMix, DepthSources):
-    """Full AttnRes's sources, mixed by batched products."""
-
-
 class BufferedBlockSources(BufferedMix, BlockSources):
     """Block AttnRes's sources (v_0 and the block sums in the buffer; the partial sum enters as
     the extra source), mixed by batched products."""
-
-
-class BatchedAttnResFull(AttnResFull):
-    def make_sources(self, h0: torch.Tensor) -> DepthSources:
-        queries, eps = self.reader_queries(), self.cfg.norm_eps
-        # capacity: v_0 and every sublayer's output
-        return BufferedDepthSources(h0, queries, eps, capacity=2 * self.cfg.n_layer + 1)
 
 
 class BatchedAttnResBlocks(AttnResBlocks):
@@ -228,7 +216,4 @@ class BatchedAttnResBlocks(AttnResBlocks):
         return BufferedBlockSources(h0, queries, eps, ends, capacity=len(ends) + 1)
 
 
-SWAPS = {
-    ("cuda", AttnResFull): BatchedAttnResFull,
-    ("cuda", AttnResBlocks): BatchedAttnResBlocks,
-}
+SWAPS = {("cuda", AttnResBlocks): BatchedAttnResBlocks}

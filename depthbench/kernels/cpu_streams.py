@@ -6,8 +6,10 @@ coefficients, runs in one C++ kernel per direction (hc_ops.read, mhc_ops.read; c
 torch.compile), and the write after it in one more (stream_ops.write_after_read): eager PyTorch
 runs each as tens of small kernels over the n-wide state. Where a kernel cannot take the input
 (another device or dtype, more than 16 streams for HC, the kernels not built) the forward is the
-architecture's own. mHC's bf16 streams on the CPU take only the coefficients in C++
-(`fused_coefficients`: the sigmoids and Sinkhorn iterations from their pre-activations).
+architecture's own. On the meta device the custom ops' fake implementations stand in, so that
+the memory estimate traces what these save. mHC's bf16 streams on the CPU take only the
+coefficients in C++ (`fused_coefficients`: the sigmoids and Sinkhorn iterations from their
+pre-activations).
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ FULL_PRECISION = (torch.float32, torch.float64)
 
 def takes(t: torch.Tensor) -> bool:
     """Whether the C++ kernels can run on t's device at all: a CPU tensor, the kernels built
-    (`kernels.built` is a constant to torch.compile)."""
-    return t.device.type == "cpu" and kernels.built()
+    (`kernels.built` is a constant to torch.compile). On the meta device the kernels' custom ops
+    run their fake implementations, which save what the kernels save: the memory estimate's
+    trace of a CPU run."""
+    return t.device.type in ("cpu", "meta") and kernels.built()
 
 
 class CpuHyperConnection(HyperConnection):

@@ -116,7 +116,9 @@ class _EagerRead(torch.autograd.Function):
 
 
 def read(H, weight, static, scale, eps: float):
-    """HC's fused read: the custom op under torch.compile, the Function in eager mode."""
-    if torch.compiler.is_compiling():
+    """HC's fused read: the custom op under torch.compile and on the meta device (its fake
+    implementation, for the memory estimate's trace: it saves what the Function saves), the
+    Function in eager mode."""
+    if torch.compiler.is_compiling() or H.is_meta:
         return fused_read(H, weight, static, scale, eps)
     return _EagerRead.apply(H, weight, static, scale, eps)

@@ -211,7 +211,9 @@ class _EagerRead(torch.autograd.Function):
 
 
 def read(H, weight, scale, bias, eps: float, iterations: int):
-    """mHC's fused read: the custom op under torch.compile, the Function in eager mode."""
-    if torch.compiler.is_compiling():
+    """mHC's fused read: the custom op under torch.compile and on the meta device (its fake
+    implementation, for the memory estimate's trace: it saves what the Function saves), the
+    Function in eager mode."""
+    if torch.compiler.is_compiling() or H.is_meta:
         return fused_read(H, weight, scale, bias, eps, iterations)
     return _EagerRead.apply(H, weight, scale, bias, eps, iterations)

@@ -17,7 +17,8 @@ Backends and what they swap in (each module's SWAPS):
   (moda_fused.py).
 - `cuda`: HC's and mHC's read, coefficients and write through Liger-Kernel's Triton kernels
   (triton_streams.py), MoDA's joint attention over a chunked online-softmax pair
-  (moda_fused.py), AttnRes's depth mix as batched products over a source buffer
+  (moda_fused.py), Full AttnRes's depth mix in two phases over groups of readers
+  (attnres_groups.py), Block AttnRes's as batched products over a source buffer
   (attnres_mix.py).
 
 `kernels`: `auto` swaps in the backend's implementations, `reference` runs the definitions
@@ -43,7 +44,7 @@ KERNELS = ("auto", "reference")
 BACKENDS = ("cpu", "cuda")
 # the modules that declare implementations: SWAPS {(backend, definition class): class} and,
 # where a library may be missing, unavailable_reason()
-IMPLEMENTATIONS = ("cpu_streams", "triton_streams", "attnres_mix", "moda_fused")
+IMPLEMENTATIONS = ("cpu_streams", "triton_streams", "attnres_groups", "attnres_mix", "moda_fused")
 
 _warned: set[str] = set()
 

@@ -66,7 +66,9 @@ def on_cpu():
 
 def takes(t: torch.Tensor, n_streams: int) -> bool:
     """Whether the Triton kernels run on t: a CUDA tensor (a CPU one within `on_cpu()`), with a
-    power-of-two number of streams."""
+    power-of-two number of streams. Not a meta tensor: the memory estimate traces the
+    definitions, which keep more for backward than these ops (an upper bound) and are what the
+    estimate is held to on a GPU (tests/data/h200_training_step_memory.json)."""
     on_device = t.device.type == "cuda" or (t.device.type == "cpu" and _ON_CPU)
     return on_device and n_streams & (n_streams - 1) == 0
 

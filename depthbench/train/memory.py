@@ -3,9 +3,10 @@
 Saved activations are traced, not modelled: the model of the run is built on the meta device (no
 memory, no arithmetic) and one forward pass at the run's micro-batch and sequence length is
 traced (depthbench.train.activation_trace, which says what it counts and how checkpointing
-changes it), with the autocast policy, MoE path and kernels of the target device (`device`,
-"cuda" unless told; depthbench.train.meta_autocast). The "cpu" trace equals the bytes measured
-on the CPU (eager path; tests/unit/test_memory.py); the "cuda" trace equals the storages autograd
+changes it), with the autocast policy, MoE path and implementations of the target device
+(`device`, "cuda" unless told; depthbench.train.meta_autocast, depthbench.kernels.swap: kernels
+that cannot take a meta tensor leave the definitions to run). The "cpu" trace equals the bytes
+measured on the CPU (tests/unit/test_memory.py); the "cuda" trace equals the storages autograd
 keeps on an H200 to 1.3e-7 (tests/integration/test_gpu.py, and tests/unit/test_memory.py
 against that GPU's record). On CPU the training loop runs in fp32 and nothing is cast.
 
@@ -13,23 +14,23 @@ The loss is traced as the run computes it: `loss_chunk_tokens` > 0 is the chunke
 loss of training (depthbench.models.loss: it saves d x and d W, never the logits), 0 the plain
 cross-entropy (it saves the (N T, V) fp32 log-probabilities).
 
-Peak per GPU = weights + gradients + AdamW (two fp32 moments) + saved activations + the larger of
-two working sets: the loss's (`loss_working_bytes`: with the plain loss two fp32 (N T, V) gradients
-at the start of backward, with the chunked one a chunk's logits and gradients in the forward), and
-one block's activations again (the gradient buffers of the block being differentiated) beside the
-gradients of the buffers held on a ctx (AttnRes's sources, MoDA's depth keys), which their readers'
-backward makes and which wait for their producers' backward: as many buffer-sized gradients as the
-architecture announces (layers.held_for_backward). DDP adds its gradient buckets (a second fp32 copy
-of every gradient, alive with the wrapper). Under FSDP2 the first three are divided by the world
-size; the root unit's parameters (embedding, head, final norm) are gathered from its forward to the
-end of backward and two units' at a time (the current one and the prefetched one), in the dtype of
-its mixed-precision policy (bf16 on GPUs under bf16: the trace then runs on bf16 parameters, of
-which autocast keeps no copy); and the unsharded gradients count too: every one while micro-batches
-accumulate without sync (beside them what the last micro-batch's reduce-scatters hold: a unit's fp32
-input copy, on CPU ranks gloo's scratch copy of it, the shards made so far, under bf16 the fresh
-bf16 gradients of a unit and of the root; and at the end of backward the root's gradients beside its
-own copy), else the root's and one unit's. The gradients are counted whole throughout (gradient
-accumulation keeps them across micro-batches); a run of one micro-batch per step without
+Peak per GPU = weights and buffers + gradients + AdamW (two fp32 moments) + saved activations + the
+larger of two working sets: the loss's (`loss_working_bytes`: with the plain loss two fp32 (N T, V)
+gradients at the start of backward, with the chunked one a chunk's logits and gradients in the
+forward), and one block's activations again (the gradient buffers of the block being differentiated)
+beside the gradients of the buffers held on a ctx (AttnRes's sources, MoDA's depth keys), which
+their readers' backward makes and which wait for their producers' backward: as many buffer-sized
+gradients as the architecture announces (layers.held_for_backward). DDP adds its gradient buckets (a
+second fp32 copy of every gradient, alive with the wrapper). Under FSDP2 the first three are divided
+by the world size; the root unit's parameters (embedding, head, final norm) are gathered from its
+forward to the end of backward and two units' at a time (the current one and the prefetched one), in
+the dtype of its mixed-precision policy (bf16 on GPUs under bf16: the trace then runs on bf16
+parameters, of which autocast keeps no copy); and the unsharded gradients count too: every one while
+micro-batches accumulate without sync (beside them what the last micro-batch's reduce-scatters hold:
+a unit's fp32 input copy, on CPU ranks gloo's scratch copy of it, the shards made so far, under bf16
+the fresh bf16 gradients of a unit and of the root; and at the end of backward the root's gradients
+beside its own copy), else the root's and one unit's. The gradients are counted whole throughout
+(gradient accumulation keeps them across micro-batches); a run of one micro-batch per step without
 checkpointing (`accumulating=False`) takes the tighter `single_micro_batch_peak`, which on an H200
 is 1.002-1.082 times the CUDA allocator's high-water mark of such a step, every architecture and
 MoE, fp32 and bf16, plain and chunked loss. On gloo CPU ranks (depthbench.train.measured_memory) the
@@ -91,6 +92,8 @@ class MemoryEstimate:
     # FSDP2, accumulating: the gradients at the end of the last backward, when no activation is
     # left (every unit's shard, the root's unsharded ones and its reduce-scatter's copy)
     end_of_backward: float = 0.0
+    # the model's buffers (RoPE's tables, position-bound constants): on every rank, all along
+    buffers: float = 0.0
 
     def activations_for(self, mode) -> float:
         """Saved activations at the backward's peak under a checkpointing mode (True = full)."""
@@ -110,6 +113,7 @@ class MemoryEstimate:
         if not self.accumulating and mode == "none" and self.single_micro_batch is not None:
             return (
                 self.weights
+                + self.buffers
                 + self.optimizer
                 + self.gathered
                 + self.buckets
@@ -118,6 +122,7 @@ class MemoryEstimate:
         gradients = self.gradients if self.gradients_at_peak is None else self.gradients_at_peak
         during = (
             self.weights
+            + self.buffers
             + gradients
             + self.buckets
             + self.optimizer
@@ -126,7 +131,8 @@ class MemoryEstimate:
             + act
             + max(self.backward_working + self.held_working, self.loss_working)
         )
-        return max(during, self.weights + self.optimizer + self.gathered + self.end_of_backward)
+        after = self.weights + self.buffers + self.optimizer + self.gathered + self.end_of_backward
+        return max(during, after)
 
     def needs_checkpointing(self, gpu_bytes: float) -> bool:
         return self.total("none") * (1 + HEADROOM) > gpu_bytes
@@ -154,23 +160,24 @@ def estimate_memory(
     accumulating: bool = True,
     fsdp_policy_device: str | None = None,
     backend: str | None = None,
+    kernels: str = "auto",
 ) -> MemoryEstimate:
     """Per-rank memory of a training step on `device` ("cuda" or "cpu": its autocast and MoE
     paths) with the loss computed `loss_chunk_tokens` tokens at a time (0: the plain loss), in a
     run that accumulates several micro-batches per optimizer step or not (`accumulating`; see
     the module docstring for each term). Under FSDP2 the ranks take the mixed-precision policy of
     `fsdp_policy_device` (default `device`; depthbench.train.distributed.mixed_precision_policy).
-    The model runs the implementations of `backend` (default `device`;
-    depthbench.kernels.swap)."""
+    The model runs the implementations of `backend` (default `device`; `kernels` = reference:
+    the definitions; depthbench.kernels.swap)."""
     # weights on meta, uninitialised (parameters_on_meta), then the constants built on the CPU
     # (HC's eye) moved to meta too; under torch.device("meta") every nn.Linear and nn.Embedding
     # init ran on meta through Python reference kernels: a third of an estimate's time
     with parameters_on_meta():
         model = build_model(cfg, initialize=False)
     model.to("meta")
-    # the implementations training swaps in on `device` (depthbench.kernels.swap): where one
-    # cannot take a meta tensor (the C++ and Triton kernels) it runs the definition
-    swap_in(model, backend or device)
+    # the implementations training swaps in on `device` (depthbench.kernels.swap); the C++ and
+    # Triton kernels' custom ops take meta tensors through their fake implementations
+    swap_in(model, backend or device, kernels)
     model.loss_chunk_tokens = loss_chunk_tokens
     shard = world if fsdp else 1
     sharded = fsdp and world > 1
@@ -222,6 +229,7 @@ def estimate_memory(
             frees[min(owners)] += nbytes
     return MemoryEstimate(
         weights=n_params * FP32 / shard,
+        buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
         gradients=gradients,
         optimizer=2 * n_params * FP32 / shard,
         # FSDP2: the root unit (embedding, head, final norm) stays gathered from its forward to

@@ -248,20 +248,27 @@ def test_attnres_batched_mix_gradients_per_source_with_an_extra_source():
 
 
 def test_attnres_sources_live_in_one_buffer_per_forward():
+    """Full AttnRes's sublayer outputs go into one buffer, sized once for all 2L of them, v_0
+    apart (attnres_groups.py); Block AttnRes's v_0 and block sums into one (attnres_mix.py)."""
     torch.manual_seed(0)
     definition = build_model(cfg("attnres_full")).begin(torch.zeros(1, 3, dtype=torch.long))
     assert not hasattr(definition.value, "buffer")  # the definition: one multiply-add per source
     model = swap_in(build_model(cfg("attnres_full", n_layer=3)), "cuda")
-    state = model.begin(torch.randint(0, 61, (2, 7)))
+    state = model.step(model.begin(torch.randint(0, 61, (2, 7))), 1)
     buffer = state.value.buffer
-    assert buffer.values.shape[2] == 7  # 2L + 1 sources, allocated once
-    for layer in range(1, 4):
+    assert buffer.values.shape[2] == 6  # 2L outputs, allocated once
+    for layer in range(2, 4):
         state = model.step(state, layer)
-    assert (
-        state.value.buffer is buffer
-        and buffer.holds(state.value.values)
-        and len(buffer.sources) == 7
+    assert state.value.buffer is buffer and buffer.holds(state.value.values[1:])
+    assert len(buffer.sources) == 6
+    blocks = swap_in(
+        build_model(cfg("attnres_block", n_layer=4, arch_options={"n_blocks": 2})), "cuda"
     )
+    state = blocks.begin(torch.randint(0, 61, (2, 7)))
+    buffer = state.value.buffer
+    for layer in range(1, 5):
+        state = blocks.step(state, layer)
+    assert buffer.values.shape[2] == 3 and len(buffer.sources) == 3  # v_0 and two block sums
 
 
 # --- the chunked kernel pair (what MoDA's fused path runs off the CPU) --------------------------

@@ -177,6 +177,7 @@ PROBED = [
     ("mhc", "cpu"),
     ("moda", "cpu"),
     ("moda", "cuda"),
+    ("attnres_full", "cuda"),
     ("attnres_block", "cuda"),
 ]
 

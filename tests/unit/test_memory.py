@@ -176,6 +176,8 @@ def test_estimate_against_a_training_step_measured_on_an_h200(key):
 
     record = H200
     arch, moe, dtype, loss = _h200_key(key)
+    if arch in record.get("replaced", {}):
+        pytest.skip(f"{arch}: {record['replaced'][arch]}")
     cfg = ModelConfig(arch=arch, moe=record["moe"] if moe else {}, **record["model"])
     est = estimate_memory(
         cfg,

@@ -1,0 +1,134 @@
+"""Full AttnRes's two-phase mix over groups of readers (depthbench/kernels/attnres_groups.py, the
+CUDA backend's implementation) against the direct softmax over every source, apart from the
+models (the algorithm) and inside them (the swap)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from depthbench.kernels import attnres_groups as ag
+from depthbench.kernels.swap import swap_in, swapped
+from depthbench.models.archs.attnres_sources import rms_unit
+from tests.unit.test_logit_lens import perturbed, sample
+
+
+def direct(v0, outputs, queries, eps):
+    """Every reader's mix and weights by the direct softmax over the sources it sees."""
+    sources = [v0, *outputs]
+    hs, ws = [], []
+    for r in range(queries.shape[1]):
+        seen = torch.stack(sources[: r + 1])  # (S, B, T, d)
+        w = torch.softmax(rms_unit(seen, eps) @ queries[:, r], dim=0)  # (S, B, T)
+        hs.append((w.unsqueeze(-1) * seen).sum(0))
+        ws.append(w)
+    return hs, ws
+
+
+def two_phase(v0, outputs, queries, eps):
+    sources = ag.GroupedDepthSources(v0, queries, eps, capacity=len(outputs))
+    hs, ws = [], []
+    for r in range(queries.shape[1]):
+        h, w = sources.current()
+        hs.append(h)
+        ws.append(w)
+        if r < len(outputs):
+            sources.add(outputs[r], r // 2 + 1, r % 2 == 1)
+    return hs, ws
+
+
+@pytest.mark.parametrize("n_layer", [1, 3, 4, 70])
+def test_two_phase_schedule_equals_the_direct_softmax(n_layer):
+    """Every reader's mix and depth weights, and the gradients of the sources and queries
+    through all of them, equal the direct softmax's within 1e-6 in float64; L = 70: 141 readers
+    in groups of 8 (17 full groups and one of 5)."""
+    g = torch.Generator().manual_seed(n_layer)
+    B, T, d, R = 2, 3, 8, 2 * n_layer + 1
+    v0 = torch.randn(B, T, d, dtype=torch.float64, generator=g, requires_grad=True)
+    outputs = [
+        torch.randn(B, T, d, dtype=torch.float64, generator=g, requires_grad=True)
+        for _ in range(R - 1)
+    ]
+    queries = torch.randn(d, R, dtype=torch.float64, generator=g, requires_grad=True)
+    inputs = [v0, *outputs, queries]
+    up = [torch.randn(B, T, d, dtype=torch.float64, generator=g) for _ in range(R)]
+    results = []
+    for schedule in (two_phase, direct):
+        hs, ws = schedule(v0, outputs, queries, 1e-6)
+        grads = torch.autograd.grad(sum((h * u).sum() for h, u in zip(hs, up)), inputs)
+        results.append((hs, ws, grads))
+    (hs, ws, grads), (ref_hs, ref_ws, ref_grads) = results
+    for a, b in zip(hs + ws + list(grads), ref_hs + ref_ws + list(ref_grads)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_group_mix_gradients_pass_gradcheck():
+    """Phase 1's autograd Function, with v_0 apart and without (phase 2), every input."""
+    g = torch.Generator().manual_seed(0)
+    N, G, S, d = 3, 2, 4, 5
+    t = lambda *s: torch.randn(*s, dtype=torch.float64, generator=g, requires_grad=True)  # noqa: E731
+    logits, first, sources = t(G, S, N), t(N, d), [t(N, d) for _ in range(S - 1)]
+
+    def mix(logits, first, *sources):
+        h, lse = ag.GroupMix.apply(logits, first, torch.stack(sources, 1).detach(), *sources)
+        return h, lse
+
+    assert torch.autograd.gradcheck(mix, (logits, first, *sources))
+    logits = t(G, S - 1, N)
+    assert torch.autograd.gradcheck(lambda lg, *s: mix(lg, None, *s), (logits, *sources))
+
+
+@pytest.mark.parametrize("n_layer", [2, 5])
+def test_swapped_full_attnres_equals_the_definition(n_layer):
+    """The CUDA backend's Full AttnRes (here on CPU tensors) against the definition: loss, every
+    gradient, the recorded depth weights and the residual stream, float32; L = 5: 11 readers in
+    a group of 8 and one of 3."""
+    definition = perturbed("attnres_full", n_layer=n_layer).train()
+    fast = swap_in(copy.deepcopy(definition), "cuda")
+    assert set(swapped(fast).values()) == {"GroupedAttnResFull"}
+    idx = sample()
+    runs = []
+    for model in (fast, definition):
+        out = model(idx[:, :-1], idx[:, 1:], return_internals=True, return_hidden=True)
+        out.loss.backward()
+        runs.append((out, {n: p.grad for n, p in model.named_parameters()}))
+    (out, grads), (ref, ref_grads) = runs
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-6)
+    for a, b in zip(
+        out.internals["depth_weights"] + out.hidden, ref.internals["depth_weights"] + ref.hidden
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bf16_outputs_are_kept_in_bf16_and_v0_in_fp32():
+    """Under bf16 autocast the sublayer outputs go into a bf16 buffer (half an fp32 buffer's
+    bytes, nothing rounded: they are bf16 already), v_0 stays fp32 apart, and the model's loss
+    and gradients are the definition's within bf16's rounding of the products."""
+    definition = perturbed("attnres_full", n_layer=3).train()
+    fast = swap_in(copy.deepcopy(definition), "cuda")
+    idx = sample()
+    seen = {}
+    make = fast.make_sources
+
+    def spy(h0):
+        seen["sources"] = make(h0)
+        return seen["sources"]
+
+    fast.make_sources = spy
+    losses = []
+    for model in (fast, definition):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx[:, :-1], idx[:, 1:]).loss
+        loss.backward()
+        losses.append(loss.detach())
+    sources = seen["sources"]
+    assert sources.buffer.values.dtype == torch.bfloat16
+    assert sources.values[0].dtype == torch.float32
+    assert len(sources.buffer.sources) == 2 * 3
+    torch.testing.assert_close(losses[0], losses[1], rtol=2e-3, atol=2e-3)
+    grads = [torch.cat([p.grad.flatten() for p in m.parameters()]) for m in (fast, definition)]
+    assert (grads[0] - grads[1]).norm() <= 2e-2 * grads[1].norm()
