@@ -7,7 +7,8 @@ from depthbench.launch.local import dispatch_probes
 from depthbench.launch.process import exit_without_teardown
 
 sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
-spec = RunSpec.from_dict(snakemake.params.spec)  # noqa: F821
+# the device (train.device) and threads are operational: from the config, not params
+spec = RunSpec.from_dict(snakemake.params.spec).with_operational(snakemake.config["train"])  # noqa: F821
 report = dispatch_probes(
     spec,
     data_dir=snakemake.params.data_dir,  # noqa: F821

@@ -9,7 +9,8 @@ from depthbench.spec.run import RunSpec
 
 sys.stderr = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
 report = dispatch_removal(
-    RunSpec.from_dict(snakemake.params.spec),  # noqa: F821
+    # the device (train.device) is operational: from the config, not params
+    RunSpec.from_dict(snakemake.params.spec).with_operational(snakemake.config["train"]),  # noqa: F821
     data_dir=snakemake.params.data_dir,  # noqa: F821
     run_dir=snakemake.params.run_dir,  # noqa: F821
     work_dir=snakemake.params.work_dir,  # noqa: F821

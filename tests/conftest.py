@@ -30,6 +30,7 @@ LONGEST_FIRST = [
     "test_distributed.py",
     "test_memory.py",
     "test_at_steps.py",
+    "test_gpu_workflow.py",
     "test_workflow_plans.py",
     "test_pretrained_stages.py",
     "test_distributed_memory.py",

@@ -86,6 +86,7 @@ def score_windows(model, windows: list[Window], tokens_per_batch: int, device) -
     with torch.no_grad():
         order = sorted(range(len(windows)), key=lambda i: len(windows[i].inputs))
         result = np.zeros(len(windows), dtype=np.float64)
+        sums, slots = [], []
         i = 0
         while i < len(order):
             longest = len(windows[order[i]].inputs)
@@ -100,14 +101,23 @@ def score_windows(model, windows: list[Window], tokens_per_batch: int, device) -
             idx = torch.zeros(len(batch), longest, dtype=torch.long)
             for row, w in enumerate(batch):
                 idx[row, : len(windows[w].inputs)] = torch.tensor(windows[w].inputs)
+            # the batch's targets in one host-to-device copy; each window's sum stays on the
+            # device, and every sum is read once at the end (no wait on the device per window)
+            flat = torch.tensor([t for w in batch for t in windows[w].targets], dtype=torch.long)
+            flat = flat.to(device)
             logits = model(idx.to(device)).logits
+            start = 0
             for row, w in enumerate(batch):
                 win = windows[w]
                 n_in, n_t = len(win.inputs), len(win.targets)
                 rows = logits[row, n_in - n_t : n_in].float()
-                target = torch.tensor(win.targets, device=rows.device)
-                result[w] = float(F.cross_entropy(rows, target, reduction="sum").double())
+                target = flat[start : start + n_t]
+                start += n_t
+                sums.append(F.cross_entropy(rows, target, reduction="sum").double())
+                slots.append(w)
             i += len(batch)
+        if sums:
+            result[slots] = torch.stack(sums).cpu().numpy()
         return result
 
 

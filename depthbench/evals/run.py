@@ -121,4 +121,9 @@ def run_nll(spec_dict: dict, run_dir: str, sets_path: str, out_path: str, settin
     table.insert(0, "run_id", spec.run_id)
     table["status"] = summary["status"]
     atomic_write(out_path, lambda tmp: table.to_parquet(tmp, index=False))
-    return {"run_id": spec.run_id, "rows": len(table), "seconds": round(time.time() - start, 2)}
+    return {
+        "run_id": spec.run_id,
+        "rows": len(table),
+        "seconds": round(time.time() - start, 2),
+        "device": str(device) if summary["status"] == "ok" else None,  # None: no model scored
+    }

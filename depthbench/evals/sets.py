@@ -18,9 +18,24 @@ import json
 from pathlib import Path
 
 from depthbench.evals.eval_docs import EvalDoc
+from depthbench.spec.run import short_hash
 from depthbench.util.errors import ConfigError
 
 DOMAINS = ("code", "stem", "math")
+
+# nll settings that do not change the tokenized sets (what is scored, and how it is batched)
+NOT_IN_SETS = ("enabled", "runs", "tokens_per_batch")
+
+
+def sets_settings(nll: dict) -> dict:
+    """The `nll` settings the tokenized sets depend on: the nll_sets rule's params."""
+    return {k: v for k, v in nll.items() if k not in NOT_IN_SETS}
+
+
+def sets_table_path(results: str, tokenizer_id: str, nll: dict) -> str:
+    """The nll_sets rule's output: the sets tokenized by one tokenizer with these settings (a
+    validated, defaults-filled `nll` section)."""
+    return f"{results}/evals/{tokenizer_id}/nll_sets_{short_hash(sets_settings(nll))}.parquet"
 
 MMLU_STEM_SUBJECTS = (
     "abstract_algebra",

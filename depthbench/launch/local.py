@@ -206,9 +206,10 @@ def dispatch_probes(
     check_run(run_dir, spec)
     settings = _local_threads(settings, launcher, threads)
     args = (spec.to_dict(), str(data_dir), str(run_dir), str(out_path), settings)
-    return submit_and_wait(
+    report = submit_and_wait(
         ProbeJob(), args, f"probe {spec.run_id}", work_dir, launcher, record_name="probe_job.json"
     )
+    return _record_result(work_dir, "probe_job.json", report)
 
 
 def dispatch_nll(
@@ -227,9 +228,10 @@ def dispatch_nll(
     check_run(run_dir, spec)
     settings = _local_threads(settings, launcher, threads)
     args = (spec.to_dict(), str(run_dir), str(sets_path), str(out_path), settings)
-    return submit_and_wait(
+    report = submit_and_wait(
         NLLJob(), args, f"nll {spec.run_id}", work_dir, launcher, record_name="nll_job.json"
     )
+    return _record_result(work_dir, "nll_job.json", report)
 
 
 def dispatch_removal(
@@ -259,14 +261,22 @@ def dispatch_removal(
         settings,
         probe_settings,
     )
-    return submit_and_wait(
-        RemovalJob(),
-        args,
-        f"removal {spec.run_id}",
-        work_dir,
-        launcher,
-        record_name="removal_job.json",
+    report = submit_and_wait(
+        RemovalJob(), args, f"removal {spec.run_id}", work_dir, launcher, "removal_job.json"
     )
+    return _record_result(work_dir, "removal_job.json", report)
+
+
+def _record_result(work_dir: str, record_name: str, report: dict) -> dict:
+    """The finished job's report (rows, seconds, the device it ran on) added to its record in
+    the run's work dir, where depthbench.commands.workflow_record reads what ran where."""
+    path = Path(work_dir) / record_name
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        saved = {}
+    atomic_write_json(path, {**saved, "state": "done", "result": report})
+    return report
 
 
 def _local_threads(settings: dict, launcher: dict, threads: int) -> dict:

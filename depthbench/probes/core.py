@@ -4,6 +4,12 @@ Conventions: `idx` is a (N, T) LongTensor of validation sequences; h_l is what l
 before its own norm and h_L the input of the final norm (depthbench.models.adapter); layers are
 numbered 1..L. The probes that change the model (skip, swap, replace) are in
 depthbench.probes.interventions.
+
+Every measurement is computed on the device of the hidden states and reaches the host once per
+probe family, never once per layer, sequence or pass: on a GPU each read of a device value
+waits for every kernel queued before it, so a read inside a loop over layers would stall the
+device L times per probe (tests/unit/test_probe_host_reads.py counts them). `to_host` is that
+one read for a list of tensors.
 """
 
 from __future__ import annotations
@@ -14,6 +20,20 @@ import torch
 
 from depthbench.models.adapter import ModelAdapter, hidden_states, next_token_loss, trunk_states
 from depthbench.models.layers import at_least_fp32
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """CPU copies of `tensors` (each detached, its dtype and shape kept) in one device-to-host
+    copy: flattened and concatenated on their device (per dtype), moved once, split again."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for members in by_dtype.values():
+        flat = torch.cat([tensors[i].detach().reshape(-1) for i in members]).cpu()
+        for i, part in zip(members, flat.split([tensors[i].numel() for i in members])):
+            out[i] = part.reshape(tensors[i].shape)
+    return out  # type: ignore[return-value]
 
 
 @torch.no_grad()
@@ -37,40 +57,49 @@ def angular_distance(hidden: list[torch.Tensor], last_token_only: bool = True) -
         H = H[:, :, -1:]
     H = torch.nn.functional.normalize(H, dim=-1)
     L1 = H.shape[0]
-    out = torch.full((L1, L1), float("nan"))
+    out = torch.full((L1, L1), float("nan"), device=H.device, dtype=H.dtype)
     for l in range(L1):
         cos = (H[l : l + 1] * H[l:]).sum(-1).clamp(-1.0, 1.0)  # (L1 - l, N, T)
         out[l, : L1 - l] = (torch.arccos(cos) / math.pi).mean(dim=(1, 2))
-    return out
+    return out.float().cpu()
 
 
 # -- token similarity and effective rank -----------------------------------------------------------
-def token_similarity(h: torch.Tensor, skip_first: bool = False) -> float:
-    """Mean over token pairs i < j of cos(h[i], h[j]) within a sequence, averaged over sequences."""
+def _token_similarity(h: torch.Tensor, skip_first: bool) -> torch.Tensor:
+    """token_similarity on the device: a 0-dim tensor."""
     if skip_first:
         h = h[:, 1:]
     x = torch.nn.functional.normalize(at_least_fp32(h), dim=-1)
     T = x.shape[1]
     gram = x @ x.transpose(1, 2)  # (N, T, T)
-    upper = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
-    return float(gram[:, upper].mean())
+    upper = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), diagonal=1)
+    return gram[:, upper].mean()
+
+
+def token_similarity(h: torch.Tensor, skip_first: bool = False) -> float:
+    """Mean over token pairs i < j of cos(h[i], h[j]) within a sequence, averaged over sequences."""
+    return float(_token_similarity(h, skip_first))
 
 
 def token_similarity_by_layer(hidden: list[torch.Tensor], skip_first: bool = False) -> list[float]:
-    return [token_similarity(h, skip_first) for h in hidden]
+    return torch.stack([_token_similarity(h, skip_first) for h in hidden]).cpu().tolist()
+
+
+def _effective_ranks(matrices: torch.Tensor) -> torch.Tensor:
+    """effective_rank of each matrix of a batch (..., m, n), in float64 on their device."""
+    s = torch.linalg.svdvals(matrices.double())
+    p = s / s.sum(-1, keepdim=True)
+    return torch.exp(-(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(-1))
 
 
 def effective_rank(matrix: torch.Tensor) -> float:
     """Roy and Vetterli: p_i = sigma_i / sum sigma, erank = exp(-sum p_i log p_i)."""
-    s = torch.linalg.svdvals(matrix.double())
-    p = s / s.sum()
-    p = p[p > 0]
-    return float(torch.exp(-(p * p.log()).sum()))
+    return float(_effective_ranks(matrix))
 
 
 def effective_rank_by_layer(hidden: list[torch.Tensor]) -> list[float]:
     """erank of each sequence's (T, d) token matrix at every layer, averaged over sequences."""
-    return [sum(effective_rank(seq) for seq in h) / h.shape[0] for h in hidden]
+    return [sum(r) / len(r) for r in effective_rank_by_sequence(hidden)]
 
 
 def residual_product_rank(stream_mixing: list[torch.Tensor]) -> float:
@@ -116,11 +145,11 @@ def angular_distance_by_sequence(
         H = H[:, :, -1:]
     H = torch.nn.functional.normalize(H, dim=-1)
     L1, N = H.shape[0], H.shape[1]
-    out = torch.full((L1, L1, N), float("nan"))
+    out = torch.full((L1, L1, N), float("nan"), device=H.device, dtype=H.dtype)
     for l in range(L1):
         cos = (H[l : l + 1] * H[l:]).sum(-1).clamp(-1.0, 1.0)  # (L1 - l, N, T)
-        out[l, : L1 - l] = (torch.arccos(cos) / math.pi).mean(dim=2).cpu()
-    return out
+        out[l, : L1 - l] = (torch.arccos(cos) / math.pi).mean(dim=2)
+    return out.float().cpu()
 
 
 def token_similarity_by_sequence(h: torch.Tensor, skip_first: bool = False) -> torch.Tensor:
@@ -130,13 +159,14 @@ def token_similarity_by_sequence(h: torch.Tensor, skip_first: bool = False) -> t
     x = torch.nn.functional.normalize(at_least_fp32(h), dim=-1)
     T = x.shape[1]
     upper = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), diagonal=1)
-    return (x @ x.transpose(1, 2))[:, upper].mean(dim=1).cpu()
+    return (x @ x.transpose(1, 2))[:, upper].mean(dim=1)  # on the device: callers stack layers
 
 
 def effective_rank_by_sequence(hidden: list[torch.Tensor]) -> list[list[float]]:
     """erank of each sequence's token matrix at every layer, [layer][sequence]: the terms that
-    effective_rank_by_layer sums, in its order (so sum(v) / len(v) is its value exactly)."""
-    return [[effective_rank(seq) for seq in h] for h in hidden]
+    effective_rank_by_layer sums, in its order (so sum(v) / len(v) is its value exactly). One
+    batched SVD per layer, one read of all layers' ranks."""
+    return torch.stack([_effective_ranks(h) for h in hidden]).cpu().tolist()
 
 
 def residual_product_rank_by_sequence(stream_mixing: list[torch.Tensor]) -> torch.Tensor:
@@ -155,22 +185,23 @@ def residual_product_rank_by_sequence(stream_mixing: list[torch.Tensor]) -> torc
 def residual_rms(hidden: list[torch.Tensor]) -> list[float]:
     """RMS of h_l over every token and coordinate of the sample, l = 0..L (the dynamics' own
     definition, depthbench.train.dynamics, on the probe sample)."""
-    return [float(h.pow(2).mean().sqrt()) for h in hidden]
+    return torch.stack([h.pow(2).mean().sqrt() for h in hidden]).cpu().tolist()
 
 
 def mean_square_by_sequence(hidden: list[torch.Tensor]) -> torch.Tensor:
     """Mean square of h_l over each sequence's tokens and coordinates, (L + 1, N): RMS(h_l) of
     the sample is the square root of its mean over sequences."""
-    return torch.stack([h.pow(2).mean(dim=(1, 2)).double().cpu() for h in hidden])
+    return torch.stack([h.pow(2).mean(dim=(1, 2)).double() for h in hidden]).cpu()
 
 
 def sequence_losses(
     adapter: ModelAdapter, state, targets: torch.Tensor
-) -> tuple[float, torch.Tensor]:
-    """next_token_loss of a final state (the same computation, so the same float) and each
-    sequence's mean next-token cross-entropy, (N,), from one evaluation of the logits."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """next_token_loss of a final state (the same computation, so the same float once read) and
+    each sequence's mean next-token cross-entropy, (N,) in float64, from one evaluation of the
+    logits; both left on the device (a 0-dim and a 1-dim tensor) for the caller to read once."""
     logits = adapter.logits(state).float()
     flat, target = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
     per_token = torch.nn.functional.cross_entropy(flat, target, reduction="none")
-    pooled = float(torch.nn.functional.cross_entropy(flat, target))
-    return pooled, per_token.reshape(targets.shape).mean(dim=1).double().cpu()
+    pooled = torch.nn.functional.cross_entropy(flat, target)
+    return pooled, per_token.reshape(targets.shape).mean(dim=1).double()

@@ -26,7 +26,7 @@ from depthbench.models.adapter import (
     trunk_states,
 )
 from depthbench.models.layers import at_least_fp32
-from depthbench.probes.core import sequence_losses
+from depthbench.probes.core import sequence_losses, to_host
 from depthbench.probes.workers import map_over_model_copies
 
 
@@ -71,21 +71,20 @@ def causal_scores(
         state = m.skip(states[s - 1], s)  # h'_s = h_(s-1): nothing of layer s
         resumed = [m.residual(state)] + [m.residual(st) for st in run_from(m, state, s + 1)]
         norms = (_deltas(resumed) - base[s:]).norm(dim=-1)  # layers s+1 .. L
-        return norms.mean(dim=(1, 2)), norms.mean(dim=2).double().cpu()
+        return norms.mean(dim=(1, 2)) / denom[s:], norms.mean(dim=2).double()
 
+    # skipping layer L changes no later layer: L - 1 resumed passes, read in one copy
+    passes = map_over_model_copies(adapter, _first(list(range(1, L)), max_passes), skipped, workers)
+    by_sequence = base.norm(dim=-1).mean(dim=2).double()
+    read = to_host([t for pass_ in passes for t in pass_] + [by_sequence])
     C = torch.full((L + 1, L + 1), float("nan"))
     A = torch.full((L + 1, L + 1, idx.shape[0]), float("nan"), dtype=torch.float64)
-    # skipping layer L changes no later layer: L - 1 resumed passes
-    for s, (diff, by_seq) in enumerate(
-        map_over_model_copies(adapter, _first(list(range(1, L)), max_passes), skipped, workers),
-        start=1,
-    ):
-        C[s, s + 1 :] = diff / denom[s:]
-        A[s, s + 1 :] = by_seq
+    for s in range(1, len(passes) + 1):
+        C[s, s + 1 :], A[s, s + 1 :] = read[2 * s - 2], read[2 * s - 1]
     if not per_sequence:
         return C
     B = torch.full((L + 1, idx.shape[0]), float("nan"), dtype=torch.float64)
-    B[1:] = base.norm(dim=-1).mean(dim=2).double().cpu()
+    B[1:] = read[-1]
     return C, A, B
 
 
@@ -107,18 +106,19 @@ def permutation_scores(
     L = adapter.n_layer
     pairs = [(a, b) for a in range(1, L + 1) for b in range(a + 1, L + 1)]  # longest passes first
 
-    def swapped_loss(m: ModelAdapter, pair: tuple[int, int]) -> tuple[float, torch.Tensor]:
+    def swapped_loss(m: ModelAdapter, pair: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = pair
         with m.swapped(a, b):  # layers 1 .. a-1 are unchanged: resume at layer a
             return sequence_losses(m, final_state(m, states[a - 1], a), targets)
 
+    passes = map_over_model_copies(adapter, _first(pairs, max_passes), swapped_loss, workers)
+    base, base_by_seq, *read = to_host([base, base_by_seq, *(t for p in passes for t in p)])
+    base = float(base)
     P = torch.full((L + 1, L + 1), float("nan"))
     S = torch.full((L + 1, L + 1, idx.shape[0]), float("nan"), dtype=torch.float64)
-    for (a, b), (loss, by_seq) in zip(
-        pairs, map_over_model_copies(adapter, _first(pairs, max_passes), swapped_loss, workers)
-    ):
-        P[a, b] = abs(loss - base) / base
-        S[a, b] = by_seq
+    for k, (a, b) in enumerate(pairs[: len(passes)]):
+        P[a, b] = abs(float(read[2 * k]) - base) / base
+        S[a, b] = read[2 * k + 1]
     return (P, S, base_by_seq) if per_sequence else P
 
 
@@ -127,11 +127,16 @@ def affine_fit(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     minimum-norm solution (SVD driver), so that it is unique when the inputs are rank-deficient,
     as HC's and mHC's streams are at initialisation (n identical copies). The default QR driver
     returns one of many solutions there, a different one from call to call, and the probe's loss
-    moved with it (0.3% on a 3-layer hc model). Solved on the CPU, the only device with that
-    driver, in float64."""
+    moved with it (0.3% on a 3-layer hc model). In float64 on the features' device: on the CPU
+    by LAPACK's gelsd; elsewhere, which has no gelsd, as the pseudo-inverse (an SVD) times y,
+    the same minimum-norm solution with the same rank cut-off (singular values below
+    eps * max(rows, columns) * the largest, gelsd's default rcond), so that no layer's features
+    travel to the host."""
     x, y = x.reshape(-1, x.shape[-1]).double(), y.reshape(-1, y.shape[-1]).double()
-    design = torch.cat([x, torch.ones_like(x[:, :1])], dim=1).cpu()
-    return torch.linalg.lstsq(design, y.cpu(), driver="gelsd").solution.to(x.device)
+    design = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
+    if design.device.type == "cpu":
+        return torch.linalg.lstsq(design, y, driver="gelsd").solution
+    return torch.linalg.pinv(design) @ y
 
 
 def apply_affine(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -171,18 +176,19 @@ def usefulness_ratios(
     states, fits = layer_fits(adapter, inputs)
     base, base_by_seq = sequence_losses(adapter, states[-1], targets)
 
-    def replaced_loss(m: ModelAdapter, layer: int) -> tuple[float, torch.Tensor]:
+    def replaced_loss(m: ModelAdapter, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, weight = fits[layer - 1]
         state = m.replace(states[layer - 1], layer, apply_affine(x, weight))
         return sequence_losses(m, final_state(m, state, layer + 1), targets)
 
     layers = list(range(1, adapter.n_layer + 1))
+    passes = map_over_model_copies(adapter, _first(layers, max_passes), replaced_loss, workers)
+    base, base_by_seq, *read = to_host([base, base_by_seq, *(t for p in passes for t in p)])
+    base = float(base)
     ratios = torch.full((adapter.n_layer + 1,), float("nan"))
     R = torch.full((adapter.n_layer + 1, idx.shape[0]), float("nan"), dtype=torch.float64)
-    for layer, (loss, by_seq) in zip(
-        layers, map_over_model_copies(adapter, _first(layers, max_passes), replaced_loss, workers)
-    ):
-        ratios[layer], R[layer] = loss / base, by_seq
+    for k, layer in enumerate(layers[: len(passes)]):
+        ratios[layer], R[layer] = float(read[2 * k]) / base, read[2 * k + 1]
     return (ratios, R, base_by_seq) if per_sequence else ratios
 
 

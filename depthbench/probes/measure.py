@@ -64,6 +64,7 @@ def _per_layer_rows(stage: str, hidden: list[torch.Tensor], counts: np.ndarray) 
     per-layer curves drawn at init, at init without the prefix-average part, and trained."""
     rows = []
     for probe, skip in (("token_similarity", False), ("token_similarity_no_pos0", True)):
+        # (L + 1, N) on the device, read once by spread
         by_seq = torch.stack([core.token_similarity_by_sequence(h, skip) for h in hidden])
         rows += _rows(
             probe,
@@ -198,7 +199,7 @@ def probe_model(adapter, idx: torch.Tensor, stage: str, settings: dict, full: bo
             )
         )
     if "depth_weight" in applies:
-        for s, w in enumerate(records["depth_weights"], start=1):
+        for s, w in enumerate(core.to_host(records["depth_weights"]), start=1):
             rows += [
                 _row("depth_weight", stage, s, i, v, math.nan, math.nan)
                 for i, v in enumerate(w.tolist())
@@ -213,10 +214,13 @@ def _dead_zone_rows(adapter, inputs, stage, records, settings, counts) -> list[d
     each resample: the depth weights are means over the batch, so each sequence's come from a
     pass of its own (N passes, for the architectures with a dead zone only)."""
     threshold = settings["dead_zone_threshold"]
-    length, weights = adapter.dead_zone(records["depth_weights"], threshold)
+    # adapter.dead_zone reads each layer's weight: handed host copies, made in one read
+    length, weights = adapter.dead_zone(core.to_host(records["depth_weights"]), threshold)
     weight_bounds = length_bounds = NO_BOUNDS
     if counts.shape[0]:
         by_seq = [adapter.records(inputs[n : n + 1])["depth_weights"] for n in range(len(inputs))]
+        flat = core.to_host([w for seq in by_seq for w in seq])
+        by_seq = [flat[n * len(seq) : (n + 1) * len(seq)] for n, seq in enumerate(by_seq)]
         lengths, resampled = spread.dead_zones(adapter, by_seq, threshold, counts)
         nan = np.full((1, counts.shape[0]), math.nan)
         weight_bounds = spread.bounds(np.concatenate([nan, resampled]))

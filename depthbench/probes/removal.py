@@ -76,12 +76,16 @@ class ScoredTokens:
             scored[row, n_in - n_t : n_in] = True
         return cls(inputs, targets, scored)
 
-    def loss(self, logits: torch.Tensor) -> float:
-        """Mean cross-entropy (fp32) over the scored positions."""
+    def to(self, device) -> "ScoredTokens":
+        return ScoredTokens(*(t.to(device) for t in (self.inputs, self.targets, self.scored)))
+
+    def loss(self, logits: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (fp32) over the scored positions, a 0-dim tensor on the logits'
+        device (read by the caller, once for all removal sets)."""
         nll = F.cross_entropy(
             logits.float().reshape(-1, logits.shape[-1]), self.targets.reshape(-1), reduction="none"
         )
-        return float(nll[self.scored.reshape(-1)].mean())
+        return nll[self.scored.reshape(-1)].mean()
 
 
 def block_influence(hidden: list[torch.Tensor]) -> torch.Tensor:
@@ -158,6 +162,13 @@ def loss_without(
 ) -> float:
     """The loss on `data` with the layers `removed` skipped in one pass, resumed from the
     baseline state entering the first removed layer (`states` from trunk_states on data.inputs)."""
+    return float(_loss_without(adapter, states, data, removed))
+
+
+def _loss_without(
+    adapter: ModelAdapter, states: list, data: ScoredTokens, removed: list[int]
+) -> torch.Tensor:
+    """loss_without as a 0-dim tensor on the model's device, for the caller to read once."""
     if not removed:
         return data.loss(adapter.logits(states[-1]))
     first = min(removed)
@@ -175,14 +186,18 @@ def removal_losses(
     data: dict[str, ScoredTokens],
 ) -> tuple[dict[str, float], list[dict]]:
     """The full model's loss per domain, and one row per removal set with its loss per domain
-    (`data`: domain -> scored tokens, e.g. "val" and the NLL domains). Each domain's baseline
-    pass is made once and shared by every set."""
+    (`data`: domain -> scored tokens, e.g. "val" and the NLL domains, on the model's device).
+    Each domain's baseline pass is made once and shared by every set; a domain's losses are
+    read from the device once, all sets together."""
     full: dict[str, float] = {}
     rows = [{"ranking": r, "draw": d, "k": k, "removed": layers} for r, d, k, layers in sets]
     for domain, scored in data.items():
         states = trunk_states(adapter, scored.inputs)
-        full[domain] = loss_without(adapter, states, scored, [])
-        for row in rows:
-            row[domain] = loss_without(adapter, states, scored, row["removed"])
+        losses = [_loss_without(adapter, states, scored, row["removed"]) for row in rows]
+        full[domain], *by_set = torch.stack(
+            [_loss_without(adapter, states, scored, []), *losses]
+        ).tolist()
+        for row, value in zip(rows, by_set):
+            row[domain] = value
         del states
     return full, rows

@@ -9,6 +9,9 @@ probe sample does not contain, and up to `removal.docs_per_domain` documents of 
 One row per (ranking, draw, k, domain): `loss` (mean nats per scored token), `full_loss` (the
 model with every layer), `change` = loss / full_loss - 1, `removed` (the layers, "2,5,6"); each
 ranking has a k = 0 row, the full model, where its curve starts.
+
+Like the probes, the losses are measured on the run's device (`train.device`, operational) in
+float32; the returned report names the device.
 """
 
 from __future__ import annotations
@@ -188,8 +191,10 @@ def run_removal(
     from depthbench.probes.run import validation_tokens
     from depthbench.kernels.swap import swap_in
     from depthbench.train.checkpoint import load_final_model
+    from depthbench.train.recipe import resolve_device
 
     torch.set_num_threads(int(settings["threads"]))
+    device = resolve_device(spec.train.device)
     seq_len = min(probe_settings.get("seq_len") or spec.train.seq_len, spec.model.max_seq_len)
     val = held_apart_windows(
         validation_tokens(data_dir),
@@ -205,7 +210,13 @@ def run_removal(
         pd.read_parquet(sets_path), settings["docs_per_domain"], settings["seed"]
     ).items():
         data[domain] = ScoredTokens.documents(docs, window)
-    model = swap_in(load_final_model(spec.model, run_dir).eval())
+    model = swap_in(load_final_model(spec.model, run_dir).to(device).eval())
+    data = {domain: scored.to(device) for domain, scored in data.items()}
     df = removal_rows(model, pd.read_parquet(probes_path), data, settings)
     _write(df, spec.run_id, summary["status"], out_path)
-    return {"run_id": spec.run_id, "rows": len(df), "seconds": round(time.time() - start, 2)}
+    return {
+        "run_id": spec.run_id,
+        "rows": len(df),
+        "seconds": round(time.time() - start, 2),
+        "device": str(device),
+    }

@@ -12,6 +12,10 @@ stage "snapshot" at their steps (depthbench.probes.steps).
 `ci_low` and `ci_high` are each row's 95% interval, a percentile bootstrap over the sample's
 sequences (depthbench.probes.spread), NaN where the row has none; the bootstrap is seeded with
 the run's seed, so the file is the same bit for bit on a rerun.
+
+The probes run on the run's device (`train.device`, operational: auto is CUDA where there is
+one), in float32 without autocast whatever the run trained in, so that CPU and GPU measure the
+same model; the returned report names the device.
 """
 
 from __future__ import annotations
@@ -74,21 +78,25 @@ def probe_sample(data_dir: str, n_sequences: int, seq_len: int, seed: int) -> to
 
 def run_probes(spec_dict: dict, data_dir: str, run_dir: str, out_path: str, settings: dict) -> dict:
     """Probe one run (trained weights, and its initialisation) and write its Parquet file."""
+    from depthbench.train.recipe import resolve_device
+
     spec = RunSpec.from_dict(spec_dict)
     settings = {**probe_settings(settings), "bootstrap_seed": spec.train.seed}
     torch.set_num_threads(int(settings["threads"]))
     summary = check_run(run_dir, spec)  # identity and weights, before any work
+    device = resolve_device(spec.train.device)
     seq_len = settings["seq_len"] or spec.train.seq_len
     idx = probe_sample(
         data_dir, settings["n_sequences"], min(seq_len, spec.model.max_seq_len), settings["seed"]
-    )
+    ).to(device)
     start = time.time()
     rows: list[dict] = []
-    torch.manual_seed(spec.train.seed)  # the run's own initialisation
-    init = swap_in(build_model(spec.model).eval())
+    torch.manual_seed(spec.train.seed)  # the run's own initialisation, built on the CPU
+    init = swap_in(build_model(spec.model).to(device).eval())  # the device's implementations
     rows += [{**r, "step": 0} for r in probe_model(init, idx, "init", settings, full=False)]
+    del init
     if summary["status"] == "ok":
-        model = swap_in(load_final_model(spec.model, run_dir).eval())
+        model = swap_in(load_final_model(spec.model, run_dir).to(device).eval())
         trained = probe_model(model, idx, "trained", settings, full=True)
         rows += [{**r, "step": summary["steps"]} for r in trained]
     if settings["at_steps"]:  # diverged runs too: their snapshots end before the divergence
@@ -99,4 +107,9 @@ def run_probes(spec_dict: dict, data_dir: str, run_dir: str, out_path: str, sett
     df.insert(0, "run_id", spec.run_id)
     df["status"] = summary["status"]
     atomic_write(out_path, lambda tmp: df.to_parquet(tmp, index=False))
-    return {"run_id": spec.run_id, "rows": len(df), "seconds": round(time.time() - start, 2)}
+    return {
+        "run_id": spec.run_id,
+        "rows": len(df),
+        "seconds": round(time.time() - start, 2),
+        "device": str(device),
+    }

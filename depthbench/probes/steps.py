@@ -53,7 +53,9 @@ def snapshot_rows(
     rows: list[dict] = []
     for step, path in list_snapshots(Path(run_dir) / FOLDER):
         start = time.time()
-        for row in probe_model(load_snapshot(spec, path), idx, SNAPSHOT_STAGE, settings, full=True):
+        # on the sample's device, with that device's implementations
+        model = swap_in(load_snapshot(spec, path).to(idx.device))
+        for row in probe_model(model, idx, SNAPSHOT_STAGE, settings, full=True):
             rows.append({**row, "step": step})
         print(
             f"[{spec.run_id}] probed the snapshot of step {step} in {time.time() - start:.1f} s",

@@ -2,14 +2,16 @@
 # each run is scored by a job dispatched through submitit like training, and the per-run rows
 # are merged with the runs' config columns. NLL settings are params of these rules only.
 
-NLL_SETTINGS = {k: v for k, v in config["nll"].items() if k not in ("enabled", "runs", "tokens_per_batch")}
+from depthbench.evals.sets import sets_settings, sets_table_path
+
+NLL_SETTINGS = sets_settings(config["nll"])
 
 
 rule nll_sets:
     input:
         tokenizer=TOKENIZER,
     output:
-        f"{RESULTS}/evals/{EXP.tokenizer_id}/nll_sets_{short_hash(NLL_SETTINGS)}.parquet",
+        sets_table_path(RESULTS, EXP.tokenizer_id, config["nll"]),
     params:
         settings=NLL_SETTINGS,
         eos_token=config["tokenizer"].get("eos_token"),
