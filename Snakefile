@@ -72,3 +72,5 @@ rule all:
         # reaches the lr_sweep checkpoint (a missing checkpoint output is otherwise rerun only
         # for a consumer whose outputs are missing)
         run_outputs("summary.json"),
+        # what each round of the LR sweep settles, as soon as it does (settled_outputs)
+        [settled_outputs(k) for k in range(MAX_EXTENSIONS + 1)] if SWEEP_ROUNDS else [],

@@ -44,6 +44,34 @@ def last_sweep_round():
             return path
 
 
+def settled_outputs(k):
+    """Input function of `all`: the outputs round k of the LR sweep makes known for the cells it
+    has settled: their replicates' summaries and, with best-LR evaluation, the probe, NLL and
+    removal outputs of their runs at the best LR. Listed round by round, they start while a
+    later round's extensions still train, instead of waiting for the last round."""
+
+    def outputs(wildcards):
+        import pandas as pd
+
+        from depthbench.analysis.lr_rounds import calls
+
+        for j in range(k):  # no round k when an earlier one called for nothing
+            if not calls(checkpoints.lr_sweep.get(round=j).output.sweep):
+                return []
+        table = pd.read_parquet(checkpoints.lr_sweep.get(round=k).output.sweep)
+        settled = table[table["settled"]]
+        replicas = {r for ids in settled["replicate_run_ids"] for r in ids}
+        paths = [f"{RESULTS}/runs/{run_id}/summary.json" for run_id in in_grid_order(replicas)]
+        best = in_grid_order(replicas | {r for ids in settled["sweep_run_ids"] for r in ids})
+        for stage, on in (("probes", True), ("nll", True), ("removal", REMOVAL_ON)):
+            sets = "probes" if stage == "removal" else stage
+            if on and config[sets]["enabled"] and config[sets]["runs"] == "best_lr":
+                paths += [f"{RESULTS}/{stage}/{run_id}.parquet" for run_id in best]
+        return paths
+
+    return outputs
+
+
 def tabled_runs():
     """The run ids the tables merge: the grid's runs (the LR sweep) and, where the sweep has
     rounds, the extensions it trained and the replicates at each cell's best LR, read from its
