@@ -10,7 +10,8 @@ import numpy as np
 import pandas as pd
 
 from depthbench.analysis.intervals import Estimate, t_quantile
-from depthbench.analysis.stats import MIN_GROUP_DF, Z975, Pool, Test, pool, satterthwaite, t_test
+from depthbench.analysis.stats import ALPHA, MIN_GROUP_DF, Z975, Pool, Test, pool, pool_of_cells
+from depthbench.analysis.stats import satterthwaite, t_test
 
 
 class CellModel:
@@ -78,7 +79,14 @@ class CellModel:
         unique = {id(p): p for p in self.pools.values()}
         if len(unique) == 1:
             return next(iter(unique.values())).text()
-        return "; ".join(f"{g}: {p.text()}" for g, p in sorted(self.pools.items()))
+        every = pool_of_cells(list(self.values.values()), "grid")
+        why = (
+            f"Bartlett p = {every.bartlett_p:.2g} rejects one variance for the {every.cells} cells"
+        )
+        why = why if every.bartlett_p < ALPHA else f"{MIN_GROUP_DF}+ df"
+        return f"per architecture ({why}): " + "; ".join(
+            f"{g}: {p.text()}" for g, p in sorted(self.pools.items())
+        )
 
     def _single_se(self, key) -> float:
         low, high = self.boot.get(key, (math.nan, math.nan))
@@ -128,11 +136,11 @@ class CellModel:
                 method = f"t test, {'/'.join(scopes)} pooled seed variance"
                 return t_test(float(estimate), math.sqrt(var), df, bounds, method)
         ses = [self._single_se(k) for k in weights]
-        if (seeded or all(self.values[k].size == 1 for k in weights)) and all(s == s for s in ses):
-            se = math.sqrt(sum((w * s) ** 2 for w, s in zip(weights.values(), ses)))
+        se = math.sqrt(sum((w * s) ** 2 for w, s in zip(weights.values(), ses)))
+        if (seeded or all(self.values[k].size == 1 for k in weights)) and se > 0:
             why = "seeds identical" if seeded else "one seed"
             return t_test(float(estimate), se, math.inf, bounds, f"z test, runs' bootstrap ({why})")
-        if seeded:  # every seed of every cell agrees and no run has an interval of its own
+        if seeded:  # every seed of every cell agrees, and no run has an interval of its own
             e = float(estimate)
             return Test(e, 0.0, math.inf, e, e, float(e == 0), "exact: identical in every seed")
         return t_test(float(estimate), math.nan, 0, bounds, "one seed and no bootstrap interval")

@@ -12,7 +12,10 @@ many cells, so that 18 cells of two seeds give 18 degrees of freedom instead of 
   model (every cell of every group). `Pool.scope` says which ("architecture" or "grid").
   Whether the cells' spreads are compatible with one variance is checked by Bartlett's test
   (scipy.stats.bartlett) over the cells with a non-zero spread (`Pool.bartlett_p`; cells whose
-  seeds agree exactly, as a count may, cannot enter it and are counted in `Pool.tied`).
+  seeds agree exactly, as a count may, cannot enter it and are counted in `Pool.tied`). Where
+  it rejects one variance for the grid at 5%, every architecture uses its own (fewer degrees of
+  freedom, but no architecture's noise is lent to another's cells); one without any keeps the
+  grid's.
 - **Contrasts** (depthbench.analysis.cell_model.CellModel.contrast): a claim's effect is a
   linear combination theta = sum_c k_c mu_c of cell means: a difference of two cells, or the
   least-squares slope of the values on a covariate over every run of some cells
@@ -85,7 +88,7 @@ class Pool:
         return f"seed SD {self.sd:.3g} {pooled}{check}"
 
 
-def _pool_of(groups: list[np.ndarray], scope: str) -> Pool:
+def pool_of_cells(groups: list[np.ndarray], scope: str) -> Pool:
     several = [g for g in groups if g.size >= 2]
     df = int(sum(g.size - 1 for g in several))
     if df == 0:
@@ -101,19 +104,20 @@ def pool(
     min_df: int = MIN_GROUP_DF,
 ) -> dict[str, Pool]:
     """{group: Pool} for cells `values` ({cell: its runs' values}): a group's own variance where
-    its cells give `min_df` degrees of freedom or more, else the grid's (the module docstring)."""
+    its cells give `min_df` degrees of freedom or more, or where Bartlett's test rejects one
+    variance for the grid at 5% (and the group has any), else the grid's (the module
+    docstring)."""
     by_group: dict[str, list[np.ndarray]] = {}
     for k, v in values.items():
         by_group.setdefault(group_of(k), []).append(v)
-    own = {g: sum(max(v.size - 1, 0) for v in vs) for g, vs in by_group.items()}
-    grid = None
+    grid = pool_of_cells(list(values.values()), "grid")
+    if len(by_group) == 1:
+        return {g: grid for g in by_group}
+    split = grid.bartlett_p < ALPHA  # NaN (no check possible) is not a rejection
     out = {}
     for g, vs in by_group.items():
-        if own[g] >= min_df and len(by_group) > 1:
-            out[g] = _pool_of(vs, "architecture")
-        else:
-            grid = grid or _pool_of(list(values.values()), "grid")
-            out[g] = grid
+        own = pool_of_cells(vs, "architecture")
+        out[g] = own if own.df >= min_df or (split and own.df > 0) else grid
     return out
 
 

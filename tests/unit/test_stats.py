@@ -39,9 +39,15 @@ def test_two_cells_give_the_pooled_two_sample_t_test():
 
 
 def test_a_contrast_of_many_cells_is_least_squares_on_the_cell_means_design():
-    cells = {(a, L): RNG.normal(0.1 * L, 0.3, 2 + (L == 8)) for a in "pq" for L in (2, 4, 8)}
+    spread = {2: [-0.2, 0.3], 3: [-0.3, 0.1, 0.25]}  # alike enough for one variance
+    cells = {
+        (a, L): 0.1 * L + np.array(spread[2 + (L == 8)]) * (1 + (a == "q"))
+        for a in "pq"
+        for L in (2, 4, 8)
+    }
     df = frame(cells)
     m = CellModel(df, ["arch", "n_layer"])
+    assert m.pool_of(("p", 2)).scope == "grid"
     keys = list(cells)
     X = np.array([[float((r.arch, r.n_layer) == k) for k in keys] for r in df.itertuples()])
     y = df["value"].to_numpy()
@@ -72,10 +78,11 @@ def test_the_depth_slope_is_linregress_over_every_run_with_the_pooled_variance()
 
 
 def test_an_architecture_with_enough_degrees_of_freedom_keeps_its_own_variance():
-    rich = {("big", L): RNG.normal(0.0, 1.0, 5) for L in (1, 2, 3)}  # 12 df >= MIN_GROUP_DF
-    poor = {("small", L): RNG.normal(0.0, 0.1, 2) for L in (1, 2)}  # 2 df: the grid's
+    rich = {("big", L): np.array([-1.0, 0.5, 0.0, 1.0, -0.5]) + L for L in (1, 2, 3)}  # 12 df
+    poor = {("small", L): np.array([0.6, -0.6]) for L in (1, 2)}  # 2 df: the grid's
     assert 12 >= MIN_GROUP_DF > 2
     m = CellModel(frame(rich | poor), ["arch", "n_layer"])
+    assert m.pool_of(("big", 1)).bartlett_p > 0.05  # one variance fits them all
     big, small = m.pool_of(("big", 1)), m.pool_of(("small", 1))
     assert (big.scope, big.df, small.scope, small.df) == ("architecture", 12, "grid", 14)
     own = np.mean([v.var(ddof=1) for v in rich.values()])
@@ -134,3 +141,16 @@ def test_lr_choice_variance_is_the_penalty_variance_of_a_noisy_choice():
     base = extra.difference(("a", 2), ("a", 4)).se
     extra.extra[("a", 2)] = 0.01
     assert extra.difference(("a", 2), ("a", 4)).se == pytest.approx(math.sqrt(base**2 + 0.01))
+
+
+def test_when_bartlett_rejects_one_variance_each_architecture_keeps_its_own():
+    noisy = {("noisy", L): np.array([-1.0, 1.0]) + L for L in (1, 2, 3)}
+    quiet = {("quiet", L): np.array([-0.01, 0.01]) + L for L in (1, 2, 3)}
+    m = CellModel(frame(noisy | quiet), ["arch", "n_layer"])
+    every = sps.bartlett(*(noisy | quiet).values()).pvalue
+    assert every < 0.05
+    assert (
+        m.pool_of(("quiet", 1)).variance == pytest.approx(2e-4) and m.pool_of(("quiet", 1)).df == 3
+    )
+    assert m.pool_of(("noisy", 1)).variance == pytest.approx(2.0)
+    assert m.pool_text().startswith(f"per architecture (Bartlett p = {every:.2g} rejects")

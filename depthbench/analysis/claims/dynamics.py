@@ -37,12 +37,16 @@ def _final_rms(t: dict) -> pd.DataFrame:
 
 @claim("i_pre_ln_rms_grows_lns_holds")
 def pre_ln_rms_grows_lns_holds(t: dict, s: dict):
-    """RMS(h_L) at the last dynamics step: Pre-LN's at its deepest depth above its shallowest,
-    and LNS's at that deepest depth below Pre-LN's (two strict steps: differences of cell
-    means, the seed variance pooled over every architecture's cells). Not testable without
-    Pre-LN at two depths and LNS at Pre-LN's deepest."""
+    """ln RMS(h_L) at the last dynamics step: Pre-LN's at its deepest depth above its
+    shallowest, and LNS's at that deepest depth below Pre-LN's (two strict steps: differences of
+    cell means, log ratios of RMS, the seed variance pooled over every architecture's cells).
+    On the log scale because the RMS of the architectures spans orders of magnitude (HC's
+    streams reach 1e4 where Pre-LN's stay below 1) and a seed's spread grows with it: one
+    variance for all fits the logs. Not testable without Pre-LN at two depths and LNS at Pre-LN's
+    deepest."""
     rms = default_knobs(_final_rms(t)).astype({"n_layer": int})
-    model = cell_model(rms, ["arch", "n_layer"], bounds=(0.0, math.inf))
+    rms = rms.assign(value=np.log(rms["value"].where(rms["value"] > 0)))
+    model = cell_model(rms, ["arch", "n_layer"])
     pre = sorted(L for a, L in model if a == "pre_ln")
     if len(pre) < 2 or ("lns", pre[-1]) not in model:
         return untestable(
@@ -53,9 +57,11 @@ def pre_ln_rms_grows_lns_holds(t: dict, s: dict):
         diff_step(model, ("pre_ln", hi), ("pre_ln", lo), f"pre_ln L={hi}", f"pre_ln L={lo}", 1),
         diff_step(model, ("lns", hi), ("pre_ln", hi), f"lns L={hi}", f"pre_ln L={hi}", -1),
     ]
+    rms_of = {key: math.exp(model[key].value) for key in (("pre_ln", lo), ("pre_ln", hi))}
     ours = (
-        f"pre_ln RMS(h_L) {model['pre_ln', lo].value:.2f} (L={lo}) -> "
-        f"{model['pre_ln', hi].value:.2f} (L={hi}); lns {model['lns', hi].value:.2f} at L={hi}"
+        f"pre_ln RMS(h_L) {rms_of['pre_ln', lo]:.2f} (L={lo}) -> {rms_of['pre_ln', hi]:.2f} "
+        f"(L={hi}); lns {math.exp(model['lns', hi].value):.2f} at L={hi} (geometric means over "
+        "seeds; the tests on ln RMS)"
     )
     return judge(steps, ours, variance=model.pool_text())
 
@@ -132,9 +138,10 @@ def collapse_signature(t: dict, s: dict):
 def gqa_moe_lower_variance(t: dict, s: dict):
     """Residual variance RMS(h_L)^2 at the last dynamics step, per architecture and depth: GQA
     runs (n_kv_head < n_head) and MoE runs (model.moe in the knobs) below the MHA, dense runs
-    (one strict step per variant, architecture and depth with both: differences of cell means,
-    the runs of one variant its seeds, the seed variance pooled over every cell). Not testable
-    without a variant and its base at a common cell."""
+    (one strict step per variant, architecture and depth with both: differences of cell means
+    of ln RMS^2, log variance ratios, as in (i); the runs of one variant its seeds, the seed
+    variance pooled over every cell). Not testable without a variant and its base at a common
+    cell."""
     rms, runs = _final_rms(t), t.get("runs", pd.DataFrame())
     if rms.empty or not R.has(runs, "n_kv_head", "n_head"):
         return untestable("no dynamics rows")
@@ -151,8 +158,8 @@ def gqa_moe_lower_variance(t: dict, s: dict):
         return untestable(
             "no GQA runs (model.n_kv_head < n_head) and no MoE runs (model.moe) in the grid"
         )
-    rms = rms.assign(value=rms["value"] ** 2).astype({"n_layer": int})
-    model = cell_model(rms, ["arch", "n_layer", "variant"], bounds=(0.0, math.inf))
+    rms = rms.assign(value=2 * np.log(rms["value"].where(rms["value"] > 0)))
+    model = cell_model(rms.astype({"n_layer": int}), ["arch", "n_layer", "variant"])
     steps, parts = [], []
     for v in found:
         cells = sorted((a, L) for a, L, w in model if w == v and (a, L, "base") in model)
@@ -164,6 +171,8 @@ def gqa_moe_lower_variance(t: dict, s: dict):
             diff_step(model, (a, L, v), (a, L, "base"), f"{a} L={L} {v}", f"{a} L={L} base", -1)
             for a, L in cells
         ]
-        ratio = np.mean([model[a, L, v].value / model[a, L, "base"].value for a, L in cells])
+        ratio = np.mean(
+            [math.exp(model[a, L, v].value - model[a, L, "base"].value) for a, L in cells]
+        )
         parts.append(f"{v}/base variance {ratio:.2f}")
     return judge(steps, "; ".join(parts), variance=model.pool_text())
