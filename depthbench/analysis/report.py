@@ -143,7 +143,7 @@ def claims_html(claims: pd.DataFrame, full: bool = False) -> str:
 
 
 def best_lr_html(best: pd.DataFrame, budget: float | None) -> str:
-    """The best-LR table: loss (+- seed std), budget deviation, LR at the edge, seeds."""
+    """The best-LR table: loss [its pooled 95% interval], budget deviation, LR at edge, seeds."""
     if best.empty:
         return "<p>No best-LR table: every run diverged or none was trained.</p>"
     order = R.archs(best)
@@ -158,7 +158,7 @@ def best_lr_html(best: pd.DataFrame, budget: float | None) -> str:
         "params",
         "vs budget",
         "best LR",
-        "val loss",
+        "val loss [95%]",
         "seeds",
         "LR at edge",
         "diverged / LRs",
@@ -166,8 +166,8 @@ def best_lr_html(best: pd.DataFrame, budget: float | None) -> str:
     rows = []
     for r in best.to_dict("records"):
         dev = r.get("params_vs_budget", r["params"] / budget - 1 if budget else float("nan"))
-        std = r.get("final_val_loss_std", float("nan"))
-        loss = f"{r['final_val_loss']:.4f}" + (f" &plusmn; {std:.4f}" if std == std else "")
+        low, high = r.get("ci_low", float("nan")), r.get("ci_high", float("nan"))
+        loss = f"{r['final_val_loss']:.4f}" + (f" [{low:.3f}, {high:.3f}]" if low == low else "")
         edge = r.get("lr_at_edge")
         cells = [
             html.escape(r["arch"] if r["knobs"] == "{}" else f"{r['arch']} {r['knobs']}"),

@@ -506,6 +506,18 @@ def test_report_shows_the_numbers_and_flags_single_seed_verdicts(two_seeds, one_
     assert 'class="holds"' in f_row and "single seed" not in f_row and "(n=2)" in f_row
     assert 'class="inconclusive"' in a_row and "single seed" in a_row
     assert "(n=1, no interval)" in a_row
+    f = both.iloc[0]
+    assert f"<b>mhc L=2 - hc L=2</b>: {f['estimate']:.3g} [" in f_row
+    assert f"df {f['df']:.3g}, p = {f['p_value']:.2g}" in f_row
+
+
+def test_report_states_the_model_pooled_df_and_test_above_the_claims(two_seeds):
+    from depthbench.analysis.report import claims_method
+
+    text = claims_method(two_seeds["best_lr"])
+    df = int(two_seeds["best_lr"]["pooled_df"].max())
+    assert df == 21 and f"<b>{df} degrees of freedom</b>" in text  # 21 cells of two seeds
+    assert "least-squares slope" in text and "two-sided t test" in text and "Bonferroni" in text
 
 
 def test_run_rows_mark_the_runs_that_did_not_learn(wiki_jsonl, tmp_path):
