@@ -53,8 +53,10 @@ class CellModel:
                     self.boot[key] = (float(ci[0][first]), float(ci[1][first]))
         pooled = {k: v for k, v in self.values.items() if pool_cells is None or k in pool_cells}
         self.pools = pool(pooled, self._group, min_df)
-        for g in {self._group(k) for k in self.values} - set(self.pools):  # no cell in the pool
-            self.pools[g] = Pool(math.nan, 0, "grid", 0)
+        missing = {self._group(k) for k in self.values} - set(self.pools)
+        if missing:  # a group none of whose cells is pooled takes the pooled cells' variance
+            grid = pool_of_cells(list(pooled.values()), "grid")
+            self.pools.update({g: grid for g in missing})
         # a variance each cell's mean has beside its seeds' (the LR choice's: best_loss)
         self.extra = {k: float((extra or {}).get(k, 0.0)) for k in self.values}
 

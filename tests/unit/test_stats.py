@@ -154,3 +154,11 @@ def test_when_bartlett_rejects_one_variance_each_architecture_keeps_its_own():
     )
     assert m.pool_of(("noisy", 1)).variance == pytest.approx(2.0)
     assert m.pool_text().startswith(f"per architecture (Bartlett p = {every:.2g} rejects")
+
+
+def test_cells_left_out_of_the_pool_take_the_pooled_cells_variance():
+    """best_loss pools only the cells that learned; one that did not still gets an interval."""
+    cells = {("a", 2): [1.0, 1.2], ("a", 4): [2.0, 2.2], ("flat", 2): [5.3, 5.3]}
+    m = CellModel(frame(cells), ["arch", "n_layer"], pool_cells={("a", 2), ("a", 4)})
+    assert m.pool_of(("flat", 2)).variance == pytest.approx(0.02) and m.pool_of(("flat", 2)).df == 2
+    assert m["flat", 2].has_interval
