@@ -58,7 +58,8 @@ def _effect(r) -> str:
         "df &infin;" if df == float("inf") else f"df {df:.3g}"
     )  # fmt: skip
     interval = f" [{r.ci_low:.3g}, {r.ci_high:.3g}]" if r.ci_low == r.ci_low else ""
-    p = f", p = {r.p_value:.2g}" if r.p_value == r.p_value else ""
+    p = getattr(r, "effect_p", float("nan"))
+    p = f", p = {p:.2g}" if p == p else ""
     return f"<b>{html.escape(effect)}</b>: {e:.3g}{interval}, {dft}{p}"
 
 
@@ -76,8 +77,14 @@ def _ours(r) -> str:
 
 def _verdict(r, with_note: bool) -> str:
     flag = ' <span class="flag">single seed</span>' if getattr(r, "single_seed", False) else ""
-    note = f'<div class="small">{html.escape(r.note)}</div>' if r.note and with_note else ""
-    return html.escape(r.verdict) + flag + note
+    p, small = getattr(r, "p_value", float("nan")), '<div class="small">{}</div>'
+    note = small.format(html.escape(r.note)) if r.note and with_note else ""
+    return (
+        html.escape(r.verdict)
+        + flag
+        + (small.format(f"claim p = {p:.2g}") if p == p else "")
+        + note
+    )
 
 
 def claims_method(best: pd.DataFrame) -> str:
@@ -198,26 +205,14 @@ def best_lr_html(best: pd.DataFrame, budget: float | None) -> str:
     )
 
 
+RUN_COLUMNS = ("run_id", "arch", "n_layer", "d_model", "params", "lr", "seed", "status",
+               "final_val_loss", "tokens_seen", "device")  # fmt: skip
+
+
 def runs_html(runs: pd.DataFrame) -> str:
-    cols = [
-        c
-        for c in (
-            "run_id",
-            "arch",
-            "n_layer",
-            "d_model",
-            "params",
-            "lr",
-            "seed",
-            "status",
-            "final_val_loss",
-            "tokens_seen",
-            "device",
-        )
-        if c in runs
-    ]
     if runs.empty:
         return "<p>No runs.</p>"
+    cols = [c for c in RUN_COLUMNS if c in runs]
     return runs[cols].to_html(index=False, float_format=lambda v: f"{v:.4g}", border=0)
 
 

@@ -9,12 +9,14 @@ its final validation loss within analysis.learned_margin of the unigram floor), 
 says how many it left out (`excluded_cells`) and which (the note).
 
 Columns beside the verdict: `ours` (a short summary); the decisive effect (`effect`: what it
-is, `estimate`, its 95% interval `ci_low` / `ci_high`, `p_value`: the claim's p-value, that of
-its verdict's test, `df` and `test`: how it was tested, `variance`: the pooled seed variance
-behind it); `contrasts` (every effect the claim states, with interval, df and p); `estimates`
-(every cell compared, as "label value [low, high] (n=seeds)", the interval from the pooled
-variance, within the quantity's range); the two cells the decisive effect reads (`lhs*`,
-`rhs*`: label, value, low, high, n); and `single_seed` (some cell compared rests on one seed).
+is, `estimate`, its 95% interval `ci_low` / `ci_high`, `effect_p` its own two-sided p, `df` and
+`test`: how it was tested); `p_value`, the claim's, that of its verdict's test (for holds the
+largest of its strict effects' p, 1 where one goes the opposite way; for contradicted the
+Bonferroni-corrected one); `variance`, the pooled seed variance behind the tests; `contrasts`
+(every effect the claim states, with interval, df and p); `estimates` (every cell compared, as
+"label value [low, high] (n=seeds)", the interval from the pooled variance, within the
+quantity's range); the two cells the decisive effect reads (`lhs*`, `rhs*`: label, value, low,
+high, n); and `single_seed` (some cell compared rests on one seed).
 A row without a test (not testable) has NaN numbers.
 """
 
@@ -44,6 +46,7 @@ COLUMNS = [
     "estimate",
     "ci_low",
     "ci_high",
+    "effect_p",
     "p_value",
     "df",
     "test",
@@ -121,14 +124,15 @@ def _sides(result: Result) -> dict:
     step = result.decisive
     out = {c: math.nan for c in SIDES} | {"lhs": "", "rhs": ""}
     out |= {"effect": "", "estimate": math.nan, "ci_low": math.nan, "ci_high": math.nan}
-    out |= {"p_value": math.nan, "df": math.nan, "test": ""}
+    out |= {"effect_p": math.nan, "p_value": math.nan, "df": math.nan, "test": ""}
     if step is not None:
         for side, label, e in (("lhs", step.lhs, step.a), ("rhs", step.rhs, step.b)):
             out |= {side: label, f"{side}_value": e.value, f"{side}_low": e.low}
             out |= {f"{side}_high": e.high, f"{side}_n": e.n}
         c = step.contrast
         out |= {"effect": step.label, "estimate": c.estimate, "ci_low": c.low}
-        out |= {"ci_high": c.high, "p_value": result.p, "df": c.df, "test": c.method}
+        out |= {"ci_high": c.high, "effect_p": c.p, "p_value": result.p, "df": c.df}
+        out |= {"test": c.method}
     return out
 
 
@@ -184,5 +188,5 @@ def claims_table(rows: list[dict], tables: dict, settings: dict) -> pd.DataFrame
     table = pd.DataFrame(out, columns=COLUMNS)
     return table.astype(
         {"single_seed": bool, "excluded_cells": int, "lhs_n": "Int64", "rhs_n": "Int64"}
-        | {c: float for c in ("estimate", "ci_low", "ci_high", "p_value", "df")}
+        | {c: float for c in ("estimate", "ci_low", "ci_high", "effect_p", "p_value", "df")}
     )
