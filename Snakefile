@@ -34,7 +34,8 @@ except DepthBenchError as exc:
 
 RESULTS = "results"
 RUNS = EXP.runs  # the grid's product: the LR sweep
-# the sweep and every replicate `seeds_at_best_lr` may add (which exist: tabled_runs, common.smk)
+# the sweep, every extension past a cell's edge (lr_sweep.max_extensions) and every replicate
+# `seeds_at_best_lr` may add (which of them exist: tabled_runs, common.smk)
 ALL_RUNS = EXP.candidate_runs
 DATA_DIR = f"{RESULTS}/data/{EXP.data_id}"
 TOKENIZER = f"{RESULTS}/tokenizers/{EXP.tokenizer_id}/tokenizer.json"
@@ -66,7 +67,10 @@ rule all:
         [f"{RESULTS}/figures/{name}.{ext}" for name in GRID_FIGURES for ext in ("png", "pdf")],
         rules.claims.output,
         rules.report.output,
-        # every run the tables merge, replicates included: a target without outputs always runs,
-        # so a finished grid that gains `seeds_at_best_lr` reaches the lr_sweep checkpoint (a
-        # missing checkpoint output is otherwise rerun only for a consumer whose outputs are missing)
+        # every run the tables merge, extensions and replicates included: a target without
+        # outputs always runs, so a finished grid that gains `seeds_at_best_lr` or extensions
+        # reaches the lr_sweep checkpoint (a missing checkpoint output is otherwise rerun only
+        # for a consumer whose outputs are missing)
         run_outputs("summary.json"),
+        # what each round of the LR sweep settles, as soon as it does (settled_outputs)
+        [settled_outputs(k) for k in range(MAX_EXTENSIONS + 1)] if SWEEP_ROUNDS else [],

@@ -1,12 +1,12 @@
-"""Snakemake entry: the LR sweep's best learning rate per cell and the replicates it calls for
-(`seeds_at_best_lr`; logic in depthbench.analysis.tables)."""
+"""Snakemake entry: one round of the LR sweep, the best learning rate per cell, the extensions it
+calls for past an edge and, once a cell is settled, its replicates (`lr_sweep.max_extensions`,
+`seeds_at_best_lr`; logic in depthbench.analysis.lr_rounds)."""
 
 import sys
 from pathlib import Path
 
-from depthbench.analysis.tables import best_learning_rates, best_lr_run_ids, replicate_run_ids
-from depthbench.analysis.tables import run_rows
-from depthbench.analysis.tables import write_parquet
+from depthbench.analysis.lr_rounds import sweep_round
+from depthbench.analysis.tables import run_rows, write_parquet
 from depthbench.data.shards import unigram_floor
 from depthbench.launch.process import exit_without_teardown
 
@@ -19,19 +19,16 @@ runs = run_rows(
     expected=snakemake.params.spec_hashes,  # noqa: F821
     learned_margin=snakemake.params.learned_margin,  # noqa: F821
 )
-best = best_learning_rates(runs)
-replicates = dict(snakemake.params.replicates)  # noqa: F821
-keys = ["arch", "n_layer", "d_model", "knobs"]
-# the sweep's finished runs at each cell's best LR: with the replicates, what best_lr evaluation
-# probes and scores (evaluated_runs, common.smk), known here before the replicates train
-best["sweep_run_ids"] = [
-    best_lr_run_ids(runs, best.iloc[[i]], runs["run_id"]) for i in range(len(best))
-]
-best["replicate_run_ids"] = [
-    replicate_run_ids(runs, best.iloc[[i]], replicates) for i in range(len(best))
-]
-write_parquet(best, snakemake.output.sweep)  # noqa: F821
-print(best[keys + ["best_lr", "final_val_loss", "replicate_run_ids"]].to_string(), file=sys.stderr)
+table = sweep_round(
+    runs,
+    snakemake.params.ladders,  # noqa: F821
+    int(snakemake.wildcards.round),  # noqa: F821
+    snakemake.params.max_extensions,  # noqa: F821
+    dict(snakemake.params.replicates),  # noqa: F821
+)
+write_parquet(table, snakemake.output.sweep)  # noqa: F821
+shown = ["arch", "n_layer", "best_lr", "final_val_loss", "lr_at_edge", "next_run_ids"]
+print(table[shown].to_string(), file=sys.stderr)
 
 if __name__ == "__main__":  # a Snakemake job's own process (tests run these files inside theirs)
     exit_without_teardown()

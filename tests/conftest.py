@@ -164,6 +164,9 @@ def tiny_config(corpus_path: Path, **overrides) -> dict:
         "shapes": [{"n_layer": 2}],
         "architectures": ["pre_ln"],
         "learning_rates": [3e-3],
+        # no LR sweep extensions: the tests' grids are about other things (test_lr_extension runs
+        # them, test_lr_rounds decides them)
+        "lr_sweep": {"max_extensions": 0},
         "model": {"n_head": 2},
         # a few documents per NLL set: the NLL and removal stages read them, and tokenizing all
         # 12,308 of the seven sets takes 25 s, in every workflow run of the suite

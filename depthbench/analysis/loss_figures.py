@@ -38,11 +38,19 @@ def _removable_by_shape(depth: pd.DataFrame) -> pd.DataFrame:
 
 
 def _seed_text(best: pd.DataFrame, seeds: pd.Series) -> str:
-    """What the headline's bars are, from the cells' seed counts (best_lr's `n`)."""
+    """What the headline's bars are, from best_lr's interval columns: the pooled model's
+    (depthbench.analysis.best_loss) where the table has them, else the t interval over seeds."""
     if "ci_low" not in best.columns:
         return "no interval columns in best_lr"
     if seeds.empty:
         return ""
+    if "pooled_df" in best.columns:
+        df = int(best["pooled_df"].max()) if best["pooled_df"].notna().any() else 0
+        if df == 0:
+            return "n=1 in every cell (one seed): no interval"
+        sd = float(best.loc[best["pooled_df"] == df, "pooled_sd"].iloc[0])
+        bars = f"bars: 95% interval, seed SD {sd:.2g} pooled over the cells ({df} df) + LR choice"
+        return bars + ("; n=1: one seed" if (seeds == 1).any() else "")
     if (seeds == 1).all():
         return "n=1 in every cell (one seed): no interval"
     several = "/".join(str(int(k)) for k in sorted(set(seeds[seeds >= 2])))
@@ -51,8 +59,9 @@ def _seed_text(best: pd.DataFrame, seeds: pd.Series) -> str:
 
 
 def headline(tables: dict, ctx: S.Context):
-    """Top: loss at the best LR (its 95% t interval over seeds as bars, "n=1" beside a cell of
-    one seed among cells of several, open markers where the best LR is at the edge of the
+    """Top: loss at the best LR (its 95% interval as bars: the seed variance pooled over the
+    cells plus the LR choice's, best_lr's ci_low / ci_high; "n=1" beside a cell of one seed
+    among cells of several, open markers where the best LR is at the edge of the
     swept range) against d_model / n_layer; middle, where the grid has layer removal: the
     fraction of layers removable within the tolerance (effective depth, the best ranking);
     bottom: budget deviation. In the top and middle panels a cell whose best-LR runs did not

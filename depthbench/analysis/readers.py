@@ -41,8 +41,23 @@ def best_runs(runs: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
     """The runs at their group's best learning rate (every seed), from runs and best_lr."""
     if not has(runs, "run_id", *SHAPE_KEYS, "lr") or not has(best, *SHAPE_KEYS, "best_lr"):
         return pd.DataFrame(columns=list(runs.columns) if runs is not None else [])
-    chosen = runs.merge(best[SHAPE_KEYS + ["best_lr"]], on=SHAPE_KEYS)
-    return chosen[np.isclose(chosen["lr"], chosen["best_lr"])].drop(columns=["best_lr"])
+    lr_of = dict(zip(cell_keys(best), best["best_lr"].astype(float)))
+    chosen = np.array([lr_of.get(k, np.nan) for k in cell_keys(runs)], dtype=float)
+    return runs[np.isclose(runs["lr"].to_numpy(float), chosen)].reset_index(drop=True)
+
+
+def cell_keys(df: pd.DataFrame) -> list[tuple]:
+    """Each row's (arch, n_layer, d_model, knobs) as a hashable key, shapes as floats (one table
+    may read d_model as an int and another as a float; NaN as -1)."""
+    d = df["d_model"].to_numpy(float)
+    return list(
+        zip(
+            map(str, df["arch"].to_numpy()),
+            df["n_layer"].to_numpy(float),
+            np.where(np.isnan(d), -1.0, d),
+            map(str, df["knobs"].to_numpy()),
+        )
+    )
 
 
 def first_seed(df: pd.DataFrame) -> pd.DataFrame:
@@ -109,34 +124,6 @@ def all_in_cells(df: pd.DataFrame, keys: frozenset[tuple]) -> bool:
 
 
 INTERVAL = ("ci_low", "ci_high")  # a row's 95% interval, where the stage that wrote it has one
-
-
-def best_loss(runs: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
-    """Per best_lr cell: the final validation loss at the best LR (`value`) with its 95% interval
-    (`low`, `high`) and seed count (`n`): best_lr's own ci_low / ci_high / n where the table has
-    them, otherwise the t interval over the best-LR runs' seeds (analysis.intervals.seed_interval;
-    no interval for one seed)."""
-    from depthbench.analysis.intervals import seed_interval
-
-    columns = [*SHAPE_KEYS, "value", "low", "high", "n"]
-    if not has(best, *SHAPE_KEYS, "final_val_loss"):
-        return pd.DataFrame(columns=columns)
-    if all(c in best.columns for c in INTERVAL):
-        n = best["n"] if "n" in best else best.get("n_seeds", pd.Series(1, index=best.index))
-        out = best[SHAPE_KEYS].assign(
-            value=best["final_val_loss"], low=best["ci_low"], high=best["ci_high"], n=n
-        )
-        return out[columns].reset_index(drop=True)
-    chosen = best_runs(runs, best)
-    seeds = {k: seed_interval(g["final_val_loss"]) for k, g in chosen.groupby(SHAPE_KEYS)}
-    rows = []
-    for *key, loss in best[[*SHAPE_KEYS, "final_val_loss"]].itertuples(index=False):
-        e = seeds.get(tuple(key))
-        if e is None or e.n == 0:  # the runs table lacks the cell: best_lr's mean, no interval
-            rows.append([*key, float(loss), np.nan, np.nan, 1])
-        else:
-            rows.append([*key, e.value, e.low, e.high, e.n])
-    return pd.DataFrame(rows, columns=columns)
 
 
 def removable(depth: pd.DataFrame, all_seeds: bool = False) -> pd.DataFrame:

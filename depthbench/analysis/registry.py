@@ -44,8 +44,9 @@ FIGURES: dict[str, Figure] = {
             LOSS,
             "figures",
             _LOSS + ("effective_depth",),
-            "Validation loss at the best learning rate (seeds averaged; bars: the 95% t interval "
-            "over seeds where a cell has several, n=1 where it has one) against d_model / "
+            "Validation loss at the best learning rate (seeds averaged; bars: the 95% interval "
+            "with the seed variance pooled over the grid's cells plus the LR choice's, "
+            "depthbench.analysis.best_loss; n=1 marks a cell of one seed) against d_model / "
             "n_layer at a fixed parameter budget, one line per architecture; "
             "open circles: the best LR is at the edge of the swept range (the true "
             "optimum may lie outside); crosses: cells that did not learn, left off the lines; "

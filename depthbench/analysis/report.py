@@ -48,27 +48,71 @@ def _verdict_class(v: str) -> str:
     )
 
 
+def _effect(r) -> str:
+    """The decisive effect: estimate [95% interval], df and the claim's p-value."""
+    effect, e = getattr(r, "effect", ""), getattr(r, "estimate", float("nan"))
+    if not effect or e != e:
+        return ""
+    df = getattr(r, "df", float("nan"))
+    dft = "exact" if getattr(r, "test", "").startswith("exact") else (
+        "df &infin;" if df == float("inf") else f"df {df:.3g}"
+    )  # fmt: skip
+    interval = f" [{r.ci_low:.3g}, {r.ci_high:.3g}]" if r.ci_low == r.ci_low else ""
+    p = getattr(r, "effect_p", float("nan"))
+    p = f", p = {p:.2g}" if p == p else ""
+    return f"<b>{html.escape(effect)}</b>: {e:.3g}{interval}, {dft}{p}"
+
+
 def _ours(r) -> str:
-    """Our summary, then every number compared with its 95% interval and seed count."""
+    """Our summary, the decisive effect with its test, then every cell compared with its 95%
+    interval and seed count."""
     numbers = getattr(r, "estimates", "") or ""
-    return html.escape(r.ours or "-") + (
-        f'<div class="small">{html.escape(numbers)}</div>' if numbers else ""
+    effect = _effect(r)
+    return (
+        html.escape(r.ours or "-")
+        + (f"<div>{effect}</div>" if effect else "")
+        + (f'<div class="small">{html.escape(numbers)}</div>' if numbers else "")
     )
 
 
 def _verdict(r, with_note: bool) -> str:
-    single = bool(getattr(r, "single_seed", False))
-    flag = ' <span class="flag">single seed</span>' if single else ""
-    note = f'<div class="small">{html.escape(r.note)}</div>' if r.note and with_note else ""
-    return html.escape(r.verdict) + flag + note
+    flag = ' <span class="flag">single seed</span>' if getattr(r, "single_seed", False) else ""
+    p, small = getattr(r, "p_value", float("nan")), '<div class="small">{}</div>'
+    note = small.format(html.escape(r.note)) if r.note and with_note else ""
+    return (
+        html.escape(r.verdict)
+        + flag
+        + (small.format(f"claim p = {p:.2g}") if p == p else "")
+        + note
+    )
 
 
-CLAIMS_LEGEND = (
-    '<p class="small">holds / contradicted: our numbers go the paper\'s way / the opposite way and '
-    "their 95% intervals separate; inconclusive at this scale: the intervals overlap, or a number "
-    'has none (one seed, no bootstrap interval); <span class="flag">single seed</span>: a '
-    "number compared rests on one seed.</p>"
-)
+def claims_method(best: pd.DataFrame) -> str:
+    """What stands above the claims table: the model, the pooled degrees of freedom (of the
+    best-LR loss, best_lr's columns) and the test."""
+    pooled = ""
+    if R.has(best, "pooled_df", "pooled_sd", "n") and best["pooled_df"].max() > 0:
+        row, cells = best.loc[best["pooled_df"].idxmax()], int((best["n"] >= 2).sum())
+        pooled = (
+            f"for the best-LR loss a seed SD of {row['pooled_sd']:.3g} nats pooled over {cells} "
+            f"cells, <b>{int(row['pooled_df'])} degrees of freedom</b>, plus each cell's "
+            f"LR-choice variance (SD up to {best['lr_choice_sd'].max():.2g} nats); "
+        )
+    return (
+        '<p class="small"><b>Model and test.</b> Each claim\'s effect is a contrast of cell means '
+        "(a cell: an architecture at a depth; its runs: the seeds) estimated from every run: "
+        "&ldquo;depth helps X&rdquo; is the least-squares slope of the best-LR loss on "
+        "log2(n_layer) over every depth and seed, &ldquo;X differs from Y at depth L&rdquo; the "
+        "difference of their cell means. The seed variance is pooled over the grid's cells (one "
+        f"per architecture with 10 or more degrees of freedom, else the grid's): {pooled}each "
+        "row names its own. Each effect gets a two-sided t test; the verdict at 5%: "
+        "<i>holds</i>, every effect the paper's way with p &lt; 0.05; <i>contradicted</i>, one "
+        "the opposite way with p &lt; 0.05 after a Bonferroni correction over the claim's "
+        "effects; else <i>inconclusive at this scale</i> (under no effect, at most 5% of "
+        "verdicts are not inconclusive: tests/unit/test_verdict_calibration.py). Intervals are "
+        '95%, inside the quantity\'s range; <span class="flag">single seed</span>: a cell '
+        "compared rests on one seed.</p>"
+    )
 
 
 def claims_html(claims: pd.DataFrame, full: bool = False) -> str:
@@ -77,8 +121,8 @@ def claims_html(claims: pd.DataFrame, full: bool = False) -> str:
     source and the note (which names the cells left out because their best run did not learn)."""
     if claims.empty:
         return "<p>No claims table.</p>"
-    head = ["claim", "paper", "ours: value [95% interval] (n seeds)", "verdict"] + (
-        ["how ours is computed", "source", "note"] if full else []
+    head = ["claim", "paper", "ours: effect [95% interval], df, p; cells (n seeds)", "verdict"] + (
+        ["how ours is computed", "seed variance", "source", "note"] if full else []
     )
     rows = []
     for r in claims.itertuples():
@@ -89,7 +133,8 @@ def claims_html(claims: pd.DataFrame, full: bool = False) -> str:
             _verdict(r, with_note=not full),
         ]
         if full:
-            cells += [html.escape(r.method), html.escape(r.source), html.escape(r.note or "")]
+            cells += [html.escape(r.method), html.escape(getattr(r, "variance", "") or "")]
+            cells += [html.escape(r.source), html.escape(r.note or "")]
         rows.append(
             f'<tr class="{_verdict_class(r.verdict)}">'
             + "".join(f"<td>{c}</td>" for c in cells)
@@ -105,7 +150,7 @@ def claims_html(claims: pd.DataFrame, full: bool = False) -> str:
 
 
 def best_lr_html(best: pd.DataFrame, budget: float | None) -> str:
-    """The best-LR table: loss (+- seed std), budget deviation, LR at the edge, seeds."""
+    """The best-LR table: loss [its pooled 95% interval], budget deviation, LR at edge, seeds."""
     if best.empty:
         return "<p>No best-LR table: every run diverged or none was trained.</p>"
     order = R.archs(best)
@@ -120,7 +165,7 @@ def best_lr_html(best: pd.DataFrame, budget: float | None) -> str:
         "params",
         "vs budget",
         "best LR",
-        "val loss",
+        "val loss [95%]",
         "seeds",
         "LR at edge",
         "diverged / LRs",
@@ -128,8 +173,8 @@ def best_lr_html(best: pd.DataFrame, budget: float | None) -> str:
     rows = []
     for r in best.to_dict("records"):
         dev = r.get("params_vs_budget", r["params"] / budget - 1 if budget else float("nan"))
-        std = r.get("final_val_loss_std", float("nan"))
-        loss = f"{r['final_val_loss']:.4f}" + (f" &plusmn; {std:.4f}" if std == std else "")
+        low, high = r.get("ci_low", float("nan")), r.get("ci_high", float("nan"))
+        loss = f"{r['final_val_loss']:.4f}" + (f" [{low:.3f}, {high:.3f}]" if low == low else "")
         edge = r.get("lr_at_edge")
         cells = [
             html.escape(r["arch"] if r["knobs"] == "{}" else f"{r['arch']} {r['knobs']}"),
@@ -160,26 +205,14 @@ def best_lr_html(best: pd.DataFrame, budget: float | None) -> str:
     )
 
 
+RUN_COLUMNS = ("run_id", "arch", "n_layer", "d_model", "params", "lr", "seed", "status",
+               "final_val_loss", "tokens_seen", "device")  # fmt: skip
+
+
 def runs_html(runs: pd.DataFrame) -> str:
-    cols = [
-        c
-        for c in (
-            "run_id",
-            "arch",
-            "n_layer",
-            "d_model",
-            "params",
-            "lr",
-            "seed",
-            "status",
-            "final_val_loss",
-            "tokens_seen",
-            "device",
-        )
-        if c in runs
-    ]
     if runs.empty:
         return "<p>No runs.</p>"
+    cols = [c for c in RUN_COLUMNS if c in runs]
     return runs[cols].to_html(index=False, float_format=lambda v: f"{v:.4g}", border=0)
 
 
@@ -218,7 +251,7 @@ def build_report(names: list[str], figure_dir: str | Path, tables: dict, setting
     claims_part = (
         "<h3>Claims of the source papers (sources and methods: "
         "<a href='#claims'>Claims in full</a>)</h3>"
-        + CLAIMS_LEGEND
+        + claims_method(best)
         + (
             claims_html(testable)
             if not testable.empty

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from depthbench.analysis import readers as R
-from depthbench.analysis.intervals import cell_interval, seed_interval
+from depthbench.analysis.intervals import cell_interval
 
 CELL_KEYS = ["arch", "n_layer", "d_model", "knobs"]
 NLL_INTERVAL_COLUMNS = ("ci_low", "ci_high", "nats_per_token_ci_low", "nats_per_token_ci_high")
@@ -26,12 +26,6 @@ ESTIMATE_COLUMNS = ["value", "ci_low", "ci_high", "n"]
 def with_interval_columns(table: pd.DataFrame, columns) -> pd.DataFrame:
     """`table` with each interval column present (NaN where a file was written without it)."""
     return table.assign(**{c: table[c].astype(float) if c in table else math.nan for c in columns})
-
-
-def seed_columns(values: pd.Series) -> pd.Series:
-    """The t interval over seeds of one group's values (one per seed): ci_low, ci_high, n."""
-    e = seed_interval(values.to_numpy())
-    return pd.Series({"ci_low": e.low, "ci_high": e.high, "n": e.n})
 
 
 def cells(

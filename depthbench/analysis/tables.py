@@ -14,7 +14,6 @@ from typing import Iterable
 import numpy as np
 import pandas as pd
 
-from depthbench.analysis.summaries import seed_columns
 from depthbench.util.io import atomic_write
 from depthbench.train.runcheck import read_summary
 
@@ -134,6 +133,10 @@ BEST_LR_COLUMNS = GROUP_COLUMNS + [
     "ci_low",
     "ci_high",
     "n",
+    "ci_df",
+    "pooled_sd",
+    "pooled_df",
+    "lr_choice_sd",
     "n_lrs_tried",
     "n_diverged",
     "lr_at_edge",
@@ -141,7 +144,7 @@ BEST_LR_COLUMNS = GROUP_COLUMNS + [
 
 
 def best_learning_rates(
-    runs: pd.DataFrame, sweep_seeds: Iterable[int] | None = None
+    runs: pd.DataFrame, sweep_seeds: Iterable[int] | None = None, intervals: bool = True
 ) -> pd.DataFrame:
     """Per (architecture, shape, knobs): the LR with the lowest final validation loss among runs
     that did not diverge (seeds are averaged first, so a lucky seed does not pick the LR).
@@ -152,12 +155,16 @@ def best_learning_rates(
     them, and reporting only the sweep's seeds would discard them.
 
     `final_val_loss` is that LR's mean over seeds, `final_val_loss_std` the sample standard
-    deviation (ddof 1; NaN for one seed) and `n_seeds` their count. `ci_low`, `ci_high` are the
-    95% t interval of that mean over the seeds (intervals.seed_interval) and `n` the number of
-    seeds behind it; with n = 1 the interval is NaN. `lr_at_edge` is true when
-    the best LR is the smallest or the largest LR tried for the cell (diverged runs count as
-    tried: an LR that diverged bounds the grid from above), so the optimum may lie outside it.
+    deviation (ddof 1; NaN for one seed) and `n_seeds` their count. `intervals` adds the mean's
+    95% interval (best_loss.with_intervals: `ci_low`, `ci_high`, `ci_df`, `n`, `pooled_sd`,
+    `pooled_df`, `lr_choice_sd`) from the best-LR loss model, the seed variance pooled over the
+    cells of the experiment plus the LR choice's; without them those columns are NaN (what the
+    LR sweep's checkpoint needs is the choice alone). `lr_at_edge` is true when the best LR is
+    the smallest or the largest LR tried for the cell (diverged runs count as tried: an LR that
+    diverged bounds the grid from above), so the optimum may lie outside it.
     """
+    from depthbench.analysis.best_loss import with_intervals
+
     ok = runs[(runs["status"] == "ok") & runs["final_val_loss"].notna()]
     if ok.empty:
         return pd.DataFrame(columns=BEST_LR_COLUMNS)
@@ -171,13 +178,6 @@ def best_learning_rates(
         params=("params", "first"),
         params_vs_budget=("params_vs_budget", "first"),
     )
-    per_lr = per_lr.merge(
-        ok.groupby(GROUP_COLUMNS + ["lr"])["final_val_loss"]
-        .apply(seed_columns)
-        .unstack()
-        .reset_index(),
-        on=GROUP_COLUMNS + ["lr"],
-    ).astype({"n": "int64"})
     choice = ok if sweep_seeds is None else ok[ok["seed"].isin(list(sweep_seeds))]
     chosen = choice.groupby(GROUP_COLUMNS + ["lr"], as_index=False)["final_val_loss"].mean()
     chosen = chosen.loc[chosen.groupby(GROUP_COLUMNS)["final_val_loss"].idxmin()]
@@ -196,6 +196,7 @@ def best_learning_rates(
     )
     out = best.merge(tried, on=GROUP_COLUMNS)
     out["lr_at_edge"] = (out["best_lr"] == out["lr_min"]) | (out["best_lr"] == out["lr_max"])
+    out = with_intervals(out, runs) if intervals else out.reindex(columns=BEST_LR_COLUMNS)
     return out[BEST_LR_COLUMNS].sort_values(["arch", "ratio"], ignore_index=True)
 
 

@@ -21,12 +21,12 @@ in proportion (the presets' comments give their corpora's sizes), one that train
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
-import dataclasses
-
 from depthbench.commands.step_records import StepRecord
+from depthbench.grid.extend import cell_of
 from depthbench.launch.executors import ranks_per_run
 from depthbench.models.cost import analytic_cost
 from depthbench.train.memory import HEADROOM, estimate_memory
@@ -112,6 +112,8 @@ class SweepPlan(list):
         self.tokenization = tokenization
         # seeds_at_best_lr: one cell's replicates each, standing for those the sweep will choose
         self.replicates: list[RunPlan] = []
+        # lr_sweep.max_extensions: one side's extensions of each cell, the most that can train
+        self.extensions: list[RunPlan] = []
 
 
 def plan_experiment(
@@ -193,13 +195,20 @@ def plan_experiment(
     # cell's first LR stand for the ones the sweep will choose
     cells: dict[str, dict] = {}
     for sweep_id, replicas in exp.replicates.items():
-        spec = exp.runs[sweep_id]
+        spec = exp.candidate_runs[sweep_id]
         cell = json.dumps(
             [spec.arch, spec.model.to_dict(), spec.knobs], sort_keys=True, default=str
         )
         cells.setdefault(cell, replicas)
     plans.replicates = [
         run_plan(rid, spec) for reps in cells.values() for rid, spec in reps.items()
+    ]
+    # an extension costs what its cell's runs cost; a cell extends on one side only
+    top = {}
+    for spec in exp.runs.values():
+        top[cell_of(spec)] = max(top.get(cell_of(spec), 0.0), spec.lr)
+    plans.extensions = [
+        run_plan(rid, spec) for rid, spec in exp.extensions.items() if spec.lr > top[cell_of(spec)]
     ]
     return plans
 
@@ -272,6 +281,13 @@ def format_plan(
             f"{sum(p.flops for p in replicates):.3e} FLOPs, "
             f"{sum(p.gpu_hours for p in replicates):,.0f} GPU-hours; "
             f"{sum(not p.fits for p in replicates)} do not fit"
+        )
+    extensions = getattr(plans, "extensions", [])
+    if extensions:
+        lines.append(
+            f"LR sweep extensions past the cells' edges (lr_sweep.max_extensions): at most "
+            f"{len(extensions)} runs, {sum(p.gpu_hours for p in extensions):,.0f} GPU-hours; "
+            f"{sum(not p.fits for p in extensions)} do not fit"
         )
     if getattr(plans, "tokenization", None) is not None:
         lines.append(format_tokenization(plans.tokenization))

@@ -1,9 +1,11 @@
 """`depthbench status [CONFIG]`: where each run of the grid stands, and what the next `snakemake`
 run would do, computed from the files under results/ without running anything.
 
-Runs: the grid's, and with `seeds_at_best_lr` the replicates that the LR sweep's table
-(results/tables/lr_sweep.parquet) calls for once it is current; until then the plan says that they
-follow the sweep. Per run: `trained` (summary status ok), `at-floor` (trained, but its final
+Runs: the grid's, the extensions past the edges of cells' LR sweeps that the sweep's rounds
+(results/tables/lr_sweep/round{k}.parquet, lr_sweep.max_extensions) have called for, and with
+`seeds_at_best_lr` the replicates that its last round calls for once it is current; until then
+the plan counts the extensions still possible (at most) and says that the replicates follow.
+Per run: `trained` (summary status ok), `at-floor` (trained, but its final
 validation loss is not analysis.learned_margin nats below the unigram floor: it did not learn, and
 the claims leave out its cell when it is the cell's best run), `diverged`, `probed` and `scored`
 (its probe / NLL Parquet exists and is current; with `probes.runs` / `nll.runs: best_lr` only the
@@ -36,13 +38,15 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from depthbench.commands.sweep_state import best_lr_runs, chosen_replicates, tabled_run_ids
+from depthbench.commands.sweep_state import best_lr_runs, chosen_extensions, chosen_replicates
+from depthbench.commands.sweep_state import last_round, tabled_run_ids
 from depthbench.commands.snakemake_records import (
     file_mtime,
     incomplete_outputs,
     updated_input,
 )
 from depthbench.grid.expand import Experiment
+from depthbench.grid.extend import extensions_at_most
 from depthbench.spec.run import short_hash
 from depthbench.util.errors import DataError
 from depthbench.train.checkpoint_folder import list_checkpoints, verify_checkpoint
@@ -159,7 +163,11 @@ def run_statuses(exp: Experiment, results: str | os.PathLike = RESULTS) -> list[
     results = Path(results)
     meta = results / "data" / exp.data_id / "meta.json"
     sets = _nll_sets_path(exp, results)
-    runs = {**exp.runs, **(chosen_replicates(exp, results) or {})}
+    runs = {
+        **exp.runs,
+        **chosen_extensions(exp, results),
+        **(chosen_replicates(exp, results) or {}),
+    }
     tabled = tabled_run_ids(results)
     best = best_lr_runs(exp, results, list(runs))
     out = []
@@ -235,6 +243,13 @@ def plan(
     lines = []
     if not (results / "data" / exp.data_id / "meta.json").exists():
         lines.append(f"tokenize: build results/data/{exp.data_id} (tokenizer and shards) first")
+    if exp.extensions and last_round(exp, results) is None:
+        at_most = extensions_at_most(exp) - len(chosen_extensions(exp, results))
+        lines.append(
+            f"train, later: up to {at_most} run(s) past the edges of cells' LR sweeps "
+            f"(lr_sweep.max_extensions {exp.config['lr_sweep']['max_extensions']}), as many "
+            "as the sweep's rounds call for"
+        )
     if chosen_replicates(exp, results) is None:
         n = exp.config["seeds_at_best_lr"]
         lines.append(

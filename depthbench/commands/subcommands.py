@@ -64,12 +64,15 @@ def cmd_runs(args) -> None:
 
 def cmd_validate(args) -> None:
     from depthbench.grid.config import ignored_settings
+    from depthbench.grid.extend import extensions_at_most
 
     exp = _experiment(args.config)
     cells = {(s.arch, s.model.n_layer, s.model.d_model, str(s.knobs)) for s in exp.runs.values()}
     extra = len(next(iter(exp.replicates.values()), {})) * len(cells)
+    at_most = extensions_at_most(exp)
     print(
         f"{args.config}: valid; {len(exp.runs)} runs"
+        + (f", at most {at_most} past cells' LR edges (lr_sweep.max_extensions)" if at_most else "")
         + (f" and {extra} replicates at the cells' best LRs (seeds_at_best_lr)" if extra else "")
         + f", data {exp.data_id}, tokenizer {exp.tokenizer_id}"
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from depthbench.grid.checks import check_named
 from depthbench.grid.expand import Experiment, grid_runs, replicate_runs
+from depthbench.grid.extend import extension_runs
 from depthbench.grid.ids import data_id, tokenizer_id
 from depthbench.models.registry import canonical_arch
 from depthbench.models.registry import declared_options, registered_architectures
@@ -22,6 +23,7 @@ def expand_grid(config: dict) -> Experiment:
         data_id=data_id(config),
     )
     exp.runs = grid_runs(exp)
+    exp.extensions = extension_runs(exp.runs, config.get("lr_sweep", {}).get("max_extensions", 0))
     exp.replicates = replicate_runs(exp)
     return exp
 

@@ -30,8 +30,12 @@ class Experiment:
     data_id: str
     runs: dict[str, RunSpec] = field(default_factory=dict)
     # `seeds_at_best_lr`: {sweep run id at the first seed: {replicate run id: spec}} for every
-    # cell x learning rate; which of them exist is decided once the LR sweep (`runs`) is done
+    # cell x learning rate, extensions included; which of them exist is decided once the LR
+    # sweep (`runs`, then its extensions) is done
     replicates: dict[str, dict[str, RunSpec]] = field(default_factory=dict)
+    # `lr_sweep.max_extensions`: every run the sweep may add past a cell's edge
+    # (depthbench.grid.extend); which of them train is decided round by round
+    extensions: dict[str, RunSpec] = field(default_factory=dict)
 
     @property
     def run_ids(self) -> list[str]:
@@ -39,8 +43,9 @@ class Experiment:
 
     @property
     def candidate_runs(self) -> dict[str, RunSpec]:
-        """Every run the workflow may train: the sweep and every replicate candidate."""
-        out = dict(self.runs)
+        """Every run the workflow may train: the sweep, its extensions and every replicate
+        candidate."""
+        out = {**self.runs, **self.extensions}
         for replicas in self.replicates.values():
             out.update(replicas)
         return out
@@ -203,7 +208,7 @@ def replicate_runs(exp: Experiment) -> dict[str, dict[str, RunSpec]]:
         return {}
     first = int(exp.config.get("seeds", [0])[0])
     out: dict[str, dict[str, RunSpec]] = {}
-    for run_id, spec in exp.runs.items():
+    for run_id, spec in {**exp.runs, **exp.extensions}.items():
         if spec.seed != first:
             continue
         replicas = {}

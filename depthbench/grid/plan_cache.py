@@ -42,7 +42,7 @@ from typing import Callable
 from depthbench.grid.expand import Experiment
 
 PACKAGE = Path(__file__).resolve().parents[1]
-FORMAT = 1  # bump when the entry's layout changes
+FORMAT = 2  # bump when the entry's layout changes
 KEEP = 32  # entries kept: one per config a user (or a test suite) plans
 STRAY_AGE_S = 3600  # a temporary file this old is a killed writer's, removed with the old entries
 
@@ -167,6 +167,7 @@ def encode(plan: PlannedGrid) -> dict:
             rid: {r: spec.to_dict() for r, spec in replicas.items()}
             for rid, replicas in exp.replicates.items()
         },
+        "extensions": {rid: spec.to_dict() for rid, spec in exp.extensions.items()},
         "figures": plan.figures,
     }
 
@@ -184,6 +185,7 @@ def decode(data: dict) -> PlannedGrid:
             rid: {r: RunSpec.from_dict(d) for r, d in replicas.items()}
             for rid, replicas in data["replicates"].items()
         },
+        extensions={rid: RunSpec.from_dict(d) for rid, d in data["extensions"].items()},
     )
     return PlannedGrid(exp, list(data["figures"]))
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from scipy import stats
 
 from depthbench.analysis import readers as R
 from depthbench.analysis.claims.table import COLUMNS, claims_table, load_claims
@@ -28,7 +29,6 @@ from tests.analysis_tables import FLOOR, HALF_WIDTH, JITTER, synthetic_tables
 
 CLAIMS_FILE = Path(__file__).resolve().parents[2] / "config" / "claims.yaml"
 ALL = ("pre_ln", "post_ln", "lns", "hc", "mhc", "attnres_full", "attnres_block")
-T975_1 = 12.706  # t(0.975, 1 degree of freedom): the interval of two seeds
 
 
 @pytest.fixture(scope="module")
@@ -201,8 +201,8 @@ def test_j_post_ln_token_similarity_at_init(two_seeds):
     j = "j_post_ln_token_similarity"
 
     def tsim(fast):
-        def value(r):
-            return r.i * (0.1 if (r.arch, r.stage) == fast else 0.02)
+        def value(r):  # seeds differ in their growth, by JITTER per layer
+            return r.i * (0.1 if (r.arch, r.stage) == fast else 0.02) + r.i * JITTER * r.seed
 
         return set_probe(fresh(two_seeds), "token_similarity", value)
 
@@ -284,14 +284,14 @@ def test_i_pre_ln_rms_grows_and_lns_holds_it_down(two_seeds):
 
 def _collapse(t: dict, arch: str, loss: float, grad_last: float | None) -> dict:
     """The runs of `arch` at `loss`, marked as not learned; their ||dL/dh_1|| at the last step
-    `grad_last` (None: unchanged)."""
+    about `grad_last` (None: about the first step's), the runs a little apart."""
     runs, dyn = t["runs"], t["dynamics"]
     ids = run_ids(t, arch)
     runs.loc[runs["run_id"].isin(ids), ["final_val_loss", "learned"]] = [loss, False]
-    if grad_last is not None:
-        last = dyn["run_id"].isin(ids) & (dyn["quantity"] == "grad_norm_h") & (dyn["step"] == 100)
-        last &= dyn["index"] == 1
-        dyn.loc[last, "value"] = grad_last * (1 + dyn.loc[last, "value"])  # seeds differ a little
+    last = dyn["run_id"].isin(ids) & (dyn["quantity"] == "grad_norm_h") & (dyn["step"] == 100)
+    last &= dyn["index"] == 1
+    level = dyn.loc[last, "value"] if grad_last is None else grad_last
+    dyn.loc[last, "value"] = level * (1 + dyn.loc[last, "value"])  # seeds differ a little
     return t
 
 
@@ -386,22 +386,30 @@ def test_one_removable_reader_behind_the_claim_the_headline_and_the_profile(two_
     assert all(e.value == 0.5 for e in one.estimates.values())
 
 
-# -- the intervals behind the verdicts -------------------------------------------------------------
-def test_two_seeds_give_the_t_interval_and_one_seed_the_tables_own():
+# -- the intervals and tests behind the verdicts --------------------------------------------------
+def test_two_seeds_give_the_pooled_interval_and_one_seed_the_tables_own():
+    """Two seeds: the rank's seed variance pooled over hc's and mhc's cells (1 df each), the
+    difference's t test with those 2 df. One seed with the probe's own bootstrap interval
+    (ci_low / ci_high): a z test on it, flagged single seed."""
     t = synthetic_tables(archs=("hc", "mhc"), depths=(2,), lrs=(2e-3,), seeds=(0, 1))
     row = (
         claims_table(load_claims(CLAIMS_FILE), t, {})
         .set_index("claim_id")
         .loc["f_mhc_rank_below_hc"]
     )
-    seeds = [1.5, 1.5 + JITTER]  # mhc's two seeds
-    half = T975_1 * np.std(seeds, ddof=1) / math.sqrt(2)
+    mhc, hc = np.array([1.5, 1.5 + JITTER]), np.array([2.6, 2.6 + JITTER])
+    pooled = (mhc.var(ddof=1) + hc.var(ddof=1)) / 2  # 2 df
+    half = 4.303 * math.sqrt(pooled / 2)  # t(0.975, 2) from a printed table
     assert row["lhs"] == "mhc L=2" and row["rhs"] == "hc L=2" and row["lhs_n"] == 2
-    assert row["lhs_value"] == pytest.approx(np.mean(seeds))
-    assert row["lhs_low"] == pytest.approx(np.mean(seeds) - half)
-    assert row["lhs_high"] == pytest.approx(np.mean(seeds) + half)
-    assert row["verdict"] == HOLDS and not row["single_seed"]
-    # one seed with the probe's own bootstrap interval (ci_low / ci_high): it decides, flagged
+    assert row["lhs_value"] == pytest.approx(mhc.mean())
+    assert (row["lhs_low"], row["lhs_high"]) == pytest.approx(
+        (mhc.mean() - half, mhc.mean() + half), abs=1e-6
+    )
+    ref = stats.ttest_ind(mhc, hc, equal_var=True)
+    assert row["estimate"] == pytest.approx(mhc.mean() - hc.mean())
+    assert row["df"] == 2 and row["p_value"] == pytest.approx(ref.pvalue)
+    assert row["ci_high"] < 0 and row["verdict"] == HOLDS and not row["single_seed"]
+    assert row["effect"] == "mhc L=2 - hc L=2" and "pooled" in row["test"]
     one = synthetic_tables(archs=("hc", "mhc"), depths=(2,), lrs=(2e-3,), intervals=True)
     row = (
         claims_table(load_claims(CLAIMS_FILE), one, {})
@@ -409,19 +417,29 @@ def test_two_seeds_give_the_t_interval_and_one_seed_the_tables_own():
         .loc["f_mhc_rank_below_hc"]
     )
     assert (row["lhs_low"], row["lhs_high"]) == pytest.approx((1.5 - HALF_WIDTH, 1.5 + HALF_WIDTH))
-    assert row["verdict"] == HOLDS and row["single_seed"]
+    assert row["verdict"] == HOLDS and row["single_seed"] and row["df"] == math.inf
     assert row["estimates"] == "mhc L=2 1.5 [1.495, 1.505] (n=1); hc L=2 2.6 [2.595, 2.605] (n=1)"
 
 
-def test_best_lr_intervals_come_from_its_columns_when_it_has_them():
-    t = synthetic_tables(archs=("pre_ln", "hc", "attnres_full"), lrs=(2e-3,), intervals=True)
-    loss = R.best_loss(t["runs"], t["best_lr"]).set_index(["arch", "n_layer"])
-    assert loss.loc[("hc", 2), ["value", "low", "high", "n"]].tolist() == pytest.approx(
-        [3.96, 3.96 - HALF_WIDTH, 3.96 + HALF_WIDTH, 1]
-    )
-    assert verdict("a_depth_helps_hc_attnres_not_pre_ln", t) == HOLDS
-    bare = R.best_loss(t["runs"], t["best_lr"].drop(columns=["ci_low", "ci_high", "n"]))
-    assert bare["low"].isna().all() and (bare["n"] == 1).all()  # one seed, no interval
+def test_one_seed_of_the_loss_has_no_test():
+    """A final loss carries no interval of its own: one seed in every cell leaves the loss claims
+    without a test, and best_lr without an interval."""
+    t = synthetic_tables(archs=("pre_ln", "hc", "attnres_full"), lrs=(2e-3,))
+    assert t["best_lr"]["ci_low"].isna().all() and (t["best_lr"]["pooled_df"] == 0).all()
+    result = run("a_depth_helps_hc_attnres_not_pre_ln", t)
+    assert result.verdict == INCONCLUSIVE and result.single_seed
+    assert "no test" in result.contrasts_text()
+
+
+def test_every_testable_claim_row_has_an_estimate_interval_p_value_and_df(two_seeds):
+    table = claims_table(load_claims(CLAIMS_FILE), two_seeds, {"arch_options": {"n_blocks": 4}})
+    testable = table[~table["verdict"].str.startswith(NOT_TESTABLE)]
+    assert len(testable) >= 9
+    for column in ("estimate", "ci_low", "ci_high", "p_value", "df"):
+        assert testable[column].notna().all(), column
+    assert (testable["ci_low"] <= testable["estimate"]).all()
+    assert (testable["estimate"] <= testable["ci_high"]).all()
+    assert testable["test"].str.len().gt(0).all() and testable["variance"].str.len().gt(0).all()
 
 
 # -- the table -------------------------------------------------------------------------------------
@@ -443,7 +461,9 @@ def test_the_table_states_every_outcome_with_its_numbers(two_seeds, one_seed):
     assert list(table.columns) == COLUMNS and len(table) == len(CLAIMS)
     assert table["verdict"].map(lambda v: v in OUTCOMES or v.startswith(NOT_TESTABLE + ": ")).all()
     a = table.set_index("claim_id").loc["a_depth_helps_hc_attnres_not_pre_ln"]
-    assert a["estimates"].startswith("pre_ln L=2 4.001 [3.994, 4.007] (n=2); pre_ln L=8 4.001")
+    # the seed SD JITTER / sqrt(2) pooled over 21 cells (21 df): 4.0005 +- t(21) JITTER / 2
+    assert a["estimates"].startswith("pre_ln L=2 4.001 [3.999, 4.002] (n=2); pre_ln L=8 4.001")
+    assert a["effect"] == "hc slope per doubling of L" and a["df"] == 21
     assert not a["single_seed"] and a["excluded_cells"] == 0
     single = claims_table(load_claims(CLAIMS_FILE), one_seed, {}).set_index("claim_id")
     assert single.loc["a_depth_helps_hc_attnres_not_pre_ln", "single_seed"]
@@ -486,6 +506,18 @@ def test_report_shows_the_numbers_and_flags_single_seed_verdicts(two_seeds, one_
     assert 'class="holds"' in f_row and "single seed" not in f_row and "(n=2)" in f_row
     assert 'class="inconclusive"' in a_row and "single seed" in a_row
     assert "(n=1, no interval)" in a_row
+    f = both.iloc[0]
+    assert f"<b>mhc L=2 - hc L=2</b>: {f['estimate']:.3g} [" in f_row
+    assert f"df {f['df']:.3g}, p = {f['p_value']:.2g}" in f_row
+
+
+def test_report_states_the_model_pooled_df_and_test_above_the_claims(two_seeds):
+    from depthbench.analysis.report import claims_method
+
+    text = claims_method(two_seeds["best_lr"])
+    df = int(two_seeds["best_lr"]["pooled_df"].max())
+    assert df == 21 and f"<b>{df} degrees of freedom</b>" in text  # 21 cells of two seeds
+    assert "least-squares slope" in text and "two-sided t test" in text and "Bonferroni" in text
 
 
 def test_run_rows_mark_the_runs_that_did_not_learn(wiki_jsonl, tmp_path):

@@ -264,7 +264,8 @@ def test_validate_lists_the_ignored_settings(tmp_path, capsys):
     config.write_text(text)
     assert main(["validate", str(config)]) in (0, None)
     out = capsys.readouterr().out
-    assert "18 runs and 6 replicates" in out
+    # 2 architectures x 3 depths: 18 runs, up to 2 extensions a cell, one replicate a cell
+    assert "18 runs, at most 12 past cells' LR edges" in out and "and 6 replicates" in out
     for field in (
         "learning_rates_by_arch.lns",
         "learning_rates_by_arch.attnres_full",

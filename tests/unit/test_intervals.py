@@ -8,12 +8,10 @@ import numpy as np
 import pytest
 
 from depthbench.analysis.intervals import (
-    Estimate,
     bootstrap_mean,
     cell_interval,
     seed_interval,
-    separated,
-    t975,
+    t_quantile,
 )
 
 
@@ -26,9 +24,13 @@ def student_cdf(x: float, df: int) -> float:
     return 0.5 + h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
 
 
-@pytest.mark.parametrize("df", [1, 2, 3, 5, 10, 30])
+@pytest.mark.parametrize("df", [1, 2, 3, 5, 10, 30, 31, 200])
 def test_t_quantile_is_students(df):
-    assert student_cdf(t975(df), df) == pytest.approx(0.975, abs=2e-5)
+    assert student_cdf(t_quantile(df), df) == pytest.approx(0.975, abs=2e-5)
+
+
+def test_t_quantile_at_infinite_df_is_the_normal_one():
+    assert 0.5 * (1 + math.erf(t_quantile(math.inf) / math.sqrt(2))) == pytest.approx(0.975)
 
 
 def test_seed_interval_is_the_t_interval():
@@ -72,11 +74,9 @@ def test_cell_interval_uses_seeds_when_there_are_several_else_the_runs_own():
     assert (single.value, single.low, single.high, single.n) == (1.0, 0.9, 1.1, 1)
 
 
-def test_separated_needs_both_intervals_apart():
-    hi, lo = Estimate(2.0, 1.9, 2.1, 3), Estimate(1.0, 0.9, 1.1, 3)
-    assert separated(hi, lo) == 1 and separated(lo, hi) == -1
-    assert separated(hi, Estimate(2.05, 2.0, 2.2, 3)) == 0
-    assert separated(hi, Estimate(1.0)) == 0
+def test_seeds_that_agree_are_said_to_agree_not_shown_as_an_interval():
+    e = seed_interval([1.0, 1.0])
+    assert e.identical and e.text() == "1 (n=2, identical in all 2 seeds)"
 
 
 def test_bootstrap_mean_is_the_percentile_interval_of_seeded_resampled_means():

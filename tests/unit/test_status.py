@@ -133,8 +133,8 @@ def test_status_marks_trained_runs_that_did_not_learn(wiki_jsonl, tmp_path, caps
 
 def test_status_lists_replicates_once_the_lr_sweep_has_chosen_them(wiki_jsonl, tmp_path, capsys):
     """seeds_at_best_lr: while the sweep's table is missing, status says replicates follow the
-    sweep and lists none; once results/tables/lr_sweep.parquet names one, it is a run of the
-    grid (missing, to train) and the plan counts it."""
+    sweep and lists none; once its last round (results/tables/lr_sweep/round0.parquet, no
+    extensions) names one, it is a run of the grid (missing, to train) and the plan counts it."""
     from depthbench.commands.cli import main
 
     config = tiny_config(wiki_jsonl, learning_rates=[3e-3, 1e-2], seeds_at_best_lr=2)
@@ -147,12 +147,13 @@ def test_status_lists_replicates_once_the_lr_sweep_has_chosen_them(wiki_jsonl, t
     assert "2 runs: 2 trained" in out and "once every run of the LR sweep has trained" in out
     sweep_id = min(exp.runs, key=lambda rid: exp.runs[rid].lr)
     (replica,) = exp.replicates[sweep_id]
-    (res / "tables").mkdir()
+    (res / "tables" / "lr_sweep").mkdir(parents=True)
     other = max(exp.runs, key=lambda rid: exp.runs[rid].lr)
     assert "later" in out  # the best-LR probes wait for the sweep's table
     pd.DataFrame(
-        {"best_lr": [3e-3], "sweep_run_ids": [[sweep_id]], "replicate_run_ids": [[replica]]}
-    ).to_parquet(res / "tables" / "lr_sweep.parquet")
+        {"best_lr": [3e-3], "tried_run_ids": [list(exp.runs)], "next_run_ids": [[]]}
+        | {"sweep_run_ids": [[sweep_id]], "replicate_run_ids": [[replica]]}
+    ).to_parquet(res / "tables" / "lr_sweep" / "round0.parquet")
     assert main(["status", str(cfg), "--results", str(res)]) == 0
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split()[1:3] for line in out.splitlines() if line.split()}
@@ -160,3 +161,38 @@ def test_status_lists_replicates_once_the_lr_sweep_has_chosen_them(wiki_jsonl, t
     # the sweep's table, not best_lr.parquet, says which runs the probes take
     assert rows[sweep_id] == ["trained", "no"] and rows[other] == ["trained", "-"]
     assert "train: 1 run" in out and "LR sweep" not in out
+
+
+def test_status_counts_the_extensions_still_possible_and_lists_those_called(
+    wiki_jsonl, tmp_path, capsys
+):
+    """lr_sweep.max_extensions 2: before the sweep's rounds, at most 2 extension runs (one cell,
+    one side, one seed); once round 0 calls one, it is a run to train and at most 1 more is
+    possible; once round 1 settles the cell, none."""
+    from depthbench.commands.cli import main
+
+    config = tiny_config(wiki_jsonl, learning_rates=[3e-3, 1e-2], lr_sweep={"max_extensions": 2})
+    cfg, exp, res = status_grid(config, tmp_path)
+    for rid in exp.runs:
+        fake_summary(res, exp.runs[rid])
+    assert main(["status", str(cfg), "--results", str(res)]) == 0
+    assert "up to 2 run(s) past the edges" in capsys.readouterr().out
+    called = min(
+        (r for r in exp.extensions if exp.extensions[r].lr > 1e-2),
+        key=lambda r: exp.extensions[r].lr,
+    )
+    assert exp.extensions[called].lr == 0.03333  # 1e-2 x (1e-2 / 3e-3), to 4 digits
+    folder = res / "tables" / "lr_sweep"
+    folder.mkdir(parents=True)
+    rounds = {"tried_run_ids": [list(exp.runs)], "sweep_run_ids": [[]], "replicate_run_ids": [[]]}
+    pd.DataFrame(rounds | {"next_run_ids": [[called]]}).to_parquet(folder / "round0.parquet")
+    assert main(["status", str(cfg), "--results", str(res)]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines() if line.split()}
+    assert rows[called] == "missing" and "up to 1 run(s) past the edges" in out
+    fake_summary(res, exp.extensions[called])
+    tried = {"tried_run_ids": [[*exp.runs, called]], "next_run_ids": [[]]}
+    pd.DataFrame(rounds | tried).to_parquet(folder / "round1.parquet")
+    assert main(["status", str(cfg), "--results", str(res)]) == 0
+    out = capsys.readouterr().out
+    assert "3 runs: 3 trained" in out and "past the edges" not in out

@@ -44,10 +44,12 @@ def _runs(losses: dict[tuple[str, float], list[float]]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def test_best_lr_has_the_t_interval_over_the_best_lrs_seeds_and_n():
+def test_best_lr_has_the_pooled_interval_and_n():
+    """pre_ln's three seeds at its best LR give the seed variance (2 df) that hc's single seed
+    shares; the LR choice is clear (1.4 nats apart), so it adds nothing."""
     three = [4.0, 4.1, 4.3]
     best = best_learning_rates(
-        _runs({("pre_ln", 1e-3): three, ("pre_ln", 2e-3): [4.5, 4.6, 4.4], ("hc", 1e-3): [3.9]})
+        _runs({("pre_ln", 1e-3): three, ("pre_ln", 2e-3): [5.5, 5.6, 5.4], ("hc", 1e-3): [3.9]})
     ).set_index("arch")
     pre, hc = best.loc["pre_ln"], best.loc["hc"]
     mean, sd = sum(three) / 3, math.sqrt(sum((x - sum(three) / 3) ** 2 for x in three) / 2)
@@ -57,8 +59,11 @@ def test_best_lr_has_the_t_interval_over_the_best_lrs_seeds_and_n():
     assert pre["final_val_loss_std"] == pytest.approx(sd)
     assert pre["ci_low"] == pytest.approx(mean - half, abs=1e-3)
     assert pre["ci_high"] == pytest.approx(mean + half, abs=1e-3)
-    assert hc["n"] == 1 and math.isnan(hc["ci_low"]) and math.isnan(hc["ci_high"])
-    assert hc["final_val_loss"] == 3.9
+    assert (pre["pooled_df"], pre["ci_df"], pre["lr_choice_sd"]) == (2, 2, 0.0)
+    assert hc["n"] == 1 and hc["pooled_sd"] == pytest.approx(sd)
+    assert (hc["ci_low"], hc["ci_high"]) == pytest.approx(
+        (3.9 - T975_DF2 * sd, 3.9 + T975_DF2 * sd), abs=1e-3
+    )
 
 
 def test_cells_combine_seeds_by_t_interval_and_keep_one_runs_own():
@@ -127,22 +132,25 @@ def base():
     return synthetic_tables(archs=("pre_ln", "hc"), depths=(2, 4), lrs=(2e-3,))
 
 
-def test_headline_draws_the_seed_interval_and_says_n_1(base):
+def test_headline_draws_the_pooled_interval_and_says_n_1(base):
     several = _with_seeds(base, 3)
     fig = registry.FIGURES["headline"].draw(several, CTX)
-    assert "t interval over 3 seeds" in _texts(fig) and _bars(fig.axes[0]) == 4
+    sd = several["best_lr"]["pooled_sd"].iloc[0]
+    assert f"seed SD {sd:.2g} pooled over the cells (8 df)" in _texts(fig)
+    assert _bars(fig.axes[0]) == 4
     plt.close(fig)
     one = registry.FIGURES["headline"].draw(_with_seeds(base, 1), CTX)
     assert "n=1 in every cell" in _texts(one) and _bars(one.axes[0]) == 0
     plt.close(one)
-    # one cell of a single seed among cells of three: its point says n=1, and it has no bar
+    # one cell of a single seed among cells of three: its point says n=1, and its bar is the
+    # pooled seed variance's
     runs = several["runs"]
     drop = (runs["arch"] == "hc") & (runs["n_layer"] == 2) & (runs["seed"] > 0)
     mixed = {**several, "runs": runs[~drop], "best_lr": best_learning_rates(runs[~drop])}
     fig = registry.FIGURES["headline"].draw(mixed, CTX)
     said = [t.get_text() for t in fig.axes[0].texts]
-    assert said.count("n=1") == 1 and _bars(fig.axes[0]) == 3
-    assert "n=1: one seed, no interval" in _texts(fig)
+    assert said.count("n=1") == 1 and _bars(fig.axes[0]) == 4
+    assert "; n=1: one seed" in _texts(fig)
     plt.close(fig)
 
 

@@ -416,8 +416,8 @@ def test_seeds_at_best_lr_trains_replicates_of_the_best_lr_only_after_the_sweep(
     best = pd.read_parquet(root / "results/tables/best_lr.parquet")
     assert len(best) == 4 and set(best.n) == {2} and set(best.best_lr) == {3e-3}
     assert (best.ci_low < best.final_val_loss).all() and (best.final_val_loss < best.ci_high).all()
-    sweep = pd.read_parquet(root / "results/tables/lr_sweep.parquet")
-    assert set(sweep.n) == {1} and sorted(
+    sweep = pd.read_parquet(root / "results/tables/lr_sweep/round0.parquet")  # no extensions
+    assert sweep.settled.all() and sorted(
         r for ids in sweep.replicate_run_ids for r in ids
     ) == sorted(replicas.run_id)
 

@@ -5,26 +5,31 @@
 SPEC_HASHES = {run_id: spec.spec_hash() for run_id, spec in ALL_RUNS.items()}
 
 
-if EXP.replicates:
+if SWEEP_ROUNDS:
 
-    # A checkpoint: `seeds_at_best_lr` replicates each cell's best LR, chosen here on the sweep's
-    # seeds; tabled_runs (common.smk) reads which replicates exist from its table.
+    # A checkpoint, one job per round: the LR sweep's best LR per cell (chosen on the sweep's
+    # seeds), the LR past an edge it calls for (lr_sweep.max_extensions) and, for the cells it
+    # settles, the replicates of seeds_at_best_lr (depthbench.analysis.lr_rounds). Round 0 reads
+    # the grid's runs, round k those and the extensions round k-1 listed; sweep_round_inputs and
+    # last_sweep_round (common.smk) read the rounds' tables.
     checkpoint lr_sweep:
         input:
-            summaries=[f"{RESULTS}/runs/{run_id}/summary.json" for run_id in RUNS],
+            summaries=sweep_round_inputs,
             data=f"{DATA_DIR}/meta.json",
         output:
-            sweep=f"{RESULTS}/tables/lr_sweep.parquet",
+            sweep=f"{RESULTS}/tables/lr_sweep/round{{round}}.parquet",
         params:
             experiment=EXPERIMENT,
-            spec_hashes={run_id: SPEC_HASHES[run_id] for run_id in RUNS},
+            spec_hashes={run_id: SPEC_HASHES[run_id] for run_id in SWEEP_RUNS},
             budget_params=config.get("budget", {}).get("params"),
             learned_margin=config["analysis"]["learned_margin"],
+            ladders=LADDERS,
+            max_extensions=MAX_EXTENSIONS,
             replicates={run_id: list(replicas) for run_id, replicas in EXP.replicates.items()},
         log:
-            f"{RESULTS}/logs/lr_sweep.log",
+            f"{RESULTS}/logs/lr_sweep/round{{round}}.log",
         benchmark:
-            f"{RESULTS}/benchmarks/lr_sweep.tsv"
+            f"{RESULTS}/benchmarks/lr_sweep/round{{round}}.tsv"
         conda:
             "../../envs/depthbench.yaml"
         script:

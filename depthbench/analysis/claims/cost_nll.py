@@ -3,14 +3,17 @@ and on held-out NLL by domain (h, results/tables/nll.parquet)."""
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 
 from depthbench.analysis import readers as R
 from depthbench.analysis.claims.verdict import (
     Step,
-    cell_estimates,
+    cell_model,
     claim,
     default_knobs,
+    diff_step,
     exact,
     judge,
     untestable,
@@ -52,15 +55,16 @@ def cost_grows_with_depth(t: dict, s: dict):
         f"KV x{kv.iloc[-1] / kv.iloc[0]:.2f} from ratio {g['ratio'].iloc[0]:.1f} "
         f"to {g['ratio'].iloc[-1]:.1f}"
     )
-    return judge(steps, ours)
+    return judge(steps, ours, variance="none: analytic numbers, exact")
 
 
 @claim("h_deep_nll_stem_math")
 def deep_nll_stem_math(t: dict, s: dict):
     """At the deepest depth with HC, Full AttnRes and Pre-LN NLL rows: on each of the stem and
-    math domains, HC's and Full AttnRes's bits per byte below Pre-LN's (four strict steps). A
-    run's interval is its row's ci_low / ci_high, the bootstrap over documents of bits_per_byte
-    (depthbench.evals.nll)."""
+    math domains, HC's and Full AttnRes's bits per byte below Pre-LN's (four strict steps:
+    differences of cell means, the seed variance pooled over every architecture, domain and
+    depth). With one seed a run's interval is its row's ci_low / ci_high, the bootstrap over
+    documents of bits_per_byte (depthbench.evals.nll)."""
     nll = t.get("nll", pd.DataFrame())
     if not R.has(nll, "level", "domain", "bits_per_byte", "is_best_lr", "status"):
         return untestable("no NLL table (nll disabled)")
@@ -85,14 +89,15 @@ def deep_nll_stem_math(t: dict, s: dict):
         missing = ", ".join(a for a in archs if a not in set(d["arch"]))
         return untestable(f"no stem/math NLL at a common depth for {missing or ', '.join(archs)}")
     L = max(depths)
-    est = cell_estimates(d[d["n_layer"] == L], ["arch", "domain"], "bits_per_byte")
+    model = cell_model(d.astype({"n_layer": int}), ["arch", "domain", "n_layer"], "bits_per_byte",
+                       (0.0, math.inf))  # fmt: skip
     steps = [
-        Step(f"{a} {dom}", est[a, dom], f"pre_ln {dom}", est["pre_ln", dom], -1)
+        diff_step(model, (a, dom, L), ("pre_ln", dom, L), f"{a} {dom}", f"pre_ln {dom}", -1)
         for dom in ("stem", "math")
         for a in archs[:2]
     ]
     ours = "; ".join(
-        f"{dom}: " + ", ".join(f"{a} {est[a, dom].value:.3f}" for a in archs)
+        f"{dom}: " + ", ".join(f"{a} {model[a, dom, L].value:.3f}" for a in archs)
         for dom in ("stem", "math")
     )
-    return judge(steps, f"{ours} bits/byte at L={L}")
+    return judge(steps, f"{ours} bits/byte at L={L}", variance=model.pool_text())

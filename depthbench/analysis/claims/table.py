@@ -1,16 +1,23 @@
-"""The claims table (results/tables/claims.parquet): each claim of config/claims.yaml with our
-numbers, their 95% intervals and seed counts, the scale they were measured at and a verdict
-(depthbench.analysis.claims.verdict says what each outcome means and how it is reached).
+"""The claims table (results/tables/claims.parquet): each claim of config/claims.yaml with its
+effect, 95% interval, test, p-value and degrees of freedom, the cells it compares, the scale they
+were measured at and a verdict at the 5% level (depthbench.analysis.claims.verdict says what each
+outcome means and how it is reached; depthbench.analysis.stats the model behind the tests).
 
 Claims read the trained grid only: pretrained models' rows are dropped. A claim on trained
 models leaves out every cell whose best-LR run did not learn (runs.parquet `learned` false:
 its final validation loss within analysis.learned_margin of the unigram floor), and its row
 says how many it left out (`excluded_cells`) and which (the note).
 
-Columns beside the verdict: `ours` (a short summary), `estimates` (every number compared, as
-"label value [low, high] (n=seeds)"), the two sides of the comparison the verdict turns on
-(`lhs*`, `rhs*`: label, value, low, high, n) and `single_seed` (some number compared rests on
-one seed).
+Columns beside the verdict: `ours` (a short summary); the decisive effect (`effect`: what it
+is, `estimate`, its 95% interval `ci_low` / `ci_high`, `effect_p` its own two-sided p, `df` and
+`test`: how it was tested); `p_value`, the claim's, that of its verdict's test (for holds the
+largest of its strict effects' p, 1 where one goes the opposite way; for contradicted the
+Bonferroni-corrected one); `variance`, the pooled seed variance behind the tests; `contrasts`
+(every effect the claim states, with interval, df and p); `estimates` (every cell compared, as
+"label value [low, high] (n=seeds)", the interval from the pooled variance, within the
+quantity's range); the two cells the decisive effect reads (`lhs*`, `rhs*`: label, value, low,
+high, n); and `single_seed` (some cell compared rests on one seed).
+A row without a test (not testable) has NaN numbers.
 """
 
 from __future__ import annotations
@@ -35,6 +42,16 @@ COLUMNS = [
     "source",
     "paper",
     "ours",
+    "effect",
+    "estimate",
+    "ci_low",
+    "ci_high",
+    "effect_p",
+    "p_value",
+    "df",
+    "test",
+    "variance",
+    "contrasts",
     "estimates",
     *SIDES,
     "single_seed",
@@ -106,10 +123,16 @@ def scale(t: dict) -> str:
 def _sides(result: Result) -> dict:
     step = result.decisive
     out = {c: math.nan for c in SIDES} | {"lhs": "", "rhs": ""}
+    out |= {"effect": "", "estimate": math.nan, "ci_low": math.nan, "ci_high": math.nan}
+    out |= {"effect_p": math.nan, "p_value": math.nan, "df": math.nan, "test": ""}
     if step is not None:
         for side, label, e in (("lhs", step.lhs, step.a), ("rhs", step.rhs, step.b)):
             out |= {side: label, f"{side}_value": e.value, f"{side}_low": e.low}
             out |= {f"{side}_high": e.high, f"{side}_n": e.n}
+        c = step.contrast
+        out |= {"effect": step.label, "estimate": c.estimate, "ci_low": c.low}
+        out |= {"ci_high": c.high, "effect_p": c.p, "p_value": result.p, "df": c.df}
+        out |= {"test": c.method}
     return out
 
 
@@ -150,6 +173,8 @@ def claims_table(rows: list[dict], tables: dict, settings: dict) -> pd.DataFrame
                 "source": row["source"],
                 "paper": row["paper"],
                 "ours": result.ours,
+                "variance": result.variance,
+                "contrasts": result.contrasts_text(),
                 "estimates": result.estimates_text(),
                 **_sides(result),
                 "single_seed": result.single_seed,
@@ -163,4 +188,5 @@ def claims_table(rows: list[dict], tables: dict, settings: dict) -> pd.DataFrame
     table = pd.DataFrame(out, columns=COLUMNS)
     return table.astype(
         {"single_seed": bool, "excluded_cells": int, "lhs_n": "Int64", "rhs_n": "Int64"}
+        | {c: float for c in ("estimate", "ci_low", "ci_high", "effect_p", "p_value", "df")}
     )

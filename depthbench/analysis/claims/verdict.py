@@ -2,41 +2,54 @@
 
 A verdict is one of four outcomes, the `verdict` column of results/tables/claims.parquet:
 
-- "holds": our numbers go the paper's direction and their 95% intervals separate;
-- "contradicted": they go the opposite direction and their intervals separate;
-- "inconclusive at this scale": the intervals overlap, or a number has no interval (one seed,
-  and the table holds no bootstrap interval for it);
+- "holds": every effect the claim states goes the paper's way, each significant at 5%;
+- "contradicted": some effect goes the opposite way, significant at 5% after a Bonferroni
+  correction over the claim's effects;
+- "inconclusive at this scale": neither (an effect not significant, or without a test: one
+  seed and no bootstrap interval, or seeds that never differ);
 - "not testable in this grid: <what it lacks>": the grid lacks what the claim compares (an
   architecture, a probe, a stage, or a second shape, depth or architecture to compare with).
 
-A claim function compares Estimates (depthbench.analysis.intervals: a value, its 95% interval
-and the n seeds behind it) in one or more Steps, each stating the paper's direction between two
-of them, and `judge` decides from all the steps with `separated`: the claim is contradicted if
-some step separates the opposite way, holds if every strict step separates the paper's way,
-and is inconclusive otherwise. A non-strict step states an absence ("Pre-LN's loss does not
-fall"): it contradicts the claim when it separates the opposite way and never needs to
-separate. Each claim's docstring gives its steps.
+A claim function states one or more Steps, each an effect with the direction the paper gives
+it: a contrast of cell means (a difference of two cells, or a slope over depths) estimated by a
+cell-means model of every run of the quantity with a pooled seed variance
+(depthbench.analysis.stats.CellModel), with its 95% interval and two-sided t test. Strict steps
+state an effect; a non-strict step states an absence ("Pre-LN's loss does not fall") and can
+only contradict. `decide` reaches the verdict from the steps' p-values:
 
-The numbers of a cell (architecture, depth and width, knobs) come from its best-LR runs: with
-several seeds the t interval over the seeds' values (intervals.seed_interval); with one, that
-run's own bootstrap interval where its table has `ci_low` / `ci_high` (intervals.cell_interval);
-otherwise none. A run's number that averages several rows of a table (layers, say) takes the
-mean of their bounds as its interval, which is wider than the mean's own interval unless the
-rows' errors move together. Analytic numbers (the cost model) are exact: an interval of width
-zero and n = 0. A verdict is `single_seed` when some number compared rests on one seed.
+- contradicted when min p over the steps that go the opposite way, times the number of steps,
+  is below 5% (Bonferroni: under no effect at all the chance of a false contradiction is at
+  most 2.5%);
+- otherwise holds when every strict step goes the paper's way with p below 5% (an
+  intersection-union test, which needs no correction: its false-holds rate under no effect is
+  at most that of one step, 2.5%);
+- otherwise inconclusive.
+
+So under no effect a verdict other than inconclusive comes up at most 5% of the time, which
+tests/unit/test_verdict_calibration.py checks by simulation. The claim's p-value is that of its
+verdict's test (the corrected minimum for a contradiction, else the largest strict p), and its
+estimate, interval and degrees of freedom are those of the decisive step: the step that
+contradicts, else the strict step with the largest p (the weakest link of "holds").
+
+Each Step also carries the two cells it reads (`a`, `b`: the cells compared, or a slope's
+shallowest and deepest) with their pooled intervals, which the table shows. Analytic numbers
+(the cost model) are exact: width-zero intervals, n = 0, and an exact comparison (p 0 unless
+equal). A verdict is `single_seed` when some cell compared rests on one seed.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import pandas as pd
 
-from depthbench.analysis.intervals import Estimate, separated
+from depthbench.analysis.intervals import Estimate
 from depthbench.analysis.readers import INTERVAL
-from depthbench.analysis.summaries import cells
+from depthbench.analysis.cell_model import CellModel
+from depthbench.analysis.stats import ALPHA, Test, exact_test
 
 HOLDS = "holds"
 CONTRADICTED = "contradicted"
@@ -51,8 +64,9 @@ def not_testable(lacks: str) -> str:
 
 @dataclass(frozen=True)
 class Step:
-    """One comparison: the paper has `a` (named `lhs`) above `b` (`rhs`) when `expect` is +1,
-    below when -1."""
+    """One effect: `test` (the contrast `effect`, by default lhs - rhs, and its test); the paper
+    has it positive when `expect` is +1, negative when -1. `a` (named `lhs`) and `b` (`rhs`)
+    are the cells it reads."""
 
     lhs: str
     a: Estimate
@@ -60,20 +74,49 @@ class Step:
     b: Estimate
     expect: int
     strict: bool = True
+    test: Test | None = None
+    effect: str = ""
 
     @property
-    def seen(self) -> int:
-        """+1: separated the paper's way; -1: separated the opposite way; 0: not separated."""
-        return separated(self.a, self.b) * self.expect
+    def contrast(self) -> Test:
+        if self.test is not None:
+            return self.test
+        return exact_test(self.a.value - self.b.value)  # exact numbers (n = 0)
+
+    @property
+    def label(self) -> str:
+        return self.effect or f"{self.lhs} - {self.rhs}"
+
+    @property
+    def way(self) -> int:
+        """+1: the estimate goes the paper's way; -1: the opposite; 0: zero or NaN."""
+        e = self.contrast.estimate
+        return int(np.sign(e) * self.expect) if e == e else 0
+
+    @property
+    def p(self) -> float:
+        p = self.contrast.p
+        return p if p == p else 1.0
 
 
-def decide(steps) -> str:
-    """The verdict of a claim made of `steps` (the module docstring's rule)."""
+def diff_step(model: CellModel, a, b, lhs: str, rhs: str, expect: int, strict=True) -> Step:
+    """The step "cell a minus cell b has the sign `expect`" on a model's cells."""
+    return Step(lhs, model[a], rhs, model[b], expect, strict, model.difference(a, b))
+
+
+def decide(steps) -> tuple[str, float, int]:
+    """(verdict, the claim's p-value, index of the decisive step) by the module docstring's rule."""
     steps = list(steps)
-    if any(s.seen < 0 for s in steps):
-        return CONTRADICTED
-    strict = [s for s in steps if s.strict]
-    return HOLDS if strict and all(s.seen > 0 for s in strict) else INCONCLUSIVE
+    against = [(s.p, i) for i, s in enumerate(steps) if s.way < 0]
+    if against:
+        p, i = min(against)
+        if min(1.0, p * len(steps)) < ALPHA:
+            return CONTRADICTED, min(1.0, p * len(steps)), i
+    strict = [(s.p if s.way > 0 else 1.0, i) for i, s in enumerate(steps) if s.strict]
+    if not strict:
+        return INCONCLUSIVE, 1.0, 0
+    p, i = max(strict, key=lambda t: (t[0], -t[1]))
+    return (HOLDS if p < ALPHA else INCONCLUSIVE), p, i
 
 
 def text(e: Estimate) -> str:
@@ -85,17 +128,20 @@ def text(e: Estimate) -> str:
 
 @dataclass(frozen=True)
 class Result:
-    """A claim's outcome: its verdict, the steps that decided it, a short summary of our
-    numbers (`ours`) and a note."""
+    """A claim's outcome: its verdict, the steps that decided it, its p-value, a short summary of
+    our numbers (`ours`) and a note."""
 
     verdict: str
     steps: tuple[Step, ...] = ()
     ours: str = ""
     note: str = ""
+    p: float = math.nan
+    decisive_index: int = 0
+    variance: str = ""  # the seed variance the tests use (stats.Pool.text)
 
     @property
     def estimates(self) -> dict[str, Estimate]:
-        """Every number compared, by label, in the order the steps name them."""
+        """Every cell compared, by label, in the order the steps name them."""
         out: dict[str, Estimate] = {}
         for s in self.steps:
             out.setdefault(s.lhs, s.a)
@@ -104,13 +150,7 @@ class Result:
 
     @property
     def decisive(self) -> Step | None:
-        """The step the verdict turns on: the first that separates the opposite way, else the
-        first strict step that does not separate, else the first step."""
-        for test in (lambda s: s.seen < 0, lambda s: s.strict and s.seen == 0, lambda s: True):
-            found = [s for s in self.steps if test(s)]
-            if found:
-                return found[0]
-        return None
+        return self.steps[self.decisive_index] if self.steps else None
 
     @property
     def single_seed(self) -> bool:
@@ -119,12 +159,16 @@ class Result:
     def estimates_text(self) -> str:
         return "; ".join(f"{label} {text(e)}" for label, e in self.estimates.items())
 
+    def contrasts_text(self) -> str:
+        return "; ".join(f"{s.label}: {s.contrast.text(4)}" for s in self.steps)
 
-def judge(steps, ours: str = "", note: str = "") -> Result:
+
+def judge(steps, ours: str = "", note: str = "", variance: str = "") -> Result:
     steps = tuple(steps)
     if not steps:
         raise ValueError("a claim with nothing to compare is not testable: return untestable()")
-    return Result(decide(steps), steps, ours, note)
+    verdict, p, i = decide(steps)
+    return Result(verdict, steps, ours, note, p, i, variance)
 
 
 def untestable(lacks: str, ours: str = "", note: str = "") -> Result:
@@ -166,7 +210,7 @@ def exact(value: float) -> Estimate:
 def default_knobs(df: pd.DataFrame) -> pd.DataFrame:
     """Per architecture, the rows of its default knobs ("{}"), or of its first knobs (by text)
     where the grid sweeps it without the default: a claim compares one cell per depth."""
-    if df.empty or not {"arch", "knobs"} <= set(df.columns):
+    if df.empty or not {"arch", "knobs"} <= set(df.columns) or (df["knobs"] == "{}").all():
         return df
     chosen = {
         arch: "{}" if "{}" in set(g["knobs"]) else sorted(g["knobs"].astype(str))[0]
@@ -179,32 +223,26 @@ def _mean_or_nan(s: pd.Series) -> float:
     return float(s.mean()) if s.notna().all() else np.nan
 
 
-def cell_estimates(df: pd.DataFrame, keys: list[str], value: str = "value") -> dict:
-    """{key: Estimate} per group of `keys` (a tuple key for several, the value for one): one
-    number per run (the mean of its rows, and of their ci_low / ci_high where present), then the
-    cell over the runs as the figures combine it (summaries.cells: intervals.cell_interval)."""
-    if df.empty:
-        return {}
+def per_run(df: pd.DataFrame, keys: list[str], value: str = "value") -> pd.DataFrame:
+    """One row per run and group of `keys`: the mean of its rows' `value` (and of their ci_low /
+    ci_high where present: a run's number that averages several rows, layers say, takes the
+    mean of their bounds as its interval, wider than the mean's own unless the rows' errors
+    move together), as `value`."""
     bounds = [c for c in INTERVAL if c in df.columns]
-    agg = {value: (value, "mean"), **{c: (c, _mean_or_nan) for c in bounds}}
-    per_run = df.groupby([*keys, "run_id"], as_index=False, dropna=False).agg(**agg)
-    table = cells(per_run, keys, value, bounds=INTERVAL, carry=())  # the figures' cells too
-    return {
-        (row[keys[0]] if len(keys) == 1 else tuple(row[k] for k in keys)): Estimate(
-            row["value"], row["ci_low"], row["ci_high"], int(row["n"])
-        )
-        for row in table.to_dict("records")
-    }
+    agg = {"value": (value, "mean"), **{c: (c, _mean_or_nan) for c in bounds}}
+    return df.groupby([*keys, "run_id"], as_index=False, dropna=False).agg(**agg)
 
 
-def by_depth(df: pd.DataFrame, arch: str, value: str = "value") -> dict[int, Estimate]:
-    """{n_layer: Estimate} of one architecture's rows, shallow to deep."""
-    rows = df[df["arch"] == arch] if "arch" in df.columns else df.iloc[0:0]
-    return {int(L): e for L, e in cell_estimates(rows, ["n_layer"], value).items()}
+def cell_model(df: pd.DataFrame, keys: list[str], value: str = "value", bounds=None) -> CellModel:
+    """The cell-means model (stats.CellModel) of `df`'s rows, one number per run (`per_run`),
+    pooled per architecture or over every cell of `df`."""
+    if df.empty:
+        return CellModel(pd.DataFrame(columns=[*keys, "value"]), keys, bounds=bounds)
+    return CellModel(per_run(df, keys, value), keys, bounds=bounds)
 
 
 def lacking(found: dict[str, dict], needs: int, where: str, hint: str = "") -> str | None:
-    """What a claim over `found` ({arch: {depth: Estimate}}) lacks for `needs` depths of each
+    """What a claim over `found` ({arch: {depth: ...}}) lacks for `needs` depths of each
     architecture, or None; `hint` says why an architecture may be missing."""
     missing = [a for a, d in found.items() if not d]
     if missing:
