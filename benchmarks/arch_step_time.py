@@ -21,7 +21,7 @@ An entry of --archs may carry arch_options and `kernels` (`reference`: the defin
 moda:kernels=reference attnres_full:kernels=cuda`, to time an implementation against the
 default in the same run.
 
---compile wraps every model in torch.compile, as `train.compile: true` does in a run, and also
+--compile wraps every model in torch.compile, as `train.compile: model` does in a run, and also
 reports each model's compile time (its first step): on CPU, inductor fuses the element-wise
 stream and depth mixing that eager mode runs as separate kernels.
 """
@@ -65,7 +65,7 @@ def main() -> None:
         help="architectures, each optionally with arch_options and kernels: moda:kernels=reference",
     )
     p.add_argument(
-        "--compile", action="store_true", help="torch.compile every model (train.compile: true)"
+        "--compile", action="store_true", help="torch.compile every model (train.compile: model)"
     )
     p.add_argument("--json")
     args = p.parse_args()

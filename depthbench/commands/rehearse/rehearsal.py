@@ -181,7 +181,7 @@ def rehearse_real(
             seq_len=tokens,
             micro_batch_size=1,
             global_batch_size=1,
-            compile=False,
+            compile="none",
             device="cpu",
             dtype="float32",
         ),
