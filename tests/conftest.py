@@ -45,7 +45,7 @@ LONGEST_FIRST = [
     "test_job_imports.py",
     "test_rehearse.py",
     "test_tokenize_jobs.py",
-    "test_readme_commands.py",
+    "test_guide_commands.py",
     "test_requeue.py",
     "test_benchmarks.py",
     "test_tokenize_ranges.py",
