@@ -1,8 +1,8 @@
 """Readers of the result tables (results/tables/*.parquet) for figures, claims and the report.
 
 Figures read these tables only. Every reader tolerates a table that is missing, empty, or
-lacks an optional column (an older run, or one written before a column was added): figures
-then say what is missing instead of failing.
+lacks an optional column (a stage that did not run, or a setting that leaves the column out):
+figures then say what is missing instead of failing.
 """
 
 from __future__ import annotations

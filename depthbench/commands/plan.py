@@ -36,9 +36,8 @@ DEFAULT_PEAK = 989e12  # H100 SXM dense bf16 FLOP/s
 DEFAULT_GPU_MEMORY = 80e9
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + two fp32 AdamW moments
 WEIGHTS_BYTES_PER_PARAM = 4
-# Tokens per second of one tokenize process (one core): measured with the GPT-NeoX-OLMo tokenizer
-# (the GPU presets') on the wiki corpus, on a core of the shared 2-core development machine
-# (docs/benchmarks.md, tokenization)
+# Tokens per second of one tokenize process (one core), with the GPT-NeoX-OLMo tokenizer (the GPU
+# presets') on the wiki corpus: docs/benchmarks.md#data-checkpoints-export-slurm
 TOKENIZE_TOKENS_PER_S = 2.0e5
 
 

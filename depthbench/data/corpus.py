@@ -124,7 +124,7 @@ def local_files(corpus: dict) -> tuple[list[str], str]:
 def _reads_by_bytes(files: list[str], fmt: str) -> bool:
     """Uncompressed JSON lines and text are read by depthbench.data.ranges (the documents
     `datasets` reads, tested against it), without importing `datasets`, which imports torch and
-    pandas: about 3 s of every tokenizer and tokenize job on a small corpus."""
+    pandas: most of a tokenizer or tokenize job's time on a small corpus."""
     from depthbench.data.ranges import BYTE_RANGE_FORMATS
 
     return fmt in BYTE_RANGE_FORMATS and not any(f.endswith(".gz") for f in files)

@@ -5,8 +5,8 @@ expanded before takes the validated config, the Experiment and the grid's figure
 Why: the schema lists the registered architectures and their options, the shape solver counts
 parameters on models built on the meta device, and the figures a grid gets are its
 architectures' declarations, so all three import every architecture module and torch with it:
-1.5-2 s of every Snakemake call on 2 cores, dry runs and "Nothing to be done" included, for a
-result that depends only on the config and DepthBench's own code.
+seconds of every Snakemake call, dry runs and "Nothing to be done" included, for a result that
+depends only on the config and DepthBench's own code.
 
 The key hashes everything the expansion computes from:
 - the config as Snakemake merged it (before defaults), and the command line's `--config` values,

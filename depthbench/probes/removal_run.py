@@ -27,7 +27,7 @@ from depthbench.probes.effective_depth import COLUMNS
 from depthbench.spec.schema import schema_defaults
 
 # torch (and depthbench.probes.removal, which needs it) only where a model is scored: the job of
-# a diverged run writes its empty rows without them, as its NLL job does (about 1.5 s of a job)
+# a diverged run writes its empty rows without them, as its NLL job does
 if TYPE_CHECKING:
     import torch
 

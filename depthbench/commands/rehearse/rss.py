@@ -12,8 +12,8 @@ tensor allocated but never written (torch.empty) is not counted until it is fill
 
 glibc keeps freed memory for reuse: with its dynamic mmap threshold, once a large block has
 been freed, blocks of that size come from the heap and stay resident after `free`, so a second
-model built in the same process reuses the first one's pages and shows no growth at all
-(measured: 0 MiB for a 2.6M-parameter model after another). `release_freed_memory` therefore
+model built in the same process reuses the first one's pages and shows no growth at all.
+`release_freed_memory` therefore
 pins the threshold at 128 KiB (mallopt M_MMAP_THRESHOLD, which also turns the dynamic threshold
 off: every tensor above 128 KiB is its own mapping, returned to the OS when freed) and returns
 the freed heap with malloc_trim(0). Without glibc (macOS, musl) it only collects garbage, and a
