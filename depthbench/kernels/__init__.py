@@ -80,7 +80,8 @@ def built() -> bool:
 
 # What torch.compiler.assume_constant_result(built) does in torch 2.13 (torch._dynamo.decorators:
 # it sets this attribute and returns the function), without importing torch._dynamo: that import
-# (with sympy) took about 1.5 s of every workflow job that builds a model, compiling or not.
+# (with sympy) is a large part of the start-up of every workflow job that builds a model,
+# compiling or not (docs/benchmarks.md#per-job-start-up).
 # tests/unit/test_cpu_kernels.py checks that the decorator still marks a function exactly so.
 built._dynamo_marked_constant = True
 

@@ -158,7 +158,7 @@ def parameters_on_meta():
     eye(n)) stay on the CPU.
 
     Not `torch.device("meta")`: that routes every factory to meta, and arange and eye on meta run
-    Python reference kernels that import torch._dynamo on first use, 2.5 s of every Snakemake
+    Python reference kernels that import torch._dynamo on first use, seconds of every Snakemake
     start, `depthbench status` and plan, which count parameters to solve the grid's shapes."""
     import torch  # here, not at the top: the table and figure jobs read RunSpecs without torch
     from torch.overrides import TorchFunctionMode

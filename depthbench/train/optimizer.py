@@ -3,14 +3,13 @@
 Three methods of torch's optimizers carry decorators that only matter while torch.compile traces
 them: `add_param_group` and `zero_grad` are wrapped by `torch._disable_dynamo` and `step` by
 `_use_grad_for_differentiable`, and each wrapper imports torch._dynamo on its first call, in eager
-mode too. That import takes 1.2-1.6 s, which a short training job pays at `AdamW(...)` (most of
-the "dispatcher's own work" of a default-grid job, docs/benchmarks.md#per-job-start-up). The
-DepthBench training loop never compiles the optimizer (`train.compile` compiles the model's
-blocks), so `AdamW` below calls the undecorated functions (`__wrapped__`, which
-`functools.wraps` sets), with the gradient mode that `step`'s wrapper sets: the same class, state,
-hyperparameters, kernels (fused on CPU and CUDA) and update, bit for bit
-(tests/unit/test_optimizer.py compares it with `torch.optim.AdamW` over several steps;
-tests/integration/test_start_up_imports.py checks that training imports no torch._dynamo).
+mode too. A short training job would pay that import at `AdamW(...)` (most of the "dispatcher's own
+work" of a default-grid job, docs/benchmarks.md#per-job-start-up). The DepthBench training loop
+never compiles the optimizer (`train.compile` compiles the model's blocks), so `AdamW` below calls
+the undecorated functions (`__wrapped__`, which `functools.wraps` sets), with the gradient mode that
+`step`'s wrapper sets: the same class, state, hyperparameters, kernels (fused on CPU and CUDA) and
+update, bit for bit (tests/unit/test_optimizer.py compares it with `torch.optim.AdamW` over several
+steps; tests/integration/test_start_up_imports.py checks that training imports no torch._dynamo).
 `state_dict` and `load_state_dict` keep their decorators: checkpoints go through
 torch.distributed.checkpoint, which imports torch._dynamo itself.
 """
