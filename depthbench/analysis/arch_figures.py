@@ -7,6 +7,7 @@ from __future__ import annotations
 import pandas as pd
 
 from depthbench.analysis import readers as R
+from depthbench.analysis import not_learned as NL
 from depthbench.analysis import style as S
 
 # The papers' numbers, drawn as references (the probe table of docs/design/probes.md).
@@ -42,7 +43,7 @@ def residual_product_rank(tables: dict, ctx: S.Context):
         st = S.arch_style(arch)
         g = _by_depth(trained[trained["arch"] == arch], flat_keys)
         if not g.empty:  # no legend entry for a stage without rows
-            crosses += S.trend(ax, g["n_layer"], g["value"], g["flat"], st, f"{arch} trained")
+            crosses += NL.trend(ax, g["n_layer"], g["value"], g["flat"], st, f"{arch} trained")
         g = init[init["arch"] == arch].groupby("n_layer")["value"].mean()
         if not g.empty:  # at init nothing has trained: every cell is a point of the line
             ax.plot(g.index, g.values, linestyle="--", label=f"{arch} at init", **st)
@@ -60,7 +61,7 @@ def residual_product_rank(tables: dict, ctx: S.Context):
     ax.grid(alpha=0.3)
     S.legend(ax, loc="best")
     if crosses:
-        S.fig_note(fig, S.not_learned_text(crosses))
+        S.fig_note(fig, NL.not_learned_text(crosses))
     S.title(fig, ctx, "residual-product rank, mHC vs HC")
     return fig
 
@@ -116,7 +117,7 @@ def dead_zone(tables: dict, ctx: S.Context):
         flat = R.all_in_cells(g, flat_keys)
         marked += flat
         st = {"marker": "o", "markersize": 4, "color": color}
-        ax.plot(g["i"] / L, g["value"], **S.curve_style(st, flat, f"L={L}"))
+        ax.plot(g["i"] / L, g["value"], **NL.curve_style(st, flat, f"L={L}"))
         k = lengths.loc[lengths["n_layer"] == L, "value"]
         if not k.empty and k.iloc[0] > 0:
             # layers 1..k, half a layer either side, clipped to the model (a dead zone of all L
@@ -132,7 +133,7 @@ def dead_zone(tables: dict, ctx: S.Context):
     ax.grid(alpha=0.3)
     S.legend(ax)
     g = _by_depth(lengths, flat_keys)
-    crosses = S.trend(
+    crosses = NL.trend(
         bx, g["n_layer"], g["value"], g["flat"], {"marker": "o", "color": "C9"}, "ours"
     )
     bx.plot(
@@ -151,6 +152,6 @@ def dead_zone(tables: dict, ctx: S.Context):
     if lengths.empty:
         S.note(bx, "no dead_zone_layers rows")
     if crosses or marked:
-        S.fig_note(fig, S.not_learned_text(crosses, marked))
+        S.fig_note(fig, NL.not_learned_text(crosses, marked))
     S.title(fig, ctx, "Block AttnRes dead zone")
     return fig

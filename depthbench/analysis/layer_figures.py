@@ -8,6 +8,7 @@ from __future__ import annotations
 import pandas as pd
 
 from depthbench.analysis import readers as R
+from depthbench.analysis import not_learned as NL
 from depthbench.analysis import style as S
 from depthbench.analysis import summaries as SM
 
@@ -35,7 +36,7 @@ def _per_layer(
         if not g.empty:
             st, flat = S.arch_style(arch), R.all_in_cells(g, flat_keys)
             marked += flat
-            ax.plot(g["i"], g["value"], **S.curve_style(st, flat, arch))
+            ax.plot(g["i"], g["value"], **NL.curve_style(st, flat, arch))
             SM.band(ax, g["i"], g["ci_low"], g["ci_high"], st["color"], within)
             curves[arch] = g.set_index("i")["value"]
     ax.set_xticks(range(first, L + 1, max(1, L // 4)))
@@ -82,7 +83,7 @@ def usefulness(tables: dict, ctx: S.Context):
     if missing:
         notes.append(f"not defined for {', '.join(missing)} (no usefulness rows)")
     if marked:
-        notes.append(S.not_learned_text(curves=marked))
+        notes.append(NL.not_learned_text(curves=marked))
     S.fig_note(fig, "\n".join(notes))
     S.title(fig, ctx, "usefulness: per-layer ratio r_l (above the red line: layer useful)")
     return fig
@@ -127,7 +128,7 @@ def _stages_figure(tables: dict, ctx: S.Context, probe: str, ylabel: str, what: 
     bands = f"bands: {SM.interval_text(pd.concat(present), SEQUENCES)}" + (
         SM.within_text(within) if within else ""
     )
-    notes = [bands, *_coincide_notes(said), S.not_learned_text(curves=marked)]
+    notes = [bands, *_coincide_notes(said), NL.not_learned_text(curves=marked)]
     S.fig_note(fig, "\n".join(p for p in notes if p))
     S.title(fig, ctx, what, f"deepest shape L={L}" + (f", d={d}" if d else ""))
     return fig

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from depthbench.analysis import readers as R
+from depthbench.analysis import not_learned as NL
 from depthbench.analysis import style as S
 from depthbench.analysis import summaries as SM
 
@@ -95,7 +96,7 @@ def headline(tables: dict, ctx: S.Context):
         for name, (arch, g) in rem_curves.items():  # coinciding curves nest their markers, as below
             st = S.arch_style(arch)
             rank = next((c.index(name) for c in rem_groups if name in c), 0)
-            crosses += S.trend(
+            crosses += NL.trend(
                 rem_ax,
                 g["ratio"],
                 g["effective_fraction"],
@@ -119,7 +120,7 @@ def headline(tables: dict, ctx: S.Context):
     for k, (arch, knobs) in enumerate(series):
         g = best[(best["arch"] == arch) & (best["knobs"] == knobs)].sort_values("ratio")
         st, name, flat = S.arch_style(arch), S.label(arch, knobs), R.in_cells(g, flat_keys)
-        crosses += S.trend(ax, g["ratio"], g["final_val_loss"], flat, st, name)
+        crosses += NL.trend(ax, g["ratio"], g["final_val_loss"], flat, st, name)
         if R.has(g, "ci_low", "ci_high"):  # side by side at a shared ratio, not on one another
             x = SM.dodge(g["ratio"], k, len(series))
             SM.error_bars(ax, x, g["ci_low"], g["ci_high"], st["color"], skip=flat)
@@ -168,7 +169,7 @@ def headline(tables: dict, ctx: S.Context):
         if "lr_at_edge" in best.columns
         else "LR-at-edge not in best_lr table"
     )
-    flat_text = S.not_learned_text(crosses, bars=R.has(best, "ci_low", "ci_high"))
+    flat_text = NL.not_learned_text(crosses, bars=R.has(best, "ci_low", "ci_high"))
     ax.set_title(
         "; ".join(p for p in (extra, _seed_text(best, seeds)) if p)
         + (f"\n{flat_text}" if flat_text else ""),

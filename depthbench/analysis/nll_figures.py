@@ -8,6 +8,7 @@ from __future__ import annotations
 import pandas as pd
 
 from depthbench.analysis import readers as R
+from depthbench.analysis import not_learned as NL
 from depthbench.analysis import style as S
 from depthbench.analysis import summaries as SM
 
@@ -42,7 +43,7 @@ def nll_vs_ratio(tables: dict, ctx: S.Context):
         for k, ((arch, knobs), g) in enumerate(series):
             g, st = g.sort_values("ratio"), S.arch_style(arch)
             flat = R.in_cells(g, flat_keys)
-            crosses += S.trend(ax, g["ratio"], g["value"], flat, st, S.label(arch, knobs))
+            crosses += NL.trend(ax, g["ratio"], g["value"], flat, st, S.label(arch, knobs))
             x = SM.dodge(g["ratio"], k, len(series))  # bars side by side at a shared ratio
             SM.error_bars(ax, x, g["ci_low"], g["ci_high"], st["color"], skip=flat)
         S.log_ticks(ax, part["ratio"].round(1))
@@ -53,6 +54,6 @@ def nll_vs_ratio(tables: dict, ctx: S.Context):
         ax.grid(alpha=0.3)
     S.legend(axes[-1])
     bars = "bars: " + SM.interval_text(estimates, "the domain's documents")
-    S.fig_note(fig, "\n".join(p for p in (bars, S.not_learned_text(crosses, bars=True)) if p))
+    S.fig_note(fig, "\n".join(p for p in (bars, NL.not_learned_text(crosses, bars=True)) if p))
     S.title(fig, ctx, "teacher-forced NLL by domain at the best LR")
     return fig

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from depthbench.analysis import readers as R
+from depthbench.analysis import not_learned as NL
 from depthbench.analysis import style as S
 from depthbench.analysis import summaries as SM
 
@@ -86,7 +87,7 @@ def angular_adjacent(tables: dict, ctx: S.Context):
                 g = data[(data["arch"] == arch) & (data["n_layer"] == L)].sort_values("i")
                 flat = R.all_in_cells(g, flat_keys)
                 marked += flat and ls == "-"
-                ax.plot(g["i"], g["value"], **S.curve_style(st, flat, lab, ls))
+                ax.plot(g["i"], g["value"], **NL.curve_style(st, flat, lab, ls))
                 if ls == "-":
                     SM.band(ax, g["i"], g["ci_low"], g["ci_high"], st["color"], UNIT)
         ax.set_title(f"L={L}, d={d}")
@@ -96,7 +97,7 @@ def angular_adjacent(tables: dict, ctx: S.Context):
     axes[0].set_ylabel("d(l, l+1)\nsolid: last token, dashed: all tokens")
     S.legend_over(fig, axes)
     bands = f"bands (last token): {SM.interval_text(last, SEQUENCES)}" + SM.within_text(UNIT)
-    S.fig_note(fig, "\n".join(p for p in (bands, S.not_learned_text(curves=marked)) if p))
+    S.fig_note(fig, "\n".join(p for p in (bands, NL.not_learned_text(curves=marked)) if p))
     S.title(fig, ctx, "adjacent-layer angular distance d(l, l+1)")
     return fig
 
@@ -202,7 +203,7 @@ def probe_shares(tables: dict, ctx: S.Context):
         ]
         for k, (arch, knobs, g) in enumerate(series):
             st, flat = S.arch_style(arch), R.in_cells(g, flat_keys)
-            crosses += S.trend(ax, g["n_layer"], g["value"], flat, st, S.label(arch, knobs))
+            crosses += NL.trend(ax, g["n_layer"], g["value"], flat, st, S.label(arch, knobs))
             x = SM.dodge(g["n_layer"], k, len(series), step=0.08, log=False)  # bars side by side
             SM.error_bars(ax, x, g["ci_low"], g["ci_high"], st["color"], UNIT, skip=flat)
             curves[S.label(arch, knobs)] = g.set_index("n_layer")["value"]
@@ -219,7 +220,7 @@ def probe_shares(tables: dict, ctx: S.Context):
             notes.append(f"{lab}: {S.coincide_text(groups)}")
     S.legend_over(fig, axes)  # inside a panel, it would lie on a share's line
     bars = SM.interval_text(pd.concat([p[0] for p in parts]), SEQUENCES)
-    flat_text = S.not_learned_text(crosses, bars=True)
+    flat_text = NL.not_learned_text(crosses, bars=True)
     S.fig_note(
         fig, "\n".join(p for p in [f"bars: {bars}" + SM.within_text(UNIT), *notes, flat_text] if p)
     )
@@ -259,7 +260,7 @@ def logit_lens(tables: dict, ctx: S.Context):
                 if not g.empty:
                     flat = R.all_in_cells(g, flat_keys)
                     marked += flat and ax is top
-                    ax.plot(g["i"] / L, g["value"], **S.curve_style(st, flat, arch))
+                    ax.plot(g["i"] / L, g["value"], **NL.curve_style(st, flat, arch))
         top.set_title(f"L={L}, d={d}")
         if c:
             top.set_ylabel("nats")
@@ -272,6 +273,6 @@ def logit_lens(tables: dict, ctx: S.Context):
     axes[1][0].set_ylabel("top-1 agreement with\nthe final prediction")
     S.legend_over(fig, axes[0])  # every architecture once, whichever panels it appears in
     if marked:
-        S.fig_note(fig, S.not_learned_text(curves=marked))
+        S.fig_note(fig, NL.not_learned_text(curves=marked))
     S.title(fig, ctx, what)
     return fig
