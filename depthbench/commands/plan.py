@@ -242,9 +242,7 @@ def format_pricing(plans: list[RunPlan], record: StepRecord | None, mfu: float) 
     return lines
 
 
-def format_plan(
-    plans: list[RunPlan], gpu: str, mfu: float, gpu_memory: float, record=None
-) -> str:
+def format_plan(plans: list[RunPlan], gpu: str, mfu: float, gpu_memory: float, record=None) -> str:
     gib = 2**30
     lines = [
         f"{'run':<44} {'tokens':>15} {'FLOPs':>10} {'GPU-h':>8} {'mem GiB':>8} "

@@ -40,16 +40,11 @@ from pathlib import Path
 
 from depthbench.commands.sweep_state import best_lr_runs, chosen_extensions, chosen_replicates
 from depthbench.commands.sweep_state import last_round, tabled_run_ids
-from depthbench.commands.snakemake_records import (
-    file_mtime,
-    incomplete_outputs,
-    updated_input,
-)
+from depthbench.commands.snakemake_records import file_mtime, updated_input
+from depthbench.commands.train_state import at_floor, train_state
 from depthbench.grid.expand import Experiment
 from depthbench.grid.extend import extensions_at_most
 from depthbench.spec.run import short_hash
-from depthbench.util.errors import DataError
-from depthbench.train.checkpoint_folder import list_checkpoints, verify_checkpoint
 
 RESULTS = "results"  # the Snakefile's RESULTS folder, relative to the working directory
 
@@ -77,45 +72,6 @@ def _nll_sets_path(exp: Experiment, results: Path) -> Path:
     return results / "evals" / exp.tokenizer_id / f"nll_sets_{short_hash(settings)}.parquet"
 
 
-def _train_state(spec, run: Path, work: Path, meta: Path) -> tuple[str, list[str]]:
-    from depthbench.train.runcheck import WEIGHTS, CorruptWeights, verify_weights
-    from depthbench.train.runcheck import read_summary
-
-    summary = run / "summary.json"
-    root = run.parent.parent.parent  # Snakemake's working directory, which holds results/
-    outputs = [summary, run / WEIGHTS, run / "metrics.jsonl"]  # the train rule's
-    marked = incomplete_outputs(root, outputs)
-    if marked:
-        return "incomplete", [
-            f"{', '.join(map(str, marked))}: marked incomplete by Snakemake "
-            "(its train job was interrupted); "
-            "`snakemake --rerun-incomplete` trains the run again (the slurm profile sets it)"
-        ]
-    if not summary.exists():
-        good = [
-            s for s, p in list_checkpoints(work / "checkpoints") if verify_checkpoint(p) is None
-        ]
-        return ("partial", [f"checkpoint at step {good[-1]}"]) if good else ("missing", [])
-    try:
-        s = read_summary(summary, {spec.run_id: spec.spec_hash()})
-    except DataError as exc:  # Snakemake sees nothing to redo here: the tables would fail on it
-        return "invalid", [f"{exc}; snakemake would fail at the tables"]
-    missing = [name for name in (WEIGHTS, "metrics.jsonl") if not (run / name).exists()]
-    if missing:
-        return "stale", [f"{', '.join(missing)} missing beside the summary"]
-    try:
-        verify_weights(run, s)
-    except CorruptWeights as exc:
-        return "corrupt", [str(exc)]
-    except DataError as exc:  # no digest recorded: nothing vouches for the weights
-        return "invalid", [str(exc)]
-    reasons = []
-    newer = updated_input(root, outputs, [meta])
-    if newer is not None:
-        return "stale", [f"{summary} is older than its input {newer}"]
-    return ("trained" if s["status"] == "ok" else "diverged"), reasons
-
-
 def _stage_state(
     root: Path, output: Path, inputs: list[Path], retrain: bool
 ) -> tuple[str, str | None]:
@@ -136,29 +92,6 @@ def _older_input(reasons: list[str]) -> bool:
     return any("is older than its input" in reason for reason in reasons)
 
 
-def _at_floor(exp: Experiment, meta: Path, summary: Path) -> str | None:
-    """Why a trained run did not learn (depthbench.analysis.readers.learned), or None: it did,
-    or the shards' meta.json records no unigram floor."""
-    import json
-
-    from depthbench.analysis.readers import learned
-    from depthbench.spec.schema import with_defaults
-
-    try:
-        floor = float(json.loads(meta.read_text())["unigram_val_loss"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    loss = json.loads(summary.read_text())["final_val_loss"]
-    margin = with_defaults("analysis", exp.config.get("analysis", {}))["learned_margin"]
-    if floor != floor or learned(loss, floor, margin):
-        return None
-    return (
-        f"did not learn: final validation loss {loss:.3f} is not {margin:g} nats below the "
-        f"unigram floor {floor:.3f} (analysis.learned_margin); the claims leave out its cell "
-        "when it is the cell's best run"
-    )
-
-
 def run_statuses(exp: Experiment, results: str | os.PathLike = RESULTS) -> list[RunStatus]:
     results = Path(results)
     meta = results / "data" / exp.data_id / "meta.json"
@@ -173,8 +106,8 @@ def run_statuses(exp: Experiment, results: str | os.PathLike = RESULTS) -> list[
     out = []
     for run_id, spec in runs.items():
         run = results / "runs" / run_id
-        state, reasons = _train_state(spec, run, results / "work" / run_id, meta)
-        why = _at_floor(exp, meta, run / "summary.json") if state == "trained" else None
+        state, reasons = train_state(spec, run, results / "work" / run_id, meta)
+        why = at_floor(exp, meta, run / "summary.json") if state == "trained" else None
         if why:
             state, reasons = "at-floor", [*reasons, why]
         st = RunStatus(run_id, state, reasons=reasons)
