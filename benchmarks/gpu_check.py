@@ -56,6 +56,7 @@ sys.path.insert(0, str(REPO))  # the repository's depthbench, installed or not
 import torch  # noqa: E402
 
 from depthbench.commands.step_records import RECORDS, record_name  # noqa: E402
+from depthbench.kernels.swap import swapped  # noqa: E402
 from depthbench.models.config import ModelConfig  # noqa: E402
 from depthbench.models.registry import build_model, registered_architectures  # noqa: E402
 from depthbench.spec.shapes import solve_width  # noqa: E402
@@ -202,6 +203,8 @@ def measure(cfg: ModelConfig, args, device: torch.device, batch: int) -> dict:
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device)
         if device.type == "cuda"
         else None,
+        # the implementations the swap put in (depthbench.kernels.swap): what was measured
+        "implementations": sorted(set(swapped(model).values())),
     }
 
 

@@ -4,8 +4,9 @@
 #
 #   bash scripts/gpu_workflow.sh wheels  [DIR]            # online, any machine: DIR (.gpu/wheels)
 #       the pure-Python (and, where none exists, cp312 manylinux) wheels of Snakemake, submitit,
-#       jsonschema and everything they need, and of Liger-Kernel (the CUDA backend's HC and mHC
-#       kernels; pyproject.toml's no-deps `gpu` list), at constraints.txt's versions, for Python 3.12
+#       jsonschema and everything they need, and of Liger-Kernel and fla-core (the CUDA backend's
+#       HC, mHC and MoDA kernels; pyproject.toml's no-deps `gpu` list), at constraints.txt's
+#       versions, for Python 3.12
 #   bash scripts/gpu_workflow.sh prepare [CONFIG] [DIR]   # CPU: DIR/prepared.tar.gz (.gpu)
 #       the workflow's own outputs that need no GPU (tokenizer, token shards, tokenized NLL sets)
 #       and Snakemake's metadata of them, made in a scratch copy of the workflow
@@ -42,7 +43,7 @@ wheels() {
   mkdir -p "$dir"
   # the requirement closure of what the image lacks, at the versions this checkout's setup pins
   local pins; pins="$(PYTHONPATH="$REPO" "$PYTHON" -m depthbench.commands.gpu_bundle pins)"
-  # and the gpu mode's packages installed without their dependencies (Liger-Kernel)
+  # and the gpu mode's packages installed without their dependencies (Liger-Kernel, fla-core)
   pins="$pins $(PYTHONPATH="$REPO" "$PYTHON" -m depthbench.commands.gpu_bundle pins-no-deps)"
   local platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64)

@@ -23,9 +23,10 @@ tokenizers and safetensors, which a GPU image has), markers evaluated for Python
 Linux, at the versions installed here (constraints.txt's, through scripts/setup.sh). The whole
 closure is carried, also what the image may have (packaging, PyYAML, Jinja2, ...): the carried
 folder comes first on the path, so these are the versions tested here. With them the packages
-that pyproject.toml's `[tool.depthbench.no-deps]` lists for the `gpu` mode (Liger-Kernel's Triton
-kernels, which the CUDA backend swaps in for HC and mHC), at constraints.txt's versions, without
-their dependencies (their declared torch and triton are the image's).
+that pyproject.toml's `[tool.depthbench.no-deps]` lists for the `gpu` mode (Liger-Kernel's and
+fla-core's Triton kernels, which the CUDA backend swaps in for HC, mHC and MoDA, and einops), at
+constraints.txt's versions, without their dependencies (their declared torch and triton are the
+image's).
 
 `check-wheels SITE`: every requirement of every distribution installed in SITE (pip install
 --target) is met by a distribution this interpreter sees, at an allowed version; prints each one

@@ -25,22 +25,21 @@ The sequence chunk's kernel pair (forward with its log-sum-exp; backward from a 
 output), by backend (`_kernel_for`):
 - cpu: aten's fused flash-attention pair (`_scaled_dot_product_flash_attention_for_cpu` and its
   backward), on CPU tensors of the dtypes it takes.
-- cuda, and every tensor the CPU pair does not take (meta, for the memory trace):
-  `chunked_attention_forward` / `_backward`, the same two
-  functions written with torch operations over blocks of QUERY_CHUNK queries: each block's
-  scores against the keys up to its last query are formed, used and dropped (at most
-  QUERY_CHUNK x S per head at a time, never T x S), and backward recomputes them from the lse
-  (FlashAttention-2's recomputation, blocked by queries only). Every product has a float32
-  result: on CUDA from bf16/fp16 operands (`torch.bmm(..., out_dtype=float32)`, tensor cores with
-  fp32 accumulation, as a flash kernel; p and ds cast down to the operands' dtype as flash casts
-  them), elsewhere from float32 copies. Chosen over FlexAttention, which in
-  torch 2.13 has no backward on the CPU (so could not be held to the explicit path by the CPU
-  tests) and whose backward cannot be handed the joint lse; and over aten's CUDA flash /
-  memory-efficient pairs, whose lse layouts differ by kernel and version. The cuda backend's
-  implementation runs this pair on CPU tensors too, which is how the tests hold it to the
-  explicit path.
-Where neither applies (a decoding offset, an integer dtype) `fused_joint_attention` returns
-None and the definition's explicit path runs.
+- cuda without fla-core (with it, depthbench.kernels.moda_triton swaps in fla-core's Triton pair,
+  which takes what it can and hands the rest to this one), and every tensor the CPU pair does not
+  take (meta, for the memory trace): `chunked_attention_forward` / `_backward`, the same two
+  functions written with torch operations over blocks of QUERY_CHUNK queries: each block's scores
+  against the keys up to its last query are formed, used and dropped (at most QUERY_CHUNK x S per
+  head at a time, never T x S), and backward recomputes them from the lse (FlashAttention-2's
+  recomputation, blocked by queries only). Every product has a float32 result: on CUDA from
+  bf16/fp16 operands (`torch.bmm(..., out_dtype=float32)`, tensor cores with fp32 accumulation, as a
+  flash kernel; p and ds cast down to the operands' dtype as flash casts them), elsewhere from
+  float32 copies. Chosen over FlexAttention, which in torch 2.13 has no backward on the CPU (so
+  could not be held to the explicit path by the CPU tests) and whose backward cannot be handed the
+  joint lse; and over aten's CUDA flash / memory-efficient pairs, whose lse layouts differ by kernel
+  and version. The cuda backend's implementation runs this pair on CPU tensors too, which is how the
+  tests hold it to the explicit path. Where neither applies (a decoding offset, an integer dtype)
+  `fused_joint_attention` returns None and the definition's explicit path runs.
 """
 
 from __future__ import annotations
@@ -241,7 +240,13 @@ def fused_joint_attention(q, k, v, buffer: DepthBuffer, n_pairs: int, kernel: st
     """Equation (1) over the first `n_pairs` (k, v) pairs in `buffer`, or None where no fused
     kernel applies. q (B, H, T, hd); k, v (B, H_kv, T, hd) -> (B, H, T, hd). `kernel`: see
     _kernel_for."""
-    kernels = _kernel_for(q, k, kernel)
+    return joint_attention_with(_kernel_for(q, k, kernel), q, k, v, buffer, n_pairs)
+
+
+def joint_attention_with(kernels, q, k, v, buffer: DepthBuffer, n_pairs: int):
+    """Equation (1) with the sequence chunk's kernel pair `kernels` (forward with lse, backward
+    from a given output and lse, in the signatures of aten's CPU flash pair), or None where
+    `kernels` is None or the buffer does not hold these keys."""
     if kernels is None or not buffer.fits(k):
         return None
     sources = buffer.tensors(n_pairs) if torch.is_grad_enabled() else []
@@ -264,11 +269,15 @@ class FusedMoDABlock(MoDABlock):
 
     kernel = "auto"
 
+    def kernel_pair(self, q: torch.Tensor, k: torch.Tensor):
+        """The sequence chunk's kernel pair for these inputs, or None (the explicit path)."""
+        return _kernel_for(q, k, self.kernel)
+
     def joint_attention(self, q, k, v, depth: DepthKeys) -> torch.Tensor:
         buffer = depth.buffer()
         y = None
         if buffer is not None:
-            y = fused_joint_attention(q, k, v, buffer, len(depth), self.kernel)
+            y = joint_attention_with(self.kernel_pair(q, k), q, k, v, buffer, len(depth))
         return super().joint_attention(q, k, v, depth) if y is None else y
 
     def depth_pair(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,7 +285,8 @@ class FusedMoDABlock(MoDABlock):
 
 
 class ChunkedMoDABlock(FusedMoDABlock):
-    """The cuda backend's MoDA layer: the sequence chunk by the chunked online-softmax pair."""
+    """The cuda backend's MoDA layer without fla-core: the sequence chunk by the chunked
+    online-softmax pair."""
 
     kernel = "chunked"
 

@@ -16,14 +16,15 @@ Backends and what they swap in (each module's SWAPS):
   depthbench.kernels`), MoDA's joint attention over aten's CPU flash-attention pair
   (moda_fused.py).
 - `cuda`: HC's and mHC's read, coefficients and write through Liger-Kernel's Triton kernels
-  (triton_streams.py), MoDA's joint attention over a chunked online-softmax pair
-  (moda_fused.py), Full and Block AttnRes's depth mix in two phases over groups of readers
-  (attnres_groups.py).
+  (triton_streams.py), MoDA's joint attention with its causal chunk in fla-core's Triton
+  attention (moda_triton.py; without fla-core, a chunked online-softmax pair, moda_fused.py),
+  Full and Block AttnRes's depth mix in two phases over groups of readers (attnres_groups.py).
 
 `kernels`: `auto` swaps in the backend's implementations, `reference` runs the definitions
 everywhere (the `train.kernels` setting; the environment variable DEPTHBENCH_KERNELS, when set,
 overrides it for every stage, probes and evaluation included). Implementations whose library is
-missing (liger-kernel for the CUDA backend) are left out with one warning, and the definition runs.
+missing (liger-kernel or fla-core for the CUDA backend) are left out with one warning, and the
+definition runs (for MoDA without fla-core, the chunked pair).
 """
 
 from __future__ import annotations
@@ -43,7 +44,13 @@ KERNELS = ("auto", "reference")
 BACKENDS = ("cpu", "cuda")
 # the modules that declare implementations: SWAPS {(backend, definition class): class} and,
 # where a library may be missing, unavailable_reason()
-IMPLEMENTATIONS = ("cpu_streams", "triton_streams", "attnres_groups", "moda_fused")
+IMPLEMENTATIONS = (
+    "cpu_streams",
+    "triton_streams",
+    "attnres_groups",
+    "moda_fused",
+    "moda_triton",  # after moda_fused: where it can run, its MoDA layer replaces the chunked one
+)
 
 _warned: set[str] = set()
 
@@ -80,7 +87,7 @@ def implementations(backend: str) -> dict[type, type]:
         if reason is not None:
             if name not in _warned:
                 _warned.add(name)
-                log.warning("%s kernels unavailable (%s): the definitions run", name, reason)
+                log.warning("%s kernels unavailable (%s): left out", name, reason)
             continue
         table.update(entries)
     return table

@@ -69,8 +69,13 @@ def takes(t: torch.Tensor, n_streams: int) -> bool:
     power-of-two number of streams. Not a meta tensor: the memory estimate traces the
     definitions, which keep more for backward than these ops (an upper bound) and are what the
     estimate is held to on a GPU (tests/data/h200_training_step_memory.json)."""
-    on_device = t.device.type == "cuda" or (t.device.type == "cpu" and _ON_CPU)
-    return on_device and n_streams & (n_streams - 1) == 0
+    return on_triton_device(t) and n_streams & (n_streams - 1) == 0
+
+
+def on_triton_device(t: torch.Tensor) -> bool:
+    """Whether Triton kernels run on t: a CUDA tensor, or a CPU one within `on_cpu()` (the
+    interpreter)."""
+    return t.device.type == "cuda" or (t.device.type == "cpu" and _ON_CPU)
 
 
 def _liger():

@@ -115,6 +115,9 @@ def test_smoke_mode_on_a_bare_machine_reports_every_model_and_records_out_of_mem
     ratios = report["arch_ratios_deepest"]
     assert set(ratios) == OTHERS and ratios["hc"]["error"] == "out of memory"
     assert all(r["step_time_vs_pre_ln"] > 0 for a, r in ratios.items() if a != "hc")
+    # what the swap put in is recorded with each measurement (the CPU's fused MoDA here)
+    assert report["pre_ln_widest"]["implementations"] == []
+    assert ratios["moda"]["implementations"] == ["FusedMoDA", "FusedMoDABlock"]
     assert report["gpu_tests"]["returncode"] == 0  # collected on a CPU machine: every test skipped
     # the record for depthbench plan: every architecture measured at both depths, but hc
     record = load_record(tmp_path / "record.json")

@@ -114,13 +114,24 @@ def test_training_on_cuda_uses_the_fast_path(request, tmp_path):
     assert any(m is not None and m > 0 for m in mfu)
 
 
+@pytest.mark.parametrize("pair", ["chunked", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_chunked_pair_on_cuda_against_float64(dtype, monkeypatch):
-    """The chunked pair's CUDA branch (bf16/fp16 operands, float32 products through bmm's
-    out_dtype), blocks of 96 over 300 positions, against causal attention in float64."""
+def test_moda_pairs_on_cuda_against_float64(dtype, pair, monkeypatch):
+    """MoDA's two CUDA pairs for the sequence chunk against causal attention in float64, 300
+    positions: the chunked pair's CUDA branch (bf16/fp16 operands, float32 products through
+    bmm's out_dtype, blocks of 96) and fla-core's Triton pair (depthbench.kernels.moda_triton),
+    whose bfloat16 the CPU's interpreter cannot check."""
     import math
 
     from depthbench.kernels import moda_fused as mf
+
+    if pair == "triton":
+        pytest.importorskip("fla", reason="the Triton pair needs fla-core")
+        from depthbench.kernels import moda_triton
+
+        forward, backward = moda_triton.TRITON
+    else:
+        forward, backward = mf.CHUNKED
 
     monkeypatch.setattr(mf, "QUERY_CHUNK", 96)
     g = torch.Generator("cuda").manual_seed(0)
@@ -132,8 +143,8 @@ def test_chunked_pair_on_cuda_against_float64(dtype, monkeypatch):
     y_ref, lse_ref = torch.softmax(s, -1) @ v64, s.logsumexp(-1)
     dy = torch.randn(y_ref.shape, device="cuda", generator=g)
     grads_ref = torch.autograd.grad(y_ref, (q64, k64, v64), dy.double())
-    y, lse = mf.chunked_attention_forward(*(t.to(dtype) for t in (q, k, v)), 0.0, True, scale=scale)
-    grads = mf.chunked_attention_backward(
+    y, lse = forward(*(t.to(dtype) for t in (q, k, v)), 0.0, True, scale=scale)
+    grads = backward(
         dy.to(dtype), *(t.to(dtype) for t in (q, k, v)), y, lse, 0.0, True, scale=scale
     )
     tol = 1e-4 if dtype == torch.float32 else 3e-2
@@ -144,11 +155,11 @@ def test_chunked_pair_on_cuda_against_float64(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cuda_implementations_equal_the_definitions(arch, dtype, monkeypatch):
-    """What depthbench.kernels.swap puts in on CUDA (Liger's Triton kernels for hc and mhc, the
-    chunked online-softmax pair for moda, the batched mix for attnres) against the architecture's
-    definition: loss and gradients, fp32 (TF32 off) and under bf16 autocast, blocks of 96 queries
-    over 256 positions for moda. The bf16 case is where the Triton interpreter cannot speak for
-    the GPU (it multiplies bf16 bit patterns)."""
+    """What depthbench.kernels.swap puts in on CUDA (Liger's Triton kernels for hc and mhc,
+    fla-core's Triton pair for moda where it is installed and the chunked pair, in blocks of 96
+    queries, where not, the batched mix for attnres) against the architecture's definition: loss
+    and gradients over 256 positions, fp32 (TF32 off) and under bf16 autocast. The bf16 case is
+    where the Triton interpreter cannot speak for the GPU (it multiplies bf16 bit patterns)."""
     from depthbench.kernels import moda_fused as mf
     from depthbench.kernels.swap import swapped
 

@@ -54,9 +54,17 @@ def test_wheel_pins_are_the_closure_of_the_roots_at_the_installed_versions():
 
 
 def test_the_gpu_modes_no_deps_packages_are_carried_at_their_pins():
+    """Liger-Kernel, fla-core and einops at constraints.txt's pins; every requirement of theirs is
+    carried too or is the image's own (torch, triton)."""
     pins = gpu_bundle.gpu_no_deps()
-    assert set(pins) == {"liger-kernel"}
-    assert f"liger-kernel=={pins['liger-kernel']}" in (REPO / "constraints.txt").read_text()
+    assert set(pins) == {"liger-kernel", "fla-core", "einops"}
+    constraints = (REPO / "constraints.txt").read_text()
+    for name, version in pins.items():
+        assert f"{name}=={version}" in constraints
+        for text in metadata.requires(name) or []:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate(gpu_bundle.TARGET):
+                assert canonicalize_name(req.name) in {*pins, "torch", "triton"}, (name, text)
 
 
 def _dist(site: Path, name: str, version: str, requires: list[str]) -> None:

@@ -1,0 +1,180 @@
+"""MoDA's joint attention on CUDA with its sequence chunk in Triton: flash-linear-attention's
+causal softmax attention (fla-core, `fla.ops.attn.parallel`), swapped in for the chunked pair of
+depthbench.kernels.moda_fused where fla-core is installed.
+
+The joint attention of moda_fused.py needs two things of the sequence chunk's kernel: a forward
+that returns the log-sum-exp of its scores, and a backward that recomputes its probabilities from
+an lse and an output it is HANDED, so that handing it the joint lse and the joint output gives the
+sequence chunk's exact share of the joint gradient (moda_fused.py, "Backward"). fla-core's pair
+does both: `parallel_attn_fwd(q, k, v, ...)` returns (o, lse) and `parallel_attn_bwd(q, k, v, o,
+g, lse, do, ...)` takes them, with rowsum(o * do) taken from the o it is given. That is why it is
+used rather than FlexAttention (whose backward cannot be handed the joint lse) or aten's CUDA
+flash pair (whose lse layout differs by kernel and version). What the adapter relies on, held by
+tests/unit/test_moda_triton.py against the chunked pair and the explicit definition:
+- layout (B, T, H, hd) where DepthBench's pair uses (B, H, T, hd): transposed copies both ways;
+- the lse in base 2 (the kernels score with exp2): multiplied by ln 2 on the way out and by
+  1 / ln 2 on the way back;
+- causal masking with no window, scores scaled by `scale`, head dimension at most 256;
+- the signatures of the two functions, checked before the first call (`_check_internals`):
+  they are fla-core internals that another version may change, so the adapter takes only the
+  version constraints.txt pins (`unavailable_reason`).
+
+The two calls are custom ops (`depthbench::fla_causal_attention` and its backward), so
+torch.compile keeps them opaque and the fake implementations give shapes on meta. The memory
+estimate traces the chunked pair (meta tensors take it), whose blocks of QUERY_CHUNK x S scores
+are transients this kernel never holds: an upper bound, with the same saved tensors.
+
+On a CPU the kernels run under Triton's interpreter within depthbench.kernels.triton_streams'
+`on_cpu()` (how the tests hold them to the definition); elsewhere, and for dtypes or head sizes
+the kernel does not take, the chunked pair runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import math
+from importlib import metadata
+
+import torch
+
+from depthbench.kernels.moda_fused import CHUNKED, ChunkedMoDABlock
+from depthbench.kernels.triton_streams import on_triton_device
+from depthbench.models.archs.moda import MoDABlock
+
+FLA_VERSION = "0.6.0"  # constraints.txt's pin: the version whose internals the adapter follows
+MAX_HEAD_DIM = 256  # fla's kernels hold a head's keys in one block of at most 256
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+LN2 = math.log(2.0)
+# the parameters of fla-core's two functions that the adapter passes, in order
+FORWARD_PARAMETERS = ("q", "k", "v", "g_cumsum", "sink_bias", "scale")
+BACKWARD_PARAMETERS = ("q", "k", "v", "o", "g_cumsum", "lse", "do", "sink_bias", "scale")
+
+
+@functools.cache
+def _fla():
+    from fla.ops.attn import parallel
+
+    _check_internals(parallel)
+    return parallel
+
+
+def _check_internals(parallel) -> None:
+    """Fail loudly where fla-core's functions no longer take what the adapter passes."""
+    for name, expected in (
+        ("parallel_attn_fwd", FORWARD_PARAMETERS),
+        ("parallel_attn_bwd", BACKWARD_PARAMETERS),
+    ):
+        fn = inspect.unwrap(getattr(parallel, name))
+        found = tuple(inspect.signature(fn).parameters)[: len(expected)]
+        if found != expected:
+            raise RuntimeError(
+                f"fla.ops.attn.parallel.{name} takes {found}, not {expected}: the fla-core "
+                f"installed is not the {FLA_VERSION} that depthbench.kernels.moda_triton follows"
+            )
+
+
+def _heads_last(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(1, 2).contiguous()
+
+
+@torch.library.custom_op("depthbench::fla_causal_attention", mutates_args=())
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of q, k, v (B, H, T, hd) -> y (B, H, T, hd) and its natural log-sum-exp
+    (B, H, T) in float32."""
+    parallel = _fla()
+    y, lse2 = parallel.parallel_attn_fwd(
+        _heads_last(q), _heads_last(k), _heads_last(v), None, None, scale
+    )
+    return _heads_last(y), _heads_last(lse2.mul(LN2))
+
+
+@causal_attention.register_fake
+def _(q, k, v, scale):
+    B, H, T, _ = q.shape
+    return torch.empty_like(q, dtype=v.dtype), q.new_empty(B, H, T, dtype=torch.float32)
+
+
+@torch.library.custom_op("depthbench::fla_causal_attention_backward", mutates_args=())
+def causal_attention_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of causal attention whose probabilities are exp(score - lse) for the natural
+    log-sum-exp `lse` (B, H, T) and whose output is `out` (FlashAttention-2's backward)."""
+    parallel = _fla()
+    dq, dk, dv, _, _ = parallel.parallel_attn_bwd(
+        _heads_last(q),
+        _heads_last(k),
+        _heads_last(v),
+        _heads_last(out),
+        None,
+        _heads_last(lse.float().div(LN2)),
+        _heads_last(grad),
+        scale=scale,
+    )
+    return (
+        _heads_last(dq).to(q.dtype),
+        _heads_last(dk).to(k.dtype),
+        _heads_last(dv).to(v.dtype),
+    )
+
+
+@causal_attention_backward.register_fake
+def _(grad, q, k, v, out, lse, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def triton_attention_forward(q, k, v, dropout_p=0.0, is_causal=True, *, scale):
+    """The pair's forward, in the signature of aten's CPU flash forward."""
+    assert dropout_p == 0.0 and is_causal
+    return causal_attention(q, k, v, scale)
+
+
+def triton_attention_backward(grad, q, k, v, out, lse, dropout_p=0.0, is_causal=True, *, scale):
+    """The pair's backward, in the signature of aten's CPU flash backward."""
+    assert dropout_p == 0.0 and is_causal
+    return causal_attention_backward(grad.contiguous(), q, k, v, out, lse, scale)
+
+
+TRITON = (triton_attention_forward, triton_attention_backward)
+
+
+class TritonMoDABlock(ChunkedMoDABlock):
+    """The cuda backend's MoDA layer where fla-core is installed: the sequence chunk in Triton,
+    the chunked pair where the kernel does not take the tensors (meta, another dtype, a head
+    wider than 256)."""
+
+    def kernel_pair(self, q: torch.Tensor, k: torch.Tensor):
+        pair = super().kernel_pair(q, k)
+        if (
+            pair is CHUNKED
+            and on_triton_device(q)
+            and q.dtype in DTYPES
+            and q.shape[-1] <= MAX_HEAD_DIM
+        ):
+            return TRITON
+        return pair
+
+
+SWAPS = {("cuda", MoDABlock): TritonMoDABlock}
+
+
+def unavailable_reason() -> str | None:
+    """Why the Triton pair cannot run here, or None. Looks for the packages without importing
+    them (triton reads TRITON_INTERPRET when it is first imported)."""
+    for package, install in (("triton", "triton"), ("fla", "fla-core"), ("einops", "einops")):
+        if importlib.util.find_spec(package) is None:
+            return f"{install} is not installed (pip install {install})"
+    version = metadata.version("fla-core")
+    if version != FLA_VERSION:
+        return f"fla-core {version} is installed; the adapter follows {FLA_VERSION}"
+    return None
