@@ -209,8 +209,8 @@ class GroupedMix:
                 self.buffer.push(v)
         super().append(v)
 
-    def fork(self, queries: torch.Tensor):
-        other = super().fork(queries)
+    def fork(self, queries: torch.Tensor, key: tuple | None = None):
+        other = super().fork(queries, key)
         other.group = None  # phase 1 again over the fork's own sources and logits
         return other
 

@@ -112,8 +112,21 @@ class AttnResFull(DecoderLM):
         return [unit for block in self.blocks for unit in block.units]
 
     # The trunk state is the source list (see DecoderLM.layer_step).
+    def reader_key(self) -> tuple:
+        """What `reader_queries()` is made of, without reading a value: each reader's pseudo-query
+        and key-norm gain, in order, by identity and in-place version. Equal keys mean equal
+        queries, so a fork compares keys on the host instead of the queries on the device."""
+        readers = [depth for block in self.blocks for depth in (block.attn_depth, block.ffn_depth)]
+        return tuple(
+            (id(p), p._version)
+            for depth in readers + [self.final_depth]
+            for p in (depth.query, depth.key_norm.weight)
+        )
+
     def init_state(self, h0: torch.Tensor) -> DepthSources:
-        return self.make_sources(h0)
+        sources = self.make_sources(h0)
+        sources.key = self.reader_key()
+        return sources
 
     def run_layer(
         self,
@@ -151,7 +164,7 @@ class AttnResFull(DecoderLM):
         return state.current()[0]
 
     def fork_state(self, state: DepthSources) -> DepthSources:
-        return state.fork(self.reader_queries())
+        return state.fork(self.reader_queries(), self.reader_key())
 
     # Skip and replace (depthbench.models.adapter): a skipped layer's two sublayers add no
     # source. A replaced layer's input is what it reads first, h_(l-1), and its output features

@@ -55,6 +55,9 @@ class DepthSources:
         self.logits: list[list[torch.Tensor]] = [[] for _ in range(queries.shape[1])]  # per reader
         # the next reader's mix, once computed (h_l for probes, then its input)
         self.reads: dict = {}
+        # what `queries` were made of, when the model says (AttnResFull.reader_key): fork()
+        # compares keys on the host; without one it compares the queries themselves
+        self.key: tuple | None = None
         self.append(v0)
 
     def _add_logits(self, unit: torch.Tensor) -> None:
@@ -105,20 +108,26 @@ class DepthSources:
         softmaxes run over the other sources only (a zero source would keep softmax mass)."""
         self.next_reader += 2
 
-    def fork(self, queries: torch.Tensor) -> "DepthSources":
+    def fork(self, queries: torch.Tensor, key: tuple | None = None) -> "DepthSources":
         """A copy whose later additions leave this one unchanged (tensors are shared), with the
         logits of the readers still to run recomputed for `queries`: a probe resuming from this
-        state may have swapped the pseudo-queries of later layers."""
+        state may have swapped the pseudo-queries of later layers. With the queries' `key`
+        (AttnResFull.reader_key) and one recorded for this state, equal queries are known from
+        the keys, on the host; otherwise they are compared (a read of the device per fork)."""
         other = copy.copy(self)
         other.values, other.units = list(self.values), list(self.units)
-        other.reads = dict(self.reads) if torch.equal(queries, self.queries) else {}
+        if key is not None and self.key is not None:
+            same = key == self.key
+        else:
+            same = torch.equal(queries, self.queries)  # False for another shape too
+        other.reads = dict(self.reads) if same else {}
         # readers that already ran never read again: their logits are not carried over
         past = [[] for _ in self.logits[: self.next_reader]]
-        if torch.equal(queries, self.queries):  # False for another shape too
+        if same:
             # nothing swapped (a baseline pass): the pending logits still hold
             other.logits = past + [list(column) for column in self.logits[self.next_reader :]]
             return other
-        other.queries = queries
+        other.queries, other.key = queries, key
         other.logits = past + [[] for _ in self.logits[self.next_reader :]]
         for unit in other.units:
             other._add_logits(unit)
