@@ -15,6 +15,10 @@ tests/unit/test_moda_triton.py against the chunked pair and the explicit definit
 - the lse in base 2 (the kernels score with exp2): multiplied by ln 2 on the way out and by
   1 / ln 2 on the way back;
 - causal masking with no window, scores scaled by `scale`, head dimension at most 256;
+- the Triton implementations themselves, called past fla's backend dispatch (which on Hopper
+  with Triton 3.4 or later prefers its TileLang kernels where TileLang is installed): what runs
+  is what the tests check. On such a device the swap keeps to the chunked pair
+  (`kept_off_reason`) until a GPU run holds the Triton kernels to float64 attention there;
 - the signatures of the two functions, checked before the first call (`_check_internals`):
   they are fla-core internals that another version may change, so the adapter takes only the
   version constraints.txt pins (`unavailable_reason`).
@@ -54,10 +58,12 @@ BACKWARD_PARAMETERS = ("q", "k", "v", "o", "g_cumsum", "lse", "do", "sink_bias",
 
 @functools.cache
 def _fla():
+    """fla-core's forward and backward, checked, without fla's backend dispatch (which may route
+    a call to another backend): the Triton implementations the tests hold to the reference."""
     from fla.ops.attn import parallel
 
     _check_internals(parallel)
-    return parallel
+    return inspect.unwrap(parallel.parallel_attn_fwd), inspect.unwrap(parallel.parallel_attn_bwd)
 
 
 def _check_internals(parallel) -> None:
@@ -85,10 +91,8 @@ def causal_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of q, k, v (B, H, T, hd) -> y (B, H, T, hd) and its natural log-sum-exp
     (B, H, T) in float32."""
-    parallel = _fla()
-    y, lse2 = parallel.parallel_attn_fwd(
-        _heads_last(q), _heads_last(k), _heads_last(v), None, None, scale
-    )
+    forward, _ = _fla()
+    y, lse2 = forward(_heads_last(q), _heads_last(k), _heads_last(v), None, None, scale)
     return _heads_last(y), _heads_last(lse2.mul(LN2))
 
 
@@ -110,8 +114,8 @@ def causal_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of causal attention whose probabilities are exp(score - lse) for the natural
     log-sum-exp `lse` (B, H, T) and whose output is `out` (FlashAttention-2's backward)."""
-    parallel = _fla()
-    dq, dk, dv, _, _ = parallel.parallel_attn_bwd(
+    _, backward = _fla()
+    dq, dk, dv, _, _ = backward(
         _heads_last(q),
         _heads_last(k),
         _heads_last(v),
@@ -177,4 +181,30 @@ def unavailable_reason() -> str | None:
     version = metadata.version("fla-core")
     if version != FLA_VERSION:
         return f"fla-core {version} is installed; the adapter follows {FLA_VERSION}"
+    return kept_off_reason()
+
+
+def kept_off_reason() -> str | None:
+    """Why the CUDA device here keeps to the chunked pair, or None. On Hopper (sm_90) with Triton
+    3.4 or later, fla-core itself routes its attention off these Triton kernels (to its TileLang
+    backend, `fla.ops.attn.backends`, citing Triton's codegen regressions on Hopper), and no GPU
+    run has yet held them to float64 attention there
+    (tests/integration/test_gpu.py::test_moda_pairs_on_cuda_against_float64 does, on a GPU)."""
+    if not torch.cuda.is_available():
+        return None
+    major, _ = torch.cuda.get_device_capability()
+    triton = _version_of("triton") or _version_of("pytorch-triton") or (0, 0)
+    if major == 9 and triton >= (3, 4):
+        return (
+            "Hopper with Triton {}.{}: fla-core keeps its own attention off these Triton kernels "
+            "there".format(*triton)
+        )
     return None
+
+
+def _version_of(distribution: str) -> tuple[int, int] | None:
+    try:
+        major, minor = metadata.version(distribution).split(".")[:2]
+    except (metadata.PackageNotFoundError, ValueError):
+        return None
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)

@@ -155,11 +155,12 @@ def test_moda_pairs_on_cuda_against_float64(dtype, pair, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cuda_implementations_equal_the_definitions(arch, dtype, monkeypatch):
-    """What depthbench.kernels.swap puts in on CUDA (Liger's Triton kernels for hc and mhc,
-    fla-core's Triton pair for moda where it is installed and the chunked pair, in blocks of 96
-    queries, where not, the batched mix for attnres) against the architecture's definition: loss
-    and gradients over 256 positions, fp32 (TF32 off) and under bf16 autocast. The bf16 case is
-    where the Triton interpreter cannot speak for the GPU (it multiplies bf16 bit patterns)."""
+    """What depthbench.kernels.swap puts in on CUDA (Liger's Triton kernels for hc and mhc;
+    for moda fla-core's Triton pair where the swap takes it, the chunked pair in blocks of 96
+    queries where not, as without fla-core or on Hopper with Triton 3.4+; the batched mix for
+    attnres) against the architecture's definition: loss and gradients over 256 positions, fp32
+    (TF32 off) and under bf16 autocast. The bf16 case is where the Triton interpreter cannot
+    speak for the GPU (it multiplies bf16 bit patterns)."""
     from depthbench.kernels import moda_fused as mf
     from depthbench.kernels.swap import swapped
 

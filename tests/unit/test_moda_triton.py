@@ -202,13 +202,37 @@ def test_a_changed_fla_internal_fails_loudly():
     changed = types.SimpleNamespace(parallel_attn_fwd=fwd, parallel_attn_bwd=bwd)
     with pytest.raises(RuntimeError, match=r"parallel_attn_bwd.*0\.6\.0"):
         mt._check_internals(changed)
-    mt._check_internals(mt._fla())  # the installed one passes
+    from fla.ops.attn import parallel
+
+    mt._check_internals(parallel)  # the installed one passes
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mt, "kept_off_reason", lambda: None)
         mp.setattr(mt.metadata, "version", lambda name: "0.7.0")
         assert "fla-core 0.7.0" in mt.unavailable_reason()
         assert implementations("cuda")[MoDABlock] is mf.ChunkedMoDABlock
-    assert mt.unavailable_reason() is None
-    assert implementations("cuda")[MoDABlock] is mt.TritonMoDABlock
+        mp.undo()
+        mp.setattr(mt, "kept_off_reason", lambda: None)
+        assert mt.unavailable_reason() is None
+        assert implementations("cuda")[MoDABlock] is mt.TritonMoDABlock
+
+
+@pytest.mark.parametrize(
+    "capability, triton, kept_off",
+    [((9, 0), "3.6.0", True), ((9, 0), "3.3.1", False), ((8, 0), "3.6.0", False)],
+)
+def test_hopper_with_a_recent_triton_keeps_to_the_chunked_pair(capability, triton, kept_off):
+    """Where fla-core routes its own attention off Triton (Hopper, Triton 3.4 or later), the
+    swap leaves MoDA on the chunked pair, with the reason."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: True)
+        mp.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+        versions = {"triton": triton, "fla-core": mt.FLA_VERSION}
+        mp.setattr(mt.metadata, "version", lambda name: versions[name])
+        reason = mt.unavailable_reason()
+        assert (reason is not None) == kept_off
+        if kept_off:
+            assert "Hopper" in reason and "3.6" in reason
+            assert implementations("cuda")[MoDABlock] is mf.ChunkedMoDABlock
 
 
 def test_units_compile_with_fullgraph_on_the_triton_pair():
