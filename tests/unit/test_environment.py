@@ -160,7 +160,3 @@ def test_every_rule_with_a_job_uses_the_conda_env():
     assert stages <= set(seen)
 
 
-def test_post_deploy_installs_the_nodeps_packages_and_depthbench():
-    script = (REPO / "envs" / "depthbench.post-deploy.sh").read_text()
-    assert '["tool"]["depthbench"]["no-deps"]["base"]' in script
-    assert '--no-deps -c "$repo/constraints.txt" $nodeps' in script and "--no-deps -e" in script
