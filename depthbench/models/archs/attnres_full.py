@@ -114,11 +114,14 @@ class AttnResFull(DecoderLM):
     # The trunk state is the source list (see DecoderLM.layer_step).
     def reader_key(self) -> tuple:
         """What `reader_queries()` is made of, without reading a value: each reader's pseudo-query
-        and key-norm gain, in order, by identity and in-place version. Equal keys mean equal
-        queries, so a fork compares keys on the host instead of the queries on the device."""
+        and key-norm gain, in order, with its in-place version (DepthSources.same_key compares
+        them by identity and version). Equal keys mean equal queries, so a fork compares keys on
+        the host instead of the queries on the device. The contract: parameters change through
+        operations autograd sees (copy_, add_, load_state_dict, an optimizer step), which bump
+        the version; a write through `.data` does not, and a fork would not see it."""
         readers = [depth for block in self.blocks for depth in (block.attn_depth, block.ffn_depth)]
         return tuple(
-            (id(p), p._version)
+            (p, p._version)
             for depth in readers + [self.final_depth]
             for p in (depth.query, depth.key_norm.weight)
         )

@@ -117,7 +117,7 @@ class DepthSources:
         other = copy.copy(self)
         other.values, other.units = list(self.values), list(self.units)
         if key is not None and self.key is not None:
-            same = key == self.key
+            same = same_key(key, self.key)
         else:
             same = torch.equal(queries, self.queries)  # False for another shape too
         other.reads = dict(self.reads) if same else {}
@@ -132,6 +132,12 @@ class DepthSources:
         for unit in other.units:
             other._add_logits(unit)
         return other
+
+
+def same_key(a: tuple, b: tuple) -> bool:
+    """Whether two keys of AttnResFull.reader_key name the same parameters, in order, at the same
+    versions (the parameters compared by identity: comparing tensors would read them)."""
+    return len(a) == len(b) and all(p is q and u == v for (p, u), (q, v) in zip(a, b))
 
 
 class WeightedSum(torch.autograd.Function):
