@@ -29,8 +29,9 @@ estimate traces the chunked pair (meta tensors take it), whose blocks of QUERY_C
 are transients this kernel never holds: an upper bound, with the same saved tensors.
 
 On a CPU the kernels run under Triton's interpreter within depthbench.kernels.triton_streams'
-`on_cpu()` (how the tests hold them to the definition); elsewhere, and for dtypes or head sizes
-the kernel does not take, the chunked pair runs.
+`on_cpu()`, in float32 and float16 (how the tests hold them to the definition); elsewhere, for
+float32 on CUDA (fla's products would run in TF32) and for other dtypes or heads wider than 256,
+the chunked pair runs.
 """
 
 from __future__ import annotations
@@ -49,7 +50,11 @@ from depthbench.models.archs.moda import MoDABlock
 
 FLA_VERSION = "0.6.0"  # constraints.txt's pin: the version whose internals the adapter follows
 MAX_HEAD_DIM = 256  # fla's kernels hold a head's keys in one block of at most 256
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# the dtypes the pair takes: on CUDA the half-precision ones (fla's tl.dot computes float32 in
+# TF32, whatever torch allows; float32 on CUDA stays on the chunked pair, whose products follow
+# torch's setting), in the interpreter float32 too (true float32 there: how the tests hold it)
+CUDA_DTYPES = (torch.float16, torch.bfloat16)
+INTERPRETER_DTYPES = (torch.float32, torch.float16)
 LN2 = math.log(2.0)
 # the parameters of fla-core's two functions that the adapter passes, in order
 FORWARD_PARAMETERS = ("q", "k", "v", "g_cumsum", "sink_bias", "scale")
@@ -98,8 +103,10 @@ def causal_attention(
 
 @causal_attention.register_fake
 def _(q, k, v, scale):
-    B, H, T, _ = q.shape
-    return torch.empty_like(q, dtype=v.dtype), q.new_empty(B, H, T, dtype=torch.float32)
+    B, H, T, _ = q.shape  # contiguous, as the real op returns them
+    return q.new_empty(B, H, T, v.shape[-1], dtype=v.dtype), q.new_empty(
+        B, H, T, dtype=torch.float32
+    )
 
 
 @torch.library.custom_op("depthbench::fla_causal_attention_backward", mutates_args=())
@@ -133,8 +140,8 @@ def causal_attention_backward(
 
 
 @causal_attention_backward.register_fake
-def _(grad, q, k, v, out, lse, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(grad, q, k, v, out, lse, scale):  # contiguous, as the real op returns them
+    return tuple(t.new_empty(t.shape) for t in (q, k, v))
 
 
 def triton_attention_forward(q, k, v, dropout_p=0.0, is_causal=True, *, scale):
@@ -159,10 +166,11 @@ class TritonMoDABlock(ChunkedMoDABlock):
 
     def kernel_pair(self, q: torch.Tensor, k: torch.Tensor):
         pair = super().kernel_pair(q, k)
+        dtypes = CUDA_DTYPES if q.device.type == "cuda" else INTERPRETER_DTYPES
         if (
             pair is CHUNKED
             and on_triton_device(q)
-            and q.dtype in DTYPES
+            and q.dtype in dtypes
             and q.shape[-1] <= MAX_HEAD_DIM
         ):
             return TRITON
@@ -178,7 +186,10 @@ def unavailable_reason() -> str | None:
     for package, install in (("triton", "triton"), ("fla", "fla-core"), ("einops", "einops")):
         if importlib.util.find_spec(package) is None:
             return f"{install} is not installed (pip install {install})"
-    version = metadata.version("fla-core")
+    try:
+        version = metadata.version("fla-core")
+    except metadata.PackageNotFoundError:  # fla importable without its distribution's metadata
+        version = "of unknown version"
     if version != FLA_VERSION:
         return f"fla-core {version} is installed; the adapter follows {FLA_VERSION}"
     return kept_off_reason()
@@ -186,25 +197,26 @@ def unavailable_reason() -> str | None:
 
 def kept_off_reason() -> str | None:
     """Why the CUDA device here keeps to the chunked pair, or None. On Hopper (sm_90) with Triton
-    3.4 or later, fla-core itself routes its attention off these Triton kernels (to its TileLang
-    backend, `fla.ops.attn.backends`, citing Triton's codegen regressions on Hopper), and no GPU
-    run has yet held them to float64 attention there
+    3.4 or later, fla-core prefers its TileLang attention to these Triton kernels wherever
+    TileLang can run (`fla.ops.attn.backends`, citing Triton's codegen regressions on Hopper),
+    and no GPU run has yet held them to float64 attention there
     (tests/integration/test_gpu.py::test_moda_pairs_on_cuda_against_float64 does, on a GPU)."""
     if not torch.cuda.is_available():
         return None
     major, _ = torch.cuda.get_device_capability()
-    triton = _version_of("triton") or _version_of("pytorch-triton") or (0, 0)
+    triton = _triton_version()
     if major == 9 and triton >= (3, 4):
         return (
-            "Hopper with Triton {}.{}: fla-core keeps its own attention off these Triton kernels "
-            "there".format(*triton)
+            "Hopper with Triton {}.{}: fla-core prefers its TileLang attention to these Triton "
+            "kernels there, and no GPU run has checked them there".format(*triton)
         )
     return None
 
 
-def _version_of(distribution: str) -> tuple[int, int] | None:
-    try:
-        major, minor = metadata.version(distribution).split(".")[:2]
-    except (metadata.PackageNotFoundError, ValueError):
-        return None
+def _triton_version() -> tuple[int, int]:
+    """(major, minor) of the triton that runs, as fla-core reads it (on a CUDA machine, where
+    importing triton here is harmless: TRITON_INTERPRET matters only on a CPU)."""
+    import triton
+
+    major, minor = triton.__version__.split(".")[:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)

@@ -126,6 +126,8 @@ def test_moda_pairs_on_cuda_against_float64(dtype, pair, monkeypatch):
     from depthbench.kernels import moda_fused as mf
 
     if pair == "triton":
+        if dtype == torch.float32:
+            pytest.skip("float32 on CUDA stays on the chunked pair (fla's products: TF32)")
         pytest.importorskip("fla", reason="the Triton pair needs fla-core")
         from depthbench.kernels import moda_triton
 

@@ -2,10 +2,11 @@
 (depthbench/kernels/moda_triton.py) against the chunked pair it replaces and the explicit score
 matrices of the definition, forward and every gradient.
 
-Without a GPU the kernels run on CPU tensors in Triton's interpreter (tests/conftest.py sets
-TRITON_INTERPRET=1 before triton is imported; `on_cpu()` lets CPU tensors take them): float32 to
-1e-5, float16 within its rounding. bfloat16 is checked on a GPU only
-(tests/integration/test_gpu.py), where these tests run on the GPU itself."""
+The kernels run on CPU tensors in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1
+before triton is imported on a machine without a GPU; `on_cpu()` lets CPU tensors take them),
+which computes float32 as float32: to 1e-5, float16 within its rounding. On a GPU, where fla's
+products run float32 in TF32 and bfloat16 is what training uses,
+tests/integration/test_gpu.py::test_moda_pairs_on_cuda_against_float64 checks the pair."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import pytest
 import torch
 
 pytest.importorskip("fla", reason="the Triton MoDA pair needs fla-core (setup: test)")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="on a GPU, tests/integration/test_gpu.py checks the pair"
+)
 
 from depthbench.kernels import moda_fused as mf  # noqa: E402
 from depthbench.kernels import moda_triton as mt  # noqa: E402
@@ -25,7 +29,7 @@ from depthbench.models.archs.moda_depth_keys import DepthKeys  # noqa: E402
 from depthbench.models.config import ModelConfig  # noqa: E402
 from depthbench.models.registry import build_model  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = "cpu"  # the interpreter's
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -35,11 +39,8 @@ def cfg(**kw):
 
 
 @pytest.fixture(autouse=True)
-def kernels_on_this_device():
-    if DEVICE == "cpu":
-        with ts.on_cpu():
-            yield
-    else:
+def kernels_in_the_interpreter():
+    with ts.on_cpu():
         yield
 
 
@@ -53,11 +54,11 @@ def causal_reference(q, k, v, scale):
 
 
 @pytest.mark.parametrize("hd", [16, 24])
-@pytest.mark.parametrize("T", [7, 40])
+@pytest.mark.parametrize("T", [7, 160])
 def test_pair_equals_causal_attention_its_lse_and_gradients(T, hd):
     """Forward: y and the natural lse. Backward from the output and lse it is handed: the
-    gradients of causal attention. Float32; T = 40 spans more than one of the kernel's blocks of
-    keys, hd 24 is not a power of two."""
+    gradients of causal attention. Float32; T = 160 spans more than one of the kernels' blocks of
+    queries (128 forward, 64 backward) and of keys; hd 24 is not a power of two."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, T, hd, device=DEVICE) for _ in range(3))
     scale = hd**-0.5
@@ -173,15 +174,21 @@ def test_kernel_choice():
     meta = torch.zeros(1, 1, 3, 16, device="meta")
     assert block.kernel_pair(meta, meta) is mf.CHUNKED
     assert block.kernel_pair(x, torch.zeros(1, 1, 5, 16, device=DEVICE)) is None
-    if DEVICE == "cpu":  # outside on_cpu(), CPU tensors never reach the interpreter
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(ts, "_ON_CPU", False)
-            assert block.kernel_pair(x, x) is mf.CHUNKED
+    assert block.kernel_pair(x.half(), x.half()) is mt.TRITON
+    assert block.kernel_pair(x.bfloat16(), x.bfloat16()) is mf.CHUNKED  # the interpreter's bf16
+    with pytest.MonkeyPatch.context() as mp:  # outside on_cpu(), no CPU tensor takes the kernels
+        mp.setattr(ts, "_ON_CPU", False)
+        assert block.kernel_pair(x, x) is mf.CHUNKED
 
 
-def test_custom_ops_pass_opcheck():
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_custom_ops_pass_opcheck(layout):
+    """opcheck (the fake implementations' shapes, dtypes and strides among its checks), also on
+    views that are not contiguous."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 8, 16, device=DEVICE) for _ in range(3))
+    if layout == "strided":
+        q, k, v = (torch.randn(1, 8, 2, 16, device=DEVICE).transpose(1, 2) for _ in range(3))
     torch.library.opcheck(mt.causal_attention, (q, k, v, 0.25))
     y, lse = mt.causal_attention(q, k, v, 0.25)
     dy = torch.randn_like(y)
@@ -226,8 +233,7 @@ def test_hopper_with_a_recent_triton_keeps_to_the_chunked_pair(capability, trito
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.cuda, "is_available", lambda: True)
         mp.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
-        versions = {"triton": triton, "fla-core": mt.FLA_VERSION}
-        mp.setattr(mt.metadata, "version", lambda name: versions[name])
+        mp.setattr(mt, "_triton_version", lambda: tuple(map(int, triton.split(".")[:2])))
         reason = mt.unavailable_reason()
         assert (reason is not None) == kept_off
         if kept_off:
