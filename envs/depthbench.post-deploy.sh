@@ -11,7 +11,9 @@ listed() {  # the [tool.depthbench.no-deps] list of setup mode $1
   python -c 'import sys, tomllib; print(*tomllib.load(open(sys.argv[1], "rb"))["tool"]["depthbench"]["no-deps"][sys.argv[2]])' "$repo/pyproject.toml" "$1"
 }
 nodeps=$(listed base)
-if python -c 'import sys, torch; sys.exit(torch.version.cuda is None)'; then
+# a torch that cannot be imported stops the script here (set -e), not in the first job
+cuda=$(python -c 'import torch; print(int(torch.version.cuda is not None))')
+if [[ "$cuda" == 1 ]]; then
   nodeps="$nodeps $(listed gpu)"
 fi
 # shellcheck disable=SC2086  # one argument per package name

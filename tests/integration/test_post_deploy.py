@@ -18,14 +18,16 @@ exec "$REAL_PYTHON" "$@"
 """
 
 
-def _run(tmp_path, cuda: str | None) -> list[str]:
+def _run(tmp_path, cuda: str | None, broken: bool = False):
+    """(the script's completed process, the pip calls it made)."""
     (tmp_path / "bin").mkdir()
     python = tmp_path / "bin" / "python"
     python.write_text(STUB)
     python.chmod(0o755)
     fake = tmp_path / "site" / "torch"
     fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("from torch import version\n")
+    init = "raise ImportError('torch is broken')" if broken else "from torch import version"
+    (fake / "__init__.py").write_text(init + "\n")
     (fake / "version.py").write_text(f"cuda = {cuda!r}\n")
     log = tmp_path / "pip.log"
     env = {
@@ -40,22 +42,32 @@ def _run(tmp_path, cuda: str | None) -> list[str]:
         capture_output=True,
         text=True,
     )
-    assert done.returncode == 0, done.stderr
-    return log.read_text().splitlines()
+    return done, log.read_text().splitlines() if log.exists() else []
+
+
+# the script reads pyproject.toml with tomllib: Python 3.11 or later, as the conda env pins
+needs_tomllib = pytest.mark.skipif(sys.version_info < (3, 11), reason="the script needs tomllib")
 
 
 @pytest.mark.slow
+@needs_tomllib
 @pytest.mark.parametrize("cuda", [None, "12.8"], ids=["cpu-torch", "cuda-torch"])
 def test_post_deploy_installs_the_nodeps_packages_then_depthbench(tmp_path, cuda):
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10: pip's own copy of tomli
-        from pip._vendor import tomli as tomllib
+    import tomllib
 
     lists = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["depthbench"]["no-deps"]
     expected = lists["base"] + (lists["gpu"] if cuda else [])
-    calls = _run(tmp_path, cuda)
+    done, calls = _run(tmp_path, cuda)
+    assert done.returncode == 0, done.stderr
     assert calls == [
         f"install --no-deps -c {REPO}/constraints.txt {' '.join(expected)}",
         f"install --no-deps -e {REPO}",
     ]
+
+
+@pytest.mark.slow
+@needs_tomllib
+def test_post_deploy_stops_on_a_torch_that_cannot_be_imported(tmp_path):
+    """A broken torch stops the script before it installs anything, naming the import."""
+    done, calls = _run(tmp_path, None, broken=True)
+    assert done.returncode != 0 and "torch is broken" in done.stderr and calls == []
