@@ -93,12 +93,14 @@ class AttnResFull(DecoderLM):
     def make_sources(self, h0: torch.Tensor) -> DepthSources:
         return DepthSources(h0, self.reader_queries(), self.cfg.norm_eps)
 
+    def depth_readers(self) -> list[DepthAttention]:
+        """Every reader's depth attention: each sublayer's in order, then the final one's."""
+        sublayers = [d for block in self.blocks for d in (block.attn_depth, block.ffn_depth)]
+        return sublayers + [self.final_depth]
+
     def reader_queries(self) -> torch.Tensor:
         """(d, 2L + 1): the effective query of every sublayer in order, then the final one."""
-        readers = [depth for block in self.blocks for depth in (block.attn_depth, block.ffn_depth)]
-        return torch.stack(
-            [depth.effective_query() for depth in readers + [self.final_depth]], dim=1
-        )
+        return torch.stack([depth.effective_query() for depth in self.depth_readers()], dim=1)
 
     def fsdp_units(self) -> list[nn.Module]:
         """The trunk calls each layer's attention and FFN sublayers, never the block itself, and
@@ -119,10 +121,9 @@ class AttnResFull(DecoderLM):
         the host instead of the queries on the device. The contract: parameters change through
         operations autograd sees (copy_, add_, load_state_dict, an optimizer step), which bump
         the version; a write through `.data` does not, and a fork would not see it."""
-        readers = [depth for block in self.blocks for depth in (block.attn_depth, block.ffn_depth)]
         return tuple(
             (p, p._version)
-            for depth in readers + [self.final_depth]
+            for depth in self.depth_readers()
             for p in (depth.query, depth.key_norm.weight)
         )
 
