@@ -29,13 +29,13 @@ of them. `GROUP` = 8: the sources are read about 8 times less often, while phase
 sources per reader.
 
 Block AttnRes groups the readers of one block: they all see v_0 and the same completed block
-sums, read once for the block in phase 1; phase 2 is the block's partial sum. (fla-core's
-`fused_attnres`, which fuses the key norms, logits, softmax and mix of one reader in a Triton
-kernel, reads every source once per reader; this reads the block's sources once per block and
-reuses the definition's logits. Which is faster on a GPU is not measured yet.)
+sums, read once for the block in phase 1; phase 2 is the block's partial sum.
 
-On the CPU the definition's loop is faster than batched products (docs/benchmarks.md), so the CPU
-backend keeps it.
+The products over the sources here are batched matmuls (`torch_products`, `torch_gradients`);
+where triton is installed the CUDA backend swaps in the same schedule with them in Triton
+(depthbench.kernels.attnres_triton), and this module's classes are what runs without triton. On
+the CPU the definition's loop is faster than batched products (docs/design/architectures.md), so
+the CPU backend keeps it.
 """
 
 from __future__ import annotations
@@ -61,73 +61,100 @@ class GroupMix(torch.autograd.Function):
     """The softmax of G readers over S sources and their weighted sums: logits (G, S, N),
     `first` (N, d) or None (v_0, kept apart), the buffer's view of the other sources
     (N, S', d), `merged` (a list of G flags, see below), then the tensors the buffer's slots
-    were copied from -> h (G, N, d) and lse (G, N), in the logits' dtype (at least fp32). Every
-    product is a bmm (the v_0 terms as outer products), so torch.utils.flop_counter counts the
-    2 S d forward and 4 S d backward FLOPs per token and reader that depthbench.models.cost
-    charges. The buffer is a cache of values, written in place by later sources (the slots viewed
-    here never change): held on ctx, not saved, and each slot's gradient is returned to the
-    tensor it was copied from.
+    were copied from -> h (G, N, d) and lse (G, N), in the logits' dtype (at least fp32). The
+    buffer is a cache of values, written in place by later sources (the slots viewed here never
+    change): held on ctx, not saved, and each slot's gradient is returned to the tensor it was
+    copied from.
 
     With h = sum_i p_i v_i, the logits' gradient is p_i (dh . v_i - dh . h + dlse). A reader
     whose (h, lse) goes into a `Merge` (its flag set in `merged` by the merge) receives from it
     s dh and, for its lse, -s dh . h_out, h_out the merged output and s its share: so that the
     merge need not keep this h for backward, the centring term dh . h, which the merge cannot
     form without it, is then not subtracted here (it is within -s dh . h_out). For the other
-    readers the gradients are the plain ones."""
+    readers the gradients are the plain ones.
+
+    The products over the sources (`torch_products`, `torch_gradients`: batched matmuls) are
+    what a subclass replaces (depthbench.kernels.attnres_triton): it passes its own to
+    `mix_forward`, which keeps them on ctx for `mix_backward`."""
 
     @staticmethod
     def forward(ctx, logits, first, view, merged, *sources):
-        with autocast_off(logits.device.type):  # on meta: the memory trace's replay pauses
-            return GroupMix._forward(ctx, logits, first, view, merged, *sources)
-
-    @staticmethod
-    def _forward(ctx, logits, first, view, merged, *sources):
-        dtype = logits.dtype
-        lse = torch.logsumexp(logits, dim=1)  # (G, N)
-        p = torch.exp(logits - lse[:, None]).permute(2, 0, 1)  # (N, G, S)
-        k = 0 if first is None else 1
-        h = p.new_zeros(p.shape[0], p.shape[1], view.shape[2])
-        if first is not None:  # (N, G, 1) x (N, 1, d)
-            h = torch.bmm(p[..., :1], first.to(dtype)[:, None])
-        if view.shape[1]:  # (N, G, S') x (N, S', d): every source read once for the G readers
-            h = h + torch.bmm(p[..., k:], view.to(dtype))
-        ctx.save_for_backward(logits, lse, first)
-        ctx.view, ctx.sources, ctx.merged = view, [(t.shape, t.dtype) for t in sources], merged
-        return h.transpose(0, 1), lse
+        return mix_forward(
+            ctx, (torch_products, torch_gradients), logits, first, view, merged, sources
+        )
 
     @staticmethod
     def backward(ctx, grad_h, grad_lse):
-        with autocast_off(grad_h.device.type):
-            return GroupMix._backward(ctx, grad_h, grad_lse)
+        return mix_backward(ctx, grad_h, grad_lse)
 
-    @staticmethod
-    def _backward(ctx, grad_h, grad_lse):
+
+def mix_forward(ctx, kernels, logits, first, view, merged, sources):
+    """GroupMix's forward with `kernels` = (products, gradients) (see torch_products)."""
+    with autocast_off(logits.device.type):  # on meta: the memory trace's replay pauses
+        lse = torch.logsumexp(logits, dim=1)  # (G, N)
+        h = kernels[0](logits, lse, first, view)
+    ctx.save_for_backward(logits, lse, first)
+    ctx.view, ctx.sources, ctx.merged = view, [(t.shape, t.dtype) for t in sources], merged
+    ctx.gradients = kernels[1]
+    return h, lse
+
+
+def mix_backward(ctx, grad_h, grad_lse):
+    """GroupMix's backward: the sources' gradients from ctx.gradients, the logits' here."""
+    with autocast_off(grad_h.device.type):
         logits, lse, first = ctx.saved_tensors
-        view, dtype = ctx.view, logits.dtype
-        p = torch.exp(logits - lse[:, None]).permute(2, 0, 1)  # (N, G, S)
-        dh = grad_h.to(dtype).transpose(0, 1)  # (N, G, d)
+        dtype = logits.dtype
+        p = torch.exp(logits - lse[:, None])  # (G, S, N)
+        dq, grad_first, grad_view = ctx.gradients(logits, lse, p, first, ctx.view, grad_h.to(dtype))
         # dq_i = dh . v_i; with h = sum_i p_i v_i: dlogit_i = p_i (dq_i - dh . h + dlse)
-        parts, grad_first, grad_sources = [], None, []
-        k = 0 if first is None else 1
-        if first is not None:
-            f = first.to(dtype)[:, :, None]  # (N, d, 1)
-            parts.append(torch.bmm(dh, f))  # (N, G, 1)
-            grad_first = torch.bmm(p[..., :1].transpose(1, 2), dh).squeeze(1).to(first.dtype)
-        if view.shape[1]:
-            values = view.to(dtype)
-            parts.append(torch.bmm(dh, values.transpose(1, 2)))  # (N, G, S')
-            # every source's gradient for the G readers at once: (N, S', G) x (N, G, d)
-            grad_view = torch.bmm(p[..., k:].transpose(1, 2), dh)
+        plain = torch.tensor([not m for m in ctx.merged], dtype=dtype, device=dq.device)
+        centred = dq - (p * dq).sum(1, keepdim=True) * plain[:, None, None]
+        if grad_lse is not None:
+            centred = centred + grad_lse.to(dtype)[:, None, :]
+        grad_sources = []
+        if ctx.sources:
             grad_sources = [
                 g.view(shape).to(t_dtype)
                 for g, (shape, t_dtype) in zip(grad_view.unbind(1), ctx.sources)
             ]
-        dq = torch.cat(parts, dim=2)  # (N, G, S)
-        plain = torch.tensor([not m for m in ctx.merged], dtype=dtype, device=dq.device)
-        centred = dq - (p * dq).sum(2, keepdim=True) * plain[:, None]
-        if grad_lse is not None:
-            centred = centred + grad_lse.to(dtype).transpose(0, 1)[..., None]
-        return (p * centred).permute(1, 2, 0), grad_first, None, None, *grad_sources
+        if first is not None:
+            grad_first = grad_first.to(first.dtype)
+        return p * centred, grad_first, None, None, *grad_sources
+
+
+def torch_products(logits, lse, first, view):
+    """h (G, N, d) = sum_s exp(logits - lse)_s v_s in the logits' dtype, v_0 = `first` (when not
+    None), v_1.. the slots of `view` (N, S', d): every source read once for the G readers, as
+    bmm (the v_0 term an outer product), so that torch.utils.flop_counter counts the 2 S d
+    FLOPs per token and reader that depthbench.models.cost charges."""
+    dtype = logits.dtype
+    p = torch.exp(logits - lse[:, None]).permute(2, 0, 1)  # (N, G, S)
+    k = 0 if first is None else 1
+    h = p.new_zeros(p.shape[0], p.shape[1], view.shape[2])
+    if first is not None:  # (N, G, 1) x (N, 1, d)
+        h = torch.bmm(p[..., :1], first.to(dtype)[:, None])
+    if view.shape[1]:  # (N, G, S') x (N, S', d)
+        h = h + torch.bmm(p[..., k:], view.to(dtype))
+    return h.transpose(0, 1)
+
+
+def torch_gradients(logits, lse, p, first, view, dh):
+    """From dh (G, N, d) and p = exp(logits - lse) (G, S, N): dq (G, S, N), dq_s = dh . v_s,
+    and the gradients of `first` (N, d) and of the view's slots (N, S', d), in the logits'
+    dtype (4 S d FLOPs per token and reader, as bmm)."""
+    dtype = logits.dtype
+    p = p.permute(2, 0, 1)  # (N, G, S)
+    dh = dh.transpose(0, 1)  # (N, G, d)
+    parts, grad_first, grad_view = [], None, None
+    k = 0 if first is None else 1
+    if first is not None:
+        parts.append(torch.bmm(dh, first.to(dtype)[:, :, None]))  # (N, G, 1)
+        grad_first = torch.bmm(p[..., :1].transpose(1, 2), dh).squeeze(1)
+    if view.shape[1]:
+        parts.append(torch.bmm(dh, view.to(dtype).transpose(1, 2)))  # (N, G, S')
+        # every source's gradient for the G readers at once: (N, S', G) x (N, G, d)
+        grad_view = torch.bmm(p[..., k:].transpose(1, 2), dh)
+    return torch.cat(parts, dim=2).permute(1, 2, 0), grad_first, grad_view
 
 
 class Merge(torch.autograd.Function):
@@ -194,8 +221,8 @@ class GroupedMix:
     each reader's mix from its group's phase 1 and its own phase 2. `_group_end(r)`: the reader
     after the last of r's group."""
 
-    def __init__(self, *args, capacity: int, **kwargs):
-        self.capacity, self.buffer, self.group = capacity, None, None
+    def __init__(self, *args, capacity: int, mix: type = GroupMix, **kwargs):
+        self.capacity, self.buffer, self.group, self.group_mix = capacity, None, None, mix
         super().__init__(*args, **kwargs)
 
     def append(self, v: torch.Tensor) -> None:
@@ -234,7 +261,7 @@ class GroupedMix:
         B, T, d = self.values[0].shape
         held = self.values[1:c] if torch.is_grad_enabled() else []
         merged = [False] * len(readers)
-        h, lse = GroupMix.apply(
+        h, lse = self.group_mix.apply(
             logits.view(len(readers), c, B * T),
             self.values[0].reshape(B * T, d),
             self._view(1, c),
@@ -285,7 +312,7 @@ class GroupedDepthSources(GroupedMix, DepthSources):
         logits = at_least_fp32(torch.stack(self.logits[r]))  # (S, B, T)
         if len(self.values) > c:  # phase 2: the group's own outputs so far, merged online
             new, merged = self.values[c:], [True]
-            h2, lse2 = GroupMix.apply(
+            h2, lse2 = self.group_mix.apply(
                 logits[None, c:].reshape(1, len(new), B * T),
                 None,
                 self._view(c, len(self.values)),
@@ -317,7 +344,7 @@ class GroupedBlockSources(GroupedMix, BlockSources):
             partial_logit = (rms_unit(self.partial, self.eps) @ self.queries[:, r, None])[..., 0]
             logits = [*logits, partial_logit]
             merged = [True]
-            h2, lse2 = GroupMix.apply(
+            h2, lse2 = self.group_mix.apply(
                 at_least_fp32(partial_logit).reshape(1, 1, B * T),
                 self.partial.reshape(B * T, d),
                 self.values[0].new_empty(B * T, 0, d),
@@ -330,19 +357,27 @@ class GroupedBlockSources(GroupedMix, BlockSources):
 
 
 class GroupedAttnResFull(AttnResFull):
+    group_mix = GroupMix  # the products over the sources (a subclass swaps in its kernels)
+
     def make_sources(self, h0: torch.Tensor) -> DepthSources:
         # capacity: every sublayer's output
         return GroupedDepthSources(
-            h0, self.reader_queries(), self.cfg.norm_eps, capacity=2 * self.cfg.n_layer
+            h0,
+            self.reader_queries(),
+            self.cfg.norm_eps,
+            capacity=2 * self.cfg.n_layer,
+            mix=self.group_mix,
         )
 
 
 class GroupedAttnResBlocks(AttnResBlocks):
+    group_mix = GroupMix
+
     def make_sources(self, h0: torch.Tensor) -> BlockSources:
         ends = block_ends(self.cfg.n_layer, self.options.n_blocks)
         queries, eps = self.reader_queries(), self.cfg.norm_eps
         # capacity: the block sums
-        return GroupedBlockSources(h0, queries, eps, ends, capacity=len(ends))
+        return GroupedBlockSources(h0, queries, eps, ends, capacity=len(ends), mix=self.group_mix)
 
 
 SWAPS = {
