@@ -18,7 +18,8 @@ Backends and what they swap in (each module's SWAPS):
 - `cuda`: HC's and mHC's read, coefficients and write through Liger-Kernel's Triton kernels
   (triton_streams.py), MoDA's joint attention with its causal chunk in fla-core's Triton
   attention (moda_triton.py; without fla-core, a chunked online-softmax pair, moda_fused.py),
-  Full and Block AttnRes's depth mix in two phases over groups of readers (attnres_groups.py).
+  Full and Block AttnRes's depth mix in two phases over groups of readers, its products over
+  the sources in Triton (attnres_triton.py; without triton, in PyTorch: attnres_groups.py).
 
 `kernels`: `auto` swaps in the backend's implementations, `reference` runs the definitions
 everywhere (the `train.kernels` setting; the environment variable DEPTHBENCH_KERNELS, when set,
@@ -48,6 +49,7 @@ IMPLEMENTATIONS = (
     "cpu_streams",
     "triton_streams",
     "attnres_groups",
+    "attnres_triton",  # after attnres_groups: where triton is installed, its AttnRes replaces it
     "moda_fused",
     "moda_triton",  # after moda_fused: where it can run, its MoDA layer replaces the chunked one
 )

@@ -154,15 +154,47 @@ def test_moda_pairs_on_cuda_against_float64(dtype, pair, monkeypatch):
         assert (got.double() - ref).abs().max() <= tol * ref.abs().max(), (dtype, got.dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_attnres_mix_on_cuda_against_float64(dtype):
+    """AttnRes's grouped mix with its products in Triton (depthbench.kernels.attnres_triton)
+    against the same mix in float64: a group of 8 readers over v_0 (float32, as under autocast)
+    and 40 sources read in `dtype` from the strided view of a wider buffer, h, lse and every
+    gradient; the dtypes the CPU's interpreter cannot check (bfloat16) or computes apart from
+    the GPU's code generation."""
+    pytest.importorskip("triton")
+    from depthbench.kernels import attnres_groups as ag
+    from depthbench.kernels import attnres_triton as at
+
+    g = torch.Generator("cuda").manual_seed(0)
+    G, S, N, D = 8, 41, 1000, 640
+    logits = torch.randn(G, S, N, device="cuda", generator=g).requires_grad_()
+    v0 = torch.randn(N, D, device="cuda", generator=g).requires_grad_()
+    buffer = torch.randn(N, S + 9, D, device="cuda", generator=g).to(dtype)
+    view = buffer[:, 3 : 3 + S - 1]
+    sources = [view[:, i].clone().requires_grad_() for i in range(S - 1)]
+    up = (torch.randn(G, N, D, device="cuda", generator=g), torch.randn(G, N, device="cuda"))
+    results = []
+    for mix, cast in ((at.TritonGroupMix, lambda t: t), (ag.GroupMix, lambda t: t.double())):
+        leaves = [cast(t.detach()).requires_grad_() for t in (logits, v0, *sources)]
+        h, lse = mix.apply(leaves[0], leaves[1], cast(view), [False] * G, *leaves[2:])
+        loss = (h * cast(up[0])).sum() + (lse * cast(up[1])).sum()
+        results.append((h, lse, *torch.autograd.grad(loss, leaves)))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for i, (got, ref) in enumerate(zip(*results)):
+        assert got.dtype == (dtype if i >= 4 else torch.float32), i
+        err = (got.double() - ref).norm() / ref.norm()
+        assert err <= tol, (dtype, i, err.item())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cuda_implementations_equal_the_definitions(arch, dtype, monkeypatch):
     """What depthbench.kernels.swap puts in on CUDA (Liger's Triton kernels for hc and mhc;
     for moda fla-core's Triton pair where the swap takes it, the chunked pair in blocks of 96
-    queries where not, as without fla-core or on Hopper with Triton 3.4+; the batched mix for
-    attnres) against the architecture's definition: loss and gradients over 256 positions, fp32
-    (TF32 off) and under bf16 autocast. The bf16 case is where the Triton interpreter cannot
-    speak for the GPU (it multiplies bf16 bit patterns)."""
+    queries where not, as without fla-core or on Hopper with Triton 3.4+; the grouped mix with
+    its products in Triton for attnres) against the architecture's definition: loss and
+    gradients over 256 positions, fp32 (TF32 off) and under bf16 autocast. The bf16 case is
+    where the Triton interpreter cannot speak for the GPU (it multiplies bf16 bit patterns)."""
     from depthbench.kernels import moda_fused as mf
     from depthbench.kernels.swap import swapped
 

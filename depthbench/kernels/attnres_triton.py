@@ -1,0 +1,220 @@
+"""AttnRes's grouped depth mix with its products over the sources in Triton: the CUDA backend's
+Full and Block AttnRes where triton is installed, swapped in for the grouped mix of
+depthbench.kernels.attnres_groups, whose schedule (groups of readers, phase 1 over the cached
+sources, phase 2 merged online) and logits' gradients it keeps. What changes is how a group's
+products read the sources (attnres_triton_jit.py):
+
+- forward: every source tile read once, in its own dtype (bf16 under autocast), for all of a
+  group's readers, weighted by exp(logit - lse) computed in the kernel and accumulated in
+  float32 into h (G, N, d). The batched matmul of the PyTorch mix first copies the bf16 buffer's
+  view to float32 (2 bytes a value read, 4 written and read again) and takes the probabilities
+  from a permuted (N, G, S) copy;
+- backward: per source tile, dq = dh . v for every reader and the source's gradient
+  sum_g p_g dh_g, written once in the source's dtype into one (N, S', d) tensor whose slices are
+  returned to the sources (autograd adds each source's gradient once per group, as before). The
+  PyTorch mix computes that tensor in float32 and copies it per source. dq comes back as one
+  partial sum per feature tile (64 features), summed here: deterministic, without atomics.
+
+Not fla-core's `fused_attnres`: its kernel mixes one reader at a time, reading every source once
+per reader where this reads it once per group, and its forward refuses CPU tensors, so CI could
+not hold it to the definition without patching the library.
+
+The kernels run where `takes` says: CUDA tensors (float32 exactly: elementwise products, no
+TF32), or CPU tensors within depthbench.kernels.triton_streams' `on_cpu()` under Triton's
+interpreter in float32 and float16 (bfloat16 is wrong there); float64, meta tensors (the memory
+trace) and CPU tensors otherwise take the PyTorch products. The memory estimate therefore traces
+the PyTorch mix: the same saved tensors, and backward transients (the float32 copies) these
+kernels do not make: an upper bound. The tile sizes are not tuned on a GPU yet
+(docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+from depthbench.kernels.attnres_groups import (
+    GroupedAttnResBlocks,
+    GroupedAttnResFull,
+    GroupMix,
+    mix_backward,
+    mix_forward,
+    torch_gradients,
+    torch_products,
+)
+from depthbench.kernels.triton_streams import on_triton_device
+from depthbench.models.archs.attnres_block import AttnResBlocks
+from depthbench.models.archs.attnres_full import AttnResFull
+
+# the sources' dtypes the kernels take: on CUDA all three; in the interpreter not bfloat16
+CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INTERPRETER_DTYPES = (torch.float32, torch.float16)
+BLOCK_D = 64  # features per program
+TILE = 128  # readers x tokens per program: BLOCK_N = TILE / BLOCK_G
+NUM_WARPS = 8
+
+
+@functools.cache
+def _jit():
+    from depthbench.kernels import attnres_triton_jit
+
+    return attnres_triton_jit
+
+
+def _blocks(G: int, N: int, D: int) -> tuple[int, int, tuple[int, int]]:
+    block_g = max(2, 1 << (G - 1).bit_length())
+    block_n = max(4, TILE // block_g)
+    return block_g, block_n, ((N + block_n - 1) // block_n, (D + BLOCK_D - 1) // BLOCK_D)
+
+
+@torch.library.custom_op("depthbench::attnres_mix", mutates_args=())
+def attnres_mix(
+    logits: torch.Tensor, lse: torch.Tensor, first: torch.Tensor | None, view: torch.Tensor
+) -> torch.Tensor:
+    """h (G, N, d) float32 = sum_s exp(logits[:, s] - lse) v_s, v_0 = `first` (N, d) when given,
+    v_1.. the slots of `view` (N, S', d); logits (G, S, N) and lse (G, N) float32."""
+    G, S, N = logits.shape
+    D = view.shape[2]
+    h = logits.new_empty(G, N, D)
+    block_g, block_n, grid = _blocks(G, N, D)
+    _jit().mix_forward[grid](
+        logits,
+        lse,
+        logits if first is None else first,
+        view,
+        h,
+        N,
+        S,
+        D,
+        view.stride(0),
+        view.stride(1),
+        G=G,
+        HAS_FIRST=int(first is not None),
+        BLOCK_G=block_g,
+        BLOCK_N=block_n,
+        BLOCK_D=BLOCK_D,
+        num_warps=NUM_WARPS,
+    )
+    return h
+
+
+@attnres_mix.register_fake
+def _(logits, lse, first, view):
+    return logits.new_empty(logits.shape[0], logits.shape[2], view.shape[2])
+
+
+@torch.library.custom_op("depthbench::attnres_mix_backward", mutates_args=())
+def attnres_mix_backward(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    first: torch.Tensor | None,
+    view: torch.Tensor,
+    dh: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From dh (G, N, d) float32: dq (G, S, N) float32, dq_s = dh . v_s, and the gradients of
+    `first` ((N, d) in its dtype; (0,) without it) and of the view's slots ((N, S', d)
+    contiguous, in the view's dtype)."""
+    G, S, N = logits.shape
+    D = view.shape[2]
+    block_g, block_n, grid = _blocks(G, N, D)
+    dq = logits.new_empty(grid[1], G, S, N)
+    dfirst = logits.new_empty(0) if first is None else torch.empty_like(first)
+    dview = view.new_empty(view.shape)
+    _jit().mix_backward[grid](
+        logits,
+        lse,
+        logits if first is None else first,
+        view,
+        dh,
+        dq,
+        dfirst if first is not None else logits,
+        dview,
+        N,
+        S,
+        D,
+        view.stride(0),
+        view.stride(1),
+        G=G,
+        HAS_FIRST=int(first is not None),
+        BLOCK_G=block_g,
+        BLOCK_N=block_n,
+        BLOCK_D=BLOCK_D,
+        num_warps=NUM_WARPS,
+    )
+    return dq.sum(0), dfirst, dview
+
+
+@attnres_mix_backward.register_fake
+def _(logits, lse, first, view, dh):
+    G, S, N = logits.shape
+    dfirst = logits.new_empty(0) if first is None else torch.empty_like(first)
+    return logits.new_empty(G, S, N), dfirst, view.new_empty(view.shape)
+
+
+def takes(logits: torch.Tensor, first: torch.Tensor | None, view: torch.Tensor) -> bool:
+    """Whether the kernels run on these tensors (module docstring)."""
+    if not on_triton_device(view):
+        return False
+    dtypes = CUDA_DTYPES if view.device.type == "cuda" else INTERPRETER_DTYPES
+    return (
+        logits.dtype == torch.float32
+        and view.dtype in dtypes
+        and (first is None or first.dtype in dtypes)
+        and view.stride(2) == 1
+    )
+
+
+def triton_products(logits, lse, first, view):
+    """torch_products' result from the kernel, where it takes the tensors."""
+    if not takes(logits, first, view):
+        return torch_products(logits, lse, first, view)
+    first = None if first is None else first.contiguous()
+    return attnres_mix(logits.contiguous(), lse.contiguous(), first, view)
+
+
+def triton_gradients(logits, lse, p, first, view, dh):
+    """torch_gradients' results from the kernel, where it takes the tensors: the gradients in
+    the sources' dtypes (mix_backward converts the others)."""
+    if not takes(logits, first, view):
+        return torch_gradients(logits, lse, p, first, view, dh)
+    first = None if first is None else first.contiguous()
+    dq, dfirst, dview = attnres_mix_backward(
+        logits.contiguous(), lse.contiguous(), first, view, dh.contiguous()
+    )
+    return dq, (None if first is None else dfirst), (dview if view.shape[1] else None)
+
+
+class TritonGroupMix(GroupMix):
+    """GroupMix with its products in Triton."""
+
+    @staticmethod
+    def forward(ctx, logits, first, view, merged, *sources):
+        kernels = (triton_products, triton_gradients)
+        return mix_forward(ctx, kernels, logits, first, view, merged, sources)
+
+    @staticmethod
+    def backward(ctx, grad_h, grad_lse):
+        return mix_backward(ctx, grad_h, grad_lse)
+
+
+class TritonAttnResFull(GroupedAttnResFull):
+    group_mix = TritonGroupMix
+
+
+class TritonAttnResBlocks(GroupedAttnResBlocks):
+    group_mix = TritonGroupMix
+
+
+SWAPS = {
+    ("cuda", AttnResFull): TritonAttnResFull,
+    ("cuda", AttnResBlocks): TritonAttnResBlocks,
+}
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels cannot run here, or None (looks for triton without importing it: triton
+    reads TRITON_INTERPRET when it is first imported)."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install triton)"
+    return None

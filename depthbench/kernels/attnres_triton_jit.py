@@ -1,0 +1,111 @@
+"""The Triton kernels of AttnRes's grouped depth mix (depthbench.kernels.attnres_triton, which
+wraps them as torch custom ops). Imported only when they first run: triton reads
+TRITON_INTERPRET when it is first imported, and may not be installed.
+
+Both kernels take one tile of BLOCK_N tokens and BLOCK_D features per program and hold the
+BLOCK_G readers of a group at once, so that each source tile is read once for the whole group:
+
+- `mix_forward`: h[g, n, :] = sum_s exp(logits[g, s, n] - lse[g, n]) v_s[n, :], v_0 = `first`
+  (when HAS_FIRST) and v_1.. the slots of `view` (any token and slot strides, features
+  contiguous), read in their own dtype and accumulated in float32.
+- `mix_backward`: from dh (G, N, D) float32, per source s: dq[g, s, n] = dh[g, n, :] . v_s[n, :]
+  over the program's features (one partial sum per feature tile, summed by the caller) and
+  dv_s[n, :] = sum_g p[g, s, n] dh[g, n, :], stored in the source's dtype.
+
+Offsets are int64: a (N, S, D) source buffer passes 2^31 elements at 32k tokens and L = 70.
+Products are elementwise multiply-adds in float32 (no tl.dot, so no TF32 on a GPU)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def mix_forward(
+    logits,  # (G, S, N) float32
+    lse,  # (G, N) float32
+    first,  # (N, D) or a dummy
+    view,  # (N, S - HAS_FIRST, D), strides (stride_vn, stride_vs, 1)
+    h,  # (G, N, D) float32, written
+    N,
+    S,
+    D,
+    stride_vn,
+    stride_vs,
+    G: tl.constexpr,
+    HAS_FIRST: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    g = tl.arange(0, BLOCK_G).to(tl.int64)
+    n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    f = (tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
+    gn = (g[:, None] < G) & (n[None, :] < N)
+    nf = (n[:, None] < N) & (f[None, :] < D)
+    m = tl.load(lse + g[:, None] * N + n[None, :], mask=gn, other=0.0)
+    row = logits + g[:, None] * S * N + n[None, :]  # (BLOCK_G, BLOCK_N) logits of source 0
+    acc = tl.zeros((BLOCK_G, BLOCK_N, BLOCK_D), dtype=tl.float32)
+    if HAS_FIRST:
+        p = tl.exp(tl.load(row, mask=gn, other=float("-inf")) - m)
+        v = tl.load(first + n[:, None] * D + f[None, :], mask=nf, other=0.0).to(tl.float32)
+        acc += p[:, :, None] * v[None, :, :]
+    slots = view + n[:, None] * stride_vn + f[None, :]
+    for s in range(HAS_FIRST, S):
+        p = tl.exp(tl.load(row + s * N, mask=gn, other=float("-inf")) - m)
+        v = tl.load(slots + (s - HAS_FIRST) * stride_vs, mask=nf, other=0.0).to(tl.float32)
+        acc += p[:, :, None] * v[None, :, :]
+    out = h + g[:, None, None] * N * D + n[None, :, None] * D + f[None, None, :]
+    tl.store(out, acc, mask=gn[:, :, None] & nf[None, :, :])
+
+
+@triton.jit
+def mix_backward(
+    logits,  # (G, S, N) float32
+    lse,  # (G, N) float32
+    first,  # (N, D) or a dummy
+    view,  # (N, S - HAS_FIRST, D), strides (stride_vn, stride_vs, 1)
+    dh,  # (G, N, D) float32
+    dq,  # (D tiles, G, S, N) float32, written: partial dh . v per feature tile
+    dfirst,  # (N, D) in first's dtype, written
+    dview,  # (N, S - HAS_FIRST, D) contiguous in view's dtype, written
+    N,
+    S,
+    D,
+    stride_vn,
+    stride_vs,
+    G: tl.constexpr,
+    HAS_FIRST: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    g = tl.arange(0, BLOCK_G).to(tl.int64)
+    n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    f = (tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
+    gn = (g[:, None] < G) & (n[None, :] < N)
+    nf = (n[:, None] < N) & (f[None, :] < D)
+    m = tl.load(lse + g[:, None] * N + n[None, :], mask=gn, other=0.0)
+    grad = tl.load(
+        dh + g[:, None, None] * N * D + n[None, :, None] * D + f[None, None, :],
+        mask=gn[:, :, None] & nf[None, :, :],
+        other=0.0,
+    )
+    row = logits + g[:, None] * S * N + n[None, :]
+    dq_row = dq + tl.program_id(1).to(tl.int64) * G * S * N + g[:, None] * S * N + n[None, :]
+    if HAS_FIRST:
+        p = tl.exp(tl.load(row, mask=gn, other=float("-inf")) - m)
+        v = tl.load(first + n[:, None] * D + f[None, :], mask=nf, other=0.0).to(tl.float32)
+        tl.store(dq_row, tl.sum(grad * v[None, :, :], axis=2), mask=gn)
+        dv = tl.sum(p[:, :, None] * grad, axis=0)
+        out = dfirst + n[:, None] * D + f[None, :]
+        tl.store(out, dv.to(dfirst.dtype.element_ty), mask=nf)
+    slots = view + n[:, None] * stride_vn + f[None, :]
+    grads = dview + n[:, None] * (S - HAS_FIRST) * D + f[None, :]
+    for s in range(HAS_FIRST, S):
+        p = tl.exp(tl.load(row + s * N, mask=gn, other=float("-inf")) - m)
+        v = tl.load(slots + (s - HAS_FIRST) * stride_vs, mask=nf, other=0.0).to(tl.float32)
+        tl.store(dq_row + s * N, tl.sum(grad * v[None, :, :], axis=2), mask=gn)
+        dv = tl.sum(p[:, :, None] * grad, axis=0)
+        tl.store(grads + (s - HAS_FIRST) * D, dv.to(dview.dtype.element_ty), mask=nf)
