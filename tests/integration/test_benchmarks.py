@@ -127,3 +127,17 @@ def test_smoke_mode_on_a_bare_machine_reports_every_model_and_records_out_of_mem
     }
     assert record.relative_step_time("hc", 4) is None
     assert record.relative_step_time("mhc", 4) == ratios["mhc"]["step_time_vs_pre_ln"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke interprets Triton on the CPU")
+def test_attnres_mix_benchmark_smoke():
+    """benchmarks/attnres_mix.py at tiny sizes: its three implementations run and agree."""
+    pytest.importorskip("triton")
+    spec = importlib.util.spec_from_file_location(
+        "attnres_mix", ROOT / "benchmarks" / "attnres_mix.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = module.main(["--smoke"])
+    assert len(results) == 3
+    assert all(r["ms"] > 0 and r["max_rel_diff"] < 1e-5 for r in results.values())
