@@ -68,6 +68,12 @@ def _blocks(G: int, N: int, D: int) -> tuple[int, int, tuple[int, int]]:
     return block_g, block_n, ((N + block_n - 1) // block_n, (D + BLOCK_D - 1) // BLOCK_D)
 
 
+def _or_dummy(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
+    """t, or `dummy` in its place where it is None or empty: the kernels never touch such an
+    argument, and an empty tensor's pointer may be null, which Triton's launcher refuses."""
+    return dummy if t is None or t.numel() == 0 else t
+
+
 @torch.library.custom_op("depthbench::attnres_mix", mutates_args=())
 def attnres_mix(
     logits: torch.Tensor, lse: torch.Tensor, first: torch.Tensor | None, view: torch.Tensor
@@ -81,8 +87,8 @@ def attnres_mix(
     _jit().mix_forward[grid](
         logits,
         lse,
-        logits if first is None else first,
-        view,
+        _or_dummy(first, logits),
+        _or_dummy(view, logits),
         h,
         N,
         S,
@@ -124,12 +130,12 @@ def attnres_mix_backward(
     _jit().mix_backward[grid](
         logits,
         lse,
-        logits if first is None else first,
-        view,
+        _or_dummy(first, logits),
+        _or_dummy(view, logits),
         dh,
         dq,
-        dfirst if first is not None else logits,
-        dview,
+        _or_dummy(dfirst, logits),
+        _or_dummy(dview, logits),
         N,
         S,
         D,
