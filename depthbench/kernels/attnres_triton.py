@@ -29,6 +29,7 @@ kernels do not make: an upper bound. The tile sizes are not tuned on a GPU yet
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 
@@ -51,7 +52,8 @@ from depthbench.models.archs.attnres_full import AttnResFull
 CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INTERPRETER_DTYPES = (torch.float32, torch.float16)
 BLOCK_D = 64  # features per program
-TILE = 128  # readers x tokens per program: BLOCK_N = TILE / BLOCK_G
+TILE = 128  # readers x tokens per program: BLOCK_N = TILE / BLOCK_G, within 4 .. MAX_BLOCK_N
+MAX_BLOCK_N = 64
 NUM_WARPS = 8
 
 
@@ -63,15 +65,20 @@ def _jit():
 
 
 def _blocks(G: int, N: int, D: int) -> tuple[int, int, tuple[int, int]]:
-    block_g = max(2, 1 << (G - 1).bit_length())
-    block_n = max(4, TILE // block_g)
-    return block_g, block_n, ((N + block_n - 1) // block_n, (D + BLOCK_D - 1) // BLOCK_D)
+    """BLOCK_G, BLOCK_N and the grid (feature tiles, token tiles)."""
+    block_g = 1 << (G - 1).bit_length()
+    block_n = min(MAX_BLOCK_N, max(4, TILE // block_g))
+    return block_g, block_n, ((D + BLOCK_D - 1) // BLOCK_D, (N + block_n - 1) // block_n)
 
 
 def _or_dummy(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
-    """t, or `dummy` in its place where it is None or empty: the kernels never touch such an
-    argument, and an empty tensor's pointer may be null, which Triton's launcher refuses."""
-    return dummy if t is None or t.numel() == 0 else t
+    """t, or `dummy` in the place of an absent tensor (a pointer the kernels never read)."""
+    return dummy if t is None else t
+
+
+def _on_its_device(t: torch.Tensor):
+    """The launch on t's GPU (Triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 @torch.library.custom_op("depthbench::attnres_mix", mutates_args=())
@@ -84,24 +91,25 @@ def attnres_mix(
     D = view.shape[2]
     h = logits.new_empty(G, N, D)
     block_g, block_n, grid = _blocks(G, N, D)
-    _jit().mix_forward[grid](
-        logits,
-        lse,
-        _or_dummy(first, logits),
-        _or_dummy(view, logits),
-        h,
-        N,
-        S,
-        D,
-        view.stride(0),
-        view.stride(1),
-        G=G,
-        HAS_FIRST=int(first is not None),
-        BLOCK_G=block_g,
-        BLOCK_N=block_n,
-        BLOCK_D=BLOCK_D,
-        num_warps=NUM_WARPS,
-    )
+    with _on_its_device(view):
+        _jit().mix_forward[grid](
+            logits,
+            lse,
+            _or_dummy(first, logits),
+            view,
+            h,
+            N,
+            S,
+            D,
+            view.stride(0),
+            view.stride(1),
+            G=G,
+            HAS_FIRST=int(first is not None),
+            BLOCK_G=block_g,
+            BLOCK_N=block_n,
+            BLOCK_D=BLOCK_D,
+            num_warps=NUM_WARPS,
+        )
     return h
 
 
@@ -124,30 +132,31 @@ def attnres_mix_backward(
     G, S, N = logits.shape
     D = view.shape[2]
     block_g, block_n, grid = _blocks(G, N, D)
-    dq = logits.new_empty(grid[1], G, S, N)
+    dq = logits.new_empty(grid[0], G, S, N)
     dfirst = logits.new_empty(0) if first is None else torch.empty_like(first)
     dview = view.new_empty(view.shape)
-    _jit().mix_backward[grid](
-        logits,
-        lse,
-        _or_dummy(first, logits),
-        _or_dummy(view, logits),
-        dh,
-        dq,
-        _or_dummy(dfirst, logits),
-        _or_dummy(dview, logits),
-        N,
-        S,
-        D,
-        view.stride(0),
-        view.stride(1),
-        G=G,
-        HAS_FIRST=int(first is not None),
-        BLOCK_G=block_g,
-        BLOCK_N=block_n,
-        BLOCK_D=BLOCK_D,
-        num_warps=NUM_WARPS,
-    )
+    with _on_its_device(view):
+        _jit().mix_backward[grid](
+            logits,
+            lse,
+            _or_dummy(first, logits),
+            view,
+            dh,
+            dq,
+            logits if first is None else dfirst,
+            dview,
+            N,
+            S,
+            D,
+            view.stride(0),
+            view.stride(1),
+            G=G,
+            HAS_FIRST=int(first is not None),
+            BLOCK_G=block_g,
+            BLOCK_N=block_n,
+            BLOCK_D=BLOCK_D,
+            num_warps=NUM_WARPS,
+        )
     return dq.sum(0), dfirst, dview
 
 

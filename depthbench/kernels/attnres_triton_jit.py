@@ -12,8 +12,12 @@ BLOCK_G readers of a group at once, so that each source tile is read once for th
   over the program's features (one partial sum per feature tile, summed by the caller) and
   dv_s[n, :] = sum_g p[g, s, n] dh[g, n, :], stored in the source's dtype.
 
-Offsets are int64: a (N, S, D) source buffer passes 2^31 elements at 32k tokens and L = 70.
-Products are elementwise multiply-adds in float32 (no tl.dot, so no TF32 on a GPU)."""
+Offsets are int64 (a (N, S, D) source buffer passes 2^31 elements at 32k tokens and L = 70): the
+token and reader indices are int64, the feature index stays int32 (a contiguous run the compiler
+can vectorise), and the loops advance pointers rather than multiply an int32 loop index. Feature
+tiles are the grid's first axis, so that the programs of one token tile run together and share
+the logits' reads in L2. Products are elementwise multiply-adds in float32 (no tl.dot, so no TF32
+on a GPU)."""
 
 from __future__ import annotations
 
@@ -40,8 +44,8 @@ def mix_forward(
     BLOCK_D: tl.constexpr,
 ):
     g = tl.arange(0, BLOCK_G).to(tl.int64)
-    n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    f = (tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
+    n = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    f = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     gn = (g[:, None] < G) & (n[None, :] < N)
     nf = (n[:, None] < N) & (f[None, :] < D)
     m = tl.load(lse + g[:, None] * N + n[None, :], mask=gn, other=0.0)
@@ -51,11 +55,14 @@ def mix_forward(
         p = tl.exp(tl.load(row, mask=gn, other=float("-inf")) - m)
         v = tl.load(first + n[:, None] * D + f[None, :], mask=nf, other=0.0).to(tl.float32)
         acc += p[:, :, None] * v[None, :, :]
+        row += N  # the loop starts at source 1
     slots = view + n[:, None] * stride_vn + f[None, :]
-    for s in range(HAS_FIRST, S):
-        p = tl.exp(tl.load(row + s * N, mask=gn, other=float("-inf")) - m)
-        v = tl.load(slots + (s - HAS_FIRST) * stride_vs, mask=nf, other=0.0).to(tl.float32)
+    for _ in range(HAS_FIRST, S):
+        p = tl.exp(tl.load(row, mask=gn, other=float("-inf")) - m)
+        v = tl.load(slots, mask=nf, other=0.0).to(tl.float32)
         acc += p[:, :, None] * v[None, :, :]
+        row += N
+        slots += stride_vs
     out = h + g[:, None, None] * N * D + n[None, :, None] * D + f[None, None, :]
     tl.store(out, acc, mask=gn[:, :, None] & nf[None, :, :])
 
@@ -82,8 +89,8 @@ def mix_backward(
     BLOCK_D: tl.constexpr,
 ):
     g = tl.arange(0, BLOCK_G).to(tl.int64)
-    n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    f = (tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
+    n = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    f = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     gn = (g[:, None] < G) & (n[None, :] < N)
     nf = (n[:, None] < N) & (f[None, :] < D)
     m = tl.load(lse + g[:, None] * N + n[None, :], mask=gn, other=0.0)
@@ -93,7 +100,7 @@ def mix_backward(
         other=0.0,
     )
     row = logits + g[:, None] * S * N + n[None, :]
-    dq_row = dq + tl.program_id(1).to(tl.int64) * G * S * N + g[:, None] * S * N + n[None, :]
+    dq_row = dq + tl.program_id(0).to(tl.int64) * G * S * N + g[:, None] * S * N + n[None, :]
     if HAS_FIRST:
         p = tl.exp(tl.load(row, mask=gn, other=float("-inf")) - m)
         v = tl.load(first + n[:, None] * D + f[None, :], mask=nf, other=0.0).to(tl.float32)
@@ -103,9 +110,16 @@ def mix_backward(
         tl.store(out, dv.to(dfirst.dtype.element_ty), mask=nf)
     slots = view + n[:, None] * stride_vn + f[None, :]
     grads = dview + n[:, None] * (S - HAS_FIRST) * D + f[None, :]
-    for s in range(HAS_FIRST, S):
-        p = tl.exp(tl.load(row + s * N, mask=gn, other=float("-inf")) - m)
-        v = tl.load(slots + (s - HAS_FIRST) * stride_vs, mask=nf, other=0.0).to(tl.float32)
-        tl.store(dq_row + s * N, tl.sum(grad * v[None, :, :], axis=2), mask=gn)
+    if HAS_FIRST:
+        row += N  # the loop starts at source 1
+        dq_row += N
+    for _ in range(HAS_FIRST, S):
+        p = tl.exp(tl.load(row, mask=gn, other=float("-inf")) - m)
+        v = tl.load(slots, mask=nf, other=0.0).to(tl.float32)
+        tl.store(dq_row, tl.sum(grad * v[None, :, :], axis=2), mask=gn)
         dv = tl.sum(p[:, :, None] * grad, axis=0)
-        tl.store(grads + (s - HAS_FIRST) * D, dv.to(dview.dtype.element_ty), mask=nf)
+        tl.store(grads, dv.to(dview.dtype.element_ty), mask=nf)
+        row += N
+        dq_row += N
+        slots += stride_vs
+        grads += D
