@@ -10,10 +10,11 @@ products read the sources (attnres_triton_jit.py):
   view to float32 (2 bytes a value read, 4 written and read again) and takes the probabilities
   from a permuted (N, G, S) copy;
 - backward: per source tile, dq = dh . v for every reader and the source's gradient
-  sum_g p_g dh_g, written once in the source's dtype into one (N, S', d) tensor whose slices are
-  returned to the sources (autograd adds each source's gradient once per group, as before). The
-  PyTorch mix computes that tensor in float32 and copies it per source. dq comes back as one
-  partial sum per feature tile (64 features), summed here: deterministic, without atomics.
+  sum_g p_g dh_g (p read from the probabilities the logits' gradient computes anyway), written
+  once in the source's dtype into one (N, S', d) tensor whose slices are returned to the sources
+  (autograd adds each source's gradient once per group). The PyTorch mix computes that tensor in
+  float32 and copies it per source. dq comes back as one partial sum per feature tile (64
+  features), summed here: deterministic, without atomics.
 
 Not fla-core's `fused_attnres`: its kernel mixes one reader at a time, reading every source once
 per reader where this reads it once per group, and its forward refuses CPU tensors, so CI could
@@ -120,30 +121,29 @@ def _(logits, lse, first, view):
 
 @torch.library.custom_op("depthbench::attnres_mix_backward", mutates_args=())
 def attnres_mix_backward(
-    logits: torch.Tensor,
-    lse: torch.Tensor,
+    probs: torch.Tensor,
     first: torch.Tensor | None,
     view: torch.Tensor,
     dh: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From dh (G, N, d) float32: dq (G, S, N) float32, dq_s = dh . v_s, and the gradients of
+    """From dh (G, N, d) float32 and the probabilities (G, S, N) float32: dq (G, S, N) float32,
+    dq_s = dh . v_s, and the gradients of
     `first` ((N, d) in its dtype; (0,) without it) and of the view's slots ((N, S', d)
     contiguous, in the view's dtype)."""
-    G, S, N = logits.shape
+    G, S, N = probs.shape
     D = view.shape[2]
     block_g, block_n, grid = _blocks(G, N, D)
-    dq = logits.new_empty(grid[0], G, S, N)
-    dfirst = logits.new_empty(0) if first is None else torch.empty_like(first)
+    dq = probs.new_empty(grid[0], G, S, N)
+    dfirst = probs.new_empty(0) if first is None else torch.empty_like(first)
     dview = view.new_empty(view.shape)
     with _on_its_device(view):
         _jit().mix_backward[grid](
-            logits,
-            lse,
-            _or_dummy(first, logits),
+            probs,
+            _or_dummy(first, probs),
             view,
             dh,
             dq,
-            logits if first is None else dfirst,
+            probs if first is None else dfirst,
             dview,
             N,
             S,
@@ -161,10 +161,10 @@ def attnres_mix_backward(
 
 
 @attnres_mix_backward.register_fake
-def _(logits, lse, first, view, dh):
-    G, S, N = logits.shape
-    dfirst = logits.new_empty(0) if first is None else torch.empty_like(first)
-    return logits.new_empty(G, S, N), dfirst, view.new_empty(view.shape)
+def _(probs, first, view, dh):
+    G, S, N = probs.shape
+    dfirst = probs.new_empty(0) if first is None else torch.empty_like(first)
+    return probs.new_empty(G, S, N), dfirst, view.new_empty(view.shape)
 
 
 def takes(logits: torch.Tensor, first: torch.Tensor | None, view: torch.Tensor) -> bool:
@@ -194,9 +194,7 @@ def triton_gradients(logits, lse, p, first, view, dh):
     if not takes(logits, first, view):
         return torch_gradients(logits, lse, p, first, view, dh)
     first = None if first is None else first.contiguous()
-    dq, dfirst, dview = attnres_mix_backward(
-        logits.contiguous(), lse.contiguous(), first, view, dh.contiguous()
-    )
+    dq, dfirst, dview = attnres_mix_backward(p.contiguous(), first, view, dh.contiguous())
     return dq, (None if first is None else dfirst), (dview if view.shape[1] else None)
 
 

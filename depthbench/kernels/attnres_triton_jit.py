@@ -8,7 +8,9 @@ BLOCK_G readers of a group at once, so that each source tile is read once for th
 - `mix_forward`: h[g, n, :] = sum_s exp(logits[g, s, n] - lse[g, n]) v_s[n, :], v_0 = `first`
   (when HAS_FIRST) and v_1.. the slots of `view` (any token and slot strides, features
   contiguous), read in their own dtype and accumulated in float32.
-- `mix_backward`: from dh (G, N, D) float32, per source s: dq[g, s, n] = dh[g, n, :] . v_s[n, :]
+- `mix_backward`: from dh (G, N, D) float32 and the probabilities p (G, S, N) float32 (which
+  the caller has already computed for the logits' gradient), per source s:
+  dq[g, s, n] = dh[g, n, :] . v_s[n, :]
   over the program's features (one partial sum per feature tile, summed by the caller) and
   dv_s[n, :] = sum_g p[g, s, n] dh[g, n, :], stored in the source's dtype.
 
@@ -69,8 +71,7 @@ def mix_forward(
 
 @triton.jit
 def mix_backward(
-    logits,  # (G, S, N) float32
-    lse,  # (G, N) float32
+    probs,  # (G, S, N) float32: exp(logits - lse)
     first,  # (N, D) or a dummy
     view,  # (N, S - HAS_FIRST, D), strides (stride_vn, stride_vs, 1)
     dh,  # (G, N, D) float32
@@ -93,16 +94,15 @@ def mix_backward(
     f = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     gn = (g[:, None] < G) & (n[None, :] < N)
     nf = (n[:, None] < N) & (f[None, :] < D)
-    m = tl.load(lse + g[:, None] * N + n[None, :], mask=gn, other=0.0)
     grad = tl.load(
         dh + g[:, None, None] * N * D + n[None, :, None] * D + f[None, None, :],
         mask=gn[:, :, None] & nf[None, :, :],
         other=0.0,
     )
-    row = logits + g[:, None] * S * N + n[None, :]
+    row = probs + g[:, None] * S * N + n[None, :]
     dq_row = dq + tl.program_id(0).to(tl.int64) * G * S * N + g[:, None] * S * N + n[None, :]
     if HAS_FIRST:
-        p = tl.exp(tl.load(row, mask=gn, other=float("-inf")) - m)
+        p = tl.load(row, mask=gn, other=0.0)
         v = tl.load(first + n[:, None] * D + f[None, :], mask=nf, other=0.0).to(tl.float32)
         tl.store(dq_row, tl.sum(grad * v[None, :, :], axis=2), mask=gn)
         dv = tl.sum(p[:, :, None] * grad, axis=0)
@@ -114,7 +114,7 @@ def mix_backward(
         row += N  # the loop starts at source 1
         dq_row += N
     for _ in range(HAS_FIRST, S):
-        p = tl.exp(tl.load(row, mask=gn, other=float("-inf")) - m)
+        p = tl.load(row, mask=gn, other=0.0)
         v = tl.load(slots, mask=nf, other=0.0).to(tl.float32)
         tl.store(dq_row, tl.sum(grad * v[None, :, :], axis=2), mask=gn)
         dv = tl.sum(p[:, :, None] * grad, axis=0)
