@@ -68,15 +68,15 @@ def main(argv: list[str] | None = None) -> dict:
     def definition():
         return DepthSources(v0, queries, 1e-6)
 
-    def grouped(mix):
-        return lambda: ag.GroupedDepthSources(v0, queries, 1e-6, capacity=R - 1, mix=mix)
+    def grouped(kernels):
+        return lambda: ag.GroupedDepthSources(v0, queries, 1e-6, capacity=R - 1, kernels=kernels)
 
-    variants = [("definition", definition), ("grouped, PyTorch products", grouped(ag.GroupMix))]
+    variants = [("definition", definition), ("grouped, PyTorch products", grouped(ag.TORCH))]
     triton = importlib.util.find_spec("triton") is not None
     if triton and (cuda or args.smoke):  # on the CPU only interpreted: its time means nothing
         from depthbench.kernels import attnres_triton as at
 
-        variants.append(("grouped, Triton products", grouped(at.TritonGroupMix)))
+        variants.append(("grouped, Triton products", grouped(at.KERNELS)))
 
     def step(make):
         sources, hs = make(), []

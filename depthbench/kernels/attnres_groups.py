@@ -14,10 +14,10 @@ source reads a token forward, as many again backward. Here the readers are taken
    backward gives every cached source's gradient for the whole group in one product, where the
    reader-by-reader mix sends G of them through autograd).
 2. When reader g runs, the j sources added since the group began (the outputs of the group's
-   earlier sublayers, j < G) are mixed the same way (h', lse') and merged in as an online softmax
-   does: lse = logaddexp(lse_g, lse'), h = exp(lse_g - lse) h_g + exp(lse' - lse) h' (`Merge`,
-   which keeps neither h_g nor h' for backward: only the reader's own input, which its sublayer
-   keeps anyway).
+   earlier sublayers, j < G) are merged in as an online softmax does: h_g is one more source,
+   whose logit is lse_g, so that lse = logsumexp(lse_g, l_1 .. l_j) and
+   h = exp(lse_g - lse) h_g + sum_i exp(l_i - lse) v_i, in one product (`MergeMix`, which keeps
+   for backward only the reader's own input, which its sublayer keeps anyway, not h_g).
 
 The sources are stored as they come: v_0 (the embedding output, fp32 under autocast) apart, the
 sublayer outputs (the training dtype: bf16 under autocast) in one buffer of their own dtype, written
@@ -58,80 +58,121 @@ GRADIENT_COPIES = 2.0
 
 
 class GroupMix(torch.autograd.Function):
-    """The softmax of G readers over S sources and their weighted sums: logits (G, S, N),
-    `first` (N, d) or None (v_0, kept apart), the buffer's view of the other sources
-    (N, S', d), `merged` (a list of G flags, see below), then the tensors the buffer's slots
-    were copied from -> h (G, N, d) and lse (G, N), in the logits' dtype (at least fp32). The
-    buffer is a cache of values, written in place by later sources (the slots viewed here never
-    change): held on ctx, not saved, and each slot's gradient is returned to the tensor it was
-    copied from.
+    """Phase 1: the softmax of G readers over S sources and their weighted sums. Takes
+    `kernels` (the products over the sources: TORCH, or another backend's pair with the same
+    signatures), logits (G, S, N), `first` (N, d) or None (v_0, kept apart), the buffer's view
+    of the other sources (N, S', d), `merged` (a list of G flags, see below), then the tensors
+    the buffer's slots were copied from -> h (G, N, d) and lse (G, N), in the logits' dtype (at
+    least fp32). The buffer is a cache of values, written in place by later sources (the slots
+    viewed here never change): held on ctx, not saved, and each slot's gradient is returned to
+    the tensor it was copied from.
 
     With h = sum_i p_i v_i, the logits' gradient is p_i (dh . v_i - dh . h + dlse). A reader
-    whose (h, lse) goes into a `Merge` (its flag set in `merged` by the merge) receives from it
-    s dh and, for its lse, -s dh . h_out, h_out the merged output and s its share: so that the
-    merge need not keep this h for backward, the centring term dh . h, which the merge cannot
-    form without it, is then not subtracted here (it is within -s dh . h_out). For the other
-    readers the gradients are the plain ones.
-
-    The products over the sources (`torch_products`, `torch_gradients`: batched matmuls) are
-    what a subclass replaces (depthbench.kernels.attnres_triton): it passes its own to
-    `mix_forward`, which keeps them on ctx for `mix_backward`."""
+    whose (h, lse) goes into a `MergeMix` (its flag set in `merged` by the merge) receives from
+    it s dh and, for its lse, -s (dh . h_out - dlse_out), h_out the merged output and s its
+    share: so that nothing need keep this h for backward, the centring term dh . h, which the
+    merge cannot form without it, is then not subtracted here (it is within the merge's). For
+    the other readers the gradients are the plain ones."""
 
     @staticmethod
-    def forward(ctx, logits, first, view, merged, *sources):
-        return mix_forward(
-            ctx, (torch_products, torch_gradients), logits, first, view, merged, sources
-        )
+    def forward(ctx, kernels, logits, first, view, merged, *sources):
+        with autocast_off(logits.device.type):  # on meta: the memory trace's replay pauses
+            lse = torch.logsumexp(logits, dim=1)  # (G, N)
+            h = kernels[0](logits, lse, first, view)
+        ctx.save_for_backward(logits, lse, first)
+        ctx.view, ctx.sources, ctx.merged = view, [(t.shape, t.dtype) for t in sources], merged
+        ctx.kernels = kernels
+        return h, lse
 
     @staticmethod
     def backward(ctx, grad_h, grad_lse):
-        return mix_backward(ctx, grad_h, grad_lse)
+        with autocast_off(grad_h.device.type):
+            logits, lse, first = ctx.saved_tensors
+            dtype = logits.dtype
+            p = torch.exp(logits - lse[:, None])  # (G, S, N)
+            dq, grad_first, grad_view = ctx.kernels[1](
+                logits, lse, p, first, ctx.view, grad_h.to(dtype)
+            )
+            # dq_i = dh . v_i; with h = sum_i p_i v_i: dlogit_i = p_i (dq_i - dh . h + dlse)
+            plain = torch.tensor([not m for m in ctx.merged], dtype=dtype, device=dq.device)
+            centred = dq - (p * dq).sum(1, keepdim=True) * plain[:, None, None]
+            if grad_lse is not None:
+                centred = centred + grad_lse.to(dtype)[:, None, :]
+            if first is not None:
+                grad_first = grad_first.to(first.dtype)
+            return None, p * centred, grad_first, None, None, *_to_sources(ctx, grad_view)
 
 
-def mix_forward(ctx, kernels, logits, first, view, merged, sources):
-    """GroupMix's forward with `kernels` = (products, gradients) (see torch_products)."""
-    with autocast_off(logits.device.type):  # on meta: the memory trace's replay pauses
-        lse = torch.logsumexp(logits, dim=1)  # (G, N)
-        h = kernels[0](logits, lse, first, view)
-    ctx.save_for_backward(logits, lse, first)
-    ctx.view, ctx.sources, ctx.merged = view, [(t.shape, t.dtype) for t in sources], merged
-    ctx.gradients = kernels[1]
-    return h, lse
+class MergeMix(torch.autograd.Function):
+    """Phase 2 and the merge in one: reader g's cached (h1 (N, d), lse1 (N,)) from phase 1 and
+    the j sources added since its group began (their logits (j, N), the buffer's view of them
+    (N, j, d), then the tensors the slots were copied from) -> the mix over all of them, h (N, d)
+    and lse (N,), as an online softmax merges: h1 is one more source, whose logit is lse1.
+    `kernels` as GroupMix's (h1 the `first` source of their products).
+
+    Keeps for backward the logits, lse and h (the reader's input, which its sublayer keeps
+    anyway), not h1. With c = dh . h - dlse: dh1 = s dh and dlse1 = -s c for s = exp(lse1 - lse)
+    (GroupMix's convention for merged readers), dlogit_i = p_i (dh . v_i - c), dv_i = p_i dh."""
+
+    @staticmethod
+    def forward(ctx, kernels, h1, lse1, logits, view, *sources):
+        with autocast_off(h1.device.type):
+            both = torch.cat([lse1[None], logits])  # (1 + j, N)
+            lse = torch.logsumexp(both, dim=0)
+            h = kernels[0](both[None], lse[None], h1, view, merge=True)[0]
+        ctx.save_for_backward(both, lse, h)
+        ctx.view, ctx.sources = view, [(t.shape, t.dtype) for t in sources]
+        ctx.kernels = kernels
+        return h, lse
+
+    @staticmethod
+    def backward(ctx, grad_h, grad_lse):
+        with autocast_off(grad_h.device.type):
+            both, lse, h = ctx.saved_tensors
+            dh = grad_h.to(h.dtype)
+            p = torch.exp(both - lse)  # (1 + j, N)
+            centre = torch.linalg.vecdot(dh, h)  # dh . h
+            if grad_lse is not None:
+                centre = centre - grad_lse
+            logits = both[None, 1:]
+            dq, _, grad_view = ctx.kernels[1](
+                logits, lse[None], p[None, 1:], None, ctx.view, dh[None]
+            )
+            grad_logits = p[1:] * (dq[0] - centre)
+            return (
+                None,
+                p[0, :, None] * dh,
+                -p[0] * centre,
+                grad_logits,
+                None,
+                *_to_sources(ctx, grad_view),
+            )
 
 
-def mix_backward(ctx, grad_h, grad_lse):
-    """GroupMix's backward: the sources' gradients from ctx.gradients, the logits' here."""
-    with autocast_off(grad_h.device.type):
-        logits, lse, first = ctx.saved_tensors
-        dtype = logits.dtype
-        p = torch.exp(logits - lse[:, None])  # (G, S, N)
-        dq, grad_first, grad_view = ctx.gradients(logits, lse, p, first, ctx.view, grad_h.to(dtype))
-        # dq_i = dh . v_i; with h = sum_i p_i v_i: dlogit_i = p_i (dq_i - dh . h + dlse)
-        plain = torch.tensor([not m for m in ctx.merged], dtype=dtype, device=dq.device)
-        centred = dq - (p * dq).sum(1, keepdim=True) * plain[:, None, None]
-        if grad_lse is not None:
-            centred = centred + grad_lse.to(dtype)[:, None, :]
-        grad_sources = []
-        if ctx.sources:
-            grad_sources = [
-                g.view(shape).to(t_dtype)
-                for g, (shape, t_dtype) in zip(grad_view.unbind(1), ctx.sources)
-            ]
-        if first is not None:
-            grad_first = grad_first.to(first.dtype)
-        return p * centred, grad_first, None, None, *grad_sources
+def _to_sources(ctx, grad_view) -> list:
+    """The view's slots' gradients, each as the gradient of the tensor the slot was copied from
+    (views of one tensor; converted to its dtype where the products' dtype differs)."""
+    return (
+        [g.view(shape).to(t_dtype) for g, (shape, t_dtype) in zip(grad_view.unbind(1), ctx.sources)]
+        if ctx.sources
+        else []
+    )
 
 
-def torch_products(logits, lse, first, view):
+def torch_products(logits, lse, first, view, merge: bool = False):
     """h (G, N, d) = sum_s exp(logits - lse)_s v_s in the logits' dtype, v_0 = `first` (when not
     None), v_1.. the slots of `view` (N, S', d): every source read once for the G readers, as
     bmm (the v_0 term an outer product), so that torch.utils.flop_counter counts the 2 S d
-    FLOPs per token and reader that depthbench.models.cost charges."""
+    FLOPs per token and reader that depthbench.models.cost charges. `merge`: `first` is a
+    reader's cached mix (MergeMix), not a source of the definition, and its term is an
+    elementwise product the counter leaves out, as the charged FLOPs do."""
     dtype = logits.dtype
     p = torch.exp(logits - lse[:, None]).permute(2, 0, 1)  # (N, G, S)
     k = 0 if first is None else 1
     h = p.new_zeros(p.shape[0], p.shape[1], view.shape[2])
-    if first is not None:  # (N, G, 1) x (N, 1, d)
+    if first is not None and merge:
+        h = p[..., :1] * first.to(dtype)[:, None]
+    elif first is not None:  # (N, G, 1) x (N, 1, d)
         h = torch.bmm(p[..., :1], first.to(dtype)[:, None])
     if view.shape[1]:  # (N, G, S') x (N, S', d)
         h = h + torch.bmm(p[..., k:], view.to(dtype))
@@ -139,9 +180,9 @@ def torch_products(logits, lse, first, view):
 
 
 def torch_gradients(logits, lse, p, first, view, dh):
-    """From dh (G, N, d) and p = exp(logits - lse) (G, S, N): dq (G, S, N), dq_s = dh . v_s,
-    and the gradients of `first` (N, d) and of the view's slots (N, S', d), in the logits'
-    dtype (4 S d FLOPs per token and reader, as bmm)."""
+    """From dh (G, N, d) and the probabilities p (G, S, N): dq (G, S, N), dq_s = dh . v_s, and
+    the gradients of `first` (N, d) and of the view's slots (N, S', d), in the logits' dtype
+    (4 S d FLOPs per token and reader, as bmm)."""
     dtype = logits.dtype
     p = p.permute(2, 0, 1)  # (N, G, S)
     dh = dh.transpose(0, 1)  # (N, G, d)
@@ -157,34 +198,7 @@ def torch_gradients(logits, lse, p, first, view, dh):
     return torch.cat(parts, dim=2).permute(1, 2, 0), grad_first, grad_view
 
 
-class Merge(torch.autograd.Function):
-    """Two softmax-weighted sums over disjoint sets of sources as one over their union (the
-    online softmax's merge): lse = logaddexp(lse1, lse2), h = s1 h1 + s2 h2 with
-    s_k = exp(lse_k - lse). Keeps s1, s2 and h (the reader's input, which its sublayer keeps
-    anyway) for backward, not h1 and h2; returns s_k dh for h_k and -s_k dh . h for lse_k, the
-    convention of `GroupMix` for merged readers (see there)."""
-
-    @staticmethod
-    def forward(ctx, h1, lse1, h2, lse2):
-        lse = torch.logaddexp(lse1, lse2)
-        s1, s2 = torch.exp(lse1 - lse), torch.exp(lse2 - lse)
-        h = s1.unsqueeze(-1) * h1 + s2.unsqueeze(-1) * h2
-        ctx.save_for_backward(s1, s2, h)
-        return h, lse
-
-    @staticmethod
-    def backward(ctx, grad_h, grad_lse):
-        s1, s2, h = ctx.saved_tensors
-        grad_h = grad_h.to(h.dtype)
-        centre = torch.linalg.vecdot(grad_h, h)  # dh . h
-        if grad_lse is not None:  # lse's own use (none in the models: the weights detach it)
-            centre = centre - grad_lse
-        return (
-            s1.unsqueeze(-1) * grad_h,
-            -s1 * centre,
-            s2.unsqueeze(-1) * grad_h,
-            -s2 * centre,
-        )
+TORCH = (torch_products, torch_gradients)  # the products over the sources, in PyTorch
 
 
 class OutputBuffer:
@@ -221,8 +235,8 @@ class GroupedMix:
     each reader's mix from its group's phase 1 and its own phase 2. `_group_end(r)`: the reader
     after the last of r's group."""
 
-    def __init__(self, *args, capacity: int, mix: type = GroupMix, **kwargs):
-        self.capacity, self.buffer, self.group, self.group_mix = capacity, None, None, mix
+    def __init__(self, *args, capacity: int, kernels: tuple = TORCH, **kwargs):
+        self.capacity, self.buffer, self.group, self.kernels = capacity, None, None, kernels
         super().__init__(*args, **kwargs)
 
     def append(self, v: torch.Tensor) -> None:
@@ -248,9 +262,11 @@ class GroupedMix:
         return self.reads[r]
 
     def _cached_group(self, r: int):
-        """(its first reader, cached source count, h (G, N, d), lse (G, N), v_0) of the phase 1
-        that covers reader r, made now if the one held does not: for the readers from r to the
-        end of r's group, over the sources that exist now."""
+        """(its first reader, cached source count, h (G of (N, d)), lse (G of (N,)), v_0, merged
+        flags) of the phase 1 that covers reader r, made now if the one held does not: for the
+        readers from r to the end of r's group, over the sources that exist now. h and lse are
+        unbound: one autograd node stacks the readers' gradients (indexing would give each
+        reader a node that writes its gradient into a zero (G, N, d) tensor)."""
         g = self.group
         if g is not None and g[0] <= r < g[0] + len(g[2]) and g[4] is self.values[0]:
             if self._group_end(g[0]) == self._group_end(r):
@@ -261,14 +277,15 @@ class GroupedMix:
         B, T, d = self.values[0].shape
         held = self.values[1:c] if torch.is_grad_enabled() else []
         merged = [False] * len(readers)
-        h, lse = self.group_mix.apply(
+        h, lse = GroupMix.apply(
+            self.kernels,
             logits.view(len(readers), c, B * T),
             self.values[0].reshape(B * T, d),
             self._view(1, c),
             merged,
             *held,
         )
-        self.group = (r, c, h, lse, self.values[0], merged)
+        self.group = (r, c, h.unbind(0), lse.unbind(0), self.values[0], merged)
         return self.group
 
     def _view(self, lo: int, hi: int) -> torch.Tensor:
@@ -286,17 +303,25 @@ class GroupedMix:
 
     def _phase1(self, r: int):
         """Reader r's (h (N, d), lse (N,)) over its group's cached sources, the count of those,
-        and a function that merges another (h, lse) into them (phase 2)."""
+        and a function that merges into them the sources added since (phase 2)."""
         start, c, h, lse, _, merged = self._cached_group(r)
         j = r - start
 
-        def merge(h2: torch.Tensor, lse2: torch.Tensor, merged2: list):
-            merged[j] = merged2[0] = True
-            return Merge.apply(h[j], lse[j], h2, lse2)
+        def merge(logits: torch.Tensor, view: torch.Tensor, sources: list):
+            """(h, lse) over the cached sources and `sources`: their logits (j, N), the
+            buffer's view of them (N, j, d)."""
+            merged[j] = True
+            held = sources if torch.is_grad_enabled() else []
+            return MergeMix.apply(self.kernels, h[j], lse[j], logits, view, *held)
 
-        # a tensor of its own: a view of the group's (G, N, d) would keep all of it alive for
-        # as long as this reader's sublayer keeps its input
-        return h[j].clone(), lse[j], c, merge
+        return h[j], lse[j], c, merge
+
+    @staticmethod
+    def _own(h: torch.Tensor) -> torch.Tensor:
+        """A reader's cached mix as a tensor of its own, where no merge made one: a view of the
+        group's (G, N, d) would keep all of it alive for as long as the reader's sublayer keeps
+        its input."""
+        return h.clone()
 
 
 class GroupedDepthSources(GroupedMix, DepthSources):
@@ -311,15 +336,12 @@ class GroupedDepthSources(GroupedMix, DepthSources):
         B, T, d = self.values[0].shape
         logits = at_least_fp32(torch.stack(self.logits[r]))  # (S, B, T)
         if len(self.values) > c:  # phase 2: the group's own outputs so far, merged online
-            new, merged = self.values[c:], [True]
-            h2, lse2 = self.group_mix.apply(
-                logits[None, c:].reshape(1, len(new), B * T),
-                None,
-                self._view(c, len(self.values)),
-                merged,
-                *(new if torch.is_grad_enabled() else []),
+            new = self.values[c:]
+            h, lse = merge(
+                logits[c:].reshape(len(new), B * T), self._view(c, len(self.values)), new
             )
-            h, lse = merge(h2[0], lse2[0], merged)
+        else:
+            h = self._own(h)
         weights = torch.exp(logits - lse.detach().view(B, T)).to(self.values[0].dtype)
         return h.view(B, T, d).to(self.values[0].dtype), weights
 
@@ -343,21 +365,18 @@ class GroupedBlockSources(GroupedMix, BlockSources):
             # a (d, 1) matrix, as the definition's: a product torch.utils.flop_counter counts
             partial_logit = (rms_unit(self.partial, self.eps) @ self.queries[:, r, None])[..., 0]
             logits = [*logits, partial_logit]
-            merged = [True]
-            h2, lse2 = self.group_mix.apply(
-                at_least_fp32(partial_logit).reshape(1, 1, B * T),
-                self.partial.reshape(B * T, d),
-                self.values[0].new_empty(B * T, 0, d),
-                merged,
-            )
-            h, lse = merge(h2[0], lse2[0], merged)
+            partial = self.partial.reshape(B * T, 1, d)
+            h, lse = merge(at_least_fp32(partial_logit).reshape(1, B * T), partial.detach(),
+                           [self.partial])  # fmt: skip
+        else:
+            h = self._own(h)
         logits = at_least_fp32(torch.stack(logits))
         weights = torch.exp(logits - lse.detach().view(B, T)).to(self.values[0].dtype)
         return h.view(B, T, d).to(self.values[0].dtype), weights
 
 
 class GroupedAttnResFull(AttnResFull):
-    group_mix = GroupMix  # the products over the sources (a subclass swaps in its kernels)
+    mix_kernels = TORCH  # the products over the sources (a subclass swaps in its kernels)
 
     def make_sources(self, h0: torch.Tensor) -> DepthSources:
         # capacity: every sublayer's output
@@ -366,18 +385,20 @@ class GroupedAttnResFull(AttnResFull):
             self.reader_queries(),
             self.cfg.norm_eps,
             capacity=2 * self.cfg.n_layer,
-            mix=self.group_mix,
+            kernels=self.mix_kernels,
         )
 
 
 class GroupedAttnResBlocks(AttnResBlocks):
-    group_mix = GroupMix
+    mix_kernels = TORCH
 
     def make_sources(self, h0: torch.Tensor) -> BlockSources:
         ends = block_ends(self.cfg.n_layer, self.options.n_blocks)
         queries, eps = self.reader_queries(), self.cfg.norm_eps
         # capacity: the block sums
-        return GroupedBlockSources(h0, queries, eps, ends, capacity=len(ends), mix=self.group_mix)
+        return GroupedBlockSources(
+            h0, queries, eps, ends, capacity=len(ends), kernels=self.mix_kernels
+        )
 
 
 SWAPS = {

@@ -1,8 +1,8 @@
 """AttnRes's grouped depth mix with its products over the sources in Triton: the CUDA backend's
 Full and Block AttnRes where triton is installed, swapped in for the grouped mix of
 depthbench.kernels.attnres_groups, whose schedule (groups of readers, phase 1 over the cached
-sources, phase 2 merged online) and logits' gradients it keeps. What changes is how a group's
-products read the sources (attnres_triton_jit.py):
+sources, phase 2 and the merge in one product) and logits' gradients it keeps (`GroupMix`,
+`MergeMix`). What changes is how those products read the sources (attnres_triton_jit.py):
 
 - forward: every source tile read once, in its own dtype (bf16 under autocast), for all of a
   group's readers, weighted by exp(logit - lse) computed in the kernel and accumulated in
@@ -39,9 +39,6 @@ import torch
 from depthbench.kernels.attnres_groups import (
     GroupedAttnResBlocks,
     GroupedAttnResFull,
-    GroupMix,
-    mix_backward,
-    mix_forward,
     torch_gradients,
     torch_products,
 )
@@ -180,17 +177,18 @@ def takes(logits: torch.Tensor, first: torch.Tensor | None, view: torch.Tensor) 
     )
 
 
-def triton_products(logits, lse, first, view):
-    """torch_products' result from the kernel, where it takes the tensors."""
+def triton_products(logits, lse, first, view, merge: bool = False):
+    """torch_products' result from the kernel, where it takes the tensors (the kernel counts no
+    FLOPs: `merge` changes nothing here)."""
     if not takes(logits, first, view):
-        return torch_products(logits, lse, first, view)
+        return torch_products(logits, lse, first, view, merge)
     first = None if first is None else first.contiguous()
     return attnres_mix(logits.contiguous(), lse.contiguous(), first, view)
 
 
 def triton_gradients(logits, lse, p, first, view, dh):
     """torch_gradients' results from the kernel, where it takes the tensors: the gradients in
-    the sources' dtypes (mix_backward converts the others)."""
+    the sources' dtypes (GroupMix and MergeMix convert the others)."""
     if not takes(logits, first, view):
         return torch_gradients(logits, lse, p, first, view, dh)
     first = None if first is None else first.contiguous()
@@ -198,25 +196,15 @@ def triton_gradients(logits, lse, p, first, view, dh):
     return dq, (None if first is None else dfirst), (dview if view.shape[1] else None)
 
 
-class TritonGroupMix(GroupMix):
-    """GroupMix with its products in Triton."""
-
-    @staticmethod
-    def forward(ctx, logits, first, view, merged, *sources):
-        kernels = (triton_products, triton_gradients)
-        return mix_forward(ctx, kernels, logits, first, view, merged, sources)
-
-    @staticmethod
-    def backward(ctx, grad_h, grad_lse):
-        return mix_backward(ctx, grad_h, grad_lse)
+KERNELS = (triton_products, triton_gradients)
 
 
 class TritonAttnResFull(GroupedAttnResFull):
-    group_mix = TritonGroupMix
+    mix_kernels = KERNELS
 
 
 class TritonAttnResBlocks(GroupedAttnResBlocks):
-    group_mix = TritonGroupMix
+    mix_kernels = KERNELS
 
 
 SWAPS = {

@@ -174,9 +174,11 @@ def test_attnres_mix_on_cuda_against_float64(dtype):
     sources = [view[:, i].clone().requires_grad_() for i in range(S - 1)]
     up = (torch.randn(G, N, D, device="cuda", generator=g), torch.randn(G, N, device="cuda"))
     results = []
-    for mix, cast in ((at.TritonGroupMix, lambda t: t), (ag.GroupMix, lambda t: t.double())):
+    for kernels, cast in ((at.KERNELS, lambda t: t), (ag.TORCH, lambda t: t.double())):
         leaves = [cast(t.detach()).requires_grad_() for t in (logits, v0, *sources)]
-        h, lse = mix.apply(leaves[0], leaves[1], cast(view), [False] * G, *leaves[2:])
+        h, lse = ag.GroupMix.apply(
+            kernels, leaves[0], leaves[1], cast(view), [False] * G, *leaves[2:]
+        )
         loss = (h * cast(up[0])).sum() + (lse * cast(up[1])).sum()
         results.append((h, lse, *torch.autograd.grad(loss, leaves)))
     tol = 1e-5 if dtype == torch.float32 else 1e-2

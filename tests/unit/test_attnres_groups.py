@@ -75,11 +75,31 @@ def test_group_mix_gradients_pass_gradcheck():
 
     def mix(logits, first, *sources):
         view = torch.stack(sources, 1).detach()
-        return ag.GroupMix.apply(logits, first, view, [False] * G, *sources)
+        return ag.GroupMix.apply(ag.TORCH, logits, first, view, [False] * G, *sources)
 
     assert torch.autograd.gradcheck(mix, (logits, first, *sources))
     logits = t(G, S - 1, N)
     assert torch.autograd.gradcheck(lambda lg, *s: mix(lg, None, *s), (logits, *sources))
+
+
+def test_merge_gradients_pass_gradcheck():
+    """Phase 1 of one reader (its flag set, as the merge sets it) and its merge with the
+    sources added since: every input of both, with the merged lse used as well (the models
+    detach it; the gradients hold either way). The merge alone is not differentiated: the
+    centring term of phase 1's sources comes from it (GroupMix's docstring)."""
+    g = torch.Generator().manual_seed(1)
+    N, S, j, d = 3, 3, 2, 5
+    t = lambda *s: torch.randn(*s, dtype=torch.float64, generator=g, requires_grad=True)  # noqa: E731
+    logits1, first, cached = t(1, S, N), t(N, d), [t(N, d) for _ in range(S - 1)]
+    logits2, new = t(j, N), [t(N, d) for _ in range(j)]
+
+    def mix_and_merge(logits1, first, logits2, *sources):
+        cached, new = sources[: S - 1], sources[S - 1 :]
+        view1, view2 = torch.stack(cached, 1).detach(), torch.stack(new, 1).detach()
+        h1, lse1 = ag.GroupMix.apply(ag.TORCH, logits1, first, view1, [True], *cached)
+        return ag.MergeMix.apply(ag.TORCH, h1[0], lse1[0], logits2, view2, *new)
+
+    assert torch.autograd.gradcheck(mix_and_merge, (logits1, first, logits2, *cached, *new))
 
 
 @pytest.mark.parametrize(
@@ -157,3 +177,27 @@ def test_bf16_outputs_are_kept_in_bf16_and_v0_in_fp32():
     torch.testing.assert_close(losses[0], losses[1], rtol=2e-3, atol=2e-3)
     grads = [torch.cat([p.grad.flatten() for p in m.parameters()]) for m in (fast, definition)]
     assert (grads[0] - grads[1]).norm() <= 2e-2 * grads[1].norm()
+
+
+@pytest.mark.parametrize("arch", ["attnres_full", "attnres_block"])
+def test_a_groups_mixes_reach_autograd_through_one_node(arch):
+    """Each group's cached mixes go to its readers through one unbind, whose backward stacks
+    their gradients once: no reader's own index node (whose backward writes the reader's
+    gradient into a zero tensor of the whole group's size) sits on a group's output."""
+    model = swap_in(perturbed(arch, n_layer=5).train(), "cuda")
+    idx = sample()
+    loss = model(idx[:, :-1], idx[:, 1:]).loss
+    seen, stack, parents = set(), [loss.grad_fn], {}
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if child is not None:
+                parents.setdefault(child, set()).add(type(node).__name__)
+                stack.append(child)
+    groups = [n for n in seen if type(n).__name__ == "GroupMixBackward"]
+    assert groups
+    for node in groups:
+        assert parents[node] == {"UnbindBackward0"}, parents[node]

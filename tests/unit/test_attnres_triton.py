@@ -54,9 +54,9 @@ def group(G, S, N, D, first, dtype, seed=0):
     return logits, v0, view, sources
 
 
-def run(mix, logits, first, view, sources, merged, up):
+def run(kernels, logits, first, view, sources, merged, up):
     """h, lse and the gradients of logits, first and every source for the upstream (dh, dlse)."""
-    h, lse = mix.apply(logits, first, view, merged, *sources)
+    h, lse = ag.GroupMix.apply(kernels, logits, first, view, merged, *sources)
     inputs = [logits, *([first] if first is not None else []), *sources]
     loss = (h * up[0]).sum() + (lse * up[1]).sum()
     return (h, lse, *torch.autograd.grad(loss, inputs))
@@ -76,13 +76,13 @@ def test_kernels_equal_the_mix_in_float64(G, S, N, D, first, merged):
     g = torch.Generator().manual_seed(1)
     up = (torch.randn(G, N, D, generator=g), torch.randn(G, N, generator=g))
     flags = [merged and i % 2 == 0 for i in range(G)]
-    got = run(at.TritonGroupMix, logits, v0, view, sources, list(flags), up)
+    got = run(at.KERNELS, logits, v0, view, sources, list(flags), up)
     leaves = [logits, *([v0] if first else []), *sources]
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
     ref_view = view.double()
     rl, *rest = ref_leaves
     ref_first = rest.pop(0) if first else None
-    ref = run(ag.GroupMix, rl, ref_first, ref_view, rest, list(flags), [u.double() for u in up])
+    ref = run(ag.TORCH, rl, ref_first, ref_view, rest, list(flags), [u.double() for u in up])
     names = ["h", "lse", "logits", *(["v0"] if first else []), *[f"v{i}" for i in range(len(rest))]]
     assert len(got) == len(ref) == len(names)
     for a, b, name in zip(got, ref, names):
@@ -90,14 +90,40 @@ def test_kernels_equal_the_mix_in_float64(G, S, N, D, first, merged):
         close(a, b, 1e-5, name)
 
 
+@pytest.mark.parametrize("j", [1, 7])
+def test_merge_on_the_kernels_equals_the_float64_merge(j):
+    """Phase 1 of a group of 8 and a reader's merge of the j sources added since (the cached
+    mix one more source, whose logit is its lse): h, lse and every input's gradient, float32
+    kernels against the PyTorch products in float64, within 1e-5."""
+    logits1, v0, view1, cached = group(8, 6, 30, 72, True, torch.float32, seed=3)
+    g = torch.Generator().manual_seed(4)
+    logits2 = torch.randn(j, 30, generator=g, requires_grad=True)
+    buffer = torch.randn(30, j + 2, 72, generator=g)
+    view2 = buffer[:, 1 : 1 + j]
+    new = [view2[:, i].clone().requires_grad_() for i in range(j)]
+    up = (torch.randn(30, 72, generator=g), torch.randn(30, generator=g))
+    results = []
+    for kernels, cast in ((at.KERNELS, lambda x: x), (ag.TORCH, lambda x: x.double())):
+        leaves = [cast(x.detach()).requires_grad_() for x in (logits1, v0, logits2, *cached, *new)]
+        lg1, first, lg2 = leaves[:3]
+        c, n = leaves[3 : 3 + len(cached)], leaves[3 + len(cached) :]
+        merged = [True] + [False] * 7  # reader 0 merged, the others' outputs used as they are
+        h1, lse1 = ag.GroupMix.apply(kernels, lg1, first, cast(view1), merged, *c)
+        h, lse = ag.MergeMix.apply(kernels, h1[0], lse1[0], lg2, cast(view2), *n)
+        loss = (h * cast(up[0])).sum() + (lse * cast(up[1])).sum() + (h1[1:] ** 2).sum()
+        results.append((h, lse, *torch.autograd.grad(loss, leaves)))
+    for i, (a, b) in enumerate(zip(*results)):
+        close(a, b, 1e-5, f"output {i}")
+
+
 def test_float16_sources_within_their_rounding():
     """float16 sources read and their gradients written in float16, against float64."""
     logits, v0, view, sources = group(8, 9, 30, 72, True, torch.float16)
     g = torch.Generator().manual_seed(2)
     up = (torch.randn(8, 30, 72, generator=g), torch.randn(8, 30, generator=g))
-    got = run(at.TritonGroupMix, logits, v0, view, sources, [False] * 8, up)
+    got = run(at.KERNELS, logits, v0, view, sources, [False] * 8, up)
     ref_leaves = [t.detach().double().requires_grad_() for t in (logits, v0, *sources)]
-    ref = run(ag.GroupMix, ref_leaves[0], ref_leaves[1], view.double(), ref_leaves[2:],
+    ref = run(ag.TORCH, ref_leaves[0], ref_leaves[1], view.double(), ref_leaves[2:],
               [False] * 8, [u.double() for u in up])  # fmt: skip
     for i, (a, b) in enumerate(zip(got, ref)):
         assert a.dtype == (torch.float16 if i >= 3 else torch.float32)
