@@ -78,8 +78,9 @@ class GroupMix(torch.autograd.Function):
     def forward(ctx, kernels, logits, first, view, merged, *sources):
         with autocast_off(logits.device.type):  # on meta: the memory trace's replay pauses
             lse = torch.logsumexp(logits, dim=1)  # (G, N)
-            h = kernels[0](logits, lse, first, view)
-        ctx.save_for_backward(logits, lse, first)
+            p = torch.exp(logits - lse[:, None])  # (G, S, N)
+            h = kernels[0](p, first, view)
+        ctx.save_for_backward(p, first)
         ctx.view, ctx.sources, ctx.merged = view, [(t.shape, t.dtype) for t in sources], merged
         ctx.kernels = kernels
         return h, lse
@@ -87,12 +88,9 @@ class GroupMix(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_h, grad_lse):
         with autocast_off(grad_h.device.type):
-            logits, lse, first = ctx.saved_tensors
-            dtype = logits.dtype
-            p = torch.exp(logits - lse[:, None])  # (G, S, N)
-            dq, grad_first, grad_view = ctx.kernels[1](
-                logits, lse, p, first, ctx.view, grad_h.to(dtype)
-            )
+            p, first = ctx.saved_tensors
+            dtype = p.dtype
+            dq, grad_first, grad_view = ctx.kernels[1](p, first, ctx.view, grad_h.to(dtype))
             # dq_i = dh . v_i; with h = sum_i p_i v_i: dlogit_i = p_i (dq_i - dh . h + dlse)
             plain = torch.tensor([not m for m in ctx.merged], dtype=dtype, device=dq.device)
             centred = dq - (p * dq).sum(1, keepdim=True) * plain[:, None, None]
@@ -110,7 +108,7 @@ class MergeMix(torch.autograd.Function):
     and lse (N,), as an online softmax merges: h1 is one more source, whose logit is lse1.
     `kernels` as GroupMix's (h1 the `first` source of their products).
 
-    Keeps for backward the logits, lse and h (the reader's input, which its sublayer keeps
+    Keeps for backward the probabilities and h (the reader's input, which its sublayer keeps
     anyway), not h1. With c = dh . h - dlse: dh1 = s dh and dlse1 = -s c for s = exp(lse1 - lse)
     (GroupMix's convention for merged readers), dlogit_i = p_i (dh . v_i - c), dv_i = p_i dh."""
 
@@ -119,8 +117,9 @@ class MergeMix(torch.autograd.Function):
         with autocast_off(h1.device.type):
             both = torch.cat([lse1[None], logits])  # (1 + j, N)
             lse = torch.logsumexp(both, dim=0)
-            h = kernels[0](both[None], lse[None], h1, view, merge=True)[0]
-        ctx.save_for_backward(both, lse, h)
+            p = torch.exp(both - lse)  # (1 + j, N)
+            h = kernels[0](p[None], h1, view, merge=True)[0]
+        ctx.save_for_backward(p, h)
         ctx.view, ctx.sources = view, [(t.shape, t.dtype) for t in sources]
         ctx.kernels = kernels
         return h, lse
@@ -128,16 +127,12 @@ class MergeMix(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_h, grad_lse):
         with autocast_off(grad_h.device.type):
-            both, lse, h = ctx.saved_tensors
+            p, h = ctx.saved_tensors
             dh = grad_h.to(h.dtype)
-            p = torch.exp(both - lse)  # (1 + j, N)
             centre = torch.linalg.vecdot(dh, h)  # dh . h
             if grad_lse is not None:
                 centre = centre - grad_lse
-            logits = both[None, 1:]
-            dq, _, grad_view = ctx.kernels[1](
-                logits, lse[None], p[None, 1:], None, ctx.view, dh[None]
-            )
+            dq, _, grad_view = ctx.kernels[1](p[None, 1:], None, ctx.view, dh[None])
             grad_logits = p[1:] * (dq[0] - centre)
             return (
                 None,
@@ -159,15 +154,15 @@ def _to_sources(ctx, grad_view) -> list:
     )
 
 
-def torch_products(logits, lse, first, view, merge: bool = False):
-    """h (G, N, d) = sum_s exp(logits - lse)_s v_s in the logits' dtype, v_0 = `first` (when not
-    None), v_1.. the slots of `view` (N, S', d): every source read once for the G readers, as
-    bmm (the v_0 term an outer product), so that torch.utils.flop_counter counts the 2 S d
-    FLOPs per token and reader that depthbench.models.cost charges. `merge`: `first` is a
+def torch_products(p, first, view, merge: bool = False):
+    """h (G, N, d) = sum_s p_s v_s in p's dtype for the probabilities p (G, S, N), v_0 = `first`
+    (when not None), v_1.. the slots of `view` (N, S', d): every source read once for the G
+    readers, as bmm (the v_0 term an outer product), so that torch.utils.flop_counter counts the
+    2 S d FLOPs per token and reader that depthbench.models.cost charges. `merge`: `first` is a
     reader's cached mix (MergeMix), not a source of the definition, and its term is an
     elementwise product the counter leaves out, as the charged FLOPs do."""
-    dtype = logits.dtype
-    p = torch.exp(logits - lse[:, None]).permute(2, 0, 1)  # (N, G, S)
+    dtype = p.dtype
+    p = p.permute(2, 0, 1)  # (N, G, S)
     k = 0 if first is None else 1
     h = p.new_zeros(p.shape[0], p.shape[1], view.shape[2])
     if first is not None and merge:
@@ -179,11 +174,11 @@ def torch_products(logits, lse, first, view, merge: bool = False):
     return h.transpose(0, 1)
 
 
-def torch_gradients(logits, lse, p, first, view, dh):
+def torch_gradients(p, first, view, dh):
     """From dh (G, N, d) and the probabilities p (G, S, N): dq (G, S, N), dq_s = dh . v_s, and
-    the gradients of `first` (N, d) and of the view's slots (N, S', d), in the logits' dtype
-    (4 S d FLOPs per token and reader, as bmm)."""
-    dtype = logits.dtype
+    the gradients of `first` (N, d) and of the view's slots (N, S', d), in p's dtype (4 S d
+    FLOPs per token and reader, as bmm)."""
+    dtype = p.dtype
     p = p.permute(2, 0, 1)  # (N, G, S)
     dh = dh.transpose(0, 1)  # (N, G, d)
     parts, grad_first, grad_view = [], None, None

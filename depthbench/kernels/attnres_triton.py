@@ -5,16 +5,15 @@ sources, phase 2 and the merge in one product) and logits' gradients it keeps (`
 `MergeMix`). What changes is how those products read the sources (attnres_triton_jit.py):
 
 - forward: every source tile read once, in its own dtype (bf16 under autocast), for all of a
-  group's readers, weighted by exp(logit - lse) computed in the kernel and accumulated in
-  float32 into h (G, N, d). The batched matmul of the PyTorch mix first copies the bf16 buffer's
-  view to float32 (2 bytes a value read, 4 written and read again) and takes the probabilities
-  from a permuted (N, G, S) copy;
+  group's readers, weighted by their probabilities (G, S, N) and accumulated in float32 into
+  h (G, N, d). The batched matmul of the PyTorch mix first copies the bf16 buffer's view to
+  float32 (2 bytes a value read, 4 written and read again) and the probabilities to a permuted
+  (N, G, S) tensor;
 - backward: per source tile, dq = dh . v for every reader and the source's gradient
-  sum_g p_g dh_g (p read from the probabilities the logits' gradient computes anyway), written
-  once in the source's dtype into one (N, S', d) tensor whose slices are returned to the sources
-  (autograd adds each source's gradient once per group). The PyTorch mix computes that tensor in
-  float32 and copies it per source. dq comes back as one partial sum per feature tile (64
-  features), summed here: deterministic, without atomics.
+  sum_g p_g dh_g, written once in the source's dtype into one (N, S', d) tensor whose slices
+  are returned to the sources (autograd adds each source's gradient once per group). The
+  PyTorch mix computes that tensor in float32 and copies it per source. dq comes back as one
+  partial sum per feature tile (64 features), summed here: deterministic, without atomics.
 
 Not fla-core's `fused_attnres`: its kernel mixes one reader at a time, reading every source once
 per reader where this reads it once per group, and its forward refuses CPU tensors, so CI could
@@ -81,19 +80,18 @@ def _on_its_device(t: torch.Tensor):
 
 @torch.library.custom_op("depthbench::attnres_mix", mutates_args=())
 def attnres_mix(
-    logits: torch.Tensor, lse: torch.Tensor, first: torch.Tensor | None, view: torch.Tensor
+    probs: torch.Tensor, first: torch.Tensor | None, view: torch.Tensor
 ) -> torch.Tensor:
-    """h (G, N, d) float32 = sum_s exp(logits[:, s] - lse) v_s, v_0 = `first` (N, d) when given,
-    v_1.. the slots of `view` (N, S', d); logits (G, S, N) and lse (G, N) float32."""
-    G, S, N = logits.shape
+    """h (G, N, d) float32 = sum_s probs[:, s] v_s for the probabilities (G, S, N) float32,
+    v_0 = `first` (N, d) when given, v_1.. the slots of `view` (N, S', d)."""
+    G, S, N = probs.shape
     D = view.shape[2]
-    h = logits.new_empty(G, N, D)
+    h = probs.new_empty(G, N, D)
     block_g, block_n, grid = _blocks(G, N, D)
     with _on_its_device(view):
         _jit().mix_forward[grid](
-            logits,
-            lse,
-            _or_dummy(first, logits),
+            probs,
+            _or_dummy(first, probs),
             view,
             h,
             N,
@@ -112,8 +110,8 @@ def attnres_mix(
 
 
 @attnres_mix.register_fake
-def _(logits, lse, first, view):
-    return logits.new_empty(logits.shape[0], logits.shape[2], view.shape[2])
+def _(probs, first, view):
+    return probs.new_empty(probs.shape[0], probs.shape[2], view.shape[2])
 
 
 @torch.library.custom_op("depthbench::attnres_mix_backward", mutates_args=())
@@ -164,33 +162,33 @@ def _(probs, first, view, dh):
     return probs.new_empty(G, S, N), dfirst, view.new_empty(view.shape)
 
 
-def takes(logits: torch.Tensor, first: torch.Tensor | None, view: torch.Tensor) -> bool:
+def takes(probs: torch.Tensor, first: torch.Tensor | None, view: torch.Tensor) -> bool:
     """Whether the kernels run on these tensors (module docstring)."""
     if not on_triton_device(view):
         return False
     dtypes = CUDA_DTYPES if view.device.type == "cuda" else INTERPRETER_DTYPES
     return (
-        logits.dtype == torch.float32
+        probs.dtype == torch.float32
         and view.dtype in dtypes
         and (first is None or first.dtype in dtypes)
         and view.stride(2) == 1
     )
 
 
-def triton_products(logits, lse, first, view, merge: bool = False):
+def triton_products(p, first, view, merge: bool = False):
     """torch_products' result from the kernel, where it takes the tensors (the kernel counts no
     FLOPs: `merge` changes nothing here)."""
-    if not takes(logits, first, view):
-        return torch_products(logits, lse, first, view, merge)
+    if not takes(p, first, view):
+        return torch_products(p, first, view, merge)
     first = None if first is None else first.contiguous()
-    return attnres_mix(logits.contiguous(), lse.contiguous(), first, view)
+    return attnres_mix(p.contiguous(), first, view)
 
 
-def triton_gradients(logits, lse, p, first, view, dh):
+def triton_gradients(p, first, view, dh):
     """torch_gradients' results from the kernel, where it takes the tensors: the gradients in
     the sources' dtypes (GroupMix and MergeMix convert the others)."""
-    if not takes(logits, first, view):
-        return torch_gradients(logits, lse, p, first, view, dh)
+    if not takes(p, first, view):
+        return torch_gradients(p, first, view, dh)
     first = None if first is None else first.contiguous()
     dq, dfirst, dview = attnres_mix_backward(p.contiguous(), first, view, dh.contiguous())
     return dq, (None if first is None else dfirst), (dview if view.shape[1] else None)

@@ -5,11 +5,11 @@ TRITON_INTERPRET when it is first imported, and may not be installed.
 Both kernels take one tile of BLOCK_N tokens and BLOCK_D features per program and hold the
 BLOCK_G readers of a group at once, so that each source tile is read once for the whole group:
 
-- `mix_forward`: h[g, n, :] = sum_s exp(logits[g, s, n] - lse[g, n]) v_s[n, :], v_0 = `first`
+- `mix_forward`: h[g, n, :] = sum_s p[g, s, n] v_s[n, :] for the probabilities p, v_0 = `first`
   (when HAS_FIRST) and v_1.. the slots of `view` (any token and slot strides, features
   contiguous), read in their own dtype and accumulated in float32.
-- `mix_backward`: from dh (G, N, D) float32 and the probabilities p (G, S, N) float32 (which
-  the caller has already computed for the logits' gradient), per source s:
+- `mix_backward`: from dh (G, N, D) float32 and the probabilities p (G, S, N) float32, per
+  source s:
   dq[g, s, n] = dh[g, n, :] . v_s[n, :]
   over the program's features (one partial sum per feature tile, summed by the caller) and
   dv_s[n, :] = sum_g p[g, s, n] dh[g, n, :], stored in the source's dtype.
@@ -18,8 +18,8 @@ Offsets are int64 (a (N, S, D) source buffer passes 2^31 elements at 32k tokens 
 token and reader indices are int64, the feature index stays int32 (a contiguous run the compiler
 can vectorise), and the loops advance pointers rather than multiply an int32 loop index. Feature
 tiles are the grid's first axis, so that the programs of one token tile run together and share
-the logits' reads in L2. Products are elementwise multiply-adds in float32 (no tl.dot, so no TF32
-on a GPU)."""
+the probabilities' reads in L2. Products are elementwise multiply-adds in float32 (no tl.dot, so
+no TF32 on a GPU)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ import triton.language as tl
 
 @triton.jit
 def mix_forward(
-    logits,  # (G, S, N) float32
-    lse,  # (G, N) float32
+    probs,  # (G, S, N) float32
     first,  # (N, D) or a dummy
     view,  # (N, S - HAS_FIRST, D), strides (stride_vn, stride_vs, 1)
     h,  # (G, N, D) float32, written
@@ -50,17 +49,16 @@ def mix_forward(
     f = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     gn = (g[:, None] < G) & (n[None, :] < N)
     nf = (n[:, None] < N) & (f[None, :] < D)
-    m = tl.load(lse + g[:, None] * N + n[None, :], mask=gn, other=0.0)
-    row = logits + g[:, None] * S * N + n[None, :]  # (BLOCK_G, BLOCK_N) logits of source 0
+    row = probs + g[:, None] * S * N + n[None, :]  # (BLOCK_G, BLOCK_N) of source 0
     acc = tl.zeros((BLOCK_G, BLOCK_N, BLOCK_D), dtype=tl.float32)
     if HAS_FIRST:
-        p = tl.exp(tl.load(row, mask=gn, other=float("-inf")) - m)
+        p = tl.load(row, mask=gn, other=0.0)
         v = tl.load(first + n[:, None] * D + f[None, :], mask=nf, other=0.0).to(tl.float32)
         acc += p[:, :, None] * v[None, :, :]
         row += N  # the loop starts at source 1
     slots = view + n[:, None] * stride_vn + f[None, :]
     for _ in range(HAS_FIRST, S):
-        p = tl.exp(tl.load(row, mask=gn, other=float("-inf")) - m)
+        p = tl.load(row, mask=gn, other=0.0)
         v = tl.load(slots, mask=nf, other=0.0).to(tl.float32)
         acc += p[:, :, None] * v[None, :, :]
         row += N
@@ -71,7 +69,7 @@ def mix_forward(
 
 @triton.jit
 def mix_backward(
-    probs,  # (G, S, N) float32: exp(logits - lse)
+    probs,  # (G, S, N) float32
     first,  # (N, D) or a dummy
     view,  # (N, S - HAS_FIRST, D), strides (stride_vn, stride_vs, 1)
     dh,  # (G, N, D) float32
