@@ -27,8 +27,10 @@ bytes of a training step against the memory estimate, every architecture (and Mo
 bf16 with the plain and the chunked loss, and with two micro-batches accumulated
 (depthbench.train.measured_memory.allocator_step_memory).
 
-Then pre_ln at the deepest shape, every other architecture there (step time relative to
-pre_ln's), and, with the time left, every architecture at the widest shape. `--record` writes
+After the GPU tests, AttnRes's depth mix alone at the deepest shape, its three implementations
+(benchmarks/attnres_mix.py). Then pre_ln at the deepest shape, every other architecture there
+(step time relative to pre_ln's), and, with the time left, every architecture at the widest
+shape. `--record` writes
 the step times as the committed record `benchmarks/records/<device>.json`
 (depthbench.commands.step_records), which `depthbench plan` prices runs by.
 
@@ -409,6 +411,22 @@ def gpu_tests(report: Report, args) -> dict:
     return {"returncode": done.returncode, "tail": done.stdout[-2000:]}
 
 
+def attnres_mix(report: Report, args, device: torch.device) -> dict:
+    """AttnRes's depth mix alone at the deepest shape (benchmarks/attnres_mix.py): the
+    definition, the grouped mix with PyTorch products and with Triton products (on CUDA), their
+    times relative to the definition's. Tiny on the CPU, without the interpreted Triton."""
+    spec = importlib.util.spec_from_file_location("attnres_mix", REPO / "benchmarks/attnres_mix.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg = shape_config("attnres_full", args.deepest, args)
+    if device.type == "cuda":
+        tokens = args.batch * args.seq
+        argv = ["--n-layer", str(cfg.n_layer), "--d", str(cfg.d_model), "--tokens", str(tokens)]
+    else:
+        argv = ["--n-layer", "2", "--d", "32", "--tokens", "16", "--dtype", "float32"]
+    return report.timed(lambda: guarded(lambda: bench.main([*argv, "--repeats", "3"]), device))
+
+
 def record_runs(report: Report) -> list[dict]:
     """The measured runs of the report, one per architecture and depth."""
     runs = []
@@ -571,6 +589,7 @@ def main(argv=None) -> None:
     report.put("pre_ln_widest", run_model(report, "pre_ln", args.widest, args, device))
     if not args.skip_tests:
         report.put("gpu_tests", gpu_tests(report, args))
+    report.put("attnres_mix_deepest", attnres_mix(report, args, device))
     deepest = run_model(report, "pre_ln", args.deepest, args, device)
     report.put("pre_ln_deepest", deepest)
     widest = report["pre_ln_widest"]

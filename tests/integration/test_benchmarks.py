@@ -119,6 +119,9 @@ def test_smoke_mode_on_a_bare_machine_reports_every_model_and_records_out_of_mem
     assert report["pre_ln_widest"]["implementations"] == []
     assert ratios["moda"]["implementations"] == ["FusedMoDA", "FusedMoDABlock"]
     assert report["gpu_tests"]["returncode"] == 0  # collected on a CPU machine: every test skipped
+    mix = report["attnres_mix_deepest"]  # the definition and the PyTorch products on the CPU
+    assert mix["definition"]["ratio"] == 1.0
+    assert mix["grouped, PyTorch products"]["max_rel_diff"] < 1e-5
     # the record for depthbench plan: every architecture measured at both depths, but hc
     record = load_record(tmp_path / "record.json")
     assert record.device == "cpu" and record.commit != "unknown"
