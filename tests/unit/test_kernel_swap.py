@@ -6,7 +6,9 @@ read the same numbers from a swapped model as from its definition."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
+import importlib.util
 from pathlib import Path
 
 import pandas as pd
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from depthbench import kernels
+from depthbench.kernels import attnres_triton, triton_streams
 from depthbench.kernels.swap import backend_for, resolve_kernels, swap_in, swap_out, swapped
 from depthbench.models.adapter import trunk_states
 from depthbench.probes.measure import probe_model
@@ -179,19 +182,33 @@ PROBED = [
     ("moda", "cuda"),
     ("attnres_full", "cuda"),
     ("attnres_block", "cuda"),
+    ("attnres_full", "cuda-interpreted"),  # the Triton products, in the interpreter
+    ("attnres_block", "cuda-interpreted"),
 ]
 
 
 @pytest.mark.parametrize("arch, backend", PROBED, ids=[f"{a}-{b}" for a, b in PROBED])
-def test_probes_removal_and_lens_read_the_same_numbers(arch, backend):
+def test_probes_removal_and_lens_read_the_same_numbers(arch, backend, monkeypatch):
     """Every probe row (angular distances, causal and permutation scores, usefulness, the logit
     lens, the stream-mixing rank or depth weights) and the layer-removal losses of a swapped
     model equal its definition's."""
     if backend == "cpu" and arch in ("hc", "mhc") and kernels.unavailable_reason() is not None:
         pytest.skip(f"CPU kernels cannot be built here: {kernels.unavailable_reason()}")
+    interpreted = backend == "cuda-interpreted"  # CPU tensors take the Triton kernels
+    if interpreted and (torch.cuda.is_available() or importlib.util.find_spec("triton") is None):
+        pytest.skip("the Triton interpreter runs on a CPU-only machine with triton")
+    calls = []
+    mix = attnres_triton.attnres_mix
+    monkeypatch.setattr(attnres_triton, "attnres_mix", lambda *a: calls.append(1) or mix(*a))
     definition = perturbed(arch, n_layer=3)
-    fast = swap_in(copy.deepcopy(definition), backend)
+    fast = swap_in(copy.deepcopy(definition), "cuda" if interpreted else backend)
     assert swapped(fast)
+    with triton_streams.on_cpu() if interpreted else contextlib.nullcontext():
+        _same_numbers(fast, definition)
+    assert bool(calls) == interpreted
+
+
+def _same_numbers(fast, definition):
     idx, settings = sample(), probe_settings({"bootstrap_seed": 0})
     with torch.no_grad():
         rows = [
