@@ -17,7 +17,8 @@ source reads a token forward, as many again backward. Here the readers are taken
    earlier sublayers, j < G) are merged in as an online softmax does: h_g is one more source,
    whose logit is lse_g, so that lse = logsumexp(lse_g, l_1 .. l_j) and
    h = exp(lse_g - lse) h_g + sum_i exp(l_i - lse) v_i, in one product (`MergeMix`, which keeps
-   for backward only the reader's own input, which its sublayer keeps anyway, not h_g).
+   for backward the probabilities and the reader's own input, which its sublayer keeps anyway,
+   not h_g).
 
 The sources are stored as they come: v_0 (the embedding output, fp32 under autocast) apart, the
 sublayer outputs (the training dtype: bf16 under autocast) in one buffer of their own dtype, written
@@ -103,9 +104,10 @@ class GroupMix(torch.autograd.Function):
 
 class MergeMix(torch.autograd.Function):
     """Phase 2 and the merge in one: reader g's cached (h1 (N, d), lse1 (N,)) from phase 1 and
-    the j sources added since its group began (their logits (j, N), the buffer's view of them
-    (N, j, d), then the tensors the slots were copied from) -> the mix over all of them, h (N, d)
-    and lse (N,), as an online softmax merges: h1 is one more source, whose logit is lse1.
+    the j sources added since its group began (their logits (j, N), their values as (N, j, d):
+    the buffer's view, or Block AttnRes's partial sum, then the tensors those values are) -> the
+    mix over all of them, h (N, d) and lse (N,), as an online softmax merges: h1 is one more
+    source, whose logit is lse1.
     `kernels` as GroupMix's (h1 the `first` source of their products).
 
     Keeps for backward the probabilities and h (the reader's input, which its sublayer keeps
@@ -258,13 +260,14 @@ class GroupedMix:
 
     def _cached_group(self, r: int):
         """(its first reader, cached source count, h (G of (N, d)), lse (G of (N,)), v_0, merged
-        flags) of the phase 1 that covers reader r, made now if the one held does not: for the
-        readers from r to the end of r's group, over the sources that exist now. h and lse are
-        unbound: one autograd node stacks the readers' gradients (indexing would give each
-        reader a node that writes its gradient into a zero (G, N, d) tensor)."""
-        g = self.group
+        flags, grad mode) of the phase 1 that covers reader r, made now if the one held does
+        not (or was made in the other grad mode: one made without autograd carries no
+        gradient): for the readers from r to the end of r's group, over the sources that exist
+        now. h and lse are unbound: one autograd node stacks the readers' gradients (indexing
+        would give each reader a node that writes its gradient into a zero (G, N, d) tensor)."""
+        g, grad = self.group, torch.is_grad_enabled()
         if g is not None and g[0] <= r < g[0] + len(g[2]) and g[4] is self.values[0]:
-            if self._group_end(g[0]) == self._group_end(r):
+            if self._group_end(g[0]) == self._group_end(r) and g[6] == grad:
                 return g
         c = len(self.values)
         readers = range(r, self._group_end(r))
@@ -280,7 +283,7 @@ class GroupedMix:
             merged,
             *held,
         )
-        self.group = (r, c, h.unbind(0), lse.unbind(0), self.values[0], merged)
+        self.group = (r, c, h.unbind(0), lse.unbind(0), self.values[0], merged, grad)
         return self.group
 
     def _view(self, lo: int, hi: int) -> torch.Tensor:
@@ -299,12 +302,14 @@ class GroupedMix:
     def _phase1(self, r: int):
         """Reader r's (h (N, d), lse (N,)) over its group's cached sources, the count of those,
         and a function that merges into them the sources added since (phase 2)."""
-        start, c, h, lse, _, merged = self._cached_group(r)
+        start, c, h, lse, _, merged, _ = self._cached_group(r)
         j = r - start
 
         def merge(logits: torch.Tensor, view: torch.Tensor, sources: list):
-            """(h, lse) over the cached sources and `sources`: their logits (j, N), the
-            buffer's view of them (N, j, d)."""
+            """(h, lse) over the cached sources and `sources`: their logits (j, N), their values
+            as (N, j, d) (the buffer's view, or Block AttnRes's partial sum)."""
+            if merged[j]:  # its gradient would take the centring term twice (GroupMix)
+                raise RuntimeError(f"reader {r}'s cached mix is merged a second time")
             merged[j] = True
             held = sources if torch.is_grad_enabled() else []
             return MergeMix.apply(self.kernels, h[j], lse[j], logits, view, *held)

@@ -83,23 +83,27 @@ def test_group_mix_gradients_pass_gradcheck():
 
 
 def test_merge_gradients_pass_gradcheck():
-    """Phase 1 of one reader (its flag set, as the merge sets it) and its merge with the
-    sources added since: every input of both, with the merged lse used as well (the models
-    detach it; the gradients hold either way). The merge alone is not differentiated: the
-    centring term of phase 1's sources comes from it (GroupMix's docstring)."""
+    """A phase 1 of three readers, the first and last merged with the sources added since
+    (their flags set, as the merges set them), the middle one used as it is, its lse too:
+    every input's gradient, through both Functions. A merge is not differentiated alone: the
+    centring term of its reader's cached sources comes from it (GroupMix's docstring)."""
     g = torch.Generator().manual_seed(1)
-    N, S, j, d = 3, 3, 2, 5
+    N, S, d = 3, 3, 5
     t = lambda *s: torch.randn(*s, dtype=torch.float64, generator=g, requires_grad=True)  # noqa: E731
-    logits1, first, cached = t(1, S, N), t(N, d), [t(N, d) for _ in range(S - 1)]
-    logits2, new = t(j, N), [t(N, d) for _ in range(j)]
+    logits1, first, cached = t(3, S, N), t(N, d), [t(N, d) for _ in range(S - 1)]
+    logits_a, new_a = t(1, N), [t(N, d)]
+    logits_b, new_b = t(2, N), [t(N, d), t(N, d)]
 
-    def mix_and_merge(logits1, first, logits2, *sources):
-        cached, new = sources[: S - 1], sources[S - 1 :]
-        view1, view2 = torch.stack(cached, 1).detach(), torch.stack(new, 1).detach()
-        h1, lse1 = ag.GroupMix.apply(ag.TORCH, logits1, first, view1, [True], *cached)
-        return ag.MergeMix.apply(ag.TORCH, h1[0], lse1[0], logits2, view2, *new)
+    def mix_and_merge(logits1, first, logits_a, logits_b, *sources):
+        cached, new_a, new_b = sources[: S - 1], sources[S - 1 : S], sources[S:]
+        view = lambda ts: torch.stack(ts, 1).detach()  # noqa: E731
+        h1, lse1 = ag.GroupMix.apply(ag.TORCH, logits1, first, view(cached), [1, 0, 1], *cached)
+        ha, lse_a = ag.MergeMix.apply(ag.TORCH, h1[0], lse1[0], logits_a, view(new_a), *new_a)
+        hb, lse_b = ag.MergeMix.apply(ag.TORCH, h1[2], lse1[2], logits_b, view(new_b), *new_b)
+        return ha, lse_a, h1[1], lse1[1], hb, lse_b
 
-    assert torch.autograd.gradcheck(mix_and_merge, (logits1, first, logits2, *cached, *new))
+    inputs = (logits1, first, logits_a, logits_b, *cached, *new_a, *new_b)
+    assert torch.autograd.gradcheck(mix_and_merge, inputs)
 
 
 @pytest.mark.parametrize(
@@ -201,3 +205,73 @@ def test_a_groups_mixes_reach_autograd_through_one_node(arch):
     assert groups
     for node in groups:
         assert parents[node] == {"UnbindBackward0"}, parents[node]
+
+
+def _passes(model, idx):
+    """A probe-like use of the stepping interface with gradients: the residual read before every
+    layer, a fork that skips the layer and runs one more, a main pass that skips layer 2, the
+    first read without autograd; every output in one loss."""
+    state = model.begin(idx)
+    with torch.no_grad():
+        loss = 0.0 * model.residual(state).sum()  # phase 1 of the first group made without autograd
+    for layer in range(1, model.n_layer + 1):
+        loss = loss + (model.residual(state) ** 2).mean() * 0.3 if layer > 1 else loss
+        fork = model.skip(state, layer)
+        if layer < model.n_layer:
+            fork = model.step(fork, layer + 1)
+            loss = loss + (model.residual(fork) * 0.7).sin().mean()
+        loss = loss + model.logits(fork).logsumexp(-1).mean() * 0.1
+        state = model.skip(state, layer) if layer == 2 else model.step(state, layer)
+    return loss + model.logits(state).logsumexp(-1).mean()
+
+
+@pytest.mark.parametrize(
+    "arch, n_layer, options",
+    [("attnres_full", 9, {}), ("attnres_block", 7, {"n_blocks": 2})],
+)
+def test_forks_and_skips_mid_group_with_gradients(arch, n_layer, options):
+    """Forks resumed mid-group, skipped layers and a first read without autograd, all with
+    gradients through the outputs: the definition's loss and every gradient (float64, to
+    1e-10)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(arch=arch, vocab_size=64, n_layer=n_layer, d_model=16, n_head=2,
+                      max_seq_len=16, arch_options=options)  # fmt: skip
+    definition = build_model(cfg)
+    with torch.no_grad():
+        for p in definition.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    definition = definition.double().eval()
+    fast = swap_in(copy.deepcopy(definition), "cuda")
+    idx = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    results = []
+    for model in (fast, definition):
+        loss = _passes(model, idx)
+        grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+        results.append((loss, grads))
+    (loss, grads), (ref, ref_grads) = results
+    torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-10)
+    for (name, _), a, b in zip(definition.named_parameters(), grads, ref_grads):
+        assert (a is None) == (b is None), name
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_a_group_made_without_autograd_is_made_again_with_it():
+    """Reader 0 read without autograd (as a probe reads h_l), the next readers with it: their
+    mixes carry the gradients of the sources and queries that the direct softmax gives."""
+    g = torch.Generator().manual_seed(5)
+    B, T, d, R = 1, 3, 4, 5
+    v0 = torch.randn(B, T, d, dtype=torch.float64, generator=g, requires_grad=True)
+    outputs = [torch.randn(B, T, d, dtype=torch.float64, generator=g) for _ in range(R - 1)]
+    queries = torch.randn(d, R, dtype=torch.float64, generator=g, requires_grad=True)
+    sources = ag.GroupedDepthSources(v0, queries, 1e-6, capacity=R - 1)
+    with torch.no_grad():
+        sources.current()
+    sources.add(outputs[0], 1, False)
+    h, _ = sources.current()  # reader 1, in reader 0's group
+    ref, _ = direct(v0, outputs, queries, 1e-6)
+    for a, b in zip(
+        torch.autograd.grad(h.sum(), (v0, queries)),
+        torch.autograd.grad(ref[1].sum(), (v0, queries)),
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
