@@ -154,11 +154,17 @@ def test_moda_pairs_on_cuda_against_float64(dtype, pair, monkeypatch):
         assert (got.double() - ref).abs().max() <= tol * ref.abs().max(), (dtype, got.dtype)
 
 
+# (readers, sources, v_0 apart): a Full AttnRes group; a Block AttnRes block of 9 layers (32-reader
+# tiles); a merge (one reader, its cached mix the first source)
+ATTNRES_GROUPS = [(8, 41, True), (18, 9, True), (1, 8, True), (1, 5, False)]
+
+
+@pytest.mark.parametrize("G, S, first", ATTNRES_GROUPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_attnres_mix_on_cuda_against_float64(dtype):
+def test_attnres_mix_on_cuda_against_float64(dtype, G, S, first):
     """AttnRes's grouped mix with its products in Triton (depthbench.kernels.attnres_triton)
-    against the same mix in float64: a group of 8 readers over v_0 (float32, as under autocast)
-    and 40 sources read in `dtype` from the strided view of a wider buffer, h, lse and every
+    against the same mix in float64: G readers over v_0 (float32, as under autocast) and the
+    other sources read in `dtype` from the strided view of a wider buffer, h, lse and every
     gradient; the dtypes the CPU's interpreter cannot check (bfloat16) or computes apart from
     the GPU's code generation."""
     pytest.importorskip("triton")
@@ -166,26 +172,50 @@ def test_attnres_mix_on_cuda_against_float64(dtype):
     from depthbench.kernels import attnres_triton as at
 
     g = torch.Generator("cuda").manual_seed(0)
-    G, S, N, D = 8, 41, 1000, 640
-    logits = torch.randn(G, S, N, device="cuda", generator=g).requires_grad_()
-    v0 = torch.randn(N, D, device="cuda", generator=g).requires_grad_()
+    N, D, k = 1000, 640, int(first)
+    logits = torch.randn(G, S, N, device="cuda", generator=g)
+    v0 = torch.randn(N, D, device="cuda", generator=g) if first else None
     buffer = torch.randn(N, S + 9, D, device="cuda", generator=g).to(dtype)
-    view = buffer[:, 3 : 3 + S - 1]
-    sources = [view[:, i].clone().requires_grad_() for i in range(S - 1)]
+    view = buffer[:, 3 : 3 + S - k]
+    sources = [view[:, i].clone() for i in range(S - k)]
     up = (torch.randn(G, N, D, device="cuda", generator=g), torch.randn(G, N, device="cuda"))
     results = []
     for kernels, cast in ((at.KERNELS, lambda t: t), (ag.TORCH, lambda t: t.double())):
-        leaves = [cast(t.detach()).requires_grad_() for t in (logits, v0, *sources)]
-        h, lse = ag.GroupMix.apply(
-            kernels, leaves[0], leaves[1], cast(view), [False] * G, *leaves[2:]
-        )
+        given = [logits, *([v0] if first else []), *sources]
+        leaves = [cast(t).requires_grad_() for t in given]
+        f = leaves[1] if first else None
+        h, lse = ag.GroupMix.apply(kernels, leaves[0], f, cast(view), [False] * G, *leaves[1 + k :])
         loss = (h * cast(up[0])).sum() + (lse * cast(up[1])).sum()
         results.append((h, lse, *torch.autograd.grad(loss, leaves)))
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for i, (got, ref) in enumerate(zip(*results)):
-        assert got.dtype == (dtype if i >= 4 else torch.float32), i
+        assert got.dtype == (dtype if i >= 3 + k else torch.float32), i
         err = (got.double() - ref).norm() / ref.norm()
         assert err <= tol, (dtype, i, err.item())
+
+
+def test_attnres_mix_offsets_past_two_to_the_31():
+    """A (N, S, d) source buffer of more than 2^31 values (32,768 tokens, 110 slots, d 640, bf16):
+    the last tokens' mix and the last slot's gradient (whose offsets pass 2^31) equal float64
+    products of the same rows."""
+    pytest.importorskip("triton")
+    from depthbench.kernels import attnres_triton as at
+
+    g = torch.Generator("cuda").manual_seed(0)
+    G, S, N, D = 2, 110, 32768, 640
+    assert N * S * D > 2**31
+    view = torch.randn(N, S, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    p = torch.softmax(torch.randn(G, S, N, device="cuda", generator=g), dim=1)
+    dh = torch.randn(G, N, D, device="cuda", generator=g)
+    h = at.attnres_mix(p, None, view)
+    dq, _, dview = at.attnres_mix_backward(p, None, view, dh)
+    for rows in (slice(0, 16), slice(N - 16, N)):
+        v, pr, dhr = view[rows].double(), p[..., rows].double(), dh[:, rows].double()
+        ref_h = torch.einsum("gsn,nsd->gnd", pr, v)
+        ref_dq = torch.einsum("gnd,nsd->gsn", dhr, v)
+        ref_dv = torch.einsum("gsn,gnd->nsd", pr, dhr)
+        for got, ref in ((h[:, rows], ref_h), (dq[..., rows], ref_dq), (dview[rows], ref_dv)):
+            assert (got.double() - ref).norm() <= 1e-2 * ref.norm()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
