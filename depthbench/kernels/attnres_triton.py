@@ -23,9 +23,10 @@ The kernels run where `takes` says: CUDA tensors (float32 exactly: elementwise p
 TF32), or CPU tensors within depthbench.kernels.triton_streams' `on_cpu()` under Triton's
 interpreter in float32 and float16 (bfloat16 is wrong there); float64, meta tensors (the memory
 trace) and CPU tensors otherwise take the PyTorch products. The memory estimate therefore traces
-the PyTorch mix: the same saved tensors, and backward transients (the float32 copies) these
-kernels do not make: an upper bound. The tile sizes are not tuned on a GPU yet
-(docs/benchmarks.md)."""
+the PyTorch mix: the same saved tensors, and larger backward transients (its float32 copies of
+the sources and their gradients, against these kernels' one float32 dh . v per 64 features,
+G (S d / 64) values per token to the copies' 2 S d): an upper bound. The tile sizes are
+untuned defaults; benchmarks/attnres_mix.py times them on a GPU (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
