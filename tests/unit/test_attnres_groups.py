@@ -275,3 +275,17 @@ def test_a_group_made_without_autograd_is_made_again_with_it():
         torch.autograd.grad(ref[1].sum(), (v0, queries)),
     ):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_a_readers_cached_mix_is_merged_once():
+    """Merging a reader's cached mix a second time would give its cached sources the centring
+    term twice: refused."""
+    B, T, d, R = 1, 2, 4, 3
+    v0, out = torch.randn(B, T, d), torch.randn(B, T, d)
+    sources = ag.GroupedDepthSources(v0, torch.randn(d, R), 1e-6, capacity=R - 1)
+    sources.current()
+    sources.add(out, 1, False)
+    sources.current()  # reader 1: its cached mix merged with out
+    merge = sources._phase1(1)[3]
+    with pytest.raises(RuntimeError, match="merged a second time"):
+        merge(torch.zeros(1, B * T), out.reshape(B * T, 1, d), [out])
