@@ -62,39 +62,25 @@ def _jit():
     return attnres_triton_jit
 
 
-def _blocks(G: int, N: int, D: int) -> tuple[int, int, tuple[int, int]]:
-    """BLOCK_G, BLOCK_N and the grid (feature tiles, token tiles)."""
-    block_g = 1 << (G - 1).bit_length()
-    block_n = min(MAX_BLOCK_N, max(4, TILE // block_g))
-    return block_g, block_n, ((D + BLOCK_D - 1) // BLOCK_D, (N + block_n - 1) // block_n)
+def _feature_tiles(D: int) -> int:
+    return (D + BLOCK_D - 1) // BLOCK_D
 
 
-def _or_dummy(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
-    """t, or `dummy` in the place of an absent tensor (a pointer the kernels never read)."""
-    return dummy if t is None else t
-
-
-def _on_its_device(t: torch.Tensor):
-    """The launch on t's GPU (Triton launches on the current device)."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
-
-
-@torch.library.custom_op("depthbench::attnres_mix", mutates_args=())
-def attnres_mix(
-    probs: torch.Tensor, first: torch.Tensor | None, view: torch.Tensor
-) -> torch.Tensor:
-    """h (G, N, d) float32 = sum_s probs[:, s] v_s for the probabilities (G, S, N) float32,
-    v_0 = `first` (N, d) when given, v_1.. the slots of `view` (N, S', d)."""
+def _launch(kernel, probs: torch.Tensor, first, view: torch.Tensor, *tensors) -> None:
+    """kernel[grid](probs, first, view, *tensors, sizes, strides, tiles) on view's GPU (Triton
+    launches on the current device); an absent `first` passed as probs (never read)."""
     G, S, N = probs.shape
     D = view.shape[2]
-    h = probs.new_empty(G, N, D)
-    block_g, block_n, grid = _blocks(G, N, D)
-    with _on_its_device(view):
-        _jit().mix_forward[grid](
+    block_g = 1 << (G - 1).bit_length()
+    block_n = min(MAX_BLOCK_N, max(4, TILE // block_g))
+    grid = (_feature_tiles(D), (N + block_n - 1) // block_n)
+    where = torch.cuda.device(view.device) if view.is_cuda else contextlib.nullcontext()
+    with where:
+        kernel[grid](
             probs,
-            _or_dummy(first, probs),
+            probs if first is None else first,
             view,
-            h,
+            *tensors,
             N,
             S,
             D,
@@ -107,6 +93,16 @@ def attnres_mix(
             BLOCK_D=BLOCK_D,
             num_warps=NUM_WARPS,
         )
+
+
+@torch.library.custom_op("depthbench::attnres_mix", mutates_args=())
+def attnres_mix(
+    probs: torch.Tensor, first: torch.Tensor | None, view: torch.Tensor
+) -> torch.Tensor:
+    """h (G, N, d) float32 = sum_s probs[:, s] v_s for the probabilities (G, S, N) float32,
+    v_0 = `first` (N, d) when given, v_1.. the slots of `view` (N, S', d)."""
+    h = probs.new_empty(probs.shape[0], probs.shape[2], view.shape[2])
+    _launch(_jit().mix_forward, probs, first, view, h)
     return h
 
 
@@ -123,36 +119,14 @@ def attnres_mix_backward(
     dh: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """From dh (G, N, d) float32 and the probabilities (G, S, N) float32: dq (G, S, N) float32,
-    dq_s = dh . v_s, and the gradients of
-    `first` ((N, d) in its dtype; (0,) without it) and of the view's slots ((N, S', d)
-    contiguous, in the view's dtype)."""
-    G, S, N = probs.shape
-    D = view.shape[2]
-    block_g, block_n, grid = _blocks(G, N, D)
-    dq = probs.new_empty(grid[0], G, S, N)
+    dq_s = dh . v_s, and the gradients of `first` ((N, d) in its dtype; (0,) without it) and of
+    the view's slots ((N, S', d) contiguous, in the view's dtype)."""
+    dq = probs.new_empty(_feature_tiles(view.shape[2]), *probs.shape)  # partial sums per tile
     dfirst = probs.new_empty(0) if first is None else torch.empty_like(first)
     dview = view.new_empty(view.shape)
-    with _on_its_device(view):
-        _jit().mix_backward[grid](
-            probs,
-            _or_dummy(first, probs),
-            view,
-            dh,
-            dq,
-            probs if first is None else dfirst,
-            dview,
-            N,
-            S,
-            D,
-            view.stride(0),
-            view.stride(1),
-            G=G,
-            HAS_FIRST=int(first is not None),
-            BLOCK_G=block_g,
-            BLOCK_N=block_n,
-            BLOCK_D=BLOCK_D,
-            num_warps=NUM_WARPS,
-        )
+    _launch(
+        _jit().mix_backward, probs, first, view, dh, dq, probs if first is None else dfirst, dview
+    )
     return dq.sum(0), dfirst, dview
 
 

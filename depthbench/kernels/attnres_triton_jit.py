@@ -28,6 +28,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _tile(
+    N, D, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """The program's readers g, tokens n (int64) and features f (int32, a contiguous run), and
+    the masks of the (reader, token) and (token, feature) pairs that exist."""
+    g = tl.arange(0, BLOCK_G).to(tl.int64)
+    n = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    f = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    return g, n, f, (g[:, None] < G) & (n[None, :] < N), (n[:, None] < N) & (f[None, :] < D)
+
+
+@triton.jit
 def mix_forward(
     probs,  # (G, S, N) float32
     first,  # (N, D) or a dummy
@@ -44,13 +56,16 @@ def mix_forward(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    g = tl.arange(0, BLOCK_G).to(tl.int64)
-    n = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    f = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
-    gn = (g[:, None] < G) & (n[None, :] < N)
-    nf = (n[:, None] < N) & (f[None, :] < D)
+    g, n, f, gn, nf = _tile(N, D, G, BLOCK_G, BLOCK_N, BLOCK_D)
     row = probs + g[:, None] * S * N + n[None, :]  # (BLOCK_G, BLOCK_N) of source 0
-    acc = tl.zeros((BLOCK_G, BLOCK_N, BLOCK_D), dtype=tl.float32)
+    out = h + g[:, None, None] * N * D + n[None, :, None] * D + f[None, None, :]
+    written = gn[:, :, None] & nf[None, :, :]
+    # zeros, as a load of the output tile that reads nothing (S > 0, which the compiler does not
+    # know): the accumulator then takes a load's coalesced layout (4 features a thread, each
+    # probability in 16 lanes), where tl.zeros gets one feature a thread (each probability
+    # loaded in all 32 lanes and a third more registers, in the code Triton 3.9 makes for sm_90)
+    nothing = (g[:, None, None] * 0 + S) < 0
+    acc = tl.load(out, mask=written & nothing, other=0.0)
     if HAS_FIRST:
         p = tl.load(row, mask=gn, other=0.0)
         v = tl.load(first + n[:, None] * D + f[None, :], mask=nf, other=0.0).to(tl.float32)
@@ -63,8 +78,7 @@ def mix_forward(
         acc += p[:, :, None] * v[None, :, :]
         row += N
         slots += stride_vs
-    out = h + g[:, None, None] * N * D + n[None, :, None] * D + f[None, None, :]
-    tl.store(out, acc, mask=gn[:, :, None] & nf[None, :, :])
+    tl.store(out, acc, mask=written)
 
 
 @triton.jit
@@ -87,11 +101,7 @@ def mix_backward(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    g = tl.arange(0, BLOCK_G).to(tl.int64)
-    n = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    f = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
-    gn = (g[:, None] < G) & (n[None, :] < N)
-    nf = (n[:, None] < N) & (f[None, :] < D)
+    g, n, f, gn, nf = _tile(N, D, G, BLOCK_G, BLOCK_N, BLOCK_D)
     grad = tl.load(
         dh + g[:, None, None] * N * D + n[None, :, None] * D + f[None, None, :],
         mask=gn[:, :, None] & nf[None, :, :],
