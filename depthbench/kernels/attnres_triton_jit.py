@@ -61,9 +61,9 @@ def mix_forward(
     out = h + g[:, None, None] * N * D + n[None, :, None] * D + f[None, None, :]
     written = gn[:, :, None] & nf[None, :, :]
     # zeros, as a load of the output tile that reads nothing (S > 0, which the compiler does not
-    # know): the accumulator then takes a load's coalesced layout (4 features a thread, each
-    # probability in 16 lanes), where tl.zeros gets one feature a thread (each probability
-    # loaded in all 32 lanes and a third more registers, in the code Triton 3.9 makes for sm_90)
+    # know): the accumulator then takes a load's coalesced layout, several features a thread,
+    # where tl.zeros gets one feature a thread and every lane along the features loads each
+    # probability again (benchmarks/triton_compile.py shows the compiled code)
     nothing = (g[:, None, None] * 0 + S) < 0
     acc = tl.load(out, mask=written & nothing, other=0.0)
     if HAS_FIRST:

@@ -4,6 +4,7 @@ batch from the memory estimate, and a start on a bare machine (no install, no op
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -144,3 +145,18 @@ def test_attnres_mix_benchmark_smoke():
     results = module.main(["--smoke"])
     assert len(results) == 3
     assert all(r["ms"] > 0 and r["max_rel_diff"] < 1e-5 for r in results.values())
+
+
+@pytest.mark.slow
+def test_triton_compile_reports_the_compiled_code():
+    """benchmarks/triton_compile.py compiles the forward kernel for sm_90 on this machine (no GPU)
+    and reads its registers and load instructions from ptxas and the PTX."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "triton_compile.py"), "--cases", "1"],
+        capture_output=True, text=True, env=env, timeout=300, check=True,
+    ).stdout  # fmt: skip
+    row = eval(out.strip().splitlines()[-1])  # the printed dict
+    assert row["kernel"] == "mix_forward" and row["registers"] > 0 and row["spill_bytes"] == 0
+    assert row["global_load_instructions"]
