@@ -56,9 +56,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         else:
             signature |= {"dh": "*fp32", "dq": "*fp32", "dfirst": "*fp32", "dview": f"*{dtype}"}
         signature |= {k: "i32" for k in ("N", "S", "D", "stride_vn", "stride_vs")}
-        block_g = 1 << (G - 1).bit_length()
-        constexprs = dict(G=G, HAS_FIRST=first, BLOCK_G=block_g, BLOCK_D=at.BLOCK_D,
-                          BLOCK_N=min(at.MAX_BLOCK_N, max(4, at.TILE // block_g)))  # fmt: skip
+        constexprs = dict(G=G, HAS_FIRST=first, **at.tiles(G))
         signature |= {k: "constexpr" for k in constexprs}
         names = list(signature)
         aligned = [k for k in names if signature[k].startswith("*")]

@@ -66,14 +66,21 @@ def _feature_tiles(D: int) -> int:
     return (D + BLOCK_D - 1) // BLOCK_D
 
 
+def tiles(G: int) -> dict:
+    """The block sizes of a group of G readers: BLOCK_G (G to a power of two), BLOCK_N (tokens:
+    TILE / BLOCK_G within 4 .. MAX_BLOCK_N) and BLOCK_D."""
+    block_g = 1 << (G - 1).bit_length()
+    block_n = min(MAX_BLOCK_N, max(4, TILE // block_g))
+    return dict(BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=BLOCK_D)
+
+
 def _launch(kernel, probs: torch.Tensor, first, view: torch.Tensor, *tensors) -> None:
     """kernel[grid](probs, first, view, *tensors, sizes, strides, tiles) on view's GPU (Triton
     launches on the current device); an absent `first` passed as probs (never read)."""
     G, S, N = probs.shape
     D = view.shape[2]
-    block_g = 1 << (G - 1).bit_length()
-    block_n = min(MAX_BLOCK_N, max(4, TILE // block_g))
-    grid = (_feature_tiles(D), (N + block_n - 1) // block_n)
+    blocks = tiles(G)
+    grid = (_feature_tiles(D), (N + blocks["BLOCK_N"] - 1) // blocks["BLOCK_N"])
     where = torch.cuda.device(view.device) if view.is_cuda else contextlib.nullcontext()
     with where:
         kernel[grid](
@@ -88,9 +95,7 @@ def _launch(kernel, probs: torch.Tensor, first, view: torch.Tensor, *tensors) ->
             view.stride(1),
             G=G,
             HAS_FIRST=int(first is not None),
-            BLOCK_G=block_g,
-            BLOCK_N=block_n,
-            BLOCK_D=BLOCK_D,
+            **blocks,
             num_warps=NUM_WARPS,
         )
 
