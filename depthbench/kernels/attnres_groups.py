@@ -41,6 +41,8 @@ the CPU backend keeps it.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from depthbench.models.archs.attnres_block import AttnResBlocks, BlockSources, block_ends
@@ -226,6 +228,18 @@ class OutputBuffer:
         )
 
 
+class Group(NamedTuple):
+    """A phase 1 made for readers start .. start + len(h) - 1 over the first `cached` sources."""
+
+    start: int
+    cached: int
+    h: tuple  # each reader's (N, d), unbound from the group's (G, N, d)
+    lse: tuple  # each reader's (N,)
+    v0: torch.Tensor  # the pass's v_0 (another pass's group is not this one's)
+    merged: list  # the readers' flags for GroupMix (set by their merges)
+    grad: bool  # made with autograd
+
+
 class GroupedMix:
     """What the grouped subclasses of DepthSources add (module docstring): the sublayer outputs
     (Full AttnRes) or block sums (Block AttnRes) in one buffer of their dtype, v_0 apart, and
@@ -259,21 +273,20 @@ class GroupedMix:
         return self.reads[r]
 
     def _cached_group(self, r: int):
-        """(its first reader, cached source count, h (G of (N, d)), lse (G of (N,)), v_0, merged
-        flags, grad mode) of the phase 1 that covers reader r, made now if the one held does
-        not (or was made in the other grad mode: one made without autograd carries no
-        gradient): for the readers from r to the end of r's group, over the sources that exist
-        now. h and lse are unbound: one autograd node stacks the readers' gradients (indexing
-        would give each reader a node that writes its gradient into a zero (G, N, d) tensor)."""
+        """The phase 1 that covers reader r, made now if the one held does not (or was made in
+        the other grad mode: one made without autograd carries no gradient): for the readers
+        from r to the end of r's group, over the sources that exist now. h and lse are unbound:
+        one autograd node stacks the readers' gradients (indexing would give each reader a node
+        that writes its gradient into a zero (G, N, d) tensor)."""
         g, grad = self.group, torch.is_grad_enabled()
-        if g is not None and g[0] <= r < g[0] + len(g[2]) and g[4] is self.values[0]:
-            if self._group_end(g[0]) == self._group_end(r) and g[6] == grad:
+        if g is not None and g.start <= r < g.start + len(g.h) and g.v0 is self.values[0]:
+            if self._group_end(g.start) == self._group_end(r) and g.grad == grad:
                 return g
         c = len(self.values)
         readers = range(r, self._group_end(r))
         logits = at_least_fp32(torch.stack([torch.stack(self.logits[q][:c]) for q in readers]))
         B, T, d = self.values[0].shape
-        held = self.values[1:c] if torch.is_grad_enabled() else []
+        held = self.values[1:c] if grad else []
         merged = [False] * len(readers)
         h, lse = GroupMix.apply(
             self.kernels,
@@ -283,7 +296,7 @@ class GroupedMix:
             merged,
             *held,
         )
-        self.group = (r, c, h.unbind(0), lse.unbind(0), self.values[0], merged, grad)
+        self.group = Group(r, c, h.unbind(0), lse.unbind(0), self.values[0], merged, grad)
         return self.group
 
     def _view(self, lo: int, hi: int) -> torch.Tensor:
@@ -302,8 +315,8 @@ class GroupedMix:
     def _phase1(self, r: int):
         """Reader r's (h (N, d), lse (N,)) over its group's cached sources, the count of those,
         and a function that merges into them the sources added since (phase 2)."""
-        start, c, h, lse, _, merged, _ = self._cached_group(r)
-        j = r - start
+        group = self._cached_group(r)
+        h, lse, merged, j = group.h, group.lse, group.merged, r - group.start
 
         def merge(logits: torch.Tensor, view: torch.Tensor, sources: list):
             """(h, lse) over the cached sources and `sources`: their logits (j, N), their values
@@ -314,7 +327,7 @@ class GroupedMix:
             held = sources if torch.is_grad_enabled() else []
             return MergeMix.apply(self.kernels, h[j], lse[j], logits, view, *held)
 
-        return h[j], lse[j], c, merge
+        return h[j], lse[j], group.cached, merge
 
     @staticmethod
     def _own(h: torch.Tensor) -> torch.Tensor:
